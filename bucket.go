@@ -1,0 +1,205 @@
+package ratelimit
+
+import (
+	"fmt"
+	"math"
+	"math/big"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// The token bucket, lazily refilled.
+//
+// A bucket holds at most Capacity tokens and gains Rate.Tokens tokens every
+// Rate.Interval microseconds. A request costing k tokens is allowed when the
+// bucket holds at least k, and takes them; a denied request changes nothing.
+// Nothing refills in the background: the level is computed from the time.
+//
+// All arithmetic is on integers. One token is Rate.Interval "units", so that
+// one microsecond refills exactly Rate.Tokens units and no fraction is ever
+// rounded. From a full bucket, over T seconds, at most C + floor(r*T)
+// unit-cost requests are allowed, exactly.
+//
+// The state is kept as the moment the bucket is full again (FullAt) plus the
+// part of the last microsecond that is already refilled (Slack). A zero State
+// is a full bucket, and a bucket whose FullAt has passed is the same as no
+// bucket at all, so stores may forget it.
+
+// maxUnits bounds Capacity*Rate.Interval so that every figure stays exact in
+// a float64 as well: the Redis store's Lua script computes with doubles.
+const maxUnits = 1 << 53
+
+// Rate is a refill rate: Tokens tokens every Interval microseconds, reduced
+// to lowest terms.
+type Rate struct {
+	Tokens   int64
+	Interval int64
+}
+
+// Limit is a bucket's shape.
+type Limit struct {
+	Capacity int64
+	Rate     Rate
+}
+
+// State is a bucket's stored state. The zero State is a full bucket.
+type State struct {
+	// FullAt is the microsecond at which the bucket is full again.
+	FullAt int64
+	// Slack is how many units of the microsecond before FullAt are already
+	// refilled, in [0, Rate.Tokens).
+	Slack int64
+}
+
+// Result is what one Take decided.
+type Result struct {
+	Allowed bool
+	// Remaining is the whole tokens left after this request.
+	Remaining int64
+	// RetryAfter is, when denied, the microseconds until the request could be
+	// allowed. It is 0 when allowed.
+	RetryAfter int64
+	// ResetAfter is the microseconds until the bucket is full again.
+	ResetAfter int64
+}
+
+// ParseRate parses a refill rate written as <amount>/<duration>: "100/s",
+// "0.5/s", "1/10s", "30/m", "1000/h", "5/1m30s". The amount may have up to
+// six decimal places; the duration is a whole number of microseconds.
+func ParseRate(s string) (Rate, error) {
+	amount, per, ok := strings.Cut(s, "/")
+	if !ok {
+		return Rate{}, fmt.Errorf("refill %q: want <amount>/<duration>, such as 100/s or 1/10s", s)
+	}
+	num, den, err := parseDecimal(amount)
+	if err != nil || num <= 0 {
+		return Rate{}, fmt.Errorf("refill %q: amount %q is not a positive number", s, amount)
+	}
+	if per != "" && (per[0] < '0' || per[0] > '9') && per[0] != '.' {
+		per = "1" + per
+	}
+	if strings.HasSuffix(per, "d") {
+		days, err := strconv.ParseInt(strings.TrimSuffix(per, "d"), 10, 64)
+		if err != nil || days <= 0 || days > 365 {
+			return Rate{}, fmt.Errorf("refill %q: duration %q is not a whole number of days", s, per)
+		}
+		per = strconv.FormatInt(days*24, 10) + "h"
+	}
+	d, err := time.ParseDuration(per)
+	if err != nil || d <= 0 {
+		return Rate{}, fmt.Errorf("refill %q: duration %q is not a positive duration such as s, 10s, m or h", s, per)
+	}
+	if d%time.Microsecond != 0 {
+		return Rate{}, fmt.Errorf("refill %q: duration %q is finer than a microsecond", s, per)
+	}
+	interval := new(big.Int).Mul(big.NewInt(d.Microseconds()), big.NewInt(den))
+	tokens := big.NewInt(num)
+	g := new(big.Int).GCD(nil, nil, tokens, interval)
+	tokens.Quo(tokens, g)
+	interval.Quo(interval, g)
+	if !interval.IsInt64() || interval.Int64() > maxUnits || tokens.Int64() > math.MaxInt32 {
+		return Rate{}, fmt.Errorf("refill %q: too fine a rate to compute exactly", s)
+	}
+	return Rate{Tokens: tokens.Int64(), Interval: interval.Int64()}, nil
+}
+
+// parseDecimal reads a non-negative decimal with at most six fractional
+// digits as num/den.
+func parseDecimal(s string) (num, den int64, err error) {
+	whole, frac, _ := strings.Cut(s, ".")
+	if whole == "" && frac == "" || len(frac) > 6 || strings.ContainsAny(s, "+-eE_") {
+		return 0, 0, strconv.ErrSyntax
+	}
+	den = 1
+	for range frac {
+		den *= 10
+	}
+	n, err := strconv.ParseInt(whole+frac, 10, 64)
+	if err != nil || n > math.MaxInt64/1000000 {
+		return 0, 0, strconv.ErrSyntax
+	}
+	return n, den, nil
+}
+
+// String writes the rate back in the refill syntax.
+func (r Rate) String() string {
+	return strconv.FormatInt(r.Tokens, 10) + "/" + (time.Duration(r.Interval) * time.Microsecond).String()
+}
+
+// PerSecond is the rate as a float, for display only.
+func (r Rate) PerSecond() float64 {
+	return float64(r.Tokens) * 1e6 / float64(r.Interval)
+}
+
+// Validate checks that the limit is a bucket the arithmetic can hold, and
+// that a request costing cost tokens can ever be allowed.
+func (l Limit) Validate(cost int64) error {
+	if l.Capacity < 1 {
+		return fmt.Errorf("capacity %d: must be at least 1", l.Capacity)
+	}
+	if l.Rate.Tokens < 1 || l.Rate.Interval < 1 {
+		return fmt.Errorf("refill %d/%dµs: must be above 0", l.Rate.Tokens, l.Rate.Interval)
+	}
+	if l.Capacity > maxUnits/l.Rate.Interval {
+		return fmt.Errorf("capacity %d with refill %s: too large to compute exactly; use a smaller capacity or a coarser refill", l.Capacity, l.Rate)
+	}
+	if cost < 1 || cost > l.Capacity {
+		return fmt.Errorf("cost %d: must be from 1 to the capacity, %d", cost, l.Capacity)
+	}
+	return nil
+}
+
+// units is the capacity in units.
+func (l Limit) units() int64 { return l.Capacity * l.Rate.Interval }
+
+// deficit is how many units the bucket lacks at now, from 0 to units().
+func (s State) deficit(now int64, l Limit) int64 {
+	if now >= s.FullAt {
+		return 0
+	}
+	// FullAt-now is at most the time to refill a whole bucket, so the product
+	// stays within units()+Tokens, unless the clock went backwards.
+	d := (s.FullAt-now)*l.Rate.Tokens - s.Slack
+	if d > l.units() || d < 0 {
+		return l.units()
+	}
+	return d
+}
+
+// Take applies one request costing cost tokens at time now (microseconds)
+// to a bucket in state s. It returns the new state, which equals s when the
+// request is denied.
+func Take(s State, now int64, l Limit, cost int64) (State, Result) {
+	deficit := s.deficit(now, l)
+	level := l.units() - deficit
+	need := cost * l.Rate.Interval
+	if level < need {
+		return s, Result{
+			Remaining:  level / l.Rate.Interval,
+			RetryAfter: ceilDiv(need-level, l.Rate.Tokens),
+			ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
+		}
+	}
+	deficit += need
+	refill := ceilDiv(deficit, l.Rate.Tokens)
+	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}, Result{
+		Allowed:    true,
+		Remaining:  (level - need) / l.Rate.Interval,
+		ResetAfter: refill,
+	}
+}
+
+// Peek reports the bucket as it stands at now, without taking: Allowed says
+// whether a unit-cost request would pass.
+func Peek(s State, now int64, l Limit) Result {
+	deficit := s.deficit(now, l)
+	level := l.units() - deficit
+	return Result{
+		Allowed:    level >= l.Rate.Interval,
+		Remaining:  level / l.Rate.Interval,
+		ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
+	}
+}
+
+func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }

@@ -1,0 +1,277 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("rate_limit", parseCaddyfile)
+	httpcaddyfile.RegisterDirectiveOrder("rate_limit", httpcaddyfile.Before, "basic_auth")
+}
+
+// handlerSubdirectives parse the handler subdirectives that live beside
+// their feature, such as jwt in jwt.go.
+var handlerSubdirectives = map[string]func(h *Handler, d *caddyfile.Dispenser) error{}
+
+func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	rl := new(Handler)
+	err := rl.UnmarshalCaddyfile(h.Dispenser)
+	return rl, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens:
+//
+//	rate_limit [<matcher>] [<capacity> <refill>] {
+//	    name <policy>
+//	    key ip [<v4 prefix> [<v6 prefix>]]
+//	    key header <field>
+//	    key cookie <name>
+//	    key jwt <claim>
+//	    key form <field>
+//	    key json <dot.path>
+//	    key placeholder <string>
+//	    jwt { ... }
+//	    tier <name> [<capacity> <refill>] {
+//	        capacity <n>
+//	        refill <amount>/<duration>
+//	        cost <n>
+//	        match { <request matchers> }
+//	        claim <claim> <value...>
+//	        keyer ip|header|cookie|jwt|form|json|placeholder
+//	        unlimited
+//	        deny
+//	    }
+//	    store local|redis { ... }
+//	    on_store_error local|allow|deny
+//	    headers x|ietf|both|none
+//	    upstream_headers
+//	    status <code>
+//	    dry_run
+//	}
+//
+// The capacity and refill on the first line make the catch-all tier
+// "default", tried after every tier block. Values are checked here as well
+// as at provision, so that a mistake fails `caddy adapt`.
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // rate_limit
+	var catchAll *Tier
+	switch args := d.RemainingArgs(); len(args) {
+	case 0:
+	case 2:
+		catchAll = &Tier{Name: "default"}
+		if err := parseShape(d, catchAll, args); err != nil {
+			return err
+		}
+	default:
+		return d.Errf("rate_limit: want <capacity> <refill> on the first line, such as `rate_limit 100 10/s`; got %d values", len(args))
+	}
+
+	for d.NextBlock(0) {
+		var err error
+		switch sub := d.Val(); sub {
+		case "name":
+			err = oneArg(d, &h.Name)
+		case "key":
+			err = h.parseKey(d)
+		case "tier":
+			err = h.parseTier(d)
+		case "store":
+			err = h.parseStore(d)
+		case "on_store_error":
+			err = oneArg(d, &h.OnStoreError)
+		case "headers":
+			err = oneArg(d, &h.Headers)
+		case "upstream_headers":
+			err = flag(d, &h.UpstreamHeaders)
+		case "dry_run":
+			err = flag(d, &h.DryRun)
+		case "status":
+			var n int64
+			if n, err = intArg(d); err == nil {
+				h.Status = int(n)
+			}
+		default:
+			parse, ok := handlerSubdirectives[sub]
+			if !ok {
+				return d.Errf("rate_limit: unknown subdirective %q", sub)
+			}
+			err = parse(h, d)
+		}
+		if err != nil {
+			return err
+		}
+	}
+
+	if catchAll != nil {
+		h.Tiers = append(h.Tiers, catchAll)
+	}
+	if err := h.check(); err != nil {
+		return d.Errf("rate_limit: %v", err)
+	}
+	return nil
+}
+
+// parseShape reads `<capacity> <refill>` into t.
+func parseShape(d *caddyfile.Dispenser, t *Tier, args []string) error {
+	n, err := strconv.ParseInt(args[0], 10, 64)
+	if err != nil {
+		return d.Errf("capacity %q: want a whole number of tokens", args[0])
+	}
+	t.Capacity = n
+	t.Refill = args[1]
+	if _, err := ParseRate(t.Refill); err != nil {
+		return d.Err(err.Error())
+	}
+	return nil
+}
+
+// parseKey reads `key <kind> <args...>` into a keyer module.
+func (h *Handler) parseKey(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.Err("key: want a keyer: ip, header, cookie, jwt, form, json or placeholder")
+	}
+	kind := d.Val()
+	raw, err := unmarshalGuest(d, keyerModulePrefix, "keyer", kind)
+	if err != nil {
+		return err
+	}
+	h.KeyersRaw = append(h.KeyersRaw, raw)
+	return nil
+}
+
+// parseStore reads `store <name> { ... }` into a store module.
+func (h *Handler) parseStore(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.Err("store: want local or redis")
+	}
+	if h.StoreRaw != nil {
+		return d.Err("store: given twice")
+	}
+	raw, err := unmarshalGuest(d, "http.handlers.rate_limit.stores.", "store", d.Val())
+	if err != nil {
+		return err
+	}
+	h.StoreRaw = raw
+	return nil
+}
+
+// unmarshalGuest hands the tokens from the current one (the module's name)
+// to the end of its segment to the guest module's Caddyfile unmarshaler,
+// and returns its JSON with inlineKey naming the module.
+func unmarshalGuest(d *caddyfile.Dispenser, namespace, inlineKey, name string) (json.RawMessage, error) {
+	mod, err := caddy.GetModule(namespace + name)
+	if err != nil {
+		return nil, d.Errf("%s %q: unknown: %v", inlineKey, name, err)
+	}
+	unm, ok := mod.New().(caddyfile.Unmarshaler)
+	if !ok {
+		return nil, d.Errf("%s %q: cannot be set up from a Caddyfile", inlineKey, name)
+	}
+	if err := unm.UnmarshalCaddyfile(d.NewFromNextSegment()); err != nil {
+		return nil, err
+	}
+	var warnings []caddyconfig.Warning
+	raw := caddyconfig.JSONModuleObject(unm, inlineKey, name, &warnings)
+	if len(warnings) > 0 {
+		return nil, d.Errf("%s %q: %s", inlineKey, name, warnings[0].Message)
+	}
+	return raw, nil
+}
+
+// parseTier reads a tier block.
+func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) != 1 && len(args) != 3 {
+		return d.Err("tier: want <name> [<capacity> <refill>]")
+	}
+	t := &Tier{Name: args[0]}
+	if len(args) == 3 {
+		if err := parseShape(d, t, args[1:]); err != nil {
+			return err
+		}
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		var err error
+		switch sub := d.Val(); sub {
+		case "capacity":
+			t.Capacity, err = intArg(d)
+		case "refill":
+			err = oneArg(d, &t.Refill)
+		case "cost":
+			t.Cost, err = intArg(d)
+		case "keyer":
+			err = oneArg(d, &t.Keyer)
+		case "unlimited":
+			err = flag(d, &t.Unlimited)
+		case "deny":
+			err = flag(d, &t.Deny)
+		case "match":
+			var set caddy.ModuleMap
+			if set, err = caddyhttp.ParseCaddyfileNestedMatcherSet(d); err == nil {
+				t.MatcherSetsRaw = append(t.MatcherSetsRaw, set)
+			}
+		case "claim":
+			vals := d.RemainingArgs()
+			if len(vals) < 2 {
+				return d.Err("claim: want <claim> <value...>")
+			}
+			if t.Claims == nil {
+				t.Claims = make(map[string][]string)
+			}
+			t.Claims[vals[0]] = append(t.Claims[vals[0]], vals[1:]...)
+		default:
+			return d.Errf("tier %q: unknown subdirective %q", t.Name, sub)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if err := t.check(); err != nil {
+		return d.Err(err.Error())
+	}
+	h.Tiers = append(h.Tiers, t)
+	return nil
+}
+
+// oneArg reads exactly one argument into s.
+func oneArg(d *caddyfile.Dispenser, s *string) error {
+	name := d.Val()
+	if !d.AllArgs(s) {
+		return d.Errf("%s: want exactly one value", name)
+	}
+	return nil
+}
+
+// flag reads a subdirective that takes no argument.
+func flag(d *caddyfile.Dispenser, b *bool) error {
+	name := d.Val()
+	if d.NextArg() {
+		return d.Errf("%s takes no value; got %q", name, d.Val())
+	}
+	*b = true
+	return nil
+}
+
+// intArg reads exactly one whole-number argument.
+func intArg(d *caddyfile.Dispenser) (int64, error) {
+	name := d.Val()
+	var s string
+	if !d.AllArgs(&s) {
+		return 0, d.Errf("%s: want exactly one number", name)
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, d.Errf("%s %q: want a whole number", name, s)
+	}
+	return n, nil
+}
+
+// Interface guard
+var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -1,0 +1,459 @@
+// Package ratelimit is a Caddy HTTP handler that limits each client's
+// request rate with a token bucket, at the edge, before the origin.
+//
+// A request finds its client's bucket through keyers (the client IP, a
+// header, a cookie, a verified JWT claim, a body field or a placeholder),
+// picks a tier (the first whose conditions hold), and takes tokens from the
+// bucket in a store (this process's memory, or Redis shared by a fleet). A
+// request that finds the bucket empty gets 429 with Retry-After.
+package ratelimit
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Handler limits the rate of requests per client.
+//
+// Each client has a token bucket per tier. The bucket starts full with
+// Capacity tokens and refills at the tier's rate; each request takes Cost
+// tokens, and one that finds too few is rejected with Status (429) and a
+// Retry-After header. Responses tell clients where they stand through the
+// X-RateLimit-* or IETF RateLimit headers.
+type Handler struct {
+	// Name is the policy's name. Handlers with the same name share buckets,
+	// so one limit can span several routes or sites. Default "default".
+	Name string `json:"name,omitempty"`
+
+	// KeyersRaw name the client, tried in order: the first that yields a
+	// non-empty value wins. When none does, the client IP names the client.
+	// Default: the client IP alone.
+	KeyersRaw []json.RawMessage `json:"keys,omitempty" caddy:"namespace=http.handlers.rate_limit.keys inline_key=keyer"`
+
+	// JWT verifies bearer tokens, for the jwt keyer and claim conditions.
+	JWT *JWTConfig `json:"jwt,omitempty"`
+
+	// Tiers are tried in order; the first whose conditions hold applies.
+	// The last must have no conditions, so that every request has a tier.
+	Tiers []*Tier `json:"tiers,omitempty"`
+
+	// StoreRaw keeps the buckets. Default: the local in-memory store.
+	StoreRaw json.RawMessage `json:"store,omitempty" caddy:"namespace=http.handlers.rate_limit.stores inline_key=store"`
+
+	// OnStoreError says what happens when the store fails: "local" limits
+	// with this node's own buckets, "allow" lets the request through,
+	// "deny" answers 503 with Retry-After: 1. Default "local".
+	OnStoreError string `json:"on_store_error,omitempty"`
+
+	// Headers chooses the response headers: "x" (X-RateLimit-Limit,
+	// -Remaining, -Reset), "ietf" (RateLimit and RateLimit-Policy), "both"
+	// or "none". Retry-After is sent on every rejection whatever this says.
+	// Default "x".
+	Headers string `json:"headers,omitempty"`
+
+	// UpstreamHeaders also sets the limit headers on the request, so that
+	// later handlers and the origin see them.
+	UpstreamHeaders bool `json:"upstream_headers,omitempty"`
+
+	// Status is the status code of a rejection. Default 429.
+	Status int `json:"status,omitempty"`
+
+	// DryRun decides, counts, logs and sets headers, but never rejects.
+	DryRun bool `json:"dry_run,omitempty"`
+
+	keyers   []Keyer
+	fallback Keyer
+	store    Store
+	// local limits per node while the shared store fails, with on_store_error local.
+	local       *LocalStore
+	xHeaders    bool
+	ietfHeaders bool
+	logger      *zap.Logger
+	storeLog    *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision sets the handler up: defaults, keyers, tiers and store.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	// Store trouble can come with every request; a few lines a second say it.
+	h.storeLog = h.logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
+	}))
+	if err := h.check(); err != nil {
+		return err
+	}
+	if h.JWT != nil {
+		if err := h.JWT.provision(ctx); err != nil {
+			return err
+		}
+	}
+
+	mods, err := ctx.LoadModule(h, "KeyersRaw")
+	if err != nil {
+		return fmt.Errorf("loading keyers: %v", err)
+	}
+	for _, mod := range mods.([]any) {
+		k := mod.(Keyer)
+		if user, ok := k.(jwtUser); ok {
+			if h.JWT == nil {
+				return fmt.Errorf("key %s: needs a jwt block to verify tokens", k.ID())
+			}
+			user.useJWT(h.JWT)
+		}
+		h.keyers = append(h.keyers, k)
+	}
+	fallback := &IPKeyer{}
+	if err := fallback.Provision(ctx); err != nil {
+		return err
+	}
+	h.fallback = fallback
+
+	for _, t := range h.Tiers {
+		if err := t.provision(ctx); err != nil {
+			return err
+		}
+		if len(t.Claims) > 0 && h.JWT == nil {
+			return fmt.Errorf("tier %q: a claim condition needs a jwt block to verify tokens", t.Name)
+		}
+	}
+
+	if h.StoreRaw == nil {
+		h.StoreRaw = json.RawMessage(`{"store":"local"}`)
+	}
+	mod, err := ctx.LoadModule(h, "StoreRaw")
+	if err != nil {
+		return fmt.Errorf("loading store: %v", err)
+	}
+	h.store = mod.(Store)
+	if ps, ok := h.store.(policyStore); ok {
+		if err := ps.bind(h.Name); err != nil {
+			return err
+		}
+	}
+	if _, isLocal := h.store.(*LocalStore); !isLocal && h.OnStoreError == "local" {
+		// Named apart from the main local store, so that a policy that
+		// switches between local and Redis does not mix the two.
+		h.local = new(LocalStore)
+		if err := h.local.bind(h.Name + "/on_store_error"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// check applies defaults and validates what needs no Caddy context. The
+// Caddyfile adapter runs it too, so that mistakes fail `caddy adapt`.
+func (h *Handler) check() error {
+	if h.Name == "" {
+		h.Name = "default"
+	}
+	if h.OnStoreError == "" {
+		h.OnStoreError = "local"
+	}
+	if h.Headers == "" {
+		h.Headers = "x"
+	}
+	if h.Status == 0 {
+		h.Status = http.StatusTooManyRequests
+	}
+	switch h.OnStoreError {
+	case "local", "allow", "deny":
+	default:
+		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
+	}
+	switch h.Headers {
+	case "x", "ietf", "both", "none":
+	default:
+		return fmt.Errorf("headers %q: want x, ietf, both or none", h.Headers)
+	}
+	h.xHeaders = h.Headers == "x" || h.Headers == "both"
+	h.ietfHeaders = h.Headers == "ietf" || h.Headers == "both"
+	if h.Status < 400 || h.Status > 599 {
+		return fmt.Errorf("status %d: want a 4xx or 5xx code", h.Status)
+	}
+	if len(h.Tiers) == 0 {
+		return fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", h.Name)
+	}
+	seen := make(map[string]bool, len(h.Tiers))
+	for i, t := range h.Tiers {
+		if err := t.check(); err != nil {
+			return err
+		}
+		if seen[t.Name] {
+			return fmt.Errorf("tier %q is defined twice", t.Name)
+		}
+		seen[t.Name] = true
+		if t.catchAll() && i < len(h.Tiers)-1 {
+			return fmt.Errorf("tier %q has no conditions, so the tiers after it would never apply", t.Name)
+		}
+	}
+	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
+		return fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", h.Name)
+	}
+	return nil
+}
+
+// Cleanup releases the buckets' stores.
+func (h *Handler) Cleanup() error {
+	var errs []error
+	if c, ok := h.store.(caddy.CleanerUpper); ok {
+		errs = append(errs, c.Cleanup())
+	}
+	if h.local != nil {
+		errs = append(errs, h.local.Cleanup())
+	}
+	return errors.Join(errs...)
+}
+
+// errLimited is the error behind a rejection, for Caddy's error handling.
+var errLimited = errors.New("rate limit exceeded")
+
+// ServeHTTP limits the request, then passes it on or rejects it.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	d := &decision{handler: h, start: time.Now()}
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Map(d.placeholder)
+	}
+
+	keyer := h.fallback
+	value := d.value[:0]
+	for _, k := range h.keyers {
+		if v, ok := k.Key(r, value); ok && len(v) > 0 {
+			keyer, value = k, v
+			break
+		}
+	}
+	if keyer == h.fallback {
+		value, _ = keyer.Key(r, value)
+	}
+	var claims Claims
+	if h.JWT != nil {
+		claims = h.JWT.claims(r)
+	}
+	d.claims = claims
+	tier, err := h.tierFor(r, keyer.Kind(), claims)
+	if err != nil {
+		return err
+	}
+	d.tier = tier
+	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: value}
+
+	switch {
+	case tier.Unlimited:
+		d.outcome = outcomeUnlimited
+		return next.ServeHTTP(w, r)
+	case tier.Deny:
+		d.outcome = outcomeDenied
+		h.logger.Debug("client on the deny tier", zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
+		return caddyhttp.Error(http.StatusForbidden, errors.New("client is on a deny tier"))
+	}
+
+	res, err := h.store.Take(r.Context(), &d.bucket, tier.limit, tier.cost)
+	if err != nil {
+		return h.storeFailed(w, r, next, d, err)
+	}
+	return h.finish(w, r, next, d, res)
+}
+
+// finish sets the headers for the store's answer and passes the request on,
+// or rejects it.
+func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res Result) error {
+	d.result = res
+	h.setHeaders(w.Header(), d)
+	if res.Allowed {
+		d.outcome = outcomeAllowed
+	} else {
+		retry := strconv.FormatInt(d.retryAfterSeconds(), 10)
+		w.Header()["Retry-After"] = []string{retry}
+		if h.DryRun {
+			d.outcome = outcomeDryRun
+		} else {
+			d.outcome = outcomeDenied
+			h.logger.Debug("rate limited", zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", retry))
+			return caddyhttp.Error(h.Status, errLimited)
+		}
+	}
+	if h.UpstreamHeaders {
+		h.setHeaders(r.Header, d)
+	}
+	return next.ServeHTTP(w, r)
+}
+
+// storeFailed applies on_store_error.
+func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, err error) error {
+	h.storeLog.Warn("rate limit store failed", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
+	switch h.OnStoreError {
+	case "allow":
+		d.outcome = outcomeError
+		return next.ServeHTTP(w, r)
+	case "deny":
+		d.outcome = outcomeError
+		w.Header()["Retry-After"] = []string{"1"}
+		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
+	}
+	res, _ := h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.tier.cost)
+	return h.finish(w, r, next, d, res)
+}
+
+// tierFor returns the first tier whose conditions hold.
+func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Tier, error) {
+	for _, t := range h.Tiers {
+		ok, err := t.applies(r, keyerKind, claims)
+		if err != nil {
+			return nil, caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("tier %q: %w", t.Name, err))
+		}
+		if ok {
+			return t, nil
+		}
+	}
+	// Unreachable: check guarantees a catch-all tier.
+	return h.Tiers[len(h.Tiers)-1], nil
+}
+
+// setHeaders writes the limit headers chosen by Headers into hdr, which is
+// the response's or, with upstream_headers, the request's.
+func (h *Handler) setHeaders(hdr http.Header, d *decision) {
+	t := d.tier
+	if h.xHeaders {
+		hdr["X-Ratelimit-Limit"] = t.limitHeader
+		hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(d.result.Remaining, 10)}
+		hdr["X-Ratelimit-Reset"] = []string{strconv.FormatInt(d.resetEpoch(), 10)}
+	}
+	if h.ietfHeaders {
+		hdr["Ratelimit-Policy"] = t.policyHeader
+		hdr["Ratelimit"] = []string{strconv.Quote(t.Name) + ";r=" + strconv.FormatInt(d.result.Remaining, 10) + ";t=" + strconv.FormatInt(secondsUp(d.result.ResetAfter), 10)}
+	}
+}
+
+// The outcomes, as the {http.rate_limit.decision} placeholder shows them.
+const (
+	outcomeAllowed   = "allowed"
+	outcomeDenied    = "denied"
+	outcomeDryRun    = "dry_run"
+	outcomeUnlimited = "unlimited"
+	outcomeError     = "error"
+)
+
+// decision is one request's passage through the handler. It answers the
+// placeholders, lazily, for as long as the request's replacer lives.
+type decision struct {
+	handler *Handler
+	start   time.Time
+	tier    *Tier
+	bucket  Bucket
+	claims  Claims
+	result  Result
+	outcome string
+	// value holds a short client value without another allocation.
+	value [64]byte
+}
+
+const placeholderPrefix = "http.rate_limit."
+
+func (d *decision) placeholder(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, placeholderPrefix)
+	if !ok {
+		return nil, false
+	}
+	if claim, ok := strings.CutPrefix(name, "claim."); ok {
+		if d.claims == nil {
+			return "", true
+		}
+		return strings.Join(d.claims.Claim(claim), ","), true
+	}
+	switch name {
+	case "policy":
+		return d.handler.Name, true
+	case "decision":
+		return d.outcome, true
+	}
+	if d.tier == nil {
+		return "", true
+	}
+	switch name {
+	case "tier":
+		return d.tier.Name, true
+	case "key_id":
+		return d.keyID(), true
+	}
+	if d.tier.Unlimited || d.tier.Deny || d.outcome == outcomeError && d.result == (Result{}) {
+		return "", true
+	}
+	switch name {
+	case "limit":
+		return d.tier.limit.Capacity, true
+	case "remaining":
+		return d.result.Remaining, true
+	case "reset":
+		return d.resetEpoch(), true
+	case "retry_after":
+		if d.result.Allowed {
+			return 0, true
+		}
+		return d.retryAfterSeconds(), true
+	}
+	return nil, false
+}
+
+// keyID is a fingerprint of the client's key, for logs: the first 8 bytes
+// of SHA-256 over the keyer and the value. It is stable across nodes, so
+// that logs can be joined, and never shows the value itself.
+func (d *decision) keyID() string {
+	sum := bucketDigest(&d.bucket)
+	return hex.EncodeToString(sum[:8])
+}
+
+// bucketDigest hashes the client part of a bucket's name: the keyer and the
+// value. It is stable across processes, for stores shared by several nodes.
+func bucketDigest(b *Bucket) [sha256.Size]byte {
+	h := sha256.New()
+	h.Write([]byte(b.Keyer))
+	h.Write([]byte{0})
+	h.Write(b.Value)
+	var sum [sha256.Size]byte
+	h.Sum(sum[:0])
+	return sum
+}
+
+// resetEpoch is the Unix second at which the bucket is full again.
+func (d *decision) resetEpoch() int64 {
+	return secondsUp(d.start.UnixMicro() + d.result.ResetAfter)
+}
+
+// retryAfterSeconds is Retry-After: whole seconds, at least 1.
+func (d *decision) retryAfterSeconds() int64 {
+	return max(1, secondsUp(d.result.RetryAfter))
+}
+
+func secondsUp(micros int64) int64 { return ceilDiv(micros, 1e6) }
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

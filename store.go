@@ -1,0 +1,313 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"hash/maphash"
+	"math/bits"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func init() {
+	caddy.RegisterModule(LocalStore{})
+}
+
+// Bucket names one client's bucket: the policy, the tier, the keyer that
+// named the client and the value it read. Stores hash it: the value is
+// whatever the client sent and is never stored or shown in clear.
+type Bucket struct {
+	Policy string
+	Tier   string
+	Keyer  string
+	Value  []byte
+}
+
+// Store keeps buckets. Take must be atomic per bucket: two concurrent Takes
+// on one bucket behave as if one came first.
+type Store interface {
+	// Take applies a request costing cost tokens to the bucket.
+	Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error)
+	// Peek reports the bucket without changing it.
+	Peek(ctx context.Context, b *Bucket, l Limit) (Result, error)
+	// Reset makes the bucket full again.
+	Reset(ctx context.Context, b *Bucket) error
+}
+
+// policyStore is a store that keeps each policy's buckets apart. The handler
+// binds it to its policy once it has loaded it.
+type policyStore interface {
+	Store
+	bind(policy string) error
+}
+
+// LocalStore keeps buckets in this process's memory. It is the default
+// store. Buckets survive config reloads, for as long as some loaded config
+// uses the policy.
+type LocalStore struct {
+	// MaxKeys bounds how many buckets the policy keeps. When a new client
+	// arrives at the bound, buckets that have refilled to full are dropped
+	// first (which loses nothing), then others. Default 1000000.
+	MaxKeys int `json:"max_keys,omitempty"`
+
+	buckets *localBuckets
+	key     string
+}
+
+// CaddyModule returns the Caddy module information.
+func (LocalStore) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit.stores.local",
+		New: func() caddy.Module { return new(LocalStore) },
+	}
+}
+
+const defaultMaxKeys = 1000000
+
+// Validate checks the configuration.
+func (s *LocalStore) Validate() error {
+	if s.MaxKeys < 0 {
+		return fmt.Errorf("store local: max_keys %d: must be at least 1", s.MaxKeys)
+	}
+	return nil
+}
+
+func (s *LocalStore) maxKeys() int {
+	if s.MaxKeys == 0 {
+		return defaultMaxKeys
+	}
+	return s.MaxKeys
+}
+
+// localPool holds one bucket table per policy, across config reloads.
+var localPool = caddy.NewUsagePool()
+
+func (s *LocalStore) bind(policy string) error {
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	s.key = "local/" + policy
+	val, loaded, err := localPool.LoadOrNew(s.key, func() (caddy.Destructor, error) {
+		return newLocalBuckets(s.maxKeys(), localClock), nil
+	})
+	if err != nil {
+		return err
+	}
+	s.buckets = val.(*localBuckets)
+	if loaded {
+		s.buckets.setMaxKeys(s.maxKeys())
+	}
+	return nil
+}
+
+// Cleanup releases this config's hold on the policy's buckets.
+func (s *LocalStore) Cleanup() error {
+	if s.key == "" {
+		return nil
+	}
+	_, err := localPool.Delete(s.key)
+	return err
+}
+
+// Take implements Store.
+func (s *LocalStore) Take(_ context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
+	return s.buckets.take(b, l, cost), nil
+}
+
+// Peek implements Store.
+func (s *LocalStore) Peek(_ context.Context, b *Bucket, l Limit) (Result, error) {
+	return s.buckets.peek(b, l), nil
+}
+
+// Reset implements Store.
+func (s *LocalStore) Reset(_ context.Context, b *Bucket) error {
+	s.buckets.reset(b)
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens:
+//
+//	store local {
+//	    max_keys <n>
+//	}
+func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // "local"
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "max_keys":
+			n, err := intArg(d)
+			if err != nil {
+				return err
+			}
+			if n < 1 {
+				return d.Errf("max_keys %d: must be at least 1", n)
+			}
+			s.MaxKeys = int(n)
+		default:
+			return d.Errf("store local: unknown subdirective %q", d.Val())
+		}
+	}
+	return nil
+}
+
+// processStart anchors the monotonic clock. One is added so that the zero
+// State, full at time 0, is full at every time the clock gives.
+var processStart = time.Now()
+
+func monotonicMicros() int64 { return time.Since(processStart).Microseconds() + 1 }
+
+// localClock is the clock that new local bucket tables read. Tests replace
+// it before they load a config.
+var localClock = monotonicMicros
+
+// hashSeed keys the local hash, so clients cannot aim for collisions.
+var hashSeed = maphash.MakeSeed()
+
+// localBuckets is a sharded table of bucket states keyed by a 64-bit keyed
+// hash of the bucket's name. Each shard has its own lock and its own share
+// of the key bound.
+type localBuckets struct {
+	now    func() int64
+	shards []localShard
+	shift  uint
+
+	fullDrops atomic.Uint64 // full buckets dropped: nothing lost
+	evictions atomic.Uint64 // live buckets dropped to respect MaxKeys
+}
+
+type localShard struct {
+	mu      sync.Mutex
+	states  map[uint64]State
+	maxKeys int
+	_       [40]byte // keep shards on separate cache lines
+}
+
+func newLocalBuckets(maxKeys int, now func() int64) *localBuckets {
+	n := 1
+	for n < 64 && n*2*256 <= maxKeys {
+		n *= 2
+	}
+	lb := &localBuckets{now: now, shards: make([]localShard, n), shift: uint(64 - bits.TrailingZeros(uint(n)))}
+	for i := range lb.shards {
+		lb.shards[i].states = make(map[uint64]State)
+	}
+	lb.setMaxKeys(maxKeys)
+	return lb
+}
+
+// setMaxKeys spreads the bound over the shards. Shards over their new share
+// shrink as new clients arrive.
+func (lb *localBuckets) setMaxKeys(maxKeys int) {
+	n := len(lb.shards)
+	for i := range lb.shards {
+		share := maxKeys / n
+		if i < maxKeys%n {
+			share++
+		}
+		sh := &lb.shards[i]
+		sh.mu.Lock()
+		sh.maxKeys = max(share, 1)
+		sh.mu.Unlock()
+	}
+}
+
+// Destruct implements caddy.Destructor.
+func (lb *localBuckets) Destruct() error { return nil }
+
+func (lb *localBuckets) locate(b *Bucket) (*localShard, uint64) {
+	var h maphash.Hash
+	h.SetSeed(hashSeed)
+	h.WriteString(b.Policy)
+	h.WriteByte(0)
+	h.WriteString(b.Tier)
+	h.WriteByte(0)
+	h.WriteString(b.Keyer)
+	h.WriteByte(0)
+	h.Write(b.Value)
+	sum := h.Sum64()
+	if lb.shift == 64 {
+		return &lb.shards[0], sum
+	}
+	return &lb.shards[sum>>lb.shift], sum
+}
+
+func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	now := lb.now()
+	old, ok := sh.states[id]
+	st, res := Take(old, now, l, cost)
+	if res.Allowed {
+		if !ok && len(sh.states) >= sh.maxKeys {
+			lb.makeRoom(sh, now)
+		}
+		sh.states[id] = st
+	}
+	sh.mu.Unlock()
+	return res
+}
+
+func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	res := Peek(sh.states[id], lb.now(), l)
+	sh.mu.Unlock()
+	return res
+}
+
+func (lb *localBuckets) reset(b *Bucket) {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	delete(sh.states, id)
+	sh.mu.Unlock()
+}
+
+// makeRoom frees at least a 32nd of the shard, so that the sweep's cost is
+// spread over many inserts. Full buckets go first: dropping one changes no
+// decision. Only then are live buckets dropped, in the map's random order.
+func (lb *localBuckets) makeRoom(sh *localShard, now int64) {
+	want := len(sh.states) - sh.maxKeys + max(1, sh.maxKeys/32)
+	freed := 0
+	for id, st := range sh.states {
+		if st.FullAt <= now {
+			delete(sh.states, id)
+			freed++
+		}
+	}
+	lb.fullDrops.Add(uint64(freed))
+	for id := range sh.states {
+		if freed >= want {
+			break
+		}
+		delete(sh.states, id)
+		freed++
+		lb.evictions.Add(1)
+	}
+}
+
+// len counts the buckets held.
+func (lb *localBuckets) len() int {
+	n := 0
+	for i := range lb.shards {
+		sh := &lb.shards[i]
+		sh.mu.Lock()
+		n += len(sh.states)
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// Interface guards
+var (
+	_ policyStore           = (*LocalStore)(nil)
+	_ caddy.Validator       = (*LocalStore)(nil)
+	_ caddy.CleanerUpper    = (*LocalStore)(nil)
+	_ caddyfile.Unmarshaler = (*LocalStore)(nil)
+)

@@ -1,0 +1,163 @@
+package ratelimit
+
+import (
+	"fmt"
+	"net/http"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// A Tier is one class of client with its own bucket shape. The handler
+// tries its tiers in order; the first whose conditions all hold wins. A tier
+// with no conditions is a catch-all, and the last tier must be one.
+type Tier struct {
+	// Name names the tier in bucket names, headers and placeholders.
+	Name string `json:"name"`
+	// Capacity is the bucket's size in tokens: the largest burst.
+	Capacity int64 `json:"capacity,omitempty"`
+	// Refill is the rate at which tokens come back, as <amount>/<duration>:
+	// 100/s, 0.5/s, 1/10s, 30/m, 1000/h.
+	Refill string `json:"refill,omitempty"`
+	// Cost is how many tokens one request takes. Default 1.
+	Cost int64 `json:"cost,omitempty"`
+
+	// MatcherSetsRaw holds request matchers; the tier applies only to
+	// requests that some set matches.
+	MatcherSetsRaw caddyhttp.RawMatcherSets `json:"match,omitempty" caddy:"namespace=http.matchers"`
+	// Keyer, when set, applies the tier only to clients named by a keyer of
+	// this kind: ip, header, cookie, jwt, form, json or placeholder.
+	Keyer string `json:"keyer,omitempty"`
+	// Claims, when set, applies the tier only to requests whose verified JWT
+	// has, for every claim named, one of the values listed.
+	Claims map[string][]string `json:"claims,omitempty"`
+
+	// Unlimited makes the tier an allow-list: its clients are never limited
+	// and the store is not touched.
+	Unlimited bool `json:"unlimited,omitempty"`
+	// Deny makes the tier a block-list: its clients are always rejected.
+	Deny bool `json:"deny,omitempty"`
+
+	matchers caddyhttp.MatcherSets
+	limit    Limit
+	cost     int64
+	// Header values that do not change from request to request.
+	limitHeader  []string
+	policyHeader []string
+}
+
+// check validates the tier and computes its limit. It needs no Caddy
+// context, so the Caddyfile adapter runs it too, and a mistake fails
+// `caddy adapt`.
+func (t *Tier) check() error {
+	if t.Name == "" {
+		return fmt.Errorf("a tier needs a name")
+	}
+	if t.Unlimited && t.Deny {
+		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
+	}
+	if t.Unlimited || t.Deny {
+		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 {
+			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill or cost", t.Name)
+		}
+		return nil
+	}
+	if t.Capacity < 1 {
+		return fmt.Errorf("tier %q: capacity %d: must be at least 1", t.Name, t.Capacity)
+	}
+	if t.Refill == "" {
+		return fmt.Errorf("tier %q: a refill rate is required, such as 10/s", t.Name)
+	}
+	rate, err := ParseRate(t.Refill)
+	if err != nil {
+		return fmt.Errorf("tier %q: %w", t.Name, err)
+	}
+	t.cost = t.Cost
+	if t.cost == 0 {
+		t.cost = 1
+	}
+	t.limit = Limit{Capacity: t.Capacity, Rate: rate}
+	if err := t.limit.Validate(t.cost); err != nil {
+		return fmt.Errorf("tier %q: %w", t.Name, err)
+	}
+	switch t.Keyer {
+	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
+	default:
+		return fmt.Errorf("tier %q: keyer %q: want ip, header, cookie, jwt, form, json or placeholder", t.Name, t.Keyer)
+	}
+	return nil
+}
+
+// catchAll reports whether the tier has no conditions.
+func (t *Tier) catchAll() bool {
+	return len(t.MatcherSetsRaw) == 0 && t.Keyer == "" && len(t.Claims) == 0
+}
+
+func (t *Tier) provision(ctx caddy.Context) error {
+	if err := t.check(); err != nil {
+		return err
+	}
+	if t.MatcherSetsRaw != nil {
+		mods, err := ctx.LoadModule(t, "MatcherSetsRaw")
+		if err != nil {
+			return fmt.Errorf("tier %q: loading matchers: %v", t.Name, err)
+		}
+		if err := t.matchers.FromInterface(mods); err != nil {
+			return fmt.Errorf("tier %q: %v", t.Name, err)
+		}
+	}
+	t.limitHeader = []string{strconv.FormatInt(t.limit.Capacity, 10)}
+	if !t.Unlimited && !t.Deny {
+		window := ceilDiv(t.limit.units(), t.limit.Rate.Tokens*1e6)
+		t.policyHeader = []string{strconv.Quote(t.Name) + ";q=" + t.limitHeader[0] + ";w=" + strconv.FormatInt(window, 10)}
+	}
+	return nil
+}
+
+// applies reports whether the tier's conditions all hold for a client named
+// by a keyer of kind keyerKind, with verified claims (nil without a JWT).
+func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, error) {
+	if t.Keyer != "" && t.Keyer != keyerKind {
+		return false, nil
+	}
+	if len(t.Claims) > 0 && !claimsHoldAll(claims, t.Claims) {
+		return false, nil
+	}
+	if len(t.matchers) > 0 {
+		return t.matchers.AnyMatchWithError(r)
+	}
+	return true, nil
+}
+
+// Claims are the claims of a verified JWT, as strings. A nil Claims has none.
+type Claims interface {
+	// Claim returns the values of a claim: one for a string or number, each
+	// element for an array.
+	Claim(name string) []string
+}
+
+// claimsHoldAll reports whether, for every claim named in want, the
+// verified claims have one of the values listed.
+func claimsHoldAll(c Claims, want map[string][]string) bool {
+	if c == nil {
+		return false
+	}
+	for name, values := range want {
+		if !anyEqual(c.Claim(name), values) {
+			return false
+		}
+	}
+	return true
+}
+
+func anyEqual(have, want []string) bool {
+	for _, h := range have {
+		for _, w := range want {
+			if h == w {
+				return true
+			}
+		}
+	}
+	return false
+}
