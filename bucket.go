@@ -27,8 +27,9 @@ import (
 // bucket at all, so stores may forget it.
 
 // maxUnits bounds Capacity*Rate.Interval so that every figure stays exact in
-// a float64 as well: the Redis store's Lua script computes with doubles.
-const maxUnits = 1 << 53
+// a float64 as well, with room for a product: the Redis store's Lua script
+// computes with doubles.
+const maxUnits = 1 << 52
 
 // Rate is a refill rate: Tokens tokens every Interval microseconds, reduced
 // to lowest terms.

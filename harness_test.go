@@ -1,0 +1,159 @@
+package ratelimit
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+// The end-to-end tests run real Caddyfiles through this process's Caddy,
+// one config at a time, on loopback ports.
+
+// testServer is a Caddy config loaded for one test.
+type testServer struct {
+	t      testing.TB
+	base   string // http://127.0.0.1:port
+	port   int
+	client *http.Client
+}
+
+// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// serve loads a site on a free loopback port whose body is directives, and
+// trusts 127.0.0.1 as a proxy, so that tests name clients by sending
+// X-Forwarded-For with other loopback addresses.
+func serve(t testing.TB, directives string) *testServer {
+	t.Helper()
+	port := freePort(t)
+	return serveCaddyfile(t, port, fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+	servers {
+		trusted_proxies static 127.0.0.1/32
+	}
+}
+http://127.0.0.1:%d {
+%s
+}
+`, port, directives))
+}
+
+// serveCaddyfile adapts and loads a whole Caddyfile that listens on
+// 127.0.0.1:port, and stops Caddy when the test ends.
+func serveCaddyfile(t testing.TB, port int, caddyfile string) *testServer {
+	t.Helper()
+	cfg, err := adaptCaddyfile(caddyfile)
+	if err != nil {
+		t.Fatalf("adapting Caddyfile: %v\n%s", err, caddyfile)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatalf("loading config: %v\n%s", err, cfg)
+	}
+	transport := &http.Transport{MaxIdleConnsPerHost: 64}
+	s := &testServer{
+		t:      t,
+		base:   fmt.Sprintf("http://127.0.0.1:%d", port),
+		port:   port,
+		client: &http.Client{Transport: transport, Timeout: 10 * time.Second},
+	}
+	t.Cleanup(func() {
+		transport.CloseIdleConnections()
+		if err := caddy.Stop(); err != nil {
+			t.Errorf("stopping Caddy: %v", err)
+		}
+	})
+	return s
+}
+
+// adaptCaddyfile turns a Caddyfile into Caddy's JSON, as `caddy adapt` does.
+func adaptCaddyfile(caddyfile string) ([]byte, error) {
+	cfg, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
+	if err != nil {
+		return nil, err
+	}
+	for _, w := range warnings {
+		if !strings.Contains(w.Message, "formatted") {
+			return nil, fmt.Errorf("warning: %s", w.String())
+		}
+	}
+	return cfg, nil
+}
+
+// response is what a test request got back.
+type response struct {
+	status int
+	header http.Header
+	body   string
+}
+
+// get sends a GET for path, with header lines given as "Name: value".
+func (s *testServer) get(path string, headers ...string) response {
+	s.t.Helper()
+	return s.do(http.MethodGet, path, "", headers...)
+}
+
+// from sends a GET as the client at the given loopback address.
+func (s *testServer) from(ip, path string, headers ...string) response {
+	s.t.Helper()
+	return s.get(path, append(headers, "X-Forwarded-For: "+ip)...)
+}
+
+func (s *testServer) do(method, path, body string, headers ...string) response {
+	s.t.Helper()
+	req, err := http.NewRequest(method, s.base+path, strings.NewReader(body))
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	for _, h := range headers {
+		name, value, ok := strings.Cut(h, ":")
+		if !ok {
+			s.t.Fatalf("header %q: want Name: value", h)
+		}
+		req.Header.Add(strings.TrimSpace(name), strings.TrimSpace(value))
+	}
+	resp, err := s.client.Do(req)
+	if err != nil {
+		s.t.Fatalf("%s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		s.t.Fatalf("%s %s: reading body: %v", method, path, err)
+	}
+	return response{status: resp.StatusCode, header: resp.Header, body: string(b)}
+}
+
+// fakeClock is a clock that moves only when a test moves it.
+type fakeClock struct{ micros atomic.Int64 }
+
+func (c *fakeClock) now() int64              { return c.micros.Load() }
+func (c *fakeClock) advance(d time.Duration) { c.micros.Add(d.Microseconds()) }
+
+// useFakeClock makes the local bucket tables created from now on, until the
+// test ends, read a fake clock. Call it before loading a config.
+func useFakeClock(t testing.TB) *fakeClock {
+	c := new(fakeClock)
+	c.micros.Store(1_000_000)
+	old := localClock
+	localClock = c.now
+	t.Cleanup(func() { localClock = old })
+	return c
+}
