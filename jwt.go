@@ -1,3 +1,5 @@
+//go:build !wip_jwt
+
 package ratelimit
 
 import (

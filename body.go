@@ -1,0 +1,328 @@
+//go:build wip_jwt
+
+package ratelimit
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func init() {
+	caddy.RegisterModule(FormKeyer{})
+	caddy.RegisterModule(JSONKeyer{})
+}
+
+// maxKeyedBody is the most of a body that a body keyer reads. A longer
+// body yields no key, and still flows whole to the next handlers.
+const maxKeyedBody = 64 << 10
+
+// FormKeyer names the client by a field of an
+// application/x-www-form-urlencoded or multipart/form-data body, such as
+// the username of a login form.
+type FormKeyer struct {
+	// Field is the form field's name.
+	Field string `json:"field"`
+
+	id string
+}
+
+// CaddyModule returns the Caddy module information.
+func (FormKeyer) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  keyerModulePrefix + "form",
+		New: func() caddy.Module { return new(FormKeyer) },
+	}
+}
+
+// Provision checks the field.
+func (k *FormKeyer) Provision(caddy.Context) error {
+	if k.Field == "" {
+		return fmt.Errorf("key form: a field name is required")
+	}
+	k.id = "form/" + k.Field
+	return nil
+}
+
+// Kind implements Keyer.
+func (*FormKeyer) Kind() string { return "form" }
+
+// ID implements Keyer.
+func (k *FormKeyer) ID() string { return k.id }
+
+// Key implements Keyer. It parses a copy of the body, never the request's
+// own form, which would consume the body.
+func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
+	mediaType, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil {
+		return buf, false
+	}
+	var value string
+	switch mediaType {
+	case "application/x-www-form-urlencoded":
+		body, ok := peekBody(r)
+		if !ok {
+			return buf, false
+		}
+		form, err := url.ParseQuery(string(body))
+		if err != nil {
+			return buf, false
+		}
+		value = form.Get(k.Field)
+	case "multipart/form-data":
+		boundary := params["boundary"]
+		if boundary == "" {
+			return buf, false
+		}
+		body, ok := peekBody(r)
+		if !ok {
+			return buf, false
+		}
+		value, ok = multipartField(body, boundary, k.Field)
+		if !ok {
+			return buf, false
+		}
+	default:
+		return buf, false
+	}
+	if value == "" {
+		return buf, false
+	}
+	return append(buf, value...), true
+}
+
+// multipartField returns the value of the first non-file part named field.
+func multipartField(body []byte, boundary, field string) (string, bool) {
+	mr := multipart.NewReader(bytes.NewReader(body), boundary)
+	for {
+		part, err := mr.NextPart()
+		if err != nil {
+			return "", false
+		}
+		if part.FormName() != field || part.FileName() != "" {
+			continue
+		}
+		v, err := io.ReadAll(part)
+		if err != nil {
+			return "", false
+		}
+		return string(v), true
+	}
+}
+
+// UnmarshalCaddyfile reads `form <field>`.
+func (k *FormKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next()
+	if !d.AllArgs(&k.Field) {
+		return d.Err("key form: want exactly one field name")
+	}
+	return nil
+}
+
+// JSONKeyer names the client by a field of an application/json body, found
+// by a dot path such as user.name (a number indexes an array: items.0.id).
+// The field must be a string, a number or a boolean.
+type JSONKeyer struct {
+	// Path is the field's dot path.
+	Path string `json:"path"`
+
+	path []string
+	id   string
+}
+
+// CaddyModule returns the Caddy module information.
+func (JSONKeyer) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  keyerModulePrefix + "json",
+		New: func() caddy.Module { return new(JSONKeyer) },
+	}
+}
+
+// Provision splits the path.
+func (k *JSONKeyer) Provision(caddy.Context) error {
+	if err := k.Validate(); err != nil {
+		return err
+	}
+	k.path = strings.Split(k.Path, ".")
+	k.id = "json/" + k.Path
+	return nil
+}
+
+// Validate checks the path.
+func (k *JSONKeyer) Validate() error {
+	if slices.Contains(strings.Split(k.Path, "."), "") {
+		return fmt.Errorf("key json: path %q: want a dot path such as user.name", k.Path)
+	}
+	return nil
+}
+
+// Kind implements Keyer.
+func (*JSONKeyer) Kind() string { return "json" }
+
+// ID implements Keyer.
+func (k *JSONKeyer) ID() string { return k.id }
+
+// Key implements Keyer.
+func (k *JSONKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
+	mediaType, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil || mediaType != "application/json" {
+		return buf, false
+	}
+	body, ok := peekBody(r)
+	if !ok {
+		return buf, false
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	var doc any
+	if err := dec.Decode(&doc); err != nil {
+		return buf, false
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return buf, false // trailing data: not one JSON document
+	}
+	v, ok := jsonScalar(jsonLookup(doc, k.path))
+	if !ok || v == "" {
+		return buf, false
+	}
+	return append(buf, v...), true
+}
+
+// jsonLookup follows a dot path through decoded JSON; it returns nil when
+// the path leads nowhere.
+func jsonLookup(v any, path []string) any {
+	for _, name := range path {
+		switch x := v.(type) {
+		case map[string]any:
+			v = x[name]
+		case []any:
+			i, err := strconv.Atoi(name)
+			if err != nil || i < 0 || i >= len(x) {
+				return nil
+			}
+			v = x[i]
+		default:
+			return nil
+		}
+	}
+	return v
+}
+
+// jsonScalar formats a decoded JSON string, number or boolean. Numbers are
+// written without an exponent, so that 1e3 and 1000 name the same client.
+func jsonScalar(v any) (string, bool) {
+	switch v := v.(type) {
+	case string:
+		return v, true
+	case bool:
+		return strconv.FormatBool(v), true
+	case json.Number:
+		s := v.String()
+		if !strings.ContainsAny(s, ".eE") {
+			return s, true
+		}
+		f, err := strconv.ParseFloat(s, 64)
+		if err != nil {
+			return "", false
+		}
+		return formatFloat(f)
+	case float64:
+		return formatFloat(v)
+	}
+	return "", false
+}
+
+func formatFloat(f float64) (string, bool) {
+	if math.IsInf(f, 0) || math.IsNaN(f) {
+		return "", false
+	}
+	return strconv.FormatFloat(f, 'f', -1, 64), true
+}
+
+// UnmarshalCaddyfile reads `json <dot.path>`.
+func (k *JSONKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next()
+	if !d.AllArgs(&k.Path) {
+		return d.Err("key json: want exactly one dot path, such as user.name")
+	}
+	if err := k.Validate(); err != nil {
+		return d.Err(err.Error())
+	}
+	return nil
+}
+
+// peekBody returns the request body if it is at most maxKeyedBody long, and
+// puts back a body that reads exactly as the original did: what was read,
+// then the unread rest. It reports false for a longer body or a failed
+// read; the body still flows whole.
+func peekBody(r *http.Request) ([]byte, bool) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, true
+	}
+	if pb, ok := r.Body.(*peekedBody); ok && pb.whole && !pb.started {
+		// Another body keyer has read it already.
+		return pb.prefix, true
+	}
+	if r.ContentLength > maxKeyedBody {
+		return nil, false
+	}
+	prefix, err := io.ReadAll(io.LimitReader(r.Body, maxKeyedBody+1))
+	whole := err == nil && len(prefix) <= maxKeyedBody
+	pb := &peekedBody{prefix: prefix, whole: whole, orig: r.Body}
+	switch {
+	case whole:
+		pb.rest = bytes.NewReader(prefix)
+	case err != nil:
+		pb.rest = io.MultiReader(bytes.NewReader(prefix), errReader{err})
+	default:
+		pb.rest = io.MultiReader(bytes.NewReader(prefix), r.Body)
+	}
+	r.Body = pb
+	return prefix, whole
+}
+
+// peekedBody replays a body that a keyer has read from: the bytes read,
+// then the rest of the original. Close closes the original.
+type peekedBody struct {
+	prefix  []byte
+	whole   bool // prefix is the whole body
+	started bool
+	rest    io.Reader
+	orig    io.ReadCloser
+}
+
+func (b *peekedBody) Read(p []byte) (int, error) {
+	b.started = true
+	return b.rest.Read(p)
+}
+
+func (b *peekedBody) Close() error { return b.orig.Close() }
+
+// errReader replays a read error after the bytes read before it.
+type errReader struct{ err error }
+
+func (e errReader) Read([]byte) (int, error) { return 0, e.err }
+
+// Interface guards
+var (
+	_ Keyer                 = (*FormKeyer)(nil)
+	_ Keyer                 = (*JSONKeyer)(nil)
+	_ caddy.Provisioner     = (*FormKeyer)(nil)
+	_ caddy.Provisioner     = (*JSONKeyer)(nil)
+	_ caddy.Validator       = (*JSONKeyer)(nil)
+	_ caddyfile.Unmarshaler = (*FormKeyer)(nil)
+	_ caddyfile.Unmarshaler = (*JSONKeyer)(nil)
+)

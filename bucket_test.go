@@ -1,0 +1,250 @@
+package ratelimit
+
+import (
+	"math/big"
+	"math/rand/v2"
+	"testing"
+)
+
+func TestParseRate(t *testing.T) {
+	tests := []struct {
+		in   string
+		want Rate
+	}{
+		{"100/s", Rate{Tokens: 1, Interval: 10_000}},
+		{"0.5/s", Rate{Tokens: 1, Interval: 2_000_000}},
+		{"1/10s", Rate{Tokens: 1, Interval: 10_000_000}},
+		{"30/m", Rate{Tokens: 1, Interval: 2_000_000}},
+		{"1000/h", Rate{Tokens: 1, Interval: 3_600_000}},
+		{"3/s", Rate{Tokens: 3, Interval: 1_000_000}},
+		{"5/1m30s", Rate{Tokens: 1, Interval: 18_000_000}},
+		{"7/250ms", Rate{Tokens: 7, Interval: 250_000}},
+		{"1/d", Rate{Tokens: 1, Interval: 86_400_000_000}},
+		{"2.25/s", Rate{Tokens: 9, Interval: 4_000_000}},
+		{".5/s", Rate{Tokens: 1, Interval: 2_000_000}},
+	}
+	for _, tt := range tests {
+		got, err := ParseRate(tt.in)
+		if err != nil {
+			t.Errorf("ParseRate(%q): %v", tt.in, err)
+			continue
+		}
+		if got != tt.want {
+			t.Errorf("ParseRate(%q) = %+v, want %+v", tt.in, got, tt.want)
+		}
+	}
+}
+
+func TestParseRateRejectsBadRefills(t *testing.T) {
+	for _, in := range []string{
+		"", "fast", "10", "/s", "10/", "0/s", "-1/s", "1/0s", "1/-1s", "1e3/s",
+		"1/x", "1/1ns", "0.0000001/s", "abc/s", "1/s/s", "+1/s", "1.2.3/s", "9999999999999999999/s",
+	} {
+		if r, err := ParseRate(in); err == nil {
+			t.Errorf("ParseRate(%q) = %+v, want an error", in, r)
+		}
+	}
+}
+
+func TestLimitValidateNamesTheValue(t *testing.T) {
+	rate := Rate{Tokens: 1, Interval: 1_000_000}
+	tests := []struct {
+		limit Limit
+		cost  int64
+	}{
+		{Limit{Capacity: 0, Rate: rate}, 1},
+		{Limit{Capacity: 5, Rate: rate}, 6},
+		{Limit{Capacity: 5, Rate: rate}, 0},
+		{Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1 << 20}}, 1},
+	}
+	for _, tt := range tests {
+		if err := tt.limit.Validate(tt.cost); err == nil {
+			t.Errorf("Limit%+v.Validate(%d): want an error", tt.limit, tt.cost)
+		}
+	}
+	if err := (Limit{Capacity: 5, Rate: rate}).Validate(5); err != nil {
+		t.Errorf("cost equal to capacity: %v", err)
+	}
+}
+
+// refModel is the formula of the design, in exact rational arithmetic:
+//
+//	tokens = min(C, tokens_prev + (t - t_prev) * r)
+//	if tokens >= k: allow; tokens -= k; t_prev = t
+//	else:           deny; the state is left unchanged
+type refModel struct {
+	capacity *big.Rat
+	rate     *big.Rat // tokens per microsecond
+	tokens   *big.Rat
+	last     int64
+	started  bool
+}
+
+func newRefModel(l Limit) *refModel {
+	c := new(big.Rat).SetInt64(l.Capacity)
+	return &refModel{capacity: c, rate: big.NewRat(l.Rate.Tokens, l.Rate.Interval), tokens: new(big.Rat).Set(c)}
+}
+
+func (m *refModel) take(now, cost int64) Result {
+	tokens := new(big.Rat).Set(m.tokens)
+	if m.started {
+		tokens.Add(tokens, new(big.Rat).Mul(new(big.Rat).SetInt64(now-m.last), m.rate))
+		if tokens.Cmp(m.capacity) > 0 {
+			tokens.Set(m.capacity)
+		}
+	}
+	k := new(big.Rat).SetInt64(cost)
+	if tokens.Cmp(k) < 0 {
+		return Result{
+			Remaining:  floorRat(tokens),
+			RetryAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(k, tokens), m.rate)),
+			ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
+		}
+	}
+	tokens.Sub(tokens, k)
+	m.tokens, m.last, m.started = tokens, now, true
+	return Result{
+		Allowed:    true,
+		Remaining:  floorRat(tokens),
+		ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
+	}
+}
+
+func floorRat(r *big.Rat) int64 {
+	return new(big.Int).Quo(r.Num(), r.Denom()).Int64()
+}
+
+func ceilRat(r *big.Rat) int64 {
+	q, m := new(big.Int).QuoRem(r.Num(), r.Denom(), new(big.Int))
+	if m.Sign() > 0 {
+		q.Add(q, big.NewInt(1))
+	}
+	return q.Int64()
+}
+
+var traceRates = []string{"1/s", "3/s", "100/s", "0.5/s", "1/10s", "30/m", "1000/h", "7/250ms", "2.25/s", "1000000/s", "13/7s"}
+
+// randomTrace is one case of the property test: a limit and a series of
+// arrivals with their costs.
+type randomTrace struct {
+	limit Limit
+	gaps  []int64 // microseconds since the previous arrival
+	costs []int64
+}
+
+func newRandomTrace(rng *rand.Rand) randomTrace {
+	rate, err := ParseRate(traceRates[rng.IntN(len(traceRates))])
+	if err != nil {
+		panic(err)
+	}
+	tr := randomTrace{limit: Limit{Capacity: 1 + rng.Int64N(50), Rate: rate}}
+	// Gaps from none at all to several refills of the whole bucket, with
+	// most near the time one token takes, where the edges are.
+	perToken := rate.Interval / rate.Tokens
+	for range 200 {
+		var gap int64
+		switch rng.IntN(4) {
+		case 0:
+			gap = 0
+		case 1:
+			gap = rng.Int64N(perToken + 2)
+		case 2:
+			gap = rng.Int64N(3*perToken + 2)
+		default:
+			gap = rng.Int64N(tr.limit.Capacity*perToken*2 + 2)
+		}
+		cost := int64(1)
+		if rng.IntN(3) == 0 {
+			cost = 1 + rng.Int64N(tr.limit.Capacity)
+		}
+		tr.gaps = append(tr.gaps, gap)
+		tr.costs = append(tr.costs, cost)
+	}
+	return tr
+}
+
+func TestTakeMatchesReferenceModel(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range 500 {
+		tr := newRandomTrace(rng)
+		ref := newRefModel(tr.limit)
+		var st State
+		now := int64(1_000_000)
+		for j := range tr.gaps {
+			now += tr.gaps[j]
+			want := ref.take(now, tr.costs[j])
+			var got Result
+			st, got = Take(st, now, tr.limit, tr.costs[j])
+			if got != want {
+				t.Fatalf("trace %d (limit %+v), step %d at %dµs cost %d: got %+v, want %+v", i, tr.limit, j, now, tr.costs[j], got, want)
+			}
+		}
+	}
+}
+
+func TestFullBucketAdmitsCapacityPlusRefillExactly(t *testing.T) {
+	for _, tt := range []struct {
+		capacity int64
+		refill   string
+		seconds  int64
+	}{
+		{3, "1/10s", 60},
+		{10, "0.5/s", 7},
+		{100, "30/m", 100},
+		{5, "7/250ms", 3},
+	} {
+		rate, err := ParseRate(tt.refill)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l := Limit{Capacity: tt.capacity, Rate: rate}
+		var st State
+		start := int64(5_000_000)
+		end := start + tt.seconds*1_000_000
+		allowed := int64(0)
+		// A request every millisecond, from the first microsecond to the last.
+		for now := start; now <= end; now += 1000 {
+			var res Result
+			if st, res = Take(st, now, l, 1); res.Allowed {
+				allowed++
+			}
+		}
+		want := tt.capacity + tt.seconds*1_000_000*rate.Tokens/rate.Interval
+		if allowed != want {
+			t.Errorf("capacity %d refill %s over %ds: allowed %d, want C + floor(r*T) = %d", tt.capacity, tt.refill, tt.seconds, allowed, want)
+		}
+	}
+}
+
+func TestDeniedRequestChangesNothing(t *testing.T) {
+	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: 1_000_000}}
+	st, _ := Take(State{}, 10, l, 2)
+	after, res := Take(st, 20, l, 1)
+	if res.Allowed || after != st {
+		t.Fatalf("denied take: allowed %v, state %+v -> %+v; want a denial and no change", res.Allowed, st, after)
+	}
+	if res.RetryAfter != 1_000_000-10 {
+		t.Errorf("RetryAfter %dµs, want %d", res.RetryAfter, 1_000_000-10)
+	}
+}
+
+func TestRefilledBucketIsTheSameAsNoBucket(t *testing.T) {
+	l := Limit{Capacity: 4, Rate: Rate{Tokens: 1, Interval: 500_000}}
+	st, _ := Take(State{}, 100, l, 3)
+	if st.FullAt != 100+3*500_000 {
+		t.Fatalf("FullAt %d, want %d", st.FullAt, 100+3*500_000)
+	}
+	_, fromOld := Take(st, st.FullAt, l, 1)
+	_, fromNone := Take(State{}, st.FullAt, l, 1)
+	if fromOld != fromNone {
+		t.Errorf("at FullAt: from the old state %+v, from none %+v; want the same", fromOld, fromNone)
+	}
+}
+
+func TestClockGoingBackwardsNeverAddsTokens(t *testing.T) {
+	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: 1_000_000}}
+	st, _ := Take(State{}, 10_000_000, l, 2)
+	if _, res := Take(st, 1, l, 1); res.Allowed {
+		t.Errorf("a request from before the last one was allowed from an empty bucket")
+	}
+}
