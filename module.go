@@ -235,6 +235,12 @@ var errLimited = errors.New("rate limit exceeded")
 // ServeHTTP limits the request, then passes it on or rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := &decision{handler: h, start: time.Now()}
+	if h.UpstreamHeaders {
+		// Later handlers trust these, so a client may not send its own.
+		for _, name := range limitHeaderNames {
+			delete(r.Header, name)
+		}
+	}
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Map(d.placeholder)
 	}
@@ -348,6 +354,9 @@ func (h *Handler) setHeaders(hdr http.Header, d *decision) {
 		hdr["Ratelimit"] = []string{strconv.Quote(t.Name) + ";r=" + strconv.FormatInt(d.result.Remaining, 10) + ";t=" + strconv.FormatInt(secondsUp(d.result.ResetAfter), 10)}
 	}
 }
+
+// limitHeaderNames are the headers setHeaders may write, in canonical form.
+var limitHeaderNames = []string{"X-Ratelimit-Limit", "X-Ratelimit-Remaining", "X-Ratelimit-Reset", "Ratelimit-Policy", "Ratelimit"}
 
 // The outcomes, as the {http.rate_limit.decision} placeholder shows them.
 const (

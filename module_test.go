@@ -1,9 +1,14 @@
 package ratelimit
 
 import (
+	"encoding/hex"
+	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 func TestBurstGetsThreeThenRetryAfter(t *testing.T) {
@@ -37,5 +42,417 @@ func TestBurstGetsThreeThenRetryAfter(t *testing.T) {
 	reset, err := strconv.ParseInt(r.header.Get("X-RateLimit-Reset"), 10, 64)
 	if err != nil || reset < before+30 || reset > after+31 {
 		t.Errorf("X-RateLimit-Reset %q, want the epoch second 30 s ahead, in [%d, %d]", r.header.Get("X-RateLimit-Reset"), before+30, after+31)
+	}
+}
+
+func TestOneRequestPassesAgainAfterTheRefillTime(t *testing.T) {
+	clock := useFakeClock(t)
+	s := serve(t, `
+	rate_limit 2 10/s
+	respond "ok"`)
+
+	for i := range 2 {
+		if r := s.get("/"); r.status != 200 {
+			t.Fatalf("request %d: status %d, want 200", i+1, r.status)
+		}
+	}
+	if r := s.get("/"); r.status != 429 {
+		t.Fatalf("3rd request: status %d, want 429", r.status)
+	}
+	clock.advance(99 * time.Millisecond)
+	if r := s.get("/"); r.status != 429 {
+		t.Fatalf("99 ms later: status %d, want 429", r.status)
+	}
+	clock.advance(time.Millisecond)
+	if r := s.get("/"); r.status != 200 {
+		t.Fatalf("100 ms later: status %d, want 200", r.status)
+	}
+	if r := s.get("/"); r.status != 429 {
+		t.Fatalf("then again: status %d, want 429: only one token came back", r.status)
+	}
+}
+
+func TestHeadersModes(t *testing.T) {
+	tests := []struct {
+		mode      string
+		present   []string
+		absent    []string
+		wantIETF  string
+		wantPolic string
+	}{
+		{"x", []string{"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}, []string{"RateLimit", "RateLimit-Policy"}, "", ""},
+		{"ietf", []string{"RateLimit", "RateLimit-Policy"}, []string{"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}, `"default";r=4;t=2`, `"default";q=5;w=10`},
+		{"both", []string{"RateLimit", "RateLimit-Policy", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}, nil, `"default";r=4;t=2`, `"default";q=5;w=10`},
+		{"none", nil, []string{"RateLimit", "RateLimit-Policy", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}, "", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.mode, func(t *testing.T) {
+			useFakeClock(t)
+			s := serve(t, `
+	rate_limit 5 1/2s {
+		headers `+tt.mode+`
+	}
+	respond "ok"`)
+			r := s.get("/")
+			for _, h := range tt.present {
+				if r.header.Get(h) == "" {
+					t.Errorf("%s missing", h)
+				}
+			}
+			for _, h := range tt.absent {
+				if v := r.header.Get(h); v != "" {
+					t.Errorf("%s: %q, want none", h, v)
+				}
+			}
+			if tt.wantIETF != "" && r.header.Get("RateLimit") != tt.wantIETF {
+				t.Errorf("RateLimit %q, want %q", r.header.Get("RateLimit"), tt.wantIETF)
+			}
+			if tt.wantPolic != "" && r.header.Get("RateLimit-Policy") != tt.wantPolic {
+				t.Errorf("RateLimit-Policy %q, want %q", r.header.Get("RateLimit-Policy"), tt.wantPolic)
+			}
+			for range 4 {
+				s.get("/")
+			}
+			if r := s.get("/"); r.status != 429 || r.header.Get("Retry-After") != "2" {
+				t.Errorf("6th request: status %d, Retry-After %q; want 429 and 2 whatever the headers mode", r.status, r.header.Get("Retry-After"))
+			}
+		})
+	}
+}
+
+func TestRejectionGoesThroughHandleErrors(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/m
+	respond "ok"
+	handle_errors 429 {
+		respond "slow down: {http.rate_limit.decision}, retry in {http.rate_limit.retry_after}s, tier {http.rate_limit.tier}" 429
+	}`)
+	s.get("/")
+	r := s.get("/")
+	if r.status != 429 || r.body != "slow down: denied, retry in 60s, tier default" {
+		t.Fatalf("got %d %q, want 429 with the handle_errors page", r.status, r.body)
+	}
+	if r.header.Get("Retry-After") != "60" || r.header.Get("X-RateLimit-Remaining") != "0" {
+		t.Errorf("Retry-After %q, X-RateLimit-Remaining %q: want 60 and 0 through handle_errors", r.header.Get("Retry-After"), r.header.Get("X-RateLimit-Remaining"))
+	}
+}
+
+func TestStatusSetsTheRejectionCode(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/m {
+		status 503
+	}
+	respond "ok"`)
+	s.get("/")
+	if r := s.get("/"); r.status != 503 || r.header.Get("Retry-After") != "60" {
+		t.Fatalf("got %d with Retry-After %q, want 503 and 60", r.status, r.header.Get("Retry-After"))
+	}
+}
+
+func TestPlaceholdersOnAllowedRequests(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 4 1/s {
+		name api
+	}
+	respond "{http.rate_limit.policy} {http.rate_limit.tier} {http.rate_limit.decision} {http.rate_limit.limit} {http.rate_limit.remaining} {http.rate_limit.retry_after} {http.rate_limit.key_id}"`)
+	r := s.from("127.0.0.2", "/")
+	sum := bucketDigest(&Bucket{Keyer: "ip/32/64", Value: []byte("127.0.0.2")})
+	want := "api default allowed 4 3 0 " + hex.EncodeToString(sum[:8])
+	if r.body != want {
+		t.Fatalf("body %q, want %q", r.body, want)
+	}
+	if strings.Contains(r.body, "127.0.0.2") {
+		t.Errorf("a placeholder showed the client's address")
+	}
+}
+
+func TestHeaderKeyerGivesEachKeyItsBucketAndFallsBackToIP(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/h {
+		key header X-API-Key
+	}
+	respond "ok"`)
+	if r := s.get("/", "X-API-Key: alpha"); r.status != 200 {
+		t.Fatalf("alpha: %d", r.status)
+	}
+	if r := s.get("/", "X-API-Key: alpha"); r.status != 429 {
+		t.Fatalf("alpha again: %d, want 429", r.status)
+	}
+	if r := s.get("/", "X-API-Key: beta"); r.status != 200 {
+		t.Fatalf("beta: %d, want its own bucket", r.status)
+	}
+	// No key: the client IP names the client, one bucket per address.
+	if r := s.from("127.0.0.2", "/"); r.status != 200 {
+		t.Fatalf("keyless 127.0.0.2: %d", r.status)
+	}
+	if r := s.from("127.0.0.2", "/"); r.status != 429 {
+		t.Fatalf("keyless 127.0.0.2 again: %d, want 429", r.status)
+	}
+	if r := s.from("127.0.0.3", "/"); r.status != 200 {
+		t.Fatalf("keyless 127.0.0.3: %d, want its own bucket", r.status)
+	}
+}
+
+func TestCookieAndPlaceholderKeyers(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/h {
+		key cookie session
+		key placeholder {http.request.uri.query.user}
+	}
+	respond "ok"`)
+	steps := []struct {
+		path, header string
+		want         int
+	}{
+		{"/", "Cookie: theme=dark; session=s1", 200},
+		{"/", "Cookie: session=s1", 429},
+		{"/", "Cookie: session=\"s2\"; theme=dark", 200},
+		{"/?user=ann", "Cookie: theme=dark", 200},
+		{"/?user=ann", "Cookie: other=s1", 429},
+		{"/?user=bob", "Cookie: session=", 200},
+	}
+	for i, st := range steps {
+		if r := s.from("127.0.0.9", st.path, st.header); r.status != st.want {
+			t.Errorf("step %d (%s, %s): %d, want %d", i+1, st.path, st.header, r.status, st.want)
+		}
+	}
+}
+
+func TestIPPrefixGroupsClients(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/h {
+		key ip /24
+	}
+	respond "ok"`)
+	if r := s.from("127.0.5.1", "/"); r.status != 200 {
+		t.Fatalf("127.0.5.1: %d", r.status)
+	}
+	if r := s.from("127.0.5.200", "/"); r.status != 429 {
+		t.Fatalf("127.0.5.200 in the same /24: %d, want 429", r.status)
+	}
+	if r := s.from("127.0.6.1", "/"); r.status != 200 {
+		t.Fatalf("127.0.6.1 in another /24: %d, want 200", r.status)
+	}
+}
+
+func TestForwardedForIsIgnoredWithoutTrustedProxies(t *testing.T) {
+	useFakeClock(t)
+	port := freePort(t)
+	s := serveCaddyfile(t, port, fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	rate_limit 1 1/h
+	respond "ok"
+}`, port))
+	s.from("127.0.0.2", "/")
+	if r := s.from("127.0.0.3", "/"); r.status != 429 {
+		t.Fatalf("a forged X-Forwarded-For got a fresh bucket: %d, want 429", r.status)
+	}
+}
+
+func TestTiersFirstMatchWins(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 3 1/h {
+		key header X-API-Key
+		tier bots 1 1/h {
+			match {
+				header User-Agent *bot*
+			}
+		}
+		tier partners 5 1/h {
+			keyer header
+		}
+		tier heavy 4 1/h {
+			match {
+				path /export/*
+			}
+			cost 2
+		}
+		tier staff {
+			match {
+				header X-Staff yes
+			}
+			unlimited
+		}
+		tier banned {
+			match {
+				header User-Agent BadBot*
+			}
+			deny
+		}
+	}
+	respond "{http.rate_limit.tier}"`)
+
+	count := func(n int, ip, path string, headers ...string) (allowed int, tier string) {
+		for range n {
+			r := s.from(ip, path, headers...)
+			if r.status == 200 {
+				allowed++
+				tier = r.body
+			}
+		}
+		return allowed, tier
+	}
+	for _, tt := range []struct {
+		name        string
+		ip, path    string
+		headers     []string
+		wantAllowed int
+		wantTier    string
+	}{
+		{"bot by user agent", "127.0.1.1", "/", []string{"User-Agent: crawlbot/1.0"}, 1, "bots"},
+		{"partner by API key", "127.0.1.2", "/", []string{"X-API-Key: k1"}, 5, "partners"},
+		{"anonymous", "127.0.1.3", "/", nil, 3, "default"},
+		{"cost 2 of 4", "127.0.1.4", "/export/x", nil, 2, "heavy"},
+		{"staff unlimited", "127.0.1.5", "/", []string{"X-Staff: yes"}, 20, "staff"},
+	} {
+		allowed, tier := count(20, tt.ip, tt.path, tt.headers...)
+		if allowed != tt.wantAllowed || tier != tt.wantTier {
+			t.Errorf("%s: %d allowed on tier %q, want %d on %q", tt.name, allowed, tier, tt.wantAllowed, tt.wantTier)
+		}
+	}
+	// The first matching tier wins: a bot with an API key is a bot.
+	if allowed, tier := count(3, "127.0.1.6", "/", "User-Agent: bot", "X-API-Key: k2"); allowed != 1 || tier != "bots" {
+		t.Errorf("bot with API key: %d on %q, want 1 on bots", allowed, tier)
+	}
+	r := s.from("127.0.1.7", "/", "User-Agent: BadBot/2")
+	if r.status != 403 || r.header.Get("X-RateLimit-Limit") != "" {
+		t.Errorf("deny tier: %d with X-RateLimit-Limit %q, want 403 and no limit headers", r.status, r.header.Get("X-RateLimit-Limit"))
+	}
+	if r := s.from("127.0.1.8", "/", "X-Staff: yes"); r.header.Get("X-RateLimit-Limit") != "" {
+		t.Errorf("unlimited tier sent X-RateLimit-Limit %q", r.header.Get("X-RateLimit-Limit"))
+	}
+}
+
+func TestUpstreamHeadersReachTheOrigin(t *testing.T) {
+	useFakeClock(t)
+	port, origin := freePort(t), freePort(t)
+	s := serveCaddyfile(t, port, fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	rate_limit 10 1/s {
+		upstream_headers
+	}
+	reverse_proxy 127.0.0.1:%d
+}
+http://127.0.0.1:%d {
+	respond "limit={header.X-RateLimit-Limit} remaining={header.X-RateLimit-Remaining}"
+}`, port, origin, origin))
+	if r := s.get("/"); r.body != "limit=10 remaining=9" {
+		t.Fatalf("origin saw %q, want limit=10 remaining=9", r.body)
+	}
+}
+
+func TestClientCannotForgeUpstreamHeaders(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 10 1/s {
+		upstream_headers
+	}
+	respond "{header.X-RateLimit-Remaining}"`)
+	if r := s.get("/", "X-RateLimit-Remaining: 1000000"); r.body != "9" {
+		t.Fatalf("later handlers saw %q, want the limiter's 9", r.body)
+	}
+}
+
+func TestDryRunNeverRejects(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 2 1/h {
+		dry_run
+	}
+	respond "{http.rate_limit.decision}"`)
+	var bodies []string
+	for range 4 {
+		r := s.get("/")
+		if r.status != 200 {
+			t.Fatalf("dry run rejected with %d", r.status)
+		}
+		bodies = append(bodies, r.body)
+	}
+	if got := strings.Join(bodies, ","); got != "allowed,allowed,dry_run,dry_run" {
+		t.Errorf("decisions %s, want allowed,allowed,dry_run,dry_run", got)
+	}
+	if r := s.get("/"); r.header.Get("X-RateLimit-Remaining") != "0" || r.header.Get("Retry-After") == "" {
+		t.Errorf("dry run over the limit: Remaining %q, Retry-After %q; want 0 and a value", r.header.Get("X-RateLimit-Remaining"), r.header.Get("Retry-After"))
+	}
+}
+
+func TestPolicyNameSharesBucketsAcrossRoutes(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	handle /a {
+		rate_limit 2 1/h {
+			name shared
+		}
+		respond "a"
+	}
+	handle /b {
+		rate_limit 2 1/h {
+			name shared
+		}
+		respond "b"
+	}
+	handle /c {
+		rate_limit 2 1/h {
+			name other
+		}
+		respond "c"
+	}`)
+	s.get("/a")
+	s.get("/b")
+	if r := s.get("/a"); r.status != 429 {
+		t.Errorf("third request across /a and /b of one policy: %d, want 429", r.status)
+	}
+	if r := s.get("/c"); r.status != 200 {
+		t.Errorf("another policy: %d, want its own bucket", r.status)
+	}
+}
+
+func TestReloadKeepsBuckets(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 2 1/h
+	respond "one"`)
+	s.get("/")
+	s.get("/")
+	cfg, err := adaptCaddyfile(fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	rate_limit 2 1/h
+	respond "two"
+}`, s.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	r := s.get("/")
+	if r.status != 429 {
+		t.Fatalf("after a reload: %d %q, want 429: the bucket was lost", r.status, r.body)
+	}
+}
+
+func TestClientCannotForgeUpstreamHeadersOfTheOtherMode(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 10 1/s {
+		headers ietf
+		upstream_headers
+	}
+	respond "[{header.X-RateLimit-Remaining}] {header.RateLimit}"`)
+	if r := s.get("/", "X-RateLimit-Remaining: 1000000"); r.body != `[] "default";r=9;t=1` {
+		t.Fatalf("later handlers saw %q, want no X- header and the limiter's RateLimit", r.body)
 	}
 }
