@@ -1,0 +1,241 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// adaptSite adapts a one-site Caddyfile whose site body is directives.
+func adaptSite(directives string) ([]byte, error) {
+	return adaptCaddyfile("http://127.0.0.1:9 {\n" + directives + "\n}\n")
+}
+
+// handlerJSON digs the rate_limit handler's JSON out of an adapted config.
+func handlerJSON(t *testing.T, cfg []byte) map[string]any {
+	t.Helper()
+	var found map[string]any
+	var walk func(v any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if v["handler"] == "rate_limit" && found == nil {
+				found = v
+				return
+			}
+			for _, e := range v {
+				walk(e)
+			}
+		case []any:
+			for _, e := range v {
+				walk(e)
+			}
+		}
+	}
+	var root any
+	if err := json.Unmarshal(cfg, &root); err != nil {
+		t.Fatal(err)
+	}
+	walk(root)
+	if found == nil {
+		t.Fatalf("no rate_limit handler in %s", cfg)
+	}
+	return found
+}
+
+func TestCaddyfileFillsTheJSONConfig(t *testing.T) {
+	cfg, err := adaptSite(`
+	rate_limit /api/* 100 10/s {
+		name api
+		key header X-API-Key
+		key ip /24 /48
+		tier bots 2 1/m {
+			match {
+				header User-Agent *bot*
+			}
+		}
+		tier gold {
+			capacity 1000
+			refill 100/s
+			cost 2
+			keyer header
+		}
+		tier staff {
+			match {
+				remote_ip 127.0.0.0/8
+			}
+			unlimited
+		}
+		store local {
+			max_keys 5000
+		}
+		on_store_error deny
+		headers both
+		upstream_headers
+		status 503
+		dry_run
+	}
+	respond "ok"`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := json.Marshal(handlerJSON(t, cfg))
+	want := `{"dry_run":true,"handler":"rate_limit","headers":"both","keys":[{"field":"X-API-Key","keyer":"header"},{"ipv4_prefix":24,"ipv6_prefix":48,"keyer":"ip"}],"name":"api","on_store_error":"deny","status":503,"store":{"max_keys":5000,"store":"local"},"tiers":[{"capacity":2,"match":[{"header":{"User-Agent":["*bot*"]}}],"name":"bots","refill":"1/m"},{"capacity":1000,"cost":2,"keyer":"header","name":"gold","refill":"100/s"},{"match":[{"remote_ip":{"ranges":["127.0.0.0/8"]}}],"name":"staff","unlimited":true},{"capacity":100,"name":"default","refill":"10/s"}],"upstream_headers":true}`
+	if string(got) != want {
+		t.Errorf("adapted handler:\n got %s\nwant %s", got, want)
+	}
+	if !strings.Contains(string(cfg), `"path":["/api/*"]`) {
+		t.Errorf("the matcher before the limits was lost: %s", cfg)
+	}
+}
+
+func TestCaddyfileMistakesFailAtAdapt(t *testing.T) {
+	tests := []struct {
+		name       string
+		directives string
+		want       []string // substrings of the error
+	}{
+		{"no catch-all tier", `rate_limit {
+			tier bots 1 1/s {
+				match {
+					header User-Agent *bot*
+				}
+			}
+		}`, []string{"no catch-all tier", "Caddyfile:"}},
+		{"no tier at all", `rate_limit`, []string{"no tier"}},
+		{"capacity 0", `rate_limit 0 1/s`, []string{"capacity 0", "at least 1"}},
+		{"negative capacity", `rate_limit -5 1/s`, []string{"capacity -5"}},
+		{"capacity not a number", `rate_limit lots 1/s`, []string{`capacity "lots"`}},
+		{"refill fast", `rate_limit 10 fast`, []string{`refill "fast"`, "Caddyfile:2"}},
+		{"negative refill", `rate_limit 10 -1/s`, []string{`refill "-1/s"`}},
+		{"refill with a bad unit", `rate_limit 10 5/fortnight`, []string{`"5/fortnight"`}},
+		{"cost above capacity", `rate_limit 10 1/s {
+			tier heavy 5 1/s {
+				cost 6
+			}
+		}`, []string{"cost 6", "capacity, 5", `tier "heavy"`}},
+		{"unknown subdirective", `rate_limit 10 1/s {
+			burst 5
+		}`, []string{`unknown subdirective "burst"`, "Caddyfile:3"}},
+		{"unknown tier subdirective", `rate_limit 10 1/s {
+			tier a 1 1/s {
+				weight 3
+			}
+		}`, []string{`"weight"`, `tier "a"`}},
+		{"duplicate tier", `rate_limit 10 1/s {
+			tier a 1 1/s {
+				keyer header
+			}
+			tier a 2 1/s {
+				keyer cookie
+			}
+		}`, []string{`tier "a" is defined twice`}},
+		{"tier after a catch-all", `rate_limit 10 1/s {
+			tier everyone 1 1/s
+			tier later 2 1/s {
+				keyer header
+			}
+		}`, []string{`tier "everyone" has no conditions`}},
+		{"headers mode", `rate_limit 10 1/s {
+			headers draft
+		}`, []string{`headers "draft"`}},
+		{"on_store_error mode", `rate_limit 10 1/s {
+			on_store_error panic
+		}`, []string{`on_store_error "panic"`}},
+		{"status not an error", `rate_limit 10 1/s {
+			status 200
+		}`, []string{"status 200"}},
+		{"unknown keyer", `rate_limit 10 1/s {
+			key fingerprint
+		}`, []string{`keyer "fingerprint"`}},
+		{"header keyer without field", `rate_limit 10 1/s {
+			key header
+		}`, []string{"key header"}},
+		{"ip prefix too long", `rate_limit 10 1/s {
+			key ip /33
+		}`, []string{"prefix 33"}},
+		{"placeholder without placeholder", `rate_limit 10 1/s {
+			key placeholder constant
+		}`, []string{`"constant" holds no placeholder`}},
+		{"tier keyer unknown", `rate_limit 10 1/s {
+			tier a 1 1/s {
+				keyer mac
+			}
+		}`, []string{`keyer "mac"`}},
+		{"tier without refill", `rate_limit 10 1/s {
+			tier a {
+				capacity 5
+				keyer header
+			}
+		}`, []string{`tier "a": a refill rate is required`}},
+		{"unlimited with capacity", `rate_limit 10 1/s {
+			tier a 5 1/s {
+				keyer header
+				unlimited
+			}
+		}`, []string{"takes no capacity"}},
+		{"store twice", `rate_limit 10 1/s {
+			store local
+			store local
+		}`, []string{"store: given twice"}},
+		{"unknown store", `rate_limit 10 1/s {
+			store memcached
+		}`, []string{`store "memcached"`}},
+		{"max_keys 0", `rate_limit 10 1/s {
+			store local {
+				max_keys 0
+			}
+		}`, []string{"max_keys 0"}},
+		{"one value on the first line", `rate_limit 10`, []string{"<capacity> <refill>"}},
+		{"flag with a value", `rate_limit 10 1/s {
+			dry_run yes
+		}`, []string{`dry_run takes no value`}},
+		{"claim without value", `rate_limit 10 1/s {
+			tier a 1 1/s {
+				claim plan
+			}
+		}`, []string{"claim: want <claim> <value...>"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := adaptSite(tt.directives)
+			if err == nil {
+				t.Fatalf("adapted without error; want one containing %q", tt.want)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not contain %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+func TestJSONMistakesFailAtProvision(t *testing.T) {
+	for _, tt := range []struct {
+		handler string
+		want    string
+	}{
+		{`{"handler":"rate_limit","tiers":[{"name":"default","capacity":0,"refill":"1/s"}]}`, "capacity 0"},
+		{`{"handler":"rate_limit","tiers":[{"name":"default","capacity":5,"refill":"fast"}]}`, `refill "fast"`},
+		{`{"handler":"rate_limit","tiers":[{"name":"default","capacity":5,"refill":"1/s","cost":9}]}`, "cost 9"},
+		{`{"handler":"rate_limit","tiers":[{"name":"a","capacity":5,"refill":"1/s","keyer":"header"}]}`, "no catch-all tier"},
+		{`{"handler":"rate_limit","tiers":[{"name":"default","capacity":5,"refill":"1/s","claims":{"plan":["gold"]}},{"name":"x","capacity":1,"refill":"1/s"}]}`, "a claim condition needs a jwt block"},
+		{`{"handler":"rate_limit","keys":[{"keyer":"header"}],"tiers":[{"name":"default","capacity":5,"refill":"1/s"}]}`, "a field name is required"},
+	} {
+		port := freePort(t)
+		cfg := `{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{"listen":["127.0.0.1:` + strconv.Itoa(port) + `"],"routes":[{"handle":[` + tt.handler + `]}]}}}}}`
+		err := caddy.Load([]byte(cfg), true)
+		if err == nil {
+			_ = caddy.Stop()
+			t.Errorf("%s: loaded; want an error containing %q", tt.handler, tt.want)
+			continue
+		}
+		if !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%s: error %q does not contain %q", tt.handler, err, tt.want)
+		}
+	}
+}
