@@ -1,0 +1,80 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/tls"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestExampleCaddyfile runs example.Caddyfile as the README does, on free
+// ports: a TLS edge with tiers in front of an origin.
+func TestExampleCaddyfile(t *testing.T) {
+	src, err := os.ReadFile("example.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	edge, origin, httpPort := freePort(t), freePort(t), freePort(t)
+	cfg := strings.NewReplacer(
+		"admin 127.0.0.1:2019", "admin off",
+		"8443", strconv.Itoa(edge),
+		"9080", strconv.Itoa(origin),
+		"http_port 8080", "http_port "+strconv.Itoa(httpPort),
+	).Replace(string(src))
+	useFakeClock(t)
+	serveCaddyfile(t, edge, cfg)
+
+	// Like curl -k https://localhost:<edge>/, but always to 127.0.0.1.
+	transport := &http.Transport{
+		TLSClientConfig: &tls.Config{ServerName: "localhost", InsecureSkipVerify: true},
+		DialContext: func(ctx context.Context, network, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, network, "127.0.0.1:"+strconv.Itoa(edge))
+		},
+	}
+	defer transport.CloseIdleConnections()
+	client := &http.Client{Transport: transport, Timeout: 10 * time.Second}
+	get := func(headers ...string) (int, http.Header, string) {
+		req, _ := http.NewRequest("GET", "https://localhost:"+strconv.Itoa(edge)+"/", nil)
+		for i := 0; i+1 < len(headers); i += 2 {
+			req.Header.Set(headers[i], headers[i+1])
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, resp.Header, string(body)
+	}
+
+	var codes []string
+	for range 7 {
+		code, _, _ := get()
+		codes = append(codes, strconv.Itoa(code))
+	}
+	if got := strings.Join(codes, " "); got != "200 200 200 200 200 429 429" {
+		t.Errorf("anonymous burst: %s, want 5 × 200 then 429s", got)
+	}
+	code, hdr, _ := get()
+	if code != 429 || hdr.Get("Retry-After") != "10" || hdr.Get("X-RateLimit-Limit") != "5" || hdr.Get("X-RateLimit-Remaining") != "0" {
+		t.Errorf("rejection: %d, Retry-After %q, Limit %q, Remaining %q; want 429, 10, 5, 0", code, hdr.Get("Retry-After"), hdr.Get("X-RateLimit-Limit"), hdr.Get("X-RateLimit-Remaining"))
+	}
+	if code, _, body := get("X-API-Key", "demo-key-1"); code != 200 || body != "origin: limit=20 remaining=19\n" {
+		t.Errorf("api tier: %d %q, want 200 and the origin's echo of the api tier's headers", code, body)
+	}
+	var botCodes []string
+	for range 3 {
+		code, _, _ := get("User-Agent", "examplebot/1.0")
+		botCodes = append(botCodes, strconv.Itoa(code))
+	}
+	if got := strings.Join(botCodes, " "); got != "200 200 429" {
+		t.Errorf("bots: %s, want 200 200 429", got)
+	}
+}
