@@ -274,7 +274,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	case tier.Deny:
 		d.outcome = outcomeDenied
-		h.logger.Debug("client on the deny tier", zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
+		if ce := h.logger.Check(zapcore.DebugLevel, "client on a deny tier"); ce != nil {
+			ce.Write(zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
+		}
 		return caddyhttp.Error(http.StatusForbidden, errors.New("client is on a deny tier"))
 	}
 
@@ -299,7 +301,9 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			d.outcome = outcomeDryRun
 		} else {
 			d.outcome = outcomeDenied
-			h.logger.Debug("rate limited", zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", retry))
+			if ce := h.logger.Check(zapcore.DebugLevel, "rate limited"); ce != nil {
+				ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", retry))
+			}
 			return caddyhttp.Error(h.Status, errLimited)
 		}
 	}
