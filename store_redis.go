@@ -262,7 +262,10 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 		}
 		// Sentinels that need a password mostly share the data nodes'.
 		opts.SentinelUsername, opts.SentinelPassword = username, password
+		// One try per decision: a retry would spend the timeout, and a
+		// script whose answer was lost may have run, so must not run twice.
 		opts.MaxRetries = -1
+		opts.DialerRetries = 1
 		opts.ContextTimeoutEnabled = true
 		cfg.newClient = func() redis.UniversalClient { return redis.NewFailoverClient(opts) }
 	} else {
@@ -298,6 +301,7 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 		if len(nodes) == 1 {
 			first.PoolSize = s.PoolSize
 			first.MaxRetries = -1
+			first.DialerRetries = 1
 			first.ContextTimeoutEnabled = true
 			first.Dialer = redisDialer(first.TLSConfig)
 			cfg.newClient = func() redis.UniversalClient { return redis.NewClient(first) }
@@ -308,6 +312,7 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 				TLSConfig:             first.TLSConfig,
 				PoolSize:              s.PoolSize,
 				MaxRetries:            -1,
+				DialerRetries:         1,
 				ContextTimeoutEnabled: true,
 			}
 			for i, o := range nodes {
@@ -638,7 +643,8 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	}
 	s.record(ctx, err)
 	if err != nil {
-		if errors.Is(err, context.DeadlineExceeded) {
+		var netErr net.Error
+		if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
 			return Result{}, 0, fmt.Errorf("redis store: no answer within %s: %w", s.timeout, err)
 		}
 		return Result{}, 0, fmt.Errorf("redis store: %w", err)

@@ -1,0 +1,831 @@
+//go:build wip_redis
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+var bg = context.Background()
+
+// slowLimit is a bucket that does not refill within a test.
+func slowLimit(capacity int64) Limit {
+	return Limit{Capacity: capacity, Rate: Rate{Tokens: 1, Interval: 3600_000_000}}
+}
+
+func TestRedisMatchesReferenceModel(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	rdb := srv.client()
+	defer rdb.Close()
+
+	// Redis reads its own clock, so the traces run on TIME plus an offset
+	// that grows by each gap (the script's test-only argument), and the
+	// model is given the time the script reports. The offset never
+	// shrinks, so the simulated time runs ahead of the real one and no key
+	// expires before the model's bucket is full.
+	rng := rand.New(rand.NewPCG(5, 6))
+	for i := range 40 {
+		tr := newRandomTrace(rng)
+		ref := newRefModel(tr.limit)
+		key := s.key(bucketFor("client-" + strconv.Itoa(i)))
+		var st State
+		for j := range tr.gaps {
+			s.clockOffset += tr.gaps[j]
+			sent := time.Now()
+			got, now, err := s.run(bg, key, tr.limit, tr.costs[j])
+			if err != nil {
+				t.Fatal(err)
+			}
+			var want Result
+			st, want = Take(st, now, tr.limit, tr.costs[j])
+			if got != want {
+				t.Fatalf("trace %d (limit %+v) step %d at %dµs cost %d: Redis %+v, Take %+v", i, tr.limit, j, now, tr.costs[j], got, want)
+			}
+			if model := ref.take(now, tr.costs[j]); got != model {
+				t.Fatalf("trace %d step %d: Redis %+v, reference model %+v", i, j, got, model)
+			}
+			// The stored state is Take's, to the unit, and the key lives
+			// until the bucket is full: it may be gone only once the time
+			// since the decision, plus the millisecond rounding, has
+			// refilled the bucket.
+			v, err := rdb.Get(bg, key).Result()
+			elapsed := time.Since(sent).Microseconds()
+			switch {
+			case err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack):
+				t.Fatalf("trace %d step %d: stored %q, Take's state %+v", i, j, v, st)
+			case err != nil && st.FullAt > now+elapsed+2000:
+				t.Fatalf("trace %d step %d: the key is gone %dµs before the bucket is full: %v", i, j, st.FullAt-now-elapsed, err)
+			}
+		}
+	}
+}
+
+func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
+	b := bucketFor("127.0.0.2")
+	l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
+
+	for range 4 {
+		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+			t.Fatalf("Take: %+v, %v", res, err)
+		}
+	}
+	key := s.key(b)
+	pttl := srv.do("PTTL", key).(int64)
+	// Four tokens short at 1/s: full again in 4 s, give or take the time
+	// since the last take and the millisecond rounded up.
+	if pttl < 3900 || pttl > 4001 {
+		t.Fatalf("PTTL %d ms after taking 4 of 10 at 1/s, want about 4000", pttl)
+	}
+	value := srv.do("GET", key)
+
+	// A denial writes nothing: neither the state nor the expiry.
+	for range 6 {
+		if _, err := s.Take(bg, b, l, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	denied, err := s.Take(bg, b, Limit{Capacity: 10, Rate: l.Rate}, 1)
+	if err != nil || denied.Allowed {
+		t.Fatalf("11th take: %+v, %v; want denied", denied, err)
+	}
+	s.conn.denied.remove(key)
+	before := srv.do("GET", key)
+	if res, err := s.Take(bg, b, l, 1); err != nil || res.Allowed {
+		t.Fatalf("take from the empty bucket, through Redis: %+v, %v", res, err)
+	}
+	if after := srv.do("GET", key); after != before {
+		t.Fatalf("a denial changed the bucket from %q to %q", before, after)
+	}
+	if value == before {
+		t.Fatal("allowed takes did not change the bucket")
+	}
+}
+
+func TestRedisKeysHideClientValues(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Prefix: "edge:"})
+	b := &Bucket{Policy: "api", Tier: "gold", Keyer: "header/X-Api-Key", Value: []byte("sk_live_very_secret")}
+	if _, err := s.Take(bg, b, slowLimit(5), 1); err != nil {
+		t.Fatal(err)
+	}
+	keys := srv.do("KEYS", "*").([]any)
+	if len(keys) != 1 {
+		t.Fatalf("keys %v, want one", keys)
+	}
+	key := keys[0].(string)
+	if !regexp.MustCompile(`^edge:api:gold:[0-9a-f]{32}$`).MatchString(key) {
+		t.Fatalf("key %q, want edge:api:gold: and 32 hex digits", key)
+	}
+	if strings.Contains(key, "secret") || strings.Contains(key, "X-Api-Key") {
+		t.Fatalf("key %q shows the client value", key)
+	}
+	// The hash is stable: another node, another process, the same key.
+	other := &RedisStore{prefix: "edge:"}
+	if other.key(b) != key {
+		t.Fatalf("key %q differs from %q made apart", other.key(b), key)
+	}
+}
+
+func TestRedisTwoNodesAdmitExactlyTheCapacity(t *testing.T) {
+	srv := startRedis(t)
+	const capacity = 20
+	nodes := []*RedisStore{
+		newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)}),
+		newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)}),
+	}
+	if nodes[0].conn.client == nodes[1].conn.client {
+		t.Fatal("the two nodes share a client")
+	}
+	b := bucketFor("203.0.113.7")
+	var allowed, denied atomic.Int64
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range 10 * capacity {
+		wg.Go(func() {
+			<-start
+			res, err := nodes[i%2].Take(bg, b, slowLimit(capacity), 1)
+			switch {
+			case err != nil:
+				t.Error(err)
+			case res.Allowed:
+				allowed.Add(1)
+			default:
+				denied.Add(1)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if allowed.Load() != capacity || denied.Load() != 9*capacity {
+		t.Fatalf("burst of %d over two nodes: %d allowed, %d denied; want exactly %d allowed", 10*capacity, allowed.Load(), denied.Load(), capacity)
+	}
+}
+
+func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
+	b := bucketFor("198.51.100.1")
+	l := Limit{Capacity: 1, Rate: Rate{Tokens: 1, Interval: 400_000}} // 1 per 400 ms
+
+	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		t.Fatalf("first take: %+v, %v", res, err)
+	}
+	first, err := s.Take(bg, b, l, 1)
+	if err != nil || first.Allowed {
+		t.Fatalf("second take: %+v, %v; want denied by Redis", first, err)
+	}
+	calls := scriptCalls(srv)
+	hits := s.DenyCacheHits()
+	for range 50 {
+		res, err := s.Take(bg, b, l, 1)
+		if err != nil || res.Allowed {
+			t.Fatalf("take within the retry time: %+v, %v; want denied", res, err)
+		}
+		if res.RetryAfter <= 0 || res.RetryAfter > first.RetryAfter {
+			t.Fatalf("cached Retry-After %dµs, want within (0, %d]", res.RetryAfter, first.RetryAfter)
+		}
+	}
+	if got := s.DenyCacheHits() - hits; got != 50 {
+		t.Fatalf("deny cache hits %d, want 50", got)
+	}
+	if got := scriptCalls(srv); got != calls {
+		t.Fatalf("Redis ran the script %d more times while the deny cache held the bucket", got-calls)
+	}
+	// A different cost is not the decision Redis gave: it goes to Redis.
+	time.Sleep(time.Duration(first.RetryAfter)*time.Microsecond + 20*time.Millisecond)
+	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		t.Fatalf("take after the retry time: %+v, %v; want allowed by Redis", res, err)
+	}
+	if scriptCalls(srv) == calls {
+		t.Fatal("the take after the retry time did not reach Redis")
+	}
+}
+
+// scriptCalls counts EVALSHA and EVAL calls on the server.
+func scriptCalls(srv *redisServer) int {
+	n := 0
+	for _, name := range []string{"cmdstat_evalsha", "cmdstat_eval"} {
+		if v := srv.info("commandstats", name); v != "" {
+			calls, _, _ := strings.Cut(strings.TrimPrefix(v, "calls="), ",")
+			c, _ := strconv.Atoi(calls)
+			n += c
+		}
+	}
+	return n
+}
+
+func TestDenyCacheIsBounded(t *testing.T) {
+	c := newDenyCache(1000)
+	l := slowLimit(1)
+	for i := range 20000 {
+		c.put("rl:p:t:"+strconv.Itoa(i), l, 1, 1, Result{RetryAfter: 1 << 40})
+	}
+	if n := c.len(); n > 1000+denyShards {
+		t.Fatalf("deny cache holds %d entries, bound 1000", n)
+	}
+	// Expired entries go before live ones.
+	c = newDenyCache(denyShards)
+	c.put("old", l, 1, 0, Result{RetryAfter: 10})
+	sh := c.shard("old")
+	sh.makeRoom(100)
+	if len(sh.entries) != 0 {
+		t.Fatal("an expired entry survived makeRoom")
+	}
+	// Only the same limit and cost are answered.
+	c.put("k", l, 2, 0, Result{RetryAfter: 1000})
+	if _, ok := c.get("k", l, 1, 10); ok {
+		t.Fatal("a denial at cost 2 answered a take of cost 1")
+	}
+	if _, ok := c.get("k", slowLimit(2), 2, 10); ok {
+		t.Fatal("a denial answered a take on another limit")
+	}
+	if _, ok := c.get("k", l, 2, 1000); ok {
+		t.Fatal("a denial answered at its retry time")
+	}
+	if res, ok := c.get("k", l, 2, 10); !ok || res.Allowed || res.RetryAfter != 990 {
+		t.Fatalf("get within the retry time: %+v, %v", res, ok)
+	}
+}
+
+func TestRedisResetAndPeek(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
+	b := bucketFor("192.0.2.9")
+	l := slowLimit(3)
+	for range 3 {
+		if _, err := s.Take(bg, b, l, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if res, _ := s.Take(bg, b, l, 1); res.Allowed {
+		t.Fatal("4th take of 3 allowed")
+	}
+	peek, err := s.Peek(bg, b, l)
+	if err != nil || peek.Allowed || peek.Remaining != 0 {
+		t.Fatalf("peek at an empty bucket: %+v, %v", peek, err)
+	}
+	if err := s.Reset(bg, b); err != nil {
+		t.Fatal(err)
+	}
+	peek, err = s.Peek(bg, b, l)
+	if err != nil || !peek.Allowed || peek.Remaining != 3 || peek.ResetAfter != 0 {
+		t.Fatalf("peek after reset: %+v, %v; want a full bucket", peek, err)
+	}
+	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed || res.Remaining != 2 {
+		t.Fatalf("take after reset: %+v, %v", res, err)
+	}
+}
+
+func TestRedisScriptFlushIsHandled(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
+	b := bucketFor("192.0.2.10")
+	l := slowLimit(5)
+	if res, err := s.Take(bg, b, l, 1); err != nil || res.Remaining != 4 {
+		t.Fatalf("first take: %+v, %v", res, err)
+	}
+	for i := range 2 {
+		srv.do("SCRIPT", "FLUSH")
+		res, err := s.Take(bg, b, l, 1)
+		if err != nil || !res.Allowed || res.Remaining != int64(3-i) {
+			t.Fatalf("take after SCRIPT FLUSH: %+v, %v; want allowed with %d left", res, err, 3-i)
+		}
+	}
+	// The first take, on a fresh server, fell back to EVAL too.
+	if v := srv.info("commandstats", "cmdstat_eval"); !strings.HasPrefix(v, "calls=3,") {
+		t.Fatalf("EVAL stats %q: want three NOSCRIPT fallbacks", v)
+	}
+}
+
+func TestRedisOverTLS(t *testing.T) {
+	ca := newTestCA(t)
+	srv := startTLSRedis(t, ca)
+	url := "rediss://" + srv.addr()
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{url}, TLS: &RedisTLS{CA: ca.caFile}})
+	b := bucketFor("192.0.2.11")
+	for i := range 3 {
+		res, err := s.Take(bg, b, slowLimit(2), 1)
+		if err != nil {
+			t.Fatalf("take over TLS: %v", err)
+		}
+		if res.Allowed != (i < 2) {
+			t.Fatalf("take %d over TLS: %+v", i+1, res)
+		}
+	}
+	// Without the CA the server's certificate is not trusted.
+	untrusted := newRedisStoreFor(t, &RedisStore{Addresses: []string{url}, Prefix: "other:", Timeout: caddy.Duration(5 * time.Second)})
+	if _, err := untrusted.Take(bg, b, slowLimit(2), 1); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("take over TLS without the CA: %v, want a certificate error", err)
+	}
+}
+
+func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
+	nodes := startCluster(t, 3)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, n.url())
+	}
+	s := newRedisStoreFor(t, &RedisStore{Addresses: addrs, Timeout: caddy.Duration(5 * time.Second)})
+	const clients, capacity = 60, 3
+	var wg sync.WaitGroup
+	for c := range clients {
+		wg.Go(func() {
+			b := bucketFor("10.0.0." + strconv.Itoa(c))
+			allowed := 0
+			for range capacity + 2 {
+				res, err := s.Take(bg, b, slowLimit(capacity), 1)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if res.Allowed {
+					allowed++
+				}
+			}
+			if allowed != capacity {
+				t.Errorf("client %d: %d allowed, want %d", c, allowed, capacity)
+			}
+		})
+	}
+	wg.Wait()
+
+	total := int64(0)
+	for _, n := range nodes {
+		size := n.do("DBSIZE").(int64)
+		if size == 0 {
+			t.Errorf("node %s holds no bucket: the keys are not spread", n.addr())
+		}
+		total += size
+	}
+	if total != clients {
+		t.Fatalf("%d keys over the cluster, want %d", total, clients)
+	}
+	// Each key lives on the master that owns its slot.
+	for c := range clients {
+		key := s.key(bucketFor("10.0.0." + strconv.Itoa(c)))
+		slot := nodes[0].do("CLUSTER", "KEYSLOT", key).(int64)
+		found := 0
+		for _, n := range nodes {
+			if n.do("CLUSTER", "COUNTKEYSINSLOT", slot).(int64) > 0 && n.do("EXISTS", key).(int64) == 1 {
+				found++
+			}
+		}
+		if found != 1 {
+			t.Fatalf("key of client %d (slot %d) is on %d nodes, want 1", c, slot, found)
+		}
+	}
+}
+
+func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
+	st := startSentinel(t)
+	s := newRedisStoreFor(t, &RedisStore{
+		Sentinel: &RedisSentinel{Master: st.name, Addresses: st.sentinelAddresses},
+		Timeout:  caddy.Duration(time.Second),
+	})
+	before := bucketFor("192.0.2.20")
+	for i := range 4 {
+		res, err := s.Take(bg, before, slowLimit(3), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed != (i < 3) {
+			t.Fatalf("take %d before failover: %+v", i+1, res)
+		}
+	}
+	// Let the replica have the writes, as it will most of the time:
+	// replication is asynchronous, and what it has not received when the
+	// master fails is lost.
+	if n := st.master.do("WAIT", 1, 2000).(int64); n != 1 {
+		t.Fatalf("WAIT: %d replicas acknowledged, want 1", n)
+	}
+
+	st.failover(t)
+
+	waitFor(t, 20*time.Second, "the store to reach the new master", func() bool {
+		_, err := s.Take(bg, bucketFor("probe"), slowLimit(1000), 1)
+		return err == nil
+	})
+	after := bucketFor("192.0.2.21")
+	first, err := s.Take(bg, after, slowLimit(3), 1)
+	if err != nil || !first.Allowed || first.Remaining != 2 {
+		t.Fatalf("first take after failover: %+v, %v", first, err)
+	}
+	for i := range 3 {
+		res, err := s.Take(bg, after, slowLimit(3), 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed != (i < 2) {
+			t.Fatalf("take %d after failover: %+v", i+2, res)
+		}
+	}
+	// The bucket emptied before the failover is still empty on the new
+	// master.
+	peek, err := s.Peek(bg, before, slowLimit(3))
+	if err != nil || peek.Allowed {
+		t.Fatalf("peek after failover at the bucket emptied before: %+v, %v", peek, err)
+	}
+	if got := st.master.do("DBSIZE").(int64); got != 3 {
+		t.Fatalf("the new master holds %d buckets, want 3", got)
+	}
+}
+
+func TestRedisProvisionDoesNotNeedRedis(t *testing.T) {
+	port := freePort(t) // nothing listens here
+	start := time.Now()
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{"redis://127.0.0.1:" + strconv.Itoa(port)}})
+	if d := time.Since(start); d > time.Second {
+		t.Fatalf("provision took %s with Redis down", d)
+	}
+	if _, err := s.Take(bg, bucketFor("x"), slowLimit(1), 1); err == nil {
+		t.Fatal("take with Redis down: no error")
+	}
+}
+
+func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
+	b := breaker{threshold: 3, cooldown: 1000}
+	for now := range int64(3) {
+		if !b.allow(now) {
+			t.Fatalf("closed breaker refused call %d", now)
+		}
+		b.record(false, now)
+	}
+	// Open until 2+1000.
+	if b.allow(500) || b.allow(1001) || !b.allow(1002) {
+		t.Fatal("after 3 failures: want refusal during the cool-down, then a probe")
+	}
+	if b.allow(1003) {
+		t.Fatal("a second probe went through while the first was out")
+	}
+	b.record(false, 1004) // the probe failed: open until 2004
+	if b.allow(1500) {
+		t.Fatal("a failed probe did not restart the cool-down")
+	}
+	if !b.allow(2004) {
+		t.Fatal("no probe after the second cool-down")
+	}
+	b.record(true, 2005)
+	if !b.allow(2006) || !b.allow(2007) || b.open() {
+		t.Fatal("a successful probe did not close the breaker")
+	}
+
+	// Through the store: a Redis that does not answer costs the timeout
+	// per decision until the breaker opens, then nothing.
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(50 * time.Millisecond)})
+	if _, err := s.Take(bg, bucketFor("y"), slowLimit(1), 1); err != nil {
+		t.Fatal(err)
+	}
+	srv.pause()
+	defer srv.resume()
+	for i := range defaultBreakerFailures {
+		start := time.Now()
+		_, err := s.Take(bg, bucketFor("y"+strconv.Itoa(i)), slowLimit(1), 1)
+		if err == nil || !strings.Contains(err.Error(), "no answer within 50ms") {
+			t.Fatalf("take %d from a stopped Redis: %v", i, err)
+		}
+		if d := time.Since(start); d > 50*time.Millisecond+250*time.Millisecond {
+			t.Fatalf("take %d waited %s, timeout 50ms", i, d)
+		}
+	}
+	start := time.Now()
+	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); err != errBreakerOpen {
+		t.Fatalf("take with the breaker open: %v, want errBreakerOpen", err)
+	}
+	if d := time.Since(start); d > 10*time.Millisecond {
+		t.Fatalf("take with the breaker open waited %s", d)
+	}
+}
+
+// TestRedisDownModes runs a real config with each on_store_error mode,
+// then stops Redis, kills it and starts it again, with traffic flowing.
+func TestRedisDownModes(t *testing.T) {
+	const timeout = 100 * time.Millisecond
+	for _, mode := range []string{"local", "allow", "deny"} {
+		t.Run(mode, func(t *testing.T) {
+			srv := startRedis(t)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit 3 1/h {
+		store redis {
+			address %s
+			timeout %s
+		}
+		on_store_error %s
+	}
+	respond "ok"`, srv.url(), timeout, mode))
+
+			var maxLatency atomic.Int64
+			send := func(ip string) response {
+				start := time.Now()
+				r := s.from(ip, "/")
+				d := int64(time.Since(start))
+				for old := maxLatency.Load(); d > old && !maxLatency.CompareAndSwap(old, d); old = maxLatency.Load() {
+				}
+				return r
+			}
+			expectLimited := func(phase, ip string) {
+				t.Helper()
+				for i := range 5 {
+					want := 200
+					if i >= 3 {
+						want = 429
+					}
+					if r := send(ip); r.status != want {
+						t.Fatalf("%s: request %d from %s: status %d, want %d", phase, i+1, ip, r.status, want)
+					}
+				}
+			}
+
+			// Background traffic across every phase: never a 5xx other
+			// than deny's 503, never a wait past the timeout.
+			stop := make(chan struct{})
+			var traffic sync.WaitGroup
+			traffic.Go(func() {
+				for i := 0; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					r := send("127.0.1." + strconv.Itoa(i%200))
+					if r.status >= 500 && !(mode == "deny" && r.status == 503) {
+						t.Errorf("background request: status %d", r.status)
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
+			})
+			defer func() { close(stop); traffic.Wait() }()
+
+			expectLimited("Redis up", "127.0.0.2")
+			if n := srv.do("DBSIZE").(int64); n < 1 {
+				t.Fatal("no bucket in Redis while it is up")
+			}
+
+			check := func(phase, ip string) {
+				t.Helper()
+				switch mode {
+				case "local":
+					expectLimited(phase, ip)
+				case "allow":
+					for i := range 5 {
+						if r := send(ip); r.status != 200 {
+							t.Fatalf("%s: request %d: status %d, want 200", phase, i+1, r.status)
+						}
+					}
+				case "deny":
+					for i := range 5 {
+						r := send(ip)
+						if r.status != http.StatusServiceUnavailable || r.header.Get("Retry-After") != "1" {
+							t.Fatalf("%s: request %d: status %d Retry-After %q, want 503 and 1", phase, i+1, r.status, r.header.Get("Retry-After"))
+						}
+					}
+				}
+			}
+			srv.pause() // connections hang: each decision waits for the timeout
+			check("Redis stopped", "127.0.0.3")
+			srv.kill() // connections refused
+			check("Redis killed", "127.0.0.4")
+
+			srv.start() // empty, on the same port
+			// After the breaker's cool-down a probe reaches Redis again.
+			waitFor(t, 10*time.Second, "Redis to hold buckets again", func() bool {
+				send("127.0.2.1")
+				return srv.do("DBSIZE").(int64) > 0
+			})
+			expectLimited("Redis restarted", "127.0.0.5")
+			if n := srv.do("DBSIZE").(int64); n < 2 {
+				t.Fatalf("%d buckets in the restarted Redis, want the new client's too", n)
+			}
+
+			if max := time.Duration(maxLatency.Load()); max > timeout+250*time.Millisecond {
+				t.Fatalf("slowest request took %s, timeout %s", max, timeout)
+			}
+		})
+	}
+}
+
+func TestRedisCaddyfile(t *testing.T) {
+	adapt := func(store string) (map[string]any, error) {
+		cfg, err := adaptCaddyfile(fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:8080 {
+	rate_limit 3 1/s {
+		%s
+	}
+	respond "ok"
+}`, store))
+		if err != nil {
+			return nil, err
+		}
+		var out struct {
+			Apps struct {
+				HTTP struct {
+					Servers map[string]struct {
+						Routes []struct {
+							Handle []struct {
+								Routes []struct {
+									Handle []map[string]any
+								}
+							}
+						}
+					}
+				}
+			}
+		}
+		if err := json.Unmarshal(cfg, &out); err != nil {
+			return nil, err
+		}
+		for _, srv := range out.Apps.HTTP.Servers {
+			for _, h := range srv.Routes[0].Handle[0].Routes[0].Handle {
+				if h["handler"] == "rate_limit" {
+					st, _ := h["store"].(map[string]any)
+					return st, nil
+				}
+			}
+		}
+		return nil, fmt.Errorf("no rate_limit handler in %s", cfg)
+	}
+
+	got, err := adapt(`store redis {
+			address rediss://default:{env.REDIS_PASSWORD}@127.0.0.1:6380 redis://127.0.0.1:6381
+			username edge
+			password {env.REDIS_PASSWORD}
+			tls {
+				ca /etc/ssl/redis-ca.pem
+				cert /etc/ssl/client.pem
+				key /etc/ssl/client-key.pem
+				insecure_skip_verify
+			}
+			prefix edge:
+			timeout 250ms
+			pool_size 32
+		}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]any{
+		"store":     "redis",
+		"addresses": []any{"rediss://default:{env.REDIS_PASSWORD}@127.0.0.1:6380", "redis://127.0.0.1:6381"},
+		"username":  "edge",
+		"password":  "{env.REDIS_PASSWORD}",
+		"tls": map[string]any{"ca": "/etc/ssl/redis-ca.pem", "cert": "/etc/ssl/client.pem",
+			"key": "/etc/ssl/client-key.pem", "insecure_skip_verify": true},
+		"prefix":    "edge:",
+		"timeout":   float64(250 * time.Millisecond),
+		"pool_size": float64(32),
+	}
+	if g, w := fmt.Sprint(got), fmt.Sprint(want); g != w {
+		t.Fatalf("store JSON\n got %s\nwant %s", g, w)
+	}
+
+	got, err = adapt(`store redis {
+			sentinel mymaster 127.0.0.1:26379 127.0.0.1:26380
+			db 2
+		}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := fmt.Sprint(got); g != "map[db:2 sentinel:map[addresses:[127.0.0.1:26379 127.0.0.1:26380] master:mymaster] store:redis]" {
+		t.Fatalf("sentinel store JSON: %s", g)
+	}
+
+	for _, tc := range []struct{ store, want string }{
+		{"store redis redis://127.0.0.1", `unexpected "redis://127.0.0.1"`},
+		{"store redis {\n address\n }", "address: want one or more"},
+		{"store redis {\n sentinel mymaster\n }", "sentinel: want <master> <address...>"},
+		{"store redis {\n db -1\n }", "db -1"},
+		{"store redis {\n db two\n }", `db "two"`},
+		{"store redis {\n timeout soon\n }", `timeout "soon"`},
+		{"store redis {\n timeout -1s\n }", `timeout "-1s"`},
+		{"store redis {\n pool_size 0\n }", "pool_size 0"},
+		{"store redis {\n prefix\n }", "prefix: want exactly one value"},
+		{"store redis {\n cluster yes\n }", `unknown subdirective "cluster"`},
+		{"store redis {\n tls {\n ca\n }\n }", "tls ca: want a file"},
+		{"store redis {\n tls {\n pem x\n }\n }", `tls: unknown subdirective "pem"`},
+		{"store redis {\n tls {\n cert c.pem\n }\n }", "give cert and key together"},
+		{"store redis {\n address redis://127.0.0.1\n sentinel m 127.0.0.1:26379\n }", "not both"},
+	} {
+		_, err := adapt(tc.store)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v, want one containing %q", tc.store, err, tc.want)
+		}
+	}
+}
+
+func TestRedisProvisionErrorsNameTheValue(t *testing.T) {
+	t.Setenv("RL_TEST_REDIS_PASSWORD", "hunter2")
+	for _, tc := range []struct {
+		store     RedisStore
+		want      string
+		forbidden string
+	}{
+		{RedisStore{Addresses: []string{"ftp://127.0.0.1:21"}}, `address "ftp://127.0.0.1:21"`, ""},
+		{RedisStore{Addresses: []string{"127.0.0.1"}}, `address "127.0.0.1"`, ""},
+		{RedisStore{Addresses: []string{"127.0.0.1:99999"}}, `port "99999"`, ""},
+		{RedisStore{Addresses: []string{"redis://u:s3cret@127.0.0.1:6379/x"}}, `"redis://u:xxxxx@127.0.0.1:6379/x"`, "s3cret"},
+		{RedisStore{Addresses: []string{"redis://u:{env.RL_TEST_REDIS_PASSWORD}@127.0.0.1:bad"}}, "address", "hunter2"},
+		{RedisStore{Addresses: []string{"redis://127.0.0.1:6379", "unix:///tmp/redis.sock"}}, `"unix:///tmp/redis.sock": a Cluster needs TCP`, ""},
+		{RedisStore{Addresses: []string{"redis://127.0.0.1:6379", "redis://127.0.0.1:6380"}, DB: 1}, "only database 0", ""},
+		{RedisStore{Addresses: []string{"redis://127.0.0.1:6379", "rediss://127.0.0.1:6380"}}, "mix redis:// and rediss://", ""},
+		{RedisStore{Sentinel: &RedisSentinel{Master: "m", Addresses: []string{"nowhere"}}}, `sentinel address "nowhere"`, ""},
+		{RedisStore{Sentinel: &RedisSentinel{Master: "m"}}, `sentinel "m": no sentinel address`, ""},
+		{RedisStore{TLS: &RedisTLS{CA: "/nonexistent/ca.pem"}}, `tls ca "/nonexistent/ca.pem"`, ""},
+		{RedisStore{Timeout: caddy.Duration(-time.Second)}, "timeout -1s", ""},
+		{RedisStore{BreakerFailures: -1}, "breaker_failures -1", ""},
+	} {
+		s := tc.store
+		err := s.Provision(caddy.Context{})
+		if err == nil {
+			_ = s.Cleanup()
+			t.Errorf("%+v: provisioned, want an error containing %q", tc.store, tc.want)
+			continue
+		}
+		if !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: error %q, want one containing %q", tc.store, err, tc.want)
+		}
+		if tc.forbidden != "" && strings.Contains(err.Error(), tc.forbidden) {
+			t.Errorf("error %q shows the password", err)
+		}
+	}
+}
+
+func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
+	srv := startRedis(t)
+	settings := RedisStore{Addresses: []string{srv.url()}, Prefix: "reload:"}
+	a, b := settings, settings
+	if err := a.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
+	}
+	if a.conn != b.conn {
+		t.Fatal("two configs with the same settings got two clients")
+	}
+	other := RedisStore{Addresses: []string{srv.url()}, Password: "x"}
+	if err := other.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
+	}
+	if other.conn == a.conn {
+		t.Fatal("different settings share a client")
+	}
+	_ = other.Cleanup()
+	if err := a.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Take(bg, bucketFor("r"), slowLimit(1), 1); err != nil {
+		t.Fatalf("take after the old config's cleanup: %v", err)
+	}
+	if err := b.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Take(bg, bucketFor("r"), slowLimit(1), 1); err == nil || !strings.Contains(err.Error(), "closed") {
+		t.Fatalf("take after the last cleanup: %v, want a closed client", err)
+	}
+}
+
+func BenchmarkRedisTake(b *testing.B) {
+	srv := startRedis(b)
+	s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+	bucket := bucketFor("bench")
+	l := Limit{Capacity: 1_000_000_000, Rate: Rate{Tokens: 1, Interval: 1}} // never denies
+	b.Run("serial", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := s.Take(bg, bucket, l, 1); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+	})
+	b.Run("parallel", func(b *testing.B) {
+		b.SetParallelism(16)
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				if _, err := s.Take(bg, bucket, l, 1); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+	})
+	b.Logf("redis-benchmark equivalent: redis-benchmark -p PORT -n 200000 -c 32 -q EVALSHA %s 1 %s %d %d %d 1",
+		bucketScript.Hash(), s.key(bucket), l.Capacity, l.Rate.Tokens, l.Rate.Interval)
+}
