@@ -239,3 +239,36 @@ func TestJSONMistakesFailAtProvision(t *testing.T) {
 		}
 	}
 }
+
+// findHandlers decodes every rate_limit handler in an adapted config.
+func findHandlers(t *testing.T, cfg []byte) []*Handler {
+	t.Helper()
+	var out []*Handler
+	var walk func(v any)
+	walk = func(v any) {
+		switch v := v.(type) {
+		case map[string]any:
+			if v["handler"] == "rate_limit" {
+				raw, _ := json.Marshal(v)
+				h := new(Handler)
+				if err := json.Unmarshal(raw, h); err != nil {
+					t.Fatalf("decoding %s: %v", raw, err)
+				}
+				out = append(out, h)
+			}
+			for _, e := range v {
+				walk(e)
+			}
+		case []any:
+			for _, e := range v {
+				walk(e)
+			}
+		}
+	}
+	var root any
+	if err := json.Unmarshal(cfg, &root); err != nil {
+		t.Fatal(err)
+	}
+	walk(root)
+	return out
+}
