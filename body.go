@@ -1,5 +1,3 @@
-//go:build wip_jwt
-
 package ratelimit
 
 import (

@@ -1,0 +1,360 @@
+package ratelimit
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/json"
+	"fmt"
+	"io"
+	"mime/multipart"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"testing/iotest"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// origin is a backend that records what reaches it.
+type origin struct {
+	*httptest.Server
+	mu       sync.Mutex
+	bodies   [][]byte
+	keyIDs   []string
+	readErrs []error
+}
+
+func newOrigin(t *testing.T) *origin {
+	o := new(origin)
+	o.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, err := io.ReadAll(r.Body)
+		o.mu.Lock()
+		o.bodies = append(o.bodies, b)
+		o.keyIDs = append(o.keyIDs, r.Header.Get("X-Rate-Key"))
+		o.readErrs = append(o.readErrs, err)
+		o.mu.Unlock()
+		fmt.Fprintf(w, "%x", sha256.Sum256(b))
+	}))
+	t.Cleanup(o.Close)
+	return o
+}
+
+// last returns the body and key id of the latest request the origin saw.
+func (o *origin) last(t *testing.T) ([]byte, string) {
+	t.Helper()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if len(o.bodies) == 0 {
+		t.Fatal("the origin saw no request")
+	}
+	n := len(o.bodies) - 1
+	if o.readErrs[n] != nil {
+		t.Fatalf("the origin could not read the body: %v", o.readErrs[n])
+	}
+	return o.bodies[n], o.keyIDs[n]
+}
+
+// loginSite limits a login endpoint to 3 attempts an hour per username,
+// with keyer, and proxies to the origin, telling it the key id.
+func loginSite(t *testing.T, keyer string) (*testServer, *origin) {
+	o := newOrigin(t)
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 3 1/h {
+		key %s
+	}
+	reverse_proxy %s {
+		header_up X-Rate-Key {http.rate_limit.key_id}
+	}`, keyer, strings.TrimPrefix(o.URL, "http://")))
+	return s, o
+}
+
+func multipartBody(t testing.TB, fields map[string]string) (string, string) {
+	var b bytes.Buffer
+	w := multipart.NewWriter(&b)
+	for name, v := range fields {
+		if err := w.WriteField(name, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return b.String(), w.FormDataContentType()
+}
+
+func TestLoginKeyedByUsernameSharesOneBucketAcrossIPs(t *testing.T) {
+	for _, c := range []struct {
+		name, keyer, keyerID string
+		body                 func(user string) (body, contentType string)
+	}{
+		{"urlencoded form", "form username", "form/username", func(user string) (string, string) {
+			return url.Values{"username": {user}, "password": {"hunter2 & more"}}.Encode(), "application/x-www-form-urlencoded"
+		}},
+		{"multipart form", "form username", "form/username", func(user string) (string, string) {
+			return multipartBody(t, map[string]string{"username": user, "password": "hunter2"})
+		}},
+		{"JSON", "json user.name", "json/user.name", func(user string) (string, string) {
+			return `{"user":{"name":` + strconv.Quote(user) + `},"password":"hunter2"}`, "application/json; charset=utf-8"
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			useFakeClock(t)
+			s, o := loginSite(t, c.keyer)
+			post := func(ip, user string) response {
+				t.Helper()
+				body, ctype := c.body(user)
+				r := s.do(http.MethodPost, "/login", body, "X-Forwarded-For: "+ip, "Content-Type: "+ctype)
+				if r.status == 200 {
+					got, keyID := o.last(t)
+					if string(got) != body {
+						t.Errorf("the origin got body %q, want %q", got, body)
+					}
+					if want := keyIDOf(c.keyerID, user); keyID != want {
+						t.Errorf("key id %s, want %s (the username's)", keyID, want)
+					}
+				}
+				return r
+			}
+			for i, ip := range []string{"127.0.0.2", "127.0.0.3", "127.0.0.2"} {
+				r := post(ip, "alice")
+				if r.status != 200 || r.header.Get("X-RateLimit-Remaining") != strconv.Itoa(2-i) {
+					t.Fatalf("alice's attempt %d from %s: %d, remaining %q; want 200, %d", i+1, ip, r.status, r.header.Get("X-RateLimit-Remaining"), 2-i)
+				}
+			}
+			if r := post("127.0.0.3", "alice"); r.status != 429 {
+				t.Errorf("alice's 4th attempt, from another IP: %d, want 429", r.status)
+			}
+			if r := post("127.0.0.3", "bob"); r.status != 200 {
+				t.Errorf("bob from the same IP: %d, want 200: his own bucket", r.status)
+			}
+		})
+	}
+}
+
+func TestBodyOverCapIsKeyedByIPAndFlowsWhole(t *testing.T) {
+	useFakeClock(t)
+	for _, c := range []struct{ keyer, ctype, body string }{
+		{"form username", "application/x-www-form-urlencoded", "username=alice&pad=" + strings.Repeat("x", 200<<10)},
+		{"json user.name", "application/json", `{"user":{"name":"alice"},"pad":"` + strings.Repeat("x", 200<<10) + `"}`},
+	} {
+		t.Run(c.keyer, func(t *testing.T) {
+			s, o := loginSite(t, c.keyer)
+			r := s.do(http.MethodPost, "/login", c.body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+c.ctype)
+			if r.status != 200 {
+				t.Fatalf("status %d", r.status)
+			}
+			got, keyID := o.last(t)
+			if !bytes.Equal(got, []byte(c.body)) {
+				t.Errorf("the origin got %d bytes, want the %d sent, unchanged", len(got), len(c.body))
+			}
+			if want := keyIDOf("ip/32/64", "127.0.0.2"); keyID != want {
+				t.Errorf("key id %s, want the client IP's %s", keyID, want)
+			}
+		})
+	}
+}
+
+// chunked hides a reader's length, so that the request has no Content-Length.
+type chunked struct{ io.Reader }
+
+func TestBodyKeyersYieldNothingForOtherBodiesAndLeaveThemIntact(t *testing.T) {
+	mp, mpType := multipartBody(t, map[string]string{"username": "alice"})
+	bigForm := "username=alice&pad=" + strings.Repeat("y", maxKeyedBody)
+	cases := []struct {
+		name   string
+		keyer  Keyer
+		ctype  string
+		body   io.Reader
+		want   string
+		wantOK bool
+	}{
+		{"form field", &FormKeyer{Field: "username"}, "application/x-www-form-urlencoded", strings.NewReader("a=1&username=al%20ice"), "al ice", true},
+		{"form field, no length", &FormKeyer{Field: "username"}, "application/x-www-form-urlencoded", chunked{strings.NewReader("username=alice")}, "alice", true},
+		{"multipart field", &FormKeyer{Field: "username"}, mpType, strings.NewReader(mp), "alice", true},
+		{"form over 64 KiB, no length", &FormKeyer{Field: "username"}, "application/x-www-form-urlencoded", chunked{strings.NewReader(bigForm)}, "", false},
+		{"form missing field", &FormKeyer{Field: "username"}, "application/x-www-form-urlencoded", strings.NewReader("user=alice"), "", false},
+		{"form malformed", &FormKeyer{Field: "username"}, "application/x-www-form-urlencoded", strings.NewReader("username=%zz"), "", false},
+		{"form as text", &FormKeyer{Field: "username"}, "text/plain", strings.NewReader("username=alice"), "", false},
+		{"form as JSON", &FormKeyer{Field: "username"}, "application/json", strings.NewReader(`{"username":"alice"}`), "", false},
+		{"multipart without boundary", &FormKeyer{Field: "username"}, "multipart/form-data", strings.NewReader(mp), "", false},
+		{"multipart truncated", &FormKeyer{Field: "username"}, mpType, strings.NewReader(mp[:20]), "", false},
+		{"multipart file part", &FormKeyer{Field: "f"}, "multipart/form-data; boundary=X", strings.NewReader("--X\r\nContent-Disposition: form-data; name=\"f\"; filename=\"a\"\r\n\r\nalice\r\n--X--\r\n"), "", false},
+		{"JSON string", &JSONKeyer{Path: "user.name"}, "application/json", strings.NewReader(`{"user":{"name":"alice"}}`), "alice", true},
+		{"JSON number", &JSONKeyer{Path: "id"}, "application/json", strings.NewReader(`{"id":1e3}`), "1000", true},
+		{"JSON big integer", &JSONKeyer{Path: "id"}, "application/json", strings.NewReader(`{"id":123456789012345678901}`), "123456789012345678901", true},
+		{"JSON bool", &JSONKeyer{Path: "a"}, "application/json", strings.NewReader(`{"a":true}`), "true", true},
+		{"JSON array index", &JSONKeyer{Path: "users.1.name"}, "application/json", strings.NewReader(`{"users":[{"name":"a"},{"name":"b"}]}`), "b", true},
+		{"JSON object", &JSONKeyer{Path: "user"}, "application/json", strings.NewReader(`{"user":{"name":"alice"}}`), "", false},
+		{"JSON null", &JSONKeyer{Path: "user"}, "application/json", strings.NewReader(`{"user":null}`), "", false},
+		{"JSON malformed", &JSONKeyer{Path: "user"}, "application/json", strings.NewReader(`{"user":"alice"`), "", false},
+		{"JSON trailing data", &JSONKeyer{Path: "user"}, "application/json", strings.NewReader(`{"user":"alice"} {"user":"bob"}`), "", false},
+		{"JSON as form", &JSONKeyer{Path: "user"}, "application/x-www-form-urlencoded", strings.NewReader(`{"user":"alice"}`), "", false},
+		{"JSON read error", &JSONKeyer{Path: "user"}, "application/json", io.MultiReader(strings.NewReader(`{"user":`), iotest.ErrReader(io.ErrUnexpectedEOF)), "", false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if err := c.keyer.(interface {
+				Provision(caddy.Context) error
+			}).Provision(caddy.Context{}); err != nil {
+				t.Fatal(err)
+			}
+			var sent bytes.Buffer
+			r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", io.TeeReader(c.body, &sent))
+			if _, ok := c.body.(chunked); ok {
+				r.ContentLength = -1
+			}
+			r.Header.Set("Content-Type", c.ctype)
+			got, ok := c.keyer.Key(r, nil)
+			if ok != c.wantOK || string(got) != c.want {
+				t.Errorf("Key = %q, %v; want %q, %v", got, ok, c.want, c.wantOK)
+			}
+			rest, err := io.ReadAll(r.Body)
+			if c.name == "JSON read error" {
+				if err == nil {
+					t.Error("the read error was swallowed")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(rest, sent.Bytes()) {
+				t.Errorf("the body downstream differs from the body sent (%d bytes, want %d)", len(rest), sent.Len())
+			}
+		})
+	}
+}
+
+func TestTwoBodyKeyersReadTheBodyOnce(t *testing.T) {
+	body := `{"user":{"name":"alice"}}`
+	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", strings.NewReader(body))
+	r.Header.Set("Content-Type", "application/json")
+	form, js := &FormKeyer{Field: "username"}, &JSONKeyer{Path: "user.name"}
+	form.Provision(caddy.Context{})
+	js.Provision(caddy.Context{})
+	if _, ok := form.Key(r, nil); ok {
+		t.Error("the form keyer read a JSON body")
+	}
+	for range 2 {
+		if v, ok := js.Key(r, nil); !ok || string(v) != "alice" {
+			t.Errorf("json keyer: %q, %v", v, ok)
+		}
+	}
+	if rest, _ := io.ReadAll(r.Body); string(rest) != body {
+		t.Errorf("body downstream %q, want %q", rest, body)
+	}
+}
+
+func TestBodyKeyersCloseTheOriginalBody(t *testing.T) {
+	closed := false
+	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", nil)
+	r.Body = closeFunc{strings.NewReader("username=a"), func() { closed = true }}
+	r.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	(&FormKeyer{Field: "username"}).Key(r, nil)
+	r.Body.Close()
+	if !closed {
+		t.Error("closing the replayed body did not close the original")
+	}
+}
+
+type closeFunc struct {
+	io.Reader
+	f func()
+}
+
+func (c closeFunc) Close() error { c.f(); return nil }
+
+func TestBodyKeyerCaddyfile(t *testing.T) {
+	cfg, err := adaptCaddyfile("http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey form username\n\t\tkey json user.name\n\t}\n}\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `"keys":[{"field":"username","keyer":"form"},{"keyer":"json","path":"user.name"}]`; !strings.Contains(string(cfg), want) {
+		t.Errorf("adapted config lacks %s:\n%s", want, cfg)
+	}
+	for _, c := range []struct{ key, want string }{
+		{"form", "field name"},
+		{"form a b", "field name"},
+		{"json", "dot path"},
+		{"json user..name", "dot path"},
+	} {
+		_, err := adaptCaddyfile("http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey " + c.key + "\n\t}\n}\n")
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("key %s: error %v, want one containing %q", c.key, err, c.want)
+		}
+	}
+}
+
+// fuzzBodyKeyer runs a keyer on a body and checks that the body downstream
+// is the body sent, and that a value comes only from a body within the cap.
+func fuzzBodyKeyer(t *testing.T, k Keyer, ctype string, body []byte, noLength bool) ([]byte, bool) {
+	var rd io.Reader = bytes.NewReader(body)
+	if noLength {
+		rd = chunked{rd}
+	}
+	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", rd)
+	if noLength {
+		r.ContentLength = -1
+	}
+	r.Header.Set("Content-Type", ctype)
+	v, ok := k.Key(r, nil)
+	rest, err := io.ReadAll(r.Body)
+	if err != nil || !bytes.Equal(rest, body) {
+		t.Fatalf("the body downstream (%d bytes, %v) differs from the body sent (%d bytes)", len(rest), err, len(body))
+	}
+	if ok && len(body) > maxKeyedBody {
+		t.Fatalf("a value from a %d-byte body", len(body))
+	}
+	if ok && len(v) == 0 {
+		t.Fatal("an empty value reported as found")
+	}
+	return v, ok
+}
+
+func FuzzFormKeyer(f *testing.F) {
+	mp, mpType := multipartBody(f, map[string]string{"username": "alice"})
+	f.Add("application/x-www-form-urlencoded", []byte("username=alice&password=x"), false)
+	f.Add("application/x-www-form-urlencoded; charset=utf-8", []byte("username=%zz"), true)
+	f.Add(mpType, []byte(mp), false)
+	f.Add("text/plain", []byte("username=alice"), false)
+	k := &FormKeyer{Field: "username"}
+	k.Provision(caddy.Context{})
+	f.Fuzz(func(t *testing.T, ctype string, body []byte, noLength bool) {
+		v, ok := fuzzBodyKeyer(t, k, ctype, body, noLength)
+		if ok && strings.HasPrefix(ctype, "application/x-www-form-urlencoded") {
+			form, err := url.ParseQuery(string(body))
+			if err != nil || form.Get("username") != string(v) {
+				t.Fatalf("value %q, but the form parses as %v, %v", v, form, err)
+			}
+		}
+	})
+}
+
+func FuzzJSONKeyer(f *testing.F) {
+	f.Add([]byte(`{"user":{"name":"alice"}}`), false)
+	f.Add([]byte(`{"user":{"name":12e-1}}`), true)
+	f.Add([]byte(`{"user":{"name":["a"]}}`), false)
+	f.Add([]byte(`{"user":`), false)
+	k := &JSONKeyer{Path: "user.name"}
+	k.Provision(caddy.Context{})
+	f.Fuzz(func(t *testing.T, body []byte, noLength bool) {
+		v, ok := fuzzBodyKeyer(t, k, "application/json", body, noLength)
+		if !ok {
+			return
+		}
+		var doc map[string]any
+		dec := json.NewDecoder(bytes.NewReader(body))
+		dec.UseNumber()
+		if err := dec.Decode(&doc); err != nil {
+			t.Fatalf("value %q from a body that does not parse: %v", v, err)
+		}
+		user, _ := doc["user"].(map[string]any)
+		if s, _ := jsonScalar(user["name"]); s != string(v) {
+			t.Fatalf("value %q, but user.name is %v", v, user["name"])
+		}
+	})
+}

@@ -1,0 +1,723 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/golang-jwt/jwt/v5"
+)
+
+// jwtT0 is the time every JWT test runs at, through jwtClock.
+var jwtT0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+
+// jwtTestClock is a settable clock for token checks.
+type jwtTestClock struct{ unix atomic.Int64 }
+
+func (c *jwtTestClock) now() time.Time          { return time.Unix(0, c.unix.Load()) }
+func (c *jwtTestClock) advance(d time.Duration) { c.unix.Add(int64(d)) }
+
+// useJWTClock makes JWT configs provisioned from now on, until the test
+// ends, check tokens against a clock that starts at jwtT0.
+func useJWTClock(t testing.TB) *jwtTestClock {
+	c := new(jwtTestClock)
+	c.unix.Store(jwtT0.UnixNano())
+	old := jwtClock
+	jwtClock = c.now
+	t.Cleanup(func() { jwtClock = old })
+	return c
+}
+
+var testRSAKey = sync.OnceValue(func() *rsa.PrivateKey {
+	k, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		panic(err)
+	}
+	return k
+})
+
+var otherRSAKey = sync.OnceValue(func() *rsa.PrivateKey {
+	k, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		panic(err)
+	}
+	return k
+})
+
+// publicPEM returns the PKIX PEM of a public key.
+func publicPEM(t testing.TB, pub any) []byte {
+	t.Helper()
+	der, err := x509.MarshalPKIXPublicKey(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: der})
+}
+
+// writeFile writes data to a file in the test's temporary directory,
+// atomically, and returns its path.
+func writeFile(t testing.TB, dir, name string, data []byte) string {
+	t.Helper()
+	path := filepath.Join(dir, name)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// sign makes a token; kid, when not empty, goes in the header.
+func sign(t testing.TB, method jwt.SigningMethod, key any, kid string, claims jwt.MapClaims) string {
+	t.Helper()
+	tok := jwt.NewWithClaims(method, claims)
+	if kid != "" {
+		tok.Header["kid"] = kid
+	}
+	s, err := tok.SignedString(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// claimsAt returns standard claims for sub and plan, valid an hour around jwtT0.
+func claimsAt(sub, plan string) jwt.MapClaims {
+	return jwt.MapClaims{
+		"sub":  sub,
+		"plan": plan,
+		"iss":  "https://issuer.test",
+		"aud":  "api",
+		"iat":  jwtT0.Unix(),
+		"exp":  jwtT0.Add(time.Hour).Unix(),
+	}
+}
+
+// keyIDOf is the {http.rate_limit.key_id} the handler shows for a client.
+func keyIDOf(keyer, value string) string {
+	sum := bucketDigest(&Bucket{Keyer: keyer, Value: []byte(value)})
+	return hex.EncodeToString(sum[:8])
+}
+
+// provisionJWT provisions a config outside Caddy, for unit tests.
+func provisionJWT(t testing.TB, j *JWTConfig) *JWTConfig {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := j.provision(ctx); err != nil {
+		t.Fatalf("provision: %v", err)
+	}
+	return j
+}
+
+func bearer(tok string) string { return "Authorization: Bearer " + tok }
+
+func TestValidJWTGetsItsTierAndItsOwnBucket(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	pemFile := writeFile(t, t.TempDir(), "pub.pem", publicPEM(t, &testRSAKey().PublicKey))
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 2 1/h {
+		key jwt sub
+		jwt {
+			public_key %s
+			issuer https://issuer.test
+			audience api
+		}
+		tier enterprise 5 1/h {
+			claim plan enterprise
+		}
+	}
+	respond "{http.rate_limit.tier} {http.rate_limit.key_id} {http.rate_limit.claim.plan}"`, pemFile))
+
+	alice := sign(t, jwt.SigningMethodRS256, testRSAKey(), "", claimsAt("alice", "enterprise"))
+	bob := sign(t, jwt.SigningMethodRS256, testRSAKey(), "", claimsAt("bob", "enterprise"))
+	carol := sign(t, jwt.SigningMethodPS256, testRSAKey(), "", claimsAt("carol", "free"))
+
+	for i, c := range []struct {
+		token, tier, sub, limit, remaining, plan string
+	}{
+		{alice, "enterprise", "alice", "5", "4", "enterprise"},
+		{alice, "enterprise", "alice", "5", "3", "enterprise"},
+		{bob, "enterprise", "bob", "5", "4", "enterprise"},
+		{carol, "default", "carol", "2", "1", "free"},
+	} {
+		r := s.from("127.0.0.2", "/", bearer(c.token))
+		want := c.tier + " " + keyIDOf("jwt/sub", c.sub) + " " + c.plan
+		if r.status != 200 || r.body != want {
+			t.Errorf("request %d (%s): %d %q, want 200 %q", i+1, c.sub, r.status, r.body, want)
+		}
+		if got := r.header.Get("X-RateLimit-Limit"); got != c.limit {
+			t.Errorf("request %d (%s): limit %s, want %s", i+1, c.sub, got, c.limit)
+		}
+		if got := r.header.Get("X-RateLimit-Remaining"); got != c.remaining {
+			t.Errorf("request %d (%s): remaining %s, want %s", i+1, c.sub, got, c.remaining)
+		}
+	}
+}
+
+func TestInvalidJWTFallsBackToIPAndDefaultTier(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	pubPEM := publicPEM(t, &testRSAKey().PublicKey)
+	pemFile := writeFile(t, t.TempDir(), "pub.pem", pubPEM)
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 10 1/h {
+		key jwt sub
+		jwt {
+			public_key %s
+			issuer https://issuer.test
+			audience api
+			leeway 5s
+		}
+		tier enterprise 50 1/h {
+			claim plan enterprise
+		}
+	}
+	respond "{http.rate_limit.tier} {http.rate_limit.key_id}"`, pemFile))
+
+	with := func(change func(jwt.MapClaims)) jwt.MapClaims {
+		c := claimsAt("mallory", "enterprise")
+		change(c)
+		return c
+	}
+	rs := func(c jwt.MapClaims) string { return sign(t, jwt.SigningMethodRS256, testRSAKey(), "", c) }
+	valid := claimsAt("mallory", "enterprise")
+	huge := with(func(c jwt.MapClaims) { c["pad"] = strings.Repeat("x", 16<<10) })
+
+	cases := []struct {
+		name  string
+		token string
+	}{
+		{"wrong signature", sign(t, jwt.SigningMethodRS256, otherRSAKey(), "", valid)},
+		{"alg none", sign(t, jwt.SigningMethodNone, jwt.UnsafeAllowNoneSignatureType, "", valid)},
+		{"HS256 signed with the public key's PEM", sign(t, jwt.SigningMethodHS256, pubPEM, "", valid)},
+		{"expired", rs(with(func(c jwt.MapClaims) { c["exp"] = jwtT0.Add(-10 * time.Second).Unix() }))},
+		{"not yet valid", rs(with(func(c jwt.MapClaims) { c["nbf"] = jwtT0.Add(10 * time.Second).Unix() }))},
+		{"wrong issuer", rs(with(func(c jwt.MapClaims) { c["iss"] = "https://evil.test" }))},
+		{"wrong audience", rs(with(func(c jwt.MapClaims) { c["aud"] = "other" }))},
+		{"no audience", rs(with(func(c jwt.MapClaims) { delete(c, "aud") }))},
+		{"garbage", "not.a.token"},
+		{"payload tampered", tamper(t, rs(valid))},
+		{"16 KB token", rs(huge)},
+	}
+	for i, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			ip := "127.0.0." + strconv.Itoa(10+i)
+			r := s.from(ip, "/", bearer(c.token))
+			want := "default " + keyIDOf("ip/32/64", ip)
+			if r.status != 200 || r.body != want {
+				t.Errorf("%d %q, want 200 %q (the client IP and the default tier)", r.status, r.body, want)
+			}
+		})
+	}
+
+	// The same checks pass a good token, and leeway admits small skew.
+	for i, c := range []jwt.MapClaims{
+		valid,
+		with(func(c jwt.MapClaims) { c["exp"] = jwtT0.Add(-3 * time.Second).Unix() }),
+		with(func(c jwt.MapClaims) { c["nbf"] = jwtT0.Add(3 * time.Second).Unix() }),
+	} {
+		r := s.from("127.0.0.100", "/", bearer(rs(c)))
+		if want := "enterprise " + keyIDOf("jwt/sub", "mallory"); r.body != want {
+			t.Errorf("good token %d: %q, want %q", i, r.body, want)
+		}
+	}
+}
+
+// tamper changes the payload of a signed token, keeping its signature.
+func tamper(t testing.TB, tok string) string {
+	parts := strings.Split(tok, ".")
+	payload, err := base64.RawURLEncoding.DecodeString(parts[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	payload = []byte(strings.Replace(string(payload), "mallory", "mallorz", 1))
+	parts[1] = base64.RawURLEncoding.EncodeToString(payload)
+	return strings.Join(parts, ".")
+}
+
+// enterpriseSite limits anonymous clients to 2 an hour by IP, and
+// enterprise tokens to 5 an hour by subject.
+func enterpriseSite(t *testing.T) *testServer {
+	t.Setenv("RL_TEST_JWT_SECRET", "correct horse battery staple")
+	return serve(t, `
+	rate_limit 2 1/h {
+		key jwt sub
+		jwt {
+			secret {env.RL_TEST_JWT_SECRET}
+			algorithms HS256
+		}
+		tier enterprise 5 1/h {
+			claim plan enterprise
+		}
+	}
+	respond "{http.rate_limit.tier} {http.rate_limit.key_id}"`)
+}
+
+func TestForgedEnterpriseTokenGetsAnonymousLimitKeyedByIP(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	s := enterpriseSite(t)
+	// Each request mints a new subject, as an attacker would.
+	for i, want := range []int{200, 200, 429, 429} {
+		forged := sign(t, jwt.SigningMethodHS256, []byte("guessed secret"), "", claimsAt("sub-"+strconv.Itoa(i), "enterprise"))
+		r := s.from("127.0.0.2", "/", bearer(forged))
+		if r.status != want {
+			t.Fatalf("forged request %d: status %d, want %d", i+1, r.status, want)
+		}
+		if r.header.Get("X-RateLimit-Limit") != "2" {
+			t.Errorf("forged request %d: limit %q, want the anonymous 2", i+1, r.header.Get("X-RateLimit-Limit"))
+		}
+		if want == 200 && r.body != "default "+keyIDOf("ip/32/64", "127.0.0.2") {
+			t.Errorf("forged request %d: %q, want the default tier keyed by IP", i+1, r.body)
+		}
+	}
+}
+
+func TestGenuineEnterpriseTokenGetsLargerBucket(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	s := enterpriseSite(t)
+	genuine := sign(t, jwt.SigningMethodHS256, []byte("correct horse battery staple"), "", claimsAt("acme", "enterprise"))
+	for i := range 5 {
+		// From several addresses: the bucket follows the subject.
+		r := s.from("127.0.0."+strconv.Itoa(2+i), "/", bearer(genuine))
+		if r.status != 200 || r.body != "enterprise "+keyIDOf("jwt/sub", "acme") {
+			t.Fatalf("request %d: %d %q, want 200 from the enterprise tier", i+1, r.status, r.body)
+		}
+		if got, want := r.header.Get("X-RateLimit-Remaining"), strconv.Itoa(4-i); got != want {
+			t.Errorf("request %d: remaining %s, want %s", i+1, got, want)
+		}
+	}
+	if r := s.from("127.0.0.9", "/", bearer(genuine)); r.status != 429 {
+		t.Errorf("6th request: status %d, want 429", r.status)
+	}
+}
+
+// jwksOf writes a JWKS document for Ed25519 keys by kid.
+func jwksOf(keys map[string]ed25519.PublicKey) []byte {
+	type key struct {
+		Kty string `json:"kty"`
+		Crv string `json:"crv"`
+		X   string `json:"x"`
+		Kid string `json:"kid"`
+		Use string `json:"use"`
+		Alg string `json:"alg"`
+	}
+	doc := struct {
+		Keys []key `json:"keys"`
+	}{Keys: []key{}}
+	for kid, pub := range keys {
+		doc.Keys = append(doc.Keys, key{"OKP", "Ed25519", base64.RawURLEncoding.EncodeToString(pub), kid, "sig", "EdDSA"})
+	}
+	b, _ := json.Marshal(doc)
+	return b
+}
+
+func newEd25519(t testing.TB) (ed25519.PublicKey, ed25519.PrivateKey) {
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pub, priv
+}
+
+// eventually polls cond for up to 5 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting until %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestJWKSKeyRotation(t *testing.T) {
+	useJWTClock(t)
+	dir := t.TempDir()
+	pub1, priv1 := newEd25519(t)
+	pub2, priv2 := newEd25519(t)
+	jwksFile := writeFile(t, dir, "jwks.json", jwksOf(map[string]ed25519.PublicKey{"one": pub1}))
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 1000 100/s {
+		key jwt sub
+		jwt {
+			jwks %s
+			jwks_refresh 50ms
+		}
+	}
+	respond "{http.rate_limit.key_id}"`, jwksFile))
+
+	tok1 := sign(t, jwt.SigningMethodEdDSA, priv1, "one", claimsAt("old", "free"))
+	tok2 := sign(t, jwt.SigningMethodEdDSA, priv2, "two", claimsAt("new", "free"))
+	verified := func(tok, sub string) bool {
+		return s.from("127.0.0.2", "/", bearer(tok)).body == keyIDOf("jwt/sub", sub)
+	}
+	if !verified(tok1, "old") {
+		t.Fatal("a token signed with the JWKS key does not verify")
+	}
+	if verified(tok2, "new") {
+		t.Fatal("a token signed with a key not yet in the JWKS verifies")
+	}
+
+	writeFile(t, dir, "jwks.json", jwksOf(map[string]ed25519.PublicKey{"one": pub1, "two": pub2}))
+	eventually(t, "the new key verifies", func() bool { return verified(tok2, "new") })
+	if !verified(tok1, "old") {
+		t.Error("the old key stopped verifying while still in the JWKS")
+	}
+
+	writeFile(t, dir, "jwks.json", jwksOf(map[string]ed25519.PublicKey{"two": pub2}))
+	eventually(t, "the removed key stops verifying", func() bool { return !verified(tok1, "old") })
+
+	// A broken JWKS keeps the last good keys.
+	writeFile(t, dir, "jwks.json", []byte("{not json"))
+	time.Sleep(200 * time.Millisecond) // several refresh periods
+	if !verified(tok2, "new") {
+		t.Error("a broken JWKS dropped the last good keys")
+	}
+}
+
+func TestJWKSOverHTTPSRefreshesAndKeepsKeysWhenTheFetchFails(t *testing.T) {
+	useJWTClock(t)
+	pub1, priv1 := newEd25519(t)
+	pub2, priv2 := newEd25519(t)
+	var doc atomic.Pointer[[]byte]
+	var fetches atomic.Int32
+	var failing atomic.Bool
+	first := jwksOf(map[string]ed25519.PublicKey{"one": pub1})
+	doc.Store(&first)
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fetches.Add(1)
+		if failing.Load() {
+			http.Error(w, "down", http.StatusInternalServerError)
+			return
+		}
+		w.Write(*doc.Load())
+	}))
+	defer srv.Close()
+	old := jwksHTTPClient
+	jwksHTTPClient = srv.Client()
+	t.Cleanup(func() { jwksHTTPClient = old })
+
+	j := provisionJWT(t, &JWTConfig{JWKS: srv.URL + "/jwks.json", JWKSRefresh: caddy.Duration(30 * time.Millisecond)})
+	tok1 := sign(t, jwt.SigningMethodEdDSA, priv1, "one", claimsAt("old", "free"))
+	tok2 := sign(t, jwt.SigningMethodEdDSA, priv2, "two", claimsAt("new", "free"))
+	if j.verify(tok1) == nil {
+		t.Fatal("a token signed with the fetched key does not verify")
+	}
+
+	both := jwksOf(map[string]ed25519.PublicKey{"one": pub1, "two": pub2})
+	doc.Store(&both)
+	eventually(t, "the new key is fetched", func() bool { return j.verify(tok2) != nil })
+
+	failing.Store(true)
+	n := fetches.Load()
+	eventually(t, "failed fetches happen", func() bool { return fetches.Load() >= n+3 })
+	if j.verify(tok1) == nil || j.verify(tok2) == nil {
+		t.Error("failed fetches dropped the last good keys")
+	}
+}
+
+func TestUnreachableJWKSDoesNotFailProvision(t *testing.T) {
+	useJWTClock(t)
+	srv := httptest.NewTLSServer(http.NotFoundHandler())
+	url := srv.URL + "/jwks.json"
+	srv.Close()
+	oldWait := jwksFirstWait
+	jwksFirstWait = 50 * time.Millisecond
+	t.Cleanup(func() { jwksFirstWait = oldWait })
+
+	start := time.Now()
+	j := provisionJWT(t, &JWTConfig{JWKS: url})
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("provision waited %v for an unreachable JWKS", took)
+	}
+	_, priv := newEd25519(t)
+	if j.verify(sign(t, jwt.SigningMethodEdDSA, priv, "one", claimsAt("x", "free"))) != nil {
+		t.Error("a token verified with no keys fetched")
+	}
+}
+
+func TestJWTPublicKeyTypesAndAlgorithmAllowList(t *testing.T) {
+	useJWTClock(t)
+	dir := t.TempDir()
+	ecKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	edPub, edPriv := newEd25519(t)
+	rsaFile := writeFile(t, dir, "rsa.pem", publicPEM(t, &testRSAKey().PublicKey))
+	ecFile := writeFile(t, dir, "ec.pem", publicPEM(t, &ecKey.PublicKey))
+	edFile := writeFile(t, dir, "ed.pem", publicPEM(t, edPub))
+	claims := claimsAt("s", "free")
+
+	cases := []struct {
+		name   string
+		config *JWTConfig
+		token  string
+		ok     bool
+	}{
+		{"RS256 with an RSA key", &JWTConfig{PublicKey: rsaFile}, sign(t, jwt.SigningMethodRS256, testRSAKey(), "", claims), true},
+		{"PS512 with an RSA key", &JWTConfig{PublicKey: rsaFile}, sign(t, jwt.SigningMethodPS512, testRSAKey(), "", claims), true},
+		{"RS256 outside the allow-list", &JWTConfig{PublicKey: rsaFile, Algorithms: []string{"PS256"}}, sign(t, jwt.SigningMethodRS256, testRSAKey(), "", claims), false},
+		{"ES256 with a P-256 key", &JWTConfig{PublicKey: ecFile}, sign(t, jwt.SigningMethodES256, ecKey, "", claims), true},
+		{"EdDSA with an Ed25519 key", &JWTConfig{PublicKey: edFile}, sign(t, jwt.SigningMethodEdDSA, edPriv, "", claims), true},
+		{"HS256 with the Ed25519 PEM as secret", &JWTConfig{PublicKey: edFile}, sign(t, jwt.SigningMethodHS256, publicPEM(t, edPub), "", claims), false},
+		{"HS384 with a secret", &JWTConfig{Secret: "s3cret"}, sign(t, jwt.SigningMethodHS384, []byte("s3cret"), "", claims), true},
+		{"HS512 outside the allow-list", &JWTConfig{Secret: "s3cret", Algorithms: []string{"HS256"}}, sign(t, jwt.SigningMethodHS512, []byte("s3cret"), "", claims), false},
+		{"RS256 with only a secret", &JWTConfig{Secret: "s3cret"}, sign(t, jwt.SigningMethodRS256, testRSAKey(), "", claims), false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			j := provisionJWT(t, c.config)
+			if got := j.verify(c.token) != nil; got != c.ok {
+				t.Errorf("verified = %v, want %v", got, c.ok)
+			}
+		})
+	}
+}
+
+func TestJWTTokenSources(t *testing.T) {
+	useJWTClock(t)
+	tok := sign(t, jwt.SigningMethodHS256, []byte("k"), "", claimsAt("alice", "free"))
+	cases := []struct {
+		name   string
+		config *JWTConfig
+		set    func(r *http.Request)
+		ok     bool
+	}{
+		{"bearer by default", &JWTConfig{}, func(r *http.Request) { r.Header.Set("Authorization", "bearer "+tok) }, true},
+		{"not basic auth", &JWTConfig{}, func(r *http.Request) { r.Header.Set("Authorization", "Basic "+tok) }, false},
+		{"header", &JWTConfig{FromHeader: "X-Token"}, func(r *http.Request) { r.Header.Set("X-Token", tok) }, true},
+		{"header ignores Authorization", &JWTConfig{FromHeader: "X-Token"}, func(r *http.Request) { r.Header.Set("Authorization", "Bearer "+tok) }, false},
+		{"cookie", &JWTConfig{FromCookie: "session"}, func(r *http.Request) { r.Header.Set("Cookie", "a=b; session="+tok) }, true},
+		{"query", &JWTConfig{FromQuery: "access_token"}, func(r *http.Request) { r.URL.RawQuery = "access_token=" + tok }, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			c.config.Secret = "k"
+			k := &JWTKeyer{Claim: "sub"}
+			k.useJWT(provisionJWT(t, c.config))
+			if err := k.Provision(caddy.Context{}); err != nil {
+				t.Fatal(err)
+			}
+			r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+			c.set(r)
+			v, ok := k.Key(r, nil)
+			if ok != c.ok || ok && string(v) != "alice" {
+				t.Errorf("Key = %q, %v; want alice: %v", v, ok, c.ok)
+			}
+		})
+	}
+}
+
+func TestJWTClaimsAsStrings(t *testing.T) {
+	useJWTClock(t)
+	j := provisionJWT(t, &JWTConfig{Secret: "k"})
+	raw := `{"sub":"u1","n":1e3,"f":1.5,"big":12345678901234567890,"ok":true,` +
+		`"roles":["a",2,false,{"x":1}],"org":{"id":"acme","tier":{"name":"gold"}},"exp":` + strconv.FormatInt(jwtT0.Add(time.Hour).Unix(), 10) + `}`
+	var mc jwt.MapClaims
+	dec := json.NewDecoder(strings.NewReader(raw))
+	dec.UseNumber()
+	if err := dec.Decode(&mc); err != nil {
+		t.Fatal(err)
+	}
+	c := j.verify(sign(t, jwt.SigningMethodHS256, []byte("k"), "", mc))
+	if c == nil {
+		t.Fatal("token did not verify")
+	}
+	for name, want := range map[string][]string{
+		"sub":           {"u1"},
+		"n":             {"1000"},
+		"f":             {"1.5"},
+		"big":           {"12345678901234567890"},
+		"ok":            {"true"},
+		"roles":         {"a", "2", "false"},
+		"org.id":        {"acme"},
+		"org.tier.name": {"gold"},
+		"org":           nil,
+		"missing":       nil,
+	} {
+		if got := c.Claim(name); strings.Join(got, "|") != strings.Join(want, "|") {
+			t.Errorf("Claim(%q) = %q, want %q", name, got, want)
+		}
+	}
+}
+
+func TestVerifiedJWTIsCachedUntilItExpires(t *testing.T) {
+	clock := useJWTClock(t)
+	j := provisionJWT(t, &JWTConfig{Secret: "k"})
+	c := claimsAt("alice", "free")
+	c["exp"] = jwtT0.Add(10 * time.Second).Unix()
+	tok := sign(t, jwt.SigningMethodHS256, []byte("k"), "", c)
+	if j.verify(tok) == nil {
+		t.Fatal("token did not verify")
+	}
+	// A cached verdict needs no key: with the secret gone, it still holds.
+	j.secret = []byte("another")
+	if j.verify(tok) == nil {
+		t.Error("a hot token was verified again instead of cached")
+	}
+	clock.advance(11 * time.Second)
+	if j.verify(tok) != nil {
+		t.Error("a cached token outlived its exp")
+	}
+}
+
+func TestJWTVerdictCacheIsBounded(t *testing.T) {
+	useJWTClock(t)
+	j := provisionJWT(t, &JWTConfig{Secret: "k"})
+	for i := range 3 * 16 * maxCachedPerShard {
+		j.verify("forged." + strconv.Itoa(i) + ".token")
+	}
+	total := 0
+	for i := range j.cache.shards {
+		total += len(j.cache.shards[i].m)
+	}
+	if total > 16*maxCachedPerShard {
+		t.Errorf("cache holds %d verdicts, want at most %d", total, 16*maxCachedPerShard)
+	}
+}
+
+func TestJWTCaddyfile(t *testing.T) {
+	site := func(block string) string {
+		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n" + block + "\t}\n\trespond ok\n}\n"
+	}
+	t.Run("full block", func(t *testing.T) {
+		cfg, err := adaptCaddyfile(site(`		jwt {
+			from cookie session
+			secret {env.SECRET}
+			jwks https://127.0.0.1/jwks.json
+			jwks_refresh 1m
+			algorithms HS256 RS256
+			issuer https://issuer.test
+			audience api
+			leeway 30s
+		}
+`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []string{
+			`"jwt":{"algorithms":["HS256","RS256"],"audience":"api","from_cookie":"session","issuer":"https://issuer.test","jwks":"https://127.0.0.1/jwks.json","jwks_refresh":60000000000,"leeway":30000000000,"secret":"{env.SECRET}"}`,
+			`"keys":[{"claim":"sub","keyer":"jwt"}]`,
+		} {
+			if !strings.Contains(string(cfg), want) {
+				t.Errorf("adapted config lacks %s:\n%s", want, cfg)
+			}
+		}
+	})
+	for _, c := range []struct{ name, block, want string }{
+		{"no key", "\t\tjwt {\n\t\t\tissuer x\n\t\t}\n", "give secret, public_key or jwks, at Caddyfile:4"},
+		{"unknown algorithm", "\t\tjwt {\n\t\t\tsecret k\n\t\t\talgorithms HS256 XS999\n\t\t}\n", `algorithm "XS999"`},
+		{"none", "\t\tjwt {\n\t\t\tsecret k\n\t\t\talgorithms none\n\t\t}\n", `algorithm "none"`},
+		{"HMAC algorithm without a secret", "\t\tjwt {\n\t\t\tjwks /tmp/x.json\n\t\t\talgorithms HS256\n\t\t}\n", "HS256 needs a secret"},
+		{"bad leeway", "\t\tjwt {\n\t\t\tsecret k\n\t\t\tleeway soon\n\t\t}\n", `leeway "soon": want a duration such as 30s, at Caddyfile:6`},
+		{"negative leeway", "\t\tjwt {\n\t\t\tsecret k\n\t\t\tleeway -1s\n\t\t}\n", "must not be negative"},
+		{"http jwks", "\t\tjwt {\n\t\t\tjwks http://127.0.0.1/jwks.json\n\t\t}\n", "https"},
+		{"bad from", "\t\tjwt {\n\t\t\tsecret k\n\t\t\tfrom body token\n\t\t}\n", `from "body"`},
+		{"two sources", "\t\tjwt {\n\t\t\tsecret k\n\t\t\tfrom header X-A\n\t\t\tfrom query a\n\t\t}\n", "one of from"},
+		{"unknown subdirective", "\t\tjwt {\n\t\t\tsecret k\n\t\t\tsecrets k\n\t\t}\n", `unknown subdirective "secrets"`},
+		{"twice", "\t\tjwt {\n\t\t\tsecret k\n\t\t}\n\t\tjwt {\n\t\t\tsecret k\n\t\t}\n", "given twice"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := adaptCaddyfile(site(c.block))
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("error %v, want one containing %q", err, c.want)
+			}
+		})
+	}
+	t.Run("key jwt without a claim", func(t *testing.T) {
+		_, err := adaptCaddyfile("http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt\n\t}\n}\n")
+		if err == nil || !strings.Contains(err.Error(), "claim name") {
+			t.Errorf("error %v, want one asking for a claim name", err)
+		}
+	})
+}
+
+func TestJWTProvisionErrors(t *testing.T) {
+	dir := t.TempDir()
+	notPEM := writeFile(t, dir, "bad.pem", []byte("hello"))
+	rsaFile := writeFile(t, dir, "rsa.pem", publicPEM(t, &testRSAKey().PublicKey))
+	emptyJWKS := writeFile(t, dir, "jwks.json", []byte(`{"keys":[{"kty":"oct","k":"c2VjcmV0"}]}`))
+	for _, c := range []struct {
+		name   string
+		config *JWTConfig
+		want   string
+	}{
+		{"no key", &JWTConfig{}, "no key"},
+		{"empty secret once expanded", &JWTConfig{Secret: "{env.RL_TEST_UNSET_SECRET}"}, "empty"},
+		{"missing public key file", &JWTConfig{PublicKey: filepath.Join(dir, "nope.pem")}, "public_key"},
+		{"not PEM", &JWTConfig{PublicKey: notPEM}, "no PEM block"},
+		{"algorithm unfit for the key", &JWTConfig{PublicKey: rsaFile, Algorithms: []string{"ES256"}}, "does not fit"},
+		{"JWKS with no signing key", &JWTConfig{JWKS: emptyJWKS}, "no usable signing key"},
+		{"missing JWKS file", &JWTConfig{JWKS: filepath.Join(dir, "nope.json")}, "jwks"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			err := c.config.provision(ctx)
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("error %v, want one containing %q", err, c.want)
+			}
+		})
+	}
+}
+
+// FuzzJWTKeyer checks that the jwt keyer never panics and never yields a
+// value from a token that does not verify on its own.
+func FuzzJWTKeyer(f *testing.F) {
+	secret := []byte("fuzz secret")
+	useJWTClock(f)
+	f.Add(sign(f, jwt.SigningMethodHS256, secret, "", claimsAt("alice", "enterprise")))
+	f.Add(sign(f, jwt.SigningMethodNone, jwt.UnsafeAllowNoneSignatureType, "", claimsAt("alice", "enterprise")))
+	f.Add(sign(f, jwt.SigningMethodHS256, []byte("wrong"), "", claimsAt("alice", "enterprise")))
+	f.Add("a.b.c")
+	j := provisionJWT(f, &JWTConfig{Secret: string(secret)})
+	k := &JWTKeyer{Claim: "sub"}
+	if err := k.Provision(caddy.Context{}); err != nil {
+		f.Fatal(err)
+	}
+	k.useJWT(j)
+	f.Fuzz(func(t *testing.T, token string) {
+		r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+		r.Header["Authorization"] = []string{"Bearer " + token}
+		v, ok := k.Key(r, nil)
+		if !ok {
+			return
+		}
+		tok, err := jwt.Parse(strings.TrimSpace(token), func(*jwt.Token) (any, error) { return secret, nil },
+			jwt.WithValidMethods([]string{"HS256", "HS384", "HS512"}), jwt.WithTimeFunc(jwtClock))
+		if err != nil || !tok.Valid {
+			t.Fatalf("keyer yielded %q from a token that does not verify: %v", v, err)
+		}
+		if len(token) > maxTokenSize {
+			t.Fatalf("keyer verified a %d-byte token", len(token))
+		}
+	})
+}
