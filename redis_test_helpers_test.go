@@ -177,13 +177,6 @@ func (r *redisServer) kill() {
 func (r *redisServer) pause()  { r.signal(syscall.SIGSTOP) }
 func (r *redisServer) resume() { r.signal(syscall.SIGCONT) }
 
-// restart starts the server again on the same port, empty.
-func (r *redisServer) restart() {
-	r.t.Helper()
-	r.kill()
-	r.start()
-}
-
 // waitFor polls cond until it holds, or fails the test after timeout.
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()

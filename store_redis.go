@@ -490,18 +490,32 @@ type redisConn struct {
 	breaker breaker
 	denied  *denyCache
 	errors  atomic.Uint64
+	stop    context.CancelFunc
 }
 
 func newRedisConn(cfg *redisSettings) *redisConn {
-	return &redisConn{
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	c := &redisConn{
 		client:  cfg.newClient(),
 		breaker: breaker{threshold: int64(cfg.failures), cooldown: cfg.cooldown.Microseconds()},
 		denied:  newDenyCache(cfg.denyCapacity),
+		stop:    cancel,
 	}
+	// Connect and load the script in the background, so that the first
+	// decisions do not pay for it within their timeout. A Redis that is
+	// down is no error here: decisions will say so.
+	go func() {
+		defer cancel()
+		_ = bucketScript.Load(ctx, c.client).Err()
+	}()
+	return c
 }
 
 // Destruct closes the client once no config uses it.
-func (c *redisConn) Destruct() error { return c.client.Close() }
+func (c *redisConn) Destruct() error {
+	c.stop()
+	return c.client.Close()
+}
 
 // takeScript applies one request to one bucket, atomically, with the math
 // of bucket.go's Take and Peek, in Lua's doubles: every figure stays below
@@ -726,7 +740,6 @@ func (b *breaker) open() bool { return b.openUntil.Load() != 0 }
 // It only ever answers "denied", and only before the time Redis gave, so it
 // never admits what Redis would deny, and denies only what Redis would.
 type denyCache struct {
-	now    func() int64
 	shards [denyShards]denyShard
 	hits   atomic.Uint64
 }
