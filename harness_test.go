@@ -42,9 +42,22 @@ func freePort(t testing.TB) int {
 // X-Forwarded-For with other loopback addresses.
 func serve(t testing.TB, directives string) *testServer {
 	t.Helper()
+	return serveWithGlobals(t, "admin off", directives)
+}
+
+// serveWithAdmin is serve with Caddy's admin API on another free loopback
+// port, whose base URL it returns too.
+func serveWithAdmin(t testing.TB, directives string) (*testServer, string) {
+	t.Helper()
+	admin := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	return serveWithGlobals(t, "admin "+admin, directives), "http://" + admin
+}
+
+func serveWithGlobals(t testing.TB, globals, directives string) *testServer {
+	t.Helper()
 	port := freePort(t)
 	return serveCaddyfile(t, port, fmt.Sprintf(`{
-	admin off
+	%s
 	skip_install_trust
 	servers {
 		trusted_proxies static 127.0.0.1/32
@@ -53,7 +66,7 @@ func serve(t testing.TB, directives string) *testServer {
 http://127.0.0.1:%d {
 %s
 }
-`, port, directives))
+`, globals, port, directives))
 }
 
 // serveCaddyfile adapts and loads a whole Caddyfile that listens on

@@ -96,6 +96,12 @@ func (k *IPKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	if !ok {
 		return buf, false
 	}
+	return k.appendAddr(buf, addr)
+}
+
+// appendAddr appends the address's network, by the keyer's prefixes.
+func (k *IPKeyer) appendAddr(buf []byte, addr netip.Addr) ([]byte, bool) {
+	addr = addr.Unmap().WithZone("")
 	bits := k.IPv6Prefix
 	if addr.Is4() {
 		bits = k.IPv4Prefix
@@ -119,10 +125,7 @@ func clientAddr(r *http.Request) (netip.Addr, bool) {
 		}
 	}
 	addr, err := netip.ParseAddr(s)
-	if err != nil {
-		return netip.Addr{}, false
-	}
-	return addr.Unmap().WithZone(""), true
+	return addr, err == nil
 }
 
 // UnmarshalCaddyfile reads `ip [<v4 prefix> [<v6 prefix>]]`. A prefix may be

@@ -21,6 +21,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -86,6 +87,8 @@ type Handler struct {
 	ietfHeaders bool
 	logger      *zap.Logger
 	storeLog    *zap.Logger
+	storeTime   prometheus.Observer
+	storeErrors prometheus.Counter
 }
 
 // CaddyModule returns the Caddy module information.
@@ -132,10 +135,14 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.fallback = fallback
 
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
 	for _, t := range h.Tiers {
 		if err := t.provision(ctx); err != nil {
 			return err
 		}
+		t.counters = newOutcomeCounters(h.Name, t.Name)
 		if len(t.Claims) > 0 && h.JWT == nil {
 			return fmt.Errorf("tier %q: a claim condition needs a jwt block to verify tokens", t.Name)
 		}
@@ -149,6 +156,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading store: %v", err)
 	}
 	h.store = mod.(Store)
+	storeName := caddy.GetModuleName(mod)
+	h.storeTime = storeDuration.WithLabelValues(storeName)
+	h.storeErrors = storeErrorsTotal.WithLabelValues(storeName)
 	if ps, ok := h.store.(policyStore); ok {
 		if err := ps.bind(h.Name); err != nil {
 			return err
@@ -162,6 +172,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
+	registerHandler(h)
 	return nil
 }
 
@@ -219,6 +230,7 @@ func (h *Handler) check() error {
 
 // Cleanup releases the buckets' stores.
 func (h *Handler) Cleanup() error {
+	unregisterHandler(h)
 	var errs []error
 	if c, ok := h.store.(caddy.CleanerUpper); ok {
 		errs = append(errs, c.Cleanup())
@@ -270,18 +282,21 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	switch {
 	case tier.Unlimited:
-		d.outcome = outcomeUnlimited
+		d.decide(outcomeUnlimited)
 		return next.ServeHTTP(w, r)
 	case tier.Deny:
-		d.outcome = outcomeDenied
+		d.decide(outcomeDenied)
 		if ce := h.logger.Check(zapcore.DebugLevel, "client on a deny tier"); ce != nil {
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
 		}
 		return caddyhttp.Error(http.StatusForbidden, errors.New("client is on a deny tier"))
 	}
 
+	began := time.Now()
 	res, err := h.store.Take(r.Context(), &d.bucket, tier.limit, tier.cost)
+	h.storeTime.Observe(time.Since(began).Seconds())
 	if err != nil {
+		h.storeErrors.Inc()
 		return h.storeFailed(w, r, next, d, err)
 	}
 	return h.finish(w, r, next, d, res)
@@ -293,14 +308,14 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	d.result = res
 	h.setHeaders(w.Header(), d)
 	if res.Allowed {
-		d.outcome = outcomeAllowed
+		d.decide(outcomeAllowed)
 	} else {
 		retry := strconv.FormatInt(d.retryAfterSeconds(), 10)
 		w.Header()["Retry-After"] = []string{retry}
 		if h.DryRun {
-			d.outcome = outcomeDryRun
+			d.decide(outcomeDryRun)
 		} else {
-			d.outcome = outcomeDenied
+			d.decide(outcomeDenied)
 			if ce := h.logger.Check(zapcore.DebugLevel, "rate limited"); ce != nil {
 				ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", retry))
 			}
@@ -318,10 +333,10 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 	h.storeLog.Warn("rate limit store failed", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
 	switch h.OnStoreError {
 	case "allow":
-		d.outcome = outcomeError
+		d.decide(outcomeError)
 		return next.ServeHTTP(w, r)
 	case "deny":
-		d.outcome = outcomeError
+		d.decide(outcomeError)
 		w.Header()["Retry-After"] = []string{"1"}
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
@@ -362,14 +377,29 @@ func (h *Handler) setHeaders(hdr http.Header, d *decision) {
 // limitHeaderNames are the headers setHeaders may write, in canonical form.
 var limitHeaderNames = []string{"X-Ratelimit-Limit", "X-Ratelimit-Remaining", "X-Ratelimit-Reset", "Ratelimit-Policy", "Ratelimit"}
 
-// The outcomes, as the {http.rate_limit.decision} placeholder shows them.
+// outcome is what the handler decided for a request.
+type outcome uint8
+
 const (
-	outcomeAllowed   = "allowed"
-	outcomeDenied    = "denied"
-	outcomeDryRun    = "dry_run"
-	outcomeUnlimited = "unlimited"
-	outcomeError     = "error"
+	outcomeAllowed outcome = iota
+	outcomeDenied
+	outcomeDryRun
+	outcomeUnlimited
+	outcomeError
+	outcomeCount
 )
+
+// String is the outcome as the {http.rate_limit.decision} placeholder and
+// the metrics' decision label show it.
+func (o outcome) String() string {
+	return [outcomeCount]string{"allowed", "denied", "dry_run", "unlimited", "error"}[o]
+}
+
+// decide records the outcome and counts it.
+func (d *decision) decide(o outcome) {
+	d.outcome = o
+	d.tier.counters[o].Inc()
+}
 
 // decision is one request's passage through the handler. It answers the
 // placeholders, lazily, for as long as the request's replacer lives.
@@ -380,7 +410,7 @@ type decision struct {
 	bucket  Bucket
 	claims  Claims
 	result  Result
-	outcome string
+	outcome outcome
 	// value holds a short client value without another allocation.
 	value [64]byte
 }
@@ -402,7 +432,10 @@ func (d *decision) placeholder(key string) (any, bool) {
 	case "policy":
 		return d.handler.Name, true
 	case "decision":
-		return d.outcome, true
+		if d.tier == nil {
+			return "", true
+		}
+		return d.outcome.String(), true
 	}
 	if d.tier == nil {
 		return "", true
@@ -435,8 +468,10 @@ func (d *decision) placeholder(key string) (any, bool) {
 // keyID is a fingerprint of the client's key, for logs: the first 8 bytes
 // of SHA-256 over the keyer and the value. It is stable across nodes, so
 // that logs can be joined, and never shows the value itself.
-func (d *decision) keyID() string {
-	sum := bucketDigest(&d.bucket)
+func (d *decision) keyID() string { return keyID(&d.bucket) }
+
+func keyID(b *Bucket) string {
+	sum := bucketDigest(b)
 	return hex.EncodeToString(sum[:8])
 }
 

@@ -289,6 +289,7 @@ func (lb *localBuckets) makeRoom(sh *localShard, now int64) {
 		delete(sh.states, id)
 		freed++
 		lb.evictions.Add(1)
+		evictionsTotal.Add(1)
 	}
 }
 

@@ -45,6 +45,7 @@ type Tier struct {
 	// Header values that do not change from request to request.
 	limitHeader  []string
 	policyHeader []string
+	counters     *outcomeCounters
 }
 
 // check validates the tier and computes its limit. It needs no Caddy

@@ -1,0 +1,193 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func init() {
+	caddy.RegisterModule(Admin{})
+}
+
+// Admin is the admin API of the rate limiter, at /rate_limit/ on Caddy's
+// admin endpoint:
+//
+//	GET    /rate_limit/buckets?policy=&tier=&keyer=&value=   a bucket's state
+//	DELETE /rate_limit/buckets?policy=&tier=&keyer=&value=   refill it, to unblock a client
+//
+// policy defaults to "default", tier to the policy's catch-all tier and
+// keyer to "ip". keyer is a keyer's kind (ip, header, ...) or, where a
+// policy has several of one kind, its id as in "header/X-Api-Key". value is
+// what that keyer reads: an IP address, an API key, a username.
+type Admin struct{}
+
+// CaddyModule returns the Caddy module information.
+func (Admin) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.rate_limit",
+		New: func() caddy.Module { return new(Admin) },
+	}
+}
+
+// Routes returns the admin routes.
+func (a *Admin) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: "/rate_limit/buckets", Handler: caddy.AdminHandlerFunc(a.serveBuckets)}}
+}
+
+// liveHandlers are the provisioned handlers by policy, newest last, so the
+// admin API finds the stores and tiers of the running config.
+var liveHandlers = struct {
+	sync.Mutex
+	byPolicy map[string][]*Handler
+}{byPolicy: make(map[string][]*Handler)}
+
+func registerHandler(h *Handler) {
+	liveHandlers.Lock()
+	liveHandlers.byPolicy[h.Name] = append(liveHandlers.byPolicy[h.Name], h)
+	liveHandlers.Unlock()
+}
+
+func unregisterHandler(h *Handler) {
+	liveHandlers.Lock()
+	defer liveHandlers.Unlock()
+	hs := slices.DeleteFunc(liveHandlers.byPolicy[h.Name], func(x *Handler) bool { return x == h })
+	if len(hs) == 0 {
+		delete(liveHandlers.byPolicy, h.Name)
+		return
+	}
+	liveHandlers.byPolicy[h.Name] = hs
+}
+
+func latestHandler(policy string) *Handler {
+	liveHandlers.Lock()
+	defer liveHandlers.Unlock()
+	hs := liveHandlers.byPolicy[policy]
+	if len(hs) == 0 {
+		return nil
+	}
+	return hs[len(hs)-1]
+}
+
+// bucketState is the admin API's view of a bucket.
+type bucketState struct {
+	Policy   string `json:"policy"`
+	Tier     string `json:"tier"`
+	Keyer    string `json:"keyer"`
+	KeyID    string `json:"key_id"`
+	Capacity int64  `json:"capacity"`
+	Refill   string `json:"refill"`
+	// Remaining is the whole tokens in the bucket now.
+	Remaining int64 `json:"remaining"`
+	// Reset is the Unix second at which the bucket is full again.
+	Reset int64 `json:"reset"`
+	// ResetAfter is the seconds until then.
+	ResetAfter int64 `json:"reset_after"`
+	// Deleted is set when DELETE refilled the bucket.
+	Deleted bool `json:"deleted,omitempty"`
+}
+
+func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet && r.Method != http.MethodDelete {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s: use GET or DELETE", r.Method)}
+	}
+	q := r.URL.Query()
+	policy := q.Get("policy")
+	if policy == "" {
+		policy = "default"
+	}
+	h := latestHandler(policy)
+	if h == nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("policy %q: no such policy in the running config", policy)}
+	}
+	tier, err := h.tierNamed(q.Get("tier"))
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: err}
+	}
+	keyerName := q.Get("keyer")
+	if keyerName == "" {
+		keyerName = "ip"
+	}
+	keyer := h.keyerNamed(keyerName)
+	if keyer == nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("keyer %q: policy %q has no such keyer", keyerName, policy)}
+	}
+	value := q.Get("value")
+	if value == "" {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("value: required: what the keyer reads, such as the client's IP address")}
+	}
+	raw := []byte(value)
+	if ipk, ok := keyer.(*IPKeyer); ok {
+		addr, err := netip.ParseAddr(value)
+		if err != nil {
+			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("value %q: not an IP address", value)}
+		}
+		raw, _ = ipk.appendAddr(nil, addr)
+	}
+	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: raw}
+
+	state := bucketState{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Capacity: tier.limit.Capacity, Refill: tier.Refill}
+	state.KeyID = keyID(b)
+	if r.Method == http.MethodDelete {
+		if err := h.store.Reset(r.Context(), b); err != nil {
+			return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("resetting the bucket: %v", err)}
+		}
+		if h.local != nil {
+			_ = h.local.Reset(r.Context(), b)
+		}
+		state.Deleted = true
+	}
+	res, err := h.store.Peek(r.Context(), b, tier.limit)
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("reading the bucket: %v", err)}
+	}
+	state.Remaining = res.Remaining
+	state.ResetAfter = secondsUp(res.ResetAfter)
+	state.Reset = secondsUp(time.Now().UnixMicro() + res.ResetAfter)
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(state)
+}
+
+// tierNamed finds a tier that has buckets; "" names the catch-all.
+func (h *Handler) tierNamed(name string) (*Tier, error) {
+	var t *Tier
+	if name == "" {
+		t = h.Tiers[len(h.Tiers)-1]
+	} else {
+		for _, c := range h.Tiers {
+			if c.Name == name {
+				t = c
+			}
+		}
+	}
+	if t == nil {
+		return nil, fmt.Errorf("tier %q: policy %q has no such tier", name, h.Name)
+	}
+	if t.Unlimited || t.Deny {
+		return nil, fmt.Errorf("tier %q: an unlimited or deny tier has no buckets", t.Name)
+	}
+	return t, nil
+}
+
+// keyerNamed finds a keyer by id or kind; "ip" always finds one, since the
+// client IP names clients that no keyer names.
+func (h *Handler) keyerNamed(name string) Keyer {
+	for _, k := range h.keyers {
+		if k.ID() == name || k.Kind() == name {
+			return k
+		}
+	}
+	if h.fallback.Kind() == name || h.fallback.ID() == name {
+		return h.fallback
+	}
+	return nil
+}
+
+// Interface guard
+var _ caddy.AdminRouter = (*Admin)(nil)

@@ -1,0 +1,92 @@
+package ratelimit
+
+import (
+	"errors"
+	"strings"
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// The collectors live for the whole process and are registered into each
+// config's registry as it loads, so that counts go on across reloads. No
+// label ever carries a client's key: only policy, tier, decision and store.
+var (
+	requestsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "requests_total",
+		Help: "Requests the rate limiter decided, by policy, tier and decision (allowed, denied, dry_run, unlimited, error).",
+	}, []string{"policy", "tier", "decision"})
+
+	storeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "store_duration_seconds",
+		Help:    "Time one decision took in the store.",
+		Buckets: []float64{0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25},
+	}, []string{"store"})
+
+	storeErrorsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "store_errors_total",
+		Help: "Decisions the store failed to make, so that on_store_error decided.",
+	}, []string{"store"})
+
+	// evictionsTotal and denyCacheHitsTotal are added to by the stores.
+	evictionsTotal     atomic.Uint64
+	denyCacheHitsTotal atomic.Uint64
+
+	evictionsCounter = prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "evictions_total",
+		Help: "Live buckets the local store dropped to stay within max_keys. Full buckets dropped are not counted: dropping them changes nothing.",
+	}, func() float64 { return float64(evictionsTotal.Load()) })
+
+	denyCacheHitsCounter = prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "deny_cache_hits_total",
+		Help: "Denials answered from the local deny cache without asking the shared store.",
+	}, func() float64 { return float64(denyCacheHitsTotal.Load()) })
+
+	keysGauge = keysCollector{desc: prometheus.NewDesc("caddy_http_rate_limit_keys",
+		"Buckets the local store holds, by policy.", []string{"policy"}, nil)}
+)
+
+// keysCollector reports the size of every local bucket table when scraped,
+// so the hot path keeps no gauge up to date.
+type keysCollector struct{ desc *prometheus.Desc }
+
+func (c keysCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c keysCollector) Collect(ch chan<- prometheus.Metric) {
+	localPool.Range(func(key, value any) bool {
+		policy, ok := strings.CutPrefix(key.(string), "local/")
+		if lb, isTable := value.(*localBuckets); ok && isTable {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(lb.len()), policy)
+		}
+		return true
+	})
+}
+
+// registerMetrics adds the collectors to a config's registry. A second
+// handler in the same config finds them there already.
+func registerMetrics(reg *prometheus.Registry) error {
+	if reg == nil {
+		return nil
+	}
+	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, denyCacheHitsCounter, keysGauge} {
+		if err := reg.Register(c); err != nil {
+			var already prometheus.AlreadyRegisteredError
+			if !errors.As(err, &already) {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// outcomeCounters are one tier's request counters, one per outcome, looked
+// up once at provision rather than on every request.
+type outcomeCounters [outcomeCount]prometheus.Counter
+
+func newOutcomeCounters(policy, tier string) *outcomeCounters {
+	var c outcomeCounters
+	for o := range outcomeCount {
+		c[o] = requestsTotal.WithLabelValues(policy, tier, o.String())
+	}
+	return &c
+}
