@@ -37,7 +37,17 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    key form <field>
 //	    key json <dot.path>
 //	    key placeholder <string>
-//	    jwt { ... }
+//	    jwt {
+//	        from header <field> | cookie <name> | query <param>
+//	        secret <hmac secret>
+//	        public_key <pem file>
+//	        jwks <file or https url>
+//	        jwks_refresh <duration>
+//	        algorithms <alg...>
+//	        issuer <iss>
+//	        audience <aud>
+//	        leeway <duration>
+//	    }
 //	    tier <name> [<capacity> <refill>] {
 //	        capacity <n>
 //	        refill <amount>/<duration>
