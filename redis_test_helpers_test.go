@@ -1,5 +1,3 @@
-//go:build wip_redis
-
 package ratelimit
 
 import (
