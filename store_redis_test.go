@@ -98,11 +98,11 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	denied, err := s.Take(bg, b, Limit{Capacity: 10, Rate: l.Rate}, 1)
+	denied, err := s.Take(bg, b, l, 1)
 	if err != nil || denied.Allowed {
 		t.Fatalf("11th take: %+v, %v; want denied", denied, err)
 	}
-	s.conn.denied.remove(key)
+	s.conn.denied.remove(key) // so that the next take reaches Redis
 	before := srv.do("GET", key)
 	if res, err := s.Take(bg, b, l, 1); err != nil || res.Allowed {
 		t.Fatalf("take from the empty bucket, through Redis: %+v, %v", res, err)
@@ -205,7 +205,7 @@ func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
 	if got := scriptCalls(srv); got != calls {
 		t.Fatalf("Redis ran the script %d more times while the deny cache held the bucket", got-calls)
 	}
-	// A different cost is not the decision Redis gave: it goes to Redis.
+	// Once the retry time has passed, Redis decides again.
 	time.Sleep(time.Duration(first.RetryAfter)*time.Microsecond + 20*time.Millisecond)
 	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
 		t.Fatalf("take after the retry time: %+v, %v; want allowed by Redis", res, err)
