@@ -788,6 +788,7 @@ func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, bool) {
 		return Result{}, false
 	}
 	c.hits.Add(1)
+	denyCacheHitsTotal.Add(1)
 	res := e.result
 	res.RetryAfter = e.until - now
 	res.ResetAfter = max(res.RetryAfter, e.resetAt-now)
