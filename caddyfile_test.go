@@ -14,17 +14,28 @@ func adaptSite(directives string) ([]byte, error) {
 	return adaptCaddyfile("http://127.0.0.1:9 {\n" + directives + "\n}\n")
 }
 
-// handlerJSON digs the rate_limit handler's JSON out of an adapted config.
+// handlerJSON digs the first rate_limit handler's JSON out of an adapted
+// config.
 func handlerJSON(t *testing.T, cfg []byte) map[string]any {
 	t.Helper()
-	var found map[string]any
+	found := rateLimitHandlers(t, cfg)
+	if len(found) == 0 {
+		t.Fatalf("no rate_limit handler in %s", cfg)
+	}
+	return found[0]
+}
+
+// rateLimitHandlers finds every rate_limit handler's JSON in an adapted
+// config, in order.
+func rateLimitHandlers(t testing.TB, cfg []byte) []map[string]any {
+	t.Helper()
+	var found []map[string]any
 	var walk func(v any)
 	walk = func(v any) {
 		switch v := v.(type) {
 		case map[string]any:
-			if v["handler"] == "rate_limit" && found == nil {
-				found = v
-				return
+			if v["handler"] == "rate_limit" {
+				found = append(found, v)
 			}
 			for _, e := range v {
 				walk(e)
@@ -40,9 +51,6 @@ func handlerJSON(t *testing.T, cfg []byte) map[string]any {
 		t.Fatal(err)
 	}
 	walk(root)
-	if found == nil {
-		t.Fatalf("no rate_limit handler in %s", cfg)
-	}
 	return found
 }
 
@@ -244,31 +252,13 @@ func TestJSONMistakesFailAtProvision(t *testing.T) {
 func findHandlers(t *testing.T, cfg []byte) []*Handler {
 	t.Helper()
 	var out []*Handler
-	var walk func(v any)
-	walk = func(v any) {
-		switch v := v.(type) {
-		case map[string]any:
-			if v["handler"] == "rate_limit" {
-				raw, _ := json.Marshal(v)
-				h := new(Handler)
-				if err := json.Unmarshal(raw, h); err != nil {
-					t.Fatalf("decoding %s: %v", raw, err)
-				}
-				out = append(out, h)
-			}
-			for _, e := range v {
-				walk(e)
-			}
-		case []any:
-			for _, e := range v {
-				walk(e)
-			}
+	for _, v := range rateLimitHandlers(t, cfg) {
+		raw, _ := json.Marshal(v)
+		h := new(Handler)
+		if err := json.Unmarshal(raw, h); err != nil {
+			t.Fatalf("decoding %s: %v", raw, err)
 		}
+		out = append(out, h)
 	}
-	var root any
-	if err := json.Unmarshal(cfg, &root); err != nil {
-		t.Fatal(err)
-	}
-	walk(root)
 	return out
 }
