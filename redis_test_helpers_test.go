@@ -23,6 +23,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
+
+	"go.uber.org/zap"
 )
 
 // Tests that need Redis start real redis-server processes on free loopback
@@ -408,7 +410,7 @@ func newPrivateRedisStore(t testing.TB, s *RedisStore) *RedisStore {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.conn = newRedisConn(cfg)
+	s.conn = newRedisConn(cfg, zap.NewNop())
 	t.Cleanup(func() { _ = s.conn.Destruct() })
 	return s
 }

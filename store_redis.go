@@ -20,6 +20,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 func init() {
@@ -147,13 +149,13 @@ var redisPool = caddy.NewUsagePool()
 
 // Provision checks the settings and takes, or makes, the client for them.
 // It never talks to Redis, so that a config loads while Redis is down.
-func (s *RedisStore) Provision(caddy.Context) error {
+func (s *RedisStore) Provision(ctx caddy.Context) error {
 	cfg, err := s.settings()
 	if err != nil {
 		return err
 	}
 	val, _, err := redisPool.LoadOrNew(cfg.key, func() (caddy.Destructor, error) {
-		return newRedisConn(cfg), nil
+		return newRedisConn(cfg, ctx.Logger()), nil
 	})
 	if err != nil {
 		return err
@@ -491,13 +493,23 @@ type redisConn struct {
 	stop    context.CancelFunc
 }
 
-func newRedisConn(cfg *redisSettings) *redisConn {
+func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// A flapping Redis turns the breaker often; a few lines a second say so.
+	logger = logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return zapcore.NewSamplerWithOptions(c, time.Second, 2, 0)
+	}))
 	c := &redisConn{
-		client:  cfg.newClient(),
-		breaker: breaker{threshold: int64(cfg.failures), cooldown: cfg.cooldown.Microseconds()},
-		denied:  newDenyCache(cfg.denyCapacity),
-		stop:    cancel,
+		client: cfg.newClient(),
+		breaker: breaker{threshold: int64(cfg.failures), cooldown: cfg.cooldown.Microseconds(), changed: func(open bool) {
+			if open {
+				logger.Error("redis store unreachable: circuit breaker open, on_store_error decides", zap.Int("failures", cfg.failures), zap.Duration("cooldown", cfg.cooldown))
+			} else {
+				logger.Warn("redis store answering again: circuit breaker closed")
+			}
+		}},
+		denied: newDenyCache(cfg.denyCapacity),
+		stop:   cancel,
 	}
 	// Connect and load the script in the background, so that the first
 	// decisions do not pay for it within their timeout. A Redis that is
@@ -693,6 +705,8 @@ type breaker struct {
 	failures  atomic.Int64
 	openUntil atomic.Int64 // 0 when closed
 	probing   atomic.Bool
+	// changed, when set, hears the breaker open and close.
+	changed func(open bool)
 }
 
 // allow says whether a call may go to Redis now. Once the cool-down is
@@ -713,9 +727,9 @@ func (b *breaker) record(ok bool, now int64) {
 		if b.failures.Load() != 0 {
 			b.failures.Store(0)
 		}
-		if b.openUntil.Load() != 0 {
-			b.openUntil.Store(0)
+		if until := b.openUntil.Load(); until != 0 && b.openUntil.CompareAndSwap(until, 0) {
 			b.probing.Store(false)
+			b.notify(false)
 		}
 		return
 	}
@@ -726,8 +740,14 @@ func (b *breaker) record(ok bool, now int64) {
 		b.probing.Store(false)
 		return
 	}
-	if n >= b.threshold && b.openUntil.Load() == 0 {
-		b.openUntil.Store(now + b.cooldown)
+	if n >= b.threshold && b.openUntil.CompareAndSwap(0, now+b.cooldown) {
+		b.notify(true)
+	}
+}
+
+func (b *breaker) notify(open bool) {
+	if b.changed != nil {
+		b.changed(open)
 	}
 }
 

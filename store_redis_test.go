@@ -457,6 +457,38 @@ func TestRedisProvisionDoesNotNeedRedis(t *testing.T) {
 	}
 }
 
+func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
+	var opened, closed atomic.Int64
+	b := breaker{threshold: 5, cooldown: 1000, changed: func(open bool) {
+		if open {
+			opened.Add(1)
+		} else {
+			closed.Add(1)
+		}
+	}}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 10 {
+				b.record(false, 10)
+			}
+		})
+	}
+	wg.Wait()
+	if opened.Load() != 1 || closed.Load() != 0 {
+		t.Fatalf("80 concurrent failures: told open %d times, closed %d; want 1 and 0", opened.Load(), closed.Load())
+	}
+	if !b.allow(1010) {
+		t.Fatal("no probe after the cool-down")
+	}
+	for range 3 {
+		b.record(true, 1011)
+	}
+	if opened.Load() != 1 || closed.Load() != 1 {
+		t.Fatalf("after the probe succeeded: told open %d, closed %d; want 1 and 1", opened.Load(), closed.Load())
+	}
+}
+
 func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 	b := breaker{threshold: 3, cooldown: 1000}
 	for now := range int64(3) {
