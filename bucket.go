@@ -139,8 +139,8 @@ func (l Limit) Validate(cost int64) error {
 	if l.Capacity < 1 {
 		return fmt.Errorf("capacity %d: must be at least 1", l.Capacity)
 	}
-	if l.Rate.Tokens < 1 || l.Rate.Interval < 1 {
-		return fmt.Errorf("refill %d/%dµs: must be above 0", l.Rate.Tokens, l.Rate.Interval)
+	if l.Rate.Tokens < 1 || l.Rate.Interval < 1 || l.Rate.Tokens > math.MaxInt32 {
+		return fmt.Errorf("refill %d/%dµs: must be above 0, in lowest terms", l.Rate.Tokens, l.Rate.Interval)
 	}
 	if l.Capacity > maxUnits/l.Rate.Interval {
 		return fmt.Errorf("capacity %d with refill %s: too large to compute exactly; use a smaller capacity or a coarser refill", l.Capacity, l.Rate)

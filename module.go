@@ -18,6 +18,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -306,6 +307,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // or rejects it.
 func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res Result) error {
 	d.result = res
+	h.render(d)
 	h.setHeaders(w.Header(), d)
 	if res.Allowed {
 		d.decide(outcomeAllowed)
@@ -365,12 +367,43 @@ func (h *Handler) setHeaders(hdr http.Header, d *decision) {
 	t := d.tier
 	if h.xHeaders {
 		hdr["X-Ratelimit-Limit"] = t.limitHeader
-		hdr["X-Ratelimit-Remaining"] = []string{strconv.FormatInt(d.result.Remaining, 10)}
-		hdr["X-Ratelimit-Reset"] = []string{strconv.FormatInt(d.resetEpoch(), 10)}
+		hdr["X-Ratelimit-Remaining"] = d.remaining[:]
+		hdr["X-Ratelimit-Reset"] = d.reset[:]
 	}
 	if h.ietfHeaders {
 		hdr["Ratelimit-Policy"] = t.policyHeader
-		hdr["Ratelimit"] = []string{strconv.Quote(t.Name) + ";r=" + strconv.FormatInt(d.result.Remaining, 10) + ";t=" + strconv.FormatInt(secondsUp(d.result.ResetAfter), 10)}
+		hdr["Ratelimit"] = d.ietf[:]
+	}
+}
+
+// render writes the header values for the decision's result once, into the
+// decision itself, so that headers cost no allocation of their own.
+func (h *Handler) render(d *decision) {
+	buf := d.text[:0]
+	var at [3]int
+	if h.xHeaders {
+		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
+		at[0] = len(buf)
+		buf = strconv.AppendInt(buf, d.resetEpoch(), 10)
+		at[1] = len(buf)
+	}
+	if h.ietfHeaders {
+		buf = append(buf, d.tier.quotedName...)
+		buf = append(buf, ";r="...)
+		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
+		buf = append(buf, ";t="...)
+		buf = strconv.AppendInt(buf, secondsUp(d.result.ResetAfter), 10)
+		at[2] = len(buf)
+	}
+	// The strings share the decision's memory, which nothing writes again,
+	// and which the strings keep alive.
+	text := unsafe.String(unsafe.SliceData(buf), len(buf))
+	if h.xHeaders {
+		d.remaining[0] = text[:at[0]]
+		d.reset[0] = text[at[0]:at[1]]
+	}
+	if h.ietfHeaders {
+		d.ietf[0] = text[at[1]:at[2]]
 	}
 }
 
@@ -413,6 +446,9 @@ type decision struct {
 	outcome outcome
 	// value holds a short client value without another allocation.
 	value [64]byte
+	// The header values, rendered once into text.
+	remaining, reset, ietf [1]string
+	text                   [96]byte
 }
 
 const placeholderPrefix = "http.rate_limit."

@@ -171,22 +171,24 @@ var localClock = monotonicMicros
 var hashSeed = maphash.MakeSeed()
 
 // localBuckets is a sharded table of bucket states keyed by a 64-bit keyed
-// hash of the bucket's name. Each shard has its own lock and its own share
-// of the key bound.
+// hash of the bucket's name. Each shard has its own lock. The bound on keys
+// is kept over the whole table, so that shards that happen to draw more
+// clients than others do not evict early.
 type localBuckets struct {
-	now    func() int64
-	shards []localShard
-	shift  uint
+	now     func() int64
+	shards  []localShard
+	shift   uint
+	maxKeys atomic.Int64
+	count   atomic.Int64 // buckets held, over all shards
 
 	fullDrops atomic.Uint64 // full buckets dropped: nothing lost
 	evictions atomic.Uint64 // live buckets dropped to respect MaxKeys
 }
 
 type localShard struct {
-	mu      sync.Mutex
-	states  map[uint64]State
-	maxKeys int
-	_       [40]byte // keep shards on separate cache lines
+	mu     sync.Mutex
+	states stateTable
+	_      [64]byte // keep shards' locks on separate cache lines
 }
 
 func newLocalBuckets(maxKeys int, now func() int64) *localBuckets {
@@ -195,28 +197,13 @@ func newLocalBuckets(maxKeys int, now func() int64) *localBuckets {
 		n *= 2
 	}
 	lb := &localBuckets{now: now, shards: make([]localShard, n), shift: uint(64 - bits.TrailingZeros(uint(n)))}
-	for i := range lb.shards {
-		lb.shards[i].states = make(map[uint64]State)
-	}
 	lb.setMaxKeys(maxKeys)
 	return lb
 }
 
-// setMaxKeys spreads the bound over the shards. Shards over their new share
-// shrink as new clients arrive.
-func (lb *localBuckets) setMaxKeys(maxKeys int) {
-	n := len(lb.shards)
-	for i := range lb.shards {
-		share := maxKeys / n
-		if i < maxKeys%n {
-			share++
-		}
-		sh := &lb.shards[i]
-		sh.mu.Lock()
-		sh.maxKeys = max(share, 1)
-		sh.mu.Unlock()
-	}
-}
+// setMaxKeys changes the bound. A table over its new bound shrinks as new
+// clients arrive.
+func (lb *localBuckets) setMaxKeys(maxKeys int) { lb.maxKeys.Store(int64(max(maxKeys, 1))) }
 
 // Destruct implements caddy.Destructor.
 func (lb *localBuckets) Destruct() error { return nil }
@@ -242,13 +229,16 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
 	now := lb.now()
-	old, ok := sh.states[id]
+	old, ok := sh.states.get(id)
 	st, res := Take(old, now, l, cost)
 	if res.Allowed {
-		if !ok && len(sh.states) >= sh.maxKeys {
-			lb.makeRoom(sh, now)
+		if !ok {
+			if lb.count.Load() >= lb.maxKeys.Load() {
+				lb.makeRoom(sh, now, id)
+			}
+			lb.count.Add(1)
 		}
-		sh.states[id] = st
+		sh.states.put(id, st)
 	}
 	sh.mu.Unlock()
 	return res
@@ -257,7 +247,8 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
-	res := Peek(sh.states[id], lb.now(), l)
+	st, _ := sh.states.get(id)
+	res := Peek(st, lb.now(), l)
 	sh.mu.Unlock()
 	return res
 }
@@ -265,45 +256,31 @@ func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
 func (lb *localBuckets) reset(b *Bucket) {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
-	delete(sh.states, id)
+	before := sh.states.n
+	sh.states.remove(id)
+	lb.count.Add(int64(sh.states.n - before))
 	sh.mu.Unlock()
 }
 
 // makeRoom frees at least a 32nd of the shard, so that the sweep's cost is
 // spread over many inserts. Full buckets go first: dropping one changes no
-// decision. Only then are live buckets dropped, in the map's random order.
-func (lb *localBuckets) makeRoom(sh *localShard, now int64) {
-	want := len(sh.states) - sh.maxKeys + max(1, sh.maxKeys/32)
-	freed := 0
-	for id, st := range sh.states {
-		if st.FullAt <= now {
-			delete(sh.states, id)
-			freed++
-		}
+// decision. Only then are live buckets dropped, from a place in the table
+// that the incoming hash picks, which is as good as random.
+func (lb *localBuckets) makeRoom(sh *localShard, now int64, seed uint64) {
+	want := max(1, sh.states.n/32)
+	full := sh.states.sweep(0, sh.states.n, func(fullAt int64) bool { return fullAt <= now })
+	lb.fullDrops.Add(uint64(full))
+	live := 0
+	if full < want {
+		live = sh.states.sweep(int(seed), want-full, func(int64) bool { return true })
+		lb.evictions.Add(uint64(live))
+		evictionsTotal.Add(uint64(live))
 	}
-	lb.fullDrops.Add(uint64(freed))
-	for id := range sh.states {
-		if freed >= want {
-			break
-		}
-		delete(sh.states, id)
-		freed++
-		lb.evictions.Add(1)
-		evictionsTotal.Add(1)
-	}
+	lb.count.Add(-int64(full + live))
 }
 
 // len counts the buckets held.
-func (lb *localBuckets) len() int {
-	n := 0
-	for i := range lb.shards {
-		sh := &lb.shards[i]
-		sh.mu.Lock()
-		n += len(sh.states)
-		sh.mu.Unlock()
-	}
-	return n
-}
+func (lb *localBuckets) len() int { return int(lb.count.Load()) }
 
 // Interface guards
 var (

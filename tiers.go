@@ -45,6 +45,7 @@ type Tier struct {
 	// Header values that do not change from request to request.
 	limitHeader  []string
 	policyHeader []string
+	quotedName   string
 	counters     *outcomeCounters
 }
 
@@ -109,9 +110,10 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		}
 	}
 	t.limitHeader = []string{strconv.FormatInt(t.limit.Capacity, 10)}
+	t.quotedName = strconv.Quote(t.Name)
 	if !t.Unlimited && !t.Deny {
 		window := ceilDiv(t.limit.units(), t.limit.Rate.Tokens*1e6)
-		t.policyHeader = []string{strconv.Quote(t.Name) + ";q=" + t.limitHeader[0] + ";w=" + strconv.FormatInt(window, 10)}
+		t.policyHeader = []string{t.quotedName + ";q=" + t.limitHeader[0] + ";w=" + strconv.FormatInt(window, 10)}
 	}
 	return nil
 }

@@ -1,0 +1,75 @@
+package ratelimit
+
+import (
+	"math/rand/v2"
+	"testing"
+)
+
+// TestStateTableMatchesAMap runs random puts, removes and sweeps on the
+// table and on a Go map, and compares them after every step. Keys come
+// from a small range, so that clusters form and wrap around the table.
+func TestStateTableMatchesAMap(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	for round := range 20 {
+		var tab stateTable
+		ref := make(map[uint64]State)
+		keyRange := uint64(8 + rng.IntN(2000))
+		for step := range 5000 {
+			// Hashes that share their low bits collide in the table.
+			key := rng.Uint64N(keyRange) << uint(rng.IntN(3)*20)
+			switch op := rng.IntN(10); {
+			case op < 6:
+				st := State{FullAt: rng.Int64N(1000), Slack: rng.Int64N(1 << 31)}
+				tab.put(key, st)
+				ref[tableKey(key)] = st
+			case op < 9:
+				tab.remove(key)
+				delete(ref, tableKey(key))
+			default:
+				cut := rng.Int64N(1000)
+				removed := tab.sweep(rng.Int(), len(ref), func(fullAt int64) bool { return fullAt < cut })
+				want := 0
+				for k, st := range ref {
+					if st.FullAt < cut {
+						delete(ref, k)
+						want++
+					}
+				}
+				if removed != want {
+					t.Fatalf("round %d step %d: sweep removed %d, want %d", round, step, removed, want)
+				}
+			}
+			if tab.n != len(ref) {
+				t.Fatalf("round %d step %d: %d entries, want %d", round, step, tab.n, len(ref))
+			}
+		}
+		for k, want := range ref {
+			if got, ok := tab.get(k); !ok || got != want {
+				t.Fatalf("round %d: key %d: got %+v %v, want %+v", round, k, got, ok, want)
+			}
+		}
+		for i, k := range tab.keys {
+			if _, ok := ref[k]; k != 0 && !ok {
+				t.Fatalf("round %d: slot %d holds key %d that was removed", round, i, k)
+			}
+		}
+	}
+}
+
+func TestStateTableSweepStopsAtItsLimit(t *testing.T) {
+	var tab stateTable
+	for i := range uint64(100) {
+		tab.put(i+1, State{FullAt: 5})
+	}
+	if got := tab.sweep(17, 10, func(int64) bool { return true }); got != 10 || tab.n != 90 {
+		t.Fatalf("sweep with limit 10 removed %d, left %d; want 10 and 90", got, tab.n)
+	}
+}
+
+func TestHashZeroIsStored(t *testing.T) {
+	var tab stateTable
+	tab.put(0, State{FullAt: 42})
+	if st, ok := tab.get(0); !ok || st.FullAt != 42 {
+		t.Fatalf("get(0) = %+v, %v; want FullAt 42", st, ok)
+	}
+}
