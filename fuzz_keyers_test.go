@@ -1,0 +1,222 @@
+package ratelimit
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// Fuzz targets for the keyers that read headers and Caddy's variables. Each
+// checks the same invariants: no panic; the same request gives the same key
+// twice; a key never comes from a source the request does not have; a key
+// reported as found is never empty.
+
+// keyTwice runs the keyer twice on the request and fails when the runs
+// disagree, or when a found key is empty.
+func keyTwice(t *testing.T, k Keyer, r *http.Request) ([]byte, bool) {
+	t.Helper()
+	v1, ok1 := k.Key(r, nil)
+	v2, ok2 := k.Key(r, []byte("prefix:"))
+	if ok1 != ok2 || ok2 && !bytes.Equal(v2, append([]byte("prefix:"), v1...)) {
+		t.Fatalf("the same request keyed twice: %q %v, then %q %v", v1, ok1, v2, ok2)
+	}
+	if !ok1 && len(v1) != 0 {
+		t.Fatalf("nothing found, but %q appended", v1)
+	}
+	if ok1 && len(v1) == 0 {
+		t.Fatal("an empty key reported as found")
+	}
+	return v1, ok1
+}
+
+// withClientIP is the request as Caddy hands it to handlers, with the
+// client_ip variable set to ip ("" leaves it unset).
+func withClientIP(r *http.Request, ip string) *http.Request {
+	vars := map[string]any{}
+	if ip != "" {
+		vars[caddyhttp.ClientIPVarKey] = ip
+	}
+	return r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, vars))
+}
+
+func FuzzIPKeyer(f *testing.F) {
+	f.Add("127.0.0.1:1234", "", uint8(32), uint8(64))
+	f.Add("127.0.0.1:1234", "203.0.113.9", uint8(24), uint8(48))
+	f.Add("[::1]:80", "2001:db8::1%eth0", uint8(32), uint8(64))
+	f.Add("[::ffff:10.0.0.1]:80", "::ffff:10.0.0.1", uint8(8), uint8(128))
+	f.Add("garbage", "also garbage", uint8(0), uint8(200))
+	f.Add("", "", uint8(1), uint8(1))
+	f.Fuzz(func(t *testing.T, remote, clientIP string, v4, v6 uint8) {
+		k := &IPKeyer{IPv4Prefix: int(v4), IPv6Prefix: int(v6)}
+		if err := k.Provision(caddy.Context{}); err != nil {
+			return
+		}
+		r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+		r.RemoteAddr = remote
+		r.Header.Set("X-Forwarded-For", "198.51.100.1") // never read
+		r = withClientIP(r, clientIP)
+		v, ok := keyTwice(t, k, r)
+
+		// The address the keyer should have read: client_ip, else the
+		// connection's peer.
+		src := clientIP
+		if src == "" {
+			src = remote
+			if host, _, err := net.SplitHostPort(remote); err == nil {
+				src = host
+			}
+		}
+		addr, err := netip.ParseAddr(src)
+		if err != nil {
+			if ok {
+				t.Fatalf("key %q from no address (remote %q, client_ip %q)", v, remote, clientIP)
+			}
+			return
+		}
+		if !ok {
+			t.Fatalf("no key from address %s", addr)
+		}
+		got, err := netip.ParseAddr(string(v))
+		if err != nil {
+			t.Fatalf("key %q is not an address", v)
+		}
+		addr = addr.Unmap().WithZone("")
+		bits := k.IPv6Prefix
+		if addr.Is4() {
+			bits = k.IPv4Prefix
+		}
+		want, _ := addr.Prefix(bits)
+		if got != want.Addr() {
+			t.Fatalf("key %s for %s, want the network %s", got, addr, want)
+		}
+		if string(v) == "198.51.100.1" && src != "198.51.100.1" {
+			t.Fatal("the key came from X-Forwarded-For")
+		}
+	})
+}
+
+func FuzzHeaderKeyer(f *testing.F) {
+	f.Add("X-API-Key", "key-1", "")
+	f.Add("x-api-key", "", "second")
+	f.Add("X-Api-Key", strings.Repeat("k", 4096), "")
+	f.Add("Other", "v", "w")
+	f.Add("", "\x00\xff", "")
+	k := &HeaderKeyer{Field: "X-API-Key"}
+	if err := k.Provision(caddy.Context{}); err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, name, first, second string) {
+		r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+		r.Header = http.Header{}
+		if name != "" {
+			r.Header.Add(name, first)
+			if second != "" {
+				r.Header.Add(name, second)
+			}
+		}
+		v, ok := keyTwice(t, k, r)
+		values := r.Header.Values("X-Api-Key")
+		switch {
+		case len(values) == 0 || values[0] == "":
+			if ok {
+				t.Fatalf("key %q, but the request has no X-Api-Key value (header %q)", v, name)
+			}
+		case !ok || string(v) != values[0]:
+			t.Fatalf("key %q %v, want the first value %q", v, ok, values[0])
+		}
+	})
+}
+
+func FuzzCookieKeyer(f *testing.F) {
+	f.Add("session=abc", "")
+	f.Add("a=1; session=\"quoted\"; b=2", "session=second")
+	f.Add("session=; session=x", "")
+	f.Add("sessionx=1;xsession=2", "session=3")
+	f.Add(";;;=;session", "")
+	f.Add("session=\"", "")
+	f.Add(strings.Repeat("c=1; ", 1000)+"session=last", "")
+	k := &CookieKeyer{Name: "session"}
+	if err := k.Provision(caddy.Context{}); err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, line1, line2 string) {
+		r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+		r.Header = http.Header{}
+		for _, l := range []string{line1, line2} {
+			if l != "" {
+				r.Header.Add("Cookie", l)
+			}
+		}
+		v, ok := keyTwice(t, k, r)
+		all := strings.Join(r.Header["Cookie"], ";")
+		if !strings.Contains(all, "session") {
+			if ok {
+				t.Fatalf("key %q from cookies with no session cookie: %q", v, all)
+			}
+			return
+		}
+		if !ok {
+			return
+		}
+		// The key is the value of some "session=" pair, quotes aside.
+		found := false
+		for part := range strings.SplitSeq(all, ";") {
+			name, value, eq := strings.Cut(strings.TrimSpace(part), "=")
+			if !eq || name != "session" {
+				continue
+			}
+			if value == string(v) || value == `"`+string(v)+`"` {
+				found = true
+			}
+			break // the first session cookie decides
+		}
+		if !found {
+			t.Fatalf("key %q is not the first session cookie's value in %q", v, all)
+		}
+	})
+}
+
+func FuzzPlaceholderKeyer(f *testing.F) {
+	f.Add("{http.request.header.X-User}", "alice", true)
+	f.Add("{http.request.header.X-User}", "", true)
+	f.Add("{http.request.header.X-User}", "{http.request.uri}", true)
+	f.Add("{http.request.header.X-User}-{http.request.method}", "bob", false)
+	f.Add("{unknown.placeholder}", "x", true)
+	f.Add("{", "x", true)
+	f.Add("{{}}{http.request.header.X-User", "x", true)
+	f.Add("\\{http.request.header.X-User}", "x", true)
+	f.Fuzz(func(t *testing.T, template, user string, setUser bool) {
+		k := &PlaceholderKeyer{Value: template}
+		if err := k.Provision(caddy.Context{}); err != nil {
+			return
+		}
+		r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+		if setUser {
+			r.Header.Set("X-User", user)
+		}
+		// Without a replacer there is nothing to read.
+		if v, ok := k.Key(r, nil); ok {
+			t.Fatalf("key %q from a request without a replacer", v)
+		}
+		repl := caddyhttp.NewTestReplacer(r)
+		r = r.WithContext(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl))
+		v, ok := keyTwice(t, k, r)
+		if template != "{http.request.header.X-User}" {
+			return
+		}
+		// The single header placeholder: the header's value, verbatim
+		// (never expanded again), or nothing when it is absent or empty.
+		got := r.Header.Get("X-User")
+		if got == "" && ok || got != "" && (!ok || string(v) != got) {
+			t.Fatalf("key %q %v for X-User %q", v, ok, got)
+		}
+	})
+}
