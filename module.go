@@ -312,15 +312,16 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	if res.Allowed {
 		d.decide(outcomeAllowed)
 	} else {
-		retry := strconv.FormatInt(d.retryAfterSeconds(), 10)
-		w.Header()["Retry-After"] = []string{retry}
+		w.Header()["Retry-After"] = d.retry[:]
+		o, msg := outcomeDenied, "rate limited"
 		if h.DryRun {
-			d.decide(outcomeDryRun)
-		} else {
-			d.decide(outcomeDenied)
-			if ce := h.logger.Check(zapcore.DebugLevel, "rate limited"); ce != nil {
-				ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", retry))
-			}
+			o, msg = outcomeDryRun, "rate limited (dry run: let through)"
+		}
+		d.decide(o)
+		if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
+			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
+		}
+		if !h.DryRun {
 			return caddyhttp.Error(h.Status, errLimited)
 		}
 	}
@@ -380,20 +381,23 @@ func (h *Handler) setHeaders(hdr http.Header, d *decision) {
 // decision itself, so that headers cost no allocation of their own.
 func (h *Handler) render(d *decision) {
 	buf := d.text[:0]
-	var at [3]int
+	var at [3]int // where the x values and Retry-After end
 	if h.xHeaders {
 		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
 		at[0] = len(buf)
 		buf = strconv.AppendInt(buf, d.resetEpoch(), 10)
 		at[1] = len(buf)
 	}
+	if !d.result.Allowed {
+		buf = strconv.AppendInt(buf, d.retryAfterSeconds(), 10)
+	}
+	at[2] = len(buf)
 	if h.ietfHeaders {
 		buf = append(buf, d.tier.quotedName...)
 		buf = append(buf, ";r="...)
 		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
 		buf = append(buf, ";t="...)
 		buf = strconv.AppendInt(buf, secondsUp(d.result.ResetAfter), 10)
-		at[2] = len(buf)
 	}
 	// The strings share the decision's memory, which nothing writes again,
 	// and which the strings keep alive.
@@ -402,8 +406,9 @@ func (h *Handler) render(d *decision) {
 		d.remaining[0] = text[:at[0]]
 		d.reset[0] = text[at[0]:at[1]]
 	}
+	d.retry[0] = text[at[1]:at[2]]
 	if h.ietfHeaders {
-		d.ietf[0] = text[at[1]:at[2]]
+		d.ietf[0] = text[at[2]:]
 	}
 }
 
@@ -447,8 +452,8 @@ type decision struct {
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The header values, rendered once into text.
-	remaining, reset, ietf [1]string
-	text                   [96]byte
+	remaining, reset, retry, ietf [1]string
+	text                          [96]byte
 }
 
 const placeholderPrefix = "http.rate_limit."
