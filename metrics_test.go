@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -57,11 +58,16 @@ func grepLines(s, substr string) string {
 	return strings.Join(out, "\n")
 }
 
+var metricsRuns atomic.Int64
+
 func TestMetricsCountDecisionsAcrossAReload(t *testing.T) {
 	useFakeClock(t)
-	const site = `
+	// The counters live as long as the process, so each run of this test
+	// (go test -count) has a policy of its own.
+	policy := fmt.Sprintf("metered%d", metricsRuns.Add(1))
+	site := `
 	rate_limit 3 1/h {
-		name metered
+		name ` + policy + `
 		key header X-API-Key
 	}
 	respond "%s"`
@@ -70,13 +76,13 @@ func TestMetricsCountDecisionsAcrossAReload(t *testing.T) {
 		s.get("/", "X-API-Key: sk-live-0123456789")
 	}
 	m := scrape(t, admin)
-	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="allowed",policy="metered",tier="default"`); got != 3 {
+	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="allowed",policy="`+policy+`",tier="default"`); got != 3 {
 		t.Errorf("allowed %v, want 3", got)
 	}
-	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="denied",policy="metered",tier="default"`); got != 2 {
+	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="denied",policy="`+policy+`",tier="default"`); got != 2 {
 		t.Errorf("denied %v, want 2", got)
 	}
-	if got := metricValue(t, m, "caddy_http_rate_limit_keys", `policy="metered"`); got != 1 {
+	if got := metricValue(t, m, "caddy_http_rate_limit_keys", `policy="`+policy+`"`); got != 1 {
 		t.Errorf("keys %v, want 1", got)
 	}
 	if got := metricValue(t, m, "caddy_http_rate_limit_store_duration_seconds_count", `store="local"`); got < 5 {
@@ -96,10 +102,10 @@ func TestMetricsCountDecisionsAcrossAReload(t *testing.T) {
 	}
 	s.get("/", "X-API-Key: sk-live-other")
 	m = scrape(t, admin)
-	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="denied",policy="metered",tier="default"`); got != 4 {
+	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="denied",policy="`+policy+`",tier="default"`); got != 4 {
 		t.Errorf("denied after the reload %v, want 4: the count went on", got)
 	}
-	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="allowed",policy="metered",tier="default"`); got != 4 {
+	if got := metricValue(t, m, "caddy_http_rate_limit_requests_total", `decision="allowed",policy="`+policy+`",tier="default"`); got != 4 {
 		t.Errorf("allowed after the reload %v, want 4", got)
 	}
 	for _, secret := range []string{"sk-live", "0123456789", "127.0.0.1"} {

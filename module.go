@@ -229,17 +229,14 @@ func (h *Handler) check() error {
 	return nil
 }
 
-// Cleanup releases the buckets' stores.
+// Cleanup releases the on_store_error store. Caddy cleans up the store
+// itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	unregisterHandler(h)
-	var errs []error
-	if c, ok := h.store.(caddy.CleanerUpper); ok {
-		errs = append(errs, c.Cleanup())
-	}
 	if h.local != nil {
-		errs = append(errs, h.local.Cleanup())
+		return h.local.Cleanup()
 	}
-	return errors.Join(errs...)
+	return nil
 }
 
 // errLimited is the error behind a rejection, for Caddy's error handling.

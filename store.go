@@ -109,7 +109,9 @@ func (s *LocalStore) Cleanup() error {
 	if s.key == "" {
 		return nil
 	}
+	// Idempotent: a config's Cleanup may reach a store more than once.
 	_, err := localPool.Delete(s.key)
+	s.key = ""
 	return err
 }
 
