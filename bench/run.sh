@@ -14,6 +14,11 @@
 #   (d) the Redis store, by IP, limits never hit
 #   (e) one client flooding the Redis store after its denial: the deny
 #       cache answers; Redis INFO commandstats counts what it cost
+#   (f) plain Caddy answering 429 through its error path (`error 429`),
+#       as denials go: what (e) costs without a limiter
+#   (g) (d) with the Redis store's JSON-only "batch" turned off, so each
+#       decision is its own EVALSHA, not pipelined with concurrent ones
+#       (config: d.Caddyfile adapted, then "batch": false)
 #
 # Every route is `respond "ok"`. Everything it starts is stopped on exit.
 # It prints a markdown table for bench/README.md.
@@ -24,14 +29,14 @@
 #   DURATION [10s]      each wrk run
 #   THREADS [1]         wrk threads
 #   CONNECTIONS [32]    wrk connections
-#   SETUPS [a b c d e]  which setups, in this order within a round
+#   SETUPS [a b c d e f g]  which setups, in this order within a round
 #   KEYS [1000000]      distinct clients in (c)
 #   PREFILL [1]         send every (c) key once before the rounds, so the
 #                       store holds them all from the first round
 #   CADDY_CPUS, WRK_CPUS, REDIS_CPUS  taskset CPU lists; empty: no pinning
-#   PROFILE []          a setup (a to e) to profile after the rounds:
-#                       a CPU profile of its Caddy under wrk, from the admin
-#                       endpoint, and `go tool pprof -top` of it
+#   PROFILE []          setups to profile after the rounds, e.g. "d e": a
+#                       CPU profile of each one's Caddy under wrk, from its
+#                       loopback admin endpoint, and `go tool pprof -top`
 #   BUILD_DIR [/tmp/caddy-ratelimit-bench]  cached binaries
 #   OUT_DIR []          keep wrk outputs and profiles here (default: a temp
 #                       directory, removed on exit)
@@ -42,7 +47,7 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10s}
 THREADS=${THREADS:-1}
 CONNECTIONS=${CONNECTIONS:-32}
-SETUPS=${SETUPS:-a b c d e}
+SETUPS=${SETUPS:-a b c d e f g}
 KEYS=${KEYS:-1000000}
 PREFILL=${PREFILL:-1}
 CADDY_CPUS=${CADDY_CPUS:-}
@@ -51,7 +56,7 @@ REDIS_CPUS=${REDIS_CPUS:-}
 PROFILE=${PROFILE:-}
 BUILD_DIR=${BUILD_DIR:-${TMPDIR:-/tmp}/caddy-ratelimit-bench}
 
-for tool in go wrk redis-server redis-cli curl python3; do
+for tool in go wrk redis-server redis-cli curl python3 jq; do
 	command -v "$tool" >/dev/null || { echo "bench/run.sh: $tool is not on the PATH" >&2; exit 1; }
 done
 
@@ -130,17 +135,24 @@ for _ in $(seq 100); do
 done
 redis-cli -h 127.0.0.1 -p "$redis_port" ping >/dev/null
 
+binary() { if [[ $1 == a || $1 == f ]]; then echo "$plain"; else echo "$limited"; fi; }
+
 declare -A port admin
 for s in $SETUPS; do
-	bin=$limited
-	[[ $s == a ]] && bin=$plain
 	port[$s]=$(free_port)
 	admin[$s]=$(free_port)
+	export BENCH_PORT=${port[$s]} BENCH_ADMIN_PORT=${admin[$s]} BENCH_REDIS_PORT=$redis_port
+	config=(--adapter caddyfile --config "$repo/bench/caddy/$s.Caddyfile")
+	if [[ $s == g ]]; then
+		"$limited" adapt --config "$repo/bench/caddy/d.Caddyfile" 2>/dev/null |
+			jq 'walk(if type == "object" and (.store? | type) == "object" and .store.store == "redis"
+				then .store.batch = false | .name = "bench_g" else . end)' >"$work/g.json"
+		grep -q '"batch": false' "$work/g.json" || { log "could not set batch in $work/g.json"; exit 1; }
+		config=(--config "$work/g.json")
+	fi
 	mkdir -p "$work/home-$s"
 	HOME=$work/home-$s XDG_DATA_HOME=$work/home-$s XDG_CONFIG_HOME=$work/home-$s \
-		BENCH_PORT=${port[$s]} BENCH_ADMIN_PORT=${admin[$s]} BENCH_REDIS_PORT=$redis_port \
-		"${pin_caddy[@]}" "$bin" run --adapter caddyfile --config "$repo/bench/caddy/$s.Caddyfile" \
-		>"$out/caddy-$s.log" 2>&1 &
+		"${pin_caddy[@]}" "$(binary "$s")" run "${config[@]}" >"$out/caddy-$s.log" 2>&1 &
 	pids+=($!)
 done
 for s in $SETUPS; do
@@ -210,8 +222,10 @@ declare -A what=(
 	[a]="no limiter (plain Caddy)"
 	[b]="local store, by IP, never limited"
 	[c]="local store, $KEYS distinct X-Key clients"
-	[d]="Redis store, by IP, never limited"
+	[d]="Redis store, by IP, never limited (\`batch\` on, the default)"
 	[e]="Redis store, one denied client (deny cache)"
+	[f]="no limiter, plain Caddy answering \`error 429\`"
+	[g]="Redis store, by IP, never limited, \`batch\` off"
 )
 declare -A rps
 for s in $SETUPS; do
@@ -232,7 +246,7 @@ for s in $SETUPS; do
 	p99=$(for r in $(seq "$ROUNDS"); do to_us "$(awk '$1 == "99%" { print $2 }' "$out/wrk-$s-$r.txt")"; echo; done | median)
 	non2xx=$(field "$s" 'BEGIN { n = 0 } /Non-2xx/ { n = $NF } END { print n }' | awk '{ t += $1 } END { print t + 0 }')
 	per="-"
-	if [[ $s == d || $s == e ]]; then
+	if [[ $s == d || $s == e || $s == g ]]; then
 		per=$(awk -v c="${redis_calls[$s]}" -v n="${redis_reqs[$s]}" 'BEGIN { printf "%.6f (%d / %d)", c / n, c, n }')
 	fi
 	printf '| (%s) | %s | %.0f | %s | %s µs | %s µs | %s | %s |\n' \
@@ -249,8 +263,7 @@ fi
 
 # ---- profile ---------------------------------------------------------------
 
-if [[ -n $PROFILE ]]; then
-	s=$PROFILE
+for s in $PROFILE; do
 	secs=${DURATION%s}
 	log "profiling ($s) for ${secs}s under wrk"
 	wrk_run "$s" "$out/wrk-$s-profile.txt" "$((secs + 2))s" &
@@ -259,8 +272,7 @@ if [[ -n $PROFILE ]]; then
 	curl -s -o "$out/cpu-$s.pprof" "http://127.0.0.1:${admin[$s]}/debug/pprof/profile?seconds=$secs"
 	wait "$wrk_pid"
 	echo
-	bin=$limited
-	[[ $s == a ]] && bin=$plain
+	bin=$(binary "$s")
 	echo "CPU profile of Caddy ($s) under wrk, ${secs}s: $out/cpu-$s.pprof"
 	go tool pprof -top -nodecount=35 "$bin" "$out/cpu-$s.pprof" 2>/dev/null
-fi
+done

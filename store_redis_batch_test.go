@@ -1,0 +1,102 @@
+package ratelimit
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+	b := newRedisBatcher(s.conn.client, 2, 64)
+	defer b.close()
+	l := slowLimit(100)
+	key := s.key(bucketFor("192.0.2.20"))
+	var allowed atomic.Int64
+	var wg sync.WaitGroup
+	for range 32 {
+		wg.Go(func() {
+			for range 10 {
+				ctx, cancel := context.WithTimeout(bg, time.Second)
+				vals, err := b.take(ctx, []string{key}, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, 1})
+				cancel()
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				allowed.Add(vals[0])
+			}
+		})
+	}
+	wg.Wait()
+	if got := allowed.Load(); got != 100 {
+		t.Fatalf("%d of 320 concurrent decisions allowed, want the capacity, 100", got)
+	}
+	srv.do("SCRIPT", "FLUSH")
+	vals, err := b.take(bg, []string{s.key(bucketFor("192.0.2.21"))}, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, 1})
+	if err != nil || vals[0] != 1 || vals[1] != 99 {
+		t.Fatalf("take after SCRIPT FLUSH: %v, %v; want allowed with 99 left", vals, err)
+	}
+}
+
+// BenchmarkRedisBatch compares the store's per-decision EVALSHA with
+// pipelining concurrent decisions: redisBatcher with 1 to 8 loops, and
+// go-redis's own (experimental) blocking AutoPipeline. 32 goroutines on 2
+// CPUs, as BenchmarkRedisTake and bench/redis-benchmark.sh run.
+func BenchmarkRedisBatch(b *testing.B) {
+	srv := startRedis(b)
+	s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+	l := Limit{Capacity: 1_000_000_000, Rate: Rate{Tokens: 1, Interval: 1}} // never denies
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, 1}
+	var goroutines atomic.Int64
+	parallel := func(b *testing.B, take func(ctx context.Context, keys []string) error) {
+		b.SetParallelism(16)
+		b.RunParallel(func(pb *testing.PB) {
+			// A client per goroutine, as an edge sees; "hot" below is one.
+			keys := []string{s.key(bucketFor("client-" + strconv.FormatInt(goroutines.Add(1), 10)))}
+			for pb.Next() {
+				ctx, cancel := context.WithTimeout(bg, time.Second)
+				err := take(ctx, keys)
+				cancel()
+				if err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+	}
+	b.Run("per-decision", func(b *testing.B) {
+		parallel(b, func(ctx context.Context, keys []string) error {
+			_, err := s.Take(ctx, &Bucket{Policy: "p", Tier: "t", Keyer: "k", Value: []byte(keys[0])}, l, 1)
+			return err
+		})
+	})
+	for _, loops := range []int{1, 2, 4, 8} {
+		b.Run("batcher-loops-"+strconv.Itoa(loops), func(b *testing.B) {
+			bt := newRedisBatcher(s.conn.client, loops, 128)
+			defer bt.close()
+			parallel(b, func(ctx context.Context, keys []string) error {
+				_, err := bt.take(ctx, keys, args)
+				return err
+			})
+		})
+	}
+	b.Run("go-redis-autopipeline", func(b *testing.B) {
+		ap, err := s.conn.client.(*redis.Client).AutoPipeline()
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer ap.Close()
+		parallel(b, func(ctx context.Context, keys []string) error {
+			return bucketScript.Run(ctx, ap, keys, args...).Err()
+		})
+	})
+}
