@@ -1,10 +1,10 @@
 -- Names a different client on each request, by X-Key, cycling through
 -- BENCH_KEYS values (default 1000000). Each wrk thread starts at its own
--- random offset. With BENCH_STOP set, it instead sends the keys 1..BENCH_KEYS
--- once, in order, and stops: bench/run.sh uses that to fill the store.
+-- random offset. With BENCH_FILL set, it starts at 1 instead, so the keys go
+-- in order: bench/run.sh uses that to fill the store.
 local n = tonumber(os.getenv("BENCH_KEYS") or "1000000")
-local fill = os.getenv("BENCH_STOP") ~= nil
-local host, i, sent, done = "", 0, 0, 0
+local fill = os.getenv("BENCH_FILL") ~= nil
+local host, i = "", 0
 
 function init(args)
 	host = wrk.host .. ":" .. wrk.port
@@ -18,15 +18,5 @@ end
 -- wrk.format, and wrk shares the CPUs with Caddy.
 function request()
 	i = i % n + 1
-	sent = sent + 1
 	return "GET / HTTP/1.1\r\nHost: " .. host .. "\r\nX-Key: client-" .. i .. "\r\n\r\n"
-end
-
-if fill then
-	function response(status, headers, body)
-		done = done + 1
-		if done >= n then
-			wrk.thread:stop()
-		end
-	end
 end

@@ -180,10 +180,20 @@ redis_script_calls() { # EVAL, EVALSHA and their _ro forms, since start
 }
 
 if [[ " $SETUPS " == *" c "* && $PREFILL == 1 ]]; then
+	# wrk runs to its duration even when its script stops it, so it is
+	# stopped from here once the store holds every key (at most 300 s).
 	log "(c): sending each of the $KEYS keys once"
-	BENCH_KEYS=$KEYS BENCH_STOP=1 "${pin_wrk[@]}" wrk -t1 -c"$CONNECTIONS" -d300s -s "$repo/bench/keys.lua" \
-		"http://127.0.0.1:${port[c]}/" >"$out/prefill-c.txt"
-	grep -E 'requests in' "$out/prefill-c.txt" >&2
+	BENCH_KEYS=$KEYS BENCH_FILL=1 "${pin_wrk[@]}" wrk -t1 -c"$CONNECTIONS" -d300s -s "$repo/bench/keys.lua" \
+		"http://127.0.0.1:${port[c]}/" >"$out/prefill-c.txt" &
+	fill=$!
+	pids+=("$fill")
+	for _ in $(seq 300); do
+		sleep 1
+		awk -v want="$KEYS" '$1 == "caddy_http_rate_limit_keys{policy=\"bench_c\"}" && $2 + 0 >= want { found = 1 } END { exit !found }' \
+			<(curl -s "http://127.0.0.1:${admin[c]}/metrics") && break
+	done
+	kill "$fill" 2>/dev/null || true
+	wait "$fill" 2>/dev/null || true
 fi
 if [[ " $SETUPS " == *" e "* ]]; then
 	# The one request that is allowed; every later one is denied.
