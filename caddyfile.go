@@ -283,5 +283,20 @@ func intArg(d *caddyfile.Dispenser) (int64, error) {
 	return n, nil
 }
 
+// intBetween reads a subdirective's one whole number, which must lie in
+// [lo, hi], into v.
+func intBetween(d *caddyfile.Dispenser, lo, hi int64, v *int) error {
+	name := d.Val()
+	n, err := intArg(d)
+	if err != nil {
+		return err
+	}
+	if n < lo || n > hi {
+		return d.Errf("%s %d: want %d to %d", name, n, lo, hi)
+	}
+	*v = int(n)
+	return nil
+}
+
 // Interface guard
 var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
@@ -242,6 +243,35 @@ func (h *Handler) Cleanup() error {
 // errLimited is the error behind a rejection, for Caddy's error handling.
 var errLimited = errors.New("rate limit exceeded")
 
+// errDenyTier is the error behind a deny tier's 403.
+var errDenyTier = errors.New("client is on a deny tier")
+
+// rejection is the error for a request this handler refuses: the
+// caddyhttp.HandlerError that caddyhttp.Error makes, so that handle_errors
+// and the {http.error.*} placeholders see what they expect. Its ID and
+// trace are filled in here, because caddyhttp.Error finds and formats its
+// caller's file and line with runtime.Caller on every call: under a flood
+// of denials that was the handler's largest cost (bench/README.md). The
+// place is always this one, so the trace is a constant.
+func rejection(status int, err error) error {
+	return caddyhttp.Error(status, caddyhttp.HandlerError{StatusCode: status, Err: err, ID: errorID(), Trace: rejectionTrace})
+}
+
+const rejectionTrace = "ratelimit.rejection (module.go)"
+
+// errorID is a random error ID in caddyhttp's own form, 9 characters from
+// its 32-letter alphabet, from one random number.
+func errorID() string {
+	const alphabet = "abcdefghijkmnpqrstuvwxyz23456789"
+	var id [9]byte
+	n := rand.Uint64()
+	for i := range id {
+		id[i] = alphabet[n&31]
+		n >>= 5
+	}
+	return string(id[:])
+}
+
 // ServeHTTP limits the request, then passes it on or rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := &decision{handler: h, start: time.Now()}
@@ -287,7 +317,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if ce := h.logger.Check(zapcore.DebugLevel, "client on a deny tier"); ce != nil {
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
 		}
-		return caddyhttp.Error(http.StatusForbidden, errors.New("client is on a deny tier"))
+		return rejection(http.StatusForbidden, errDenyTier)
 	}
 
 	began := time.Now()
@@ -319,7 +349,7 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
 		}
 		if !h.DryRun {
-			return caddyhttp.Error(h.Status, errLimited)
+			return rejection(h.Status, errLimited)
 		}
 	}
 	if h.UpstreamHeaders {

@@ -138,6 +138,47 @@ func TestRejectionGoesThroughHandleErrors(t *testing.T) {
 	}
 }
 
+func TestRejectionFillsCaddysErrorPlaceholders(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/m {
+		tier bots {
+			match {
+				header User-Agent bot
+			}
+			deny
+		}
+	}
+	respond "ok"
+	handle_errors {
+		respond "{http.error.status_code}|{http.error.message}|{http.error.id}|{http.error.trace}" {http.error.status_code}
+	}`)
+	s.get("/")
+	ids := map[string]bool{}
+	check := func(r response, status int, message string) {
+		t.Helper()
+		f := strings.Split(r.body, "|")
+		if r.status != status || len(f) != 4 || f[0] != strconv.Itoa(status) || f[1] != message {
+			t.Fatalf("got %d %q, want %d with status|%s|id|trace", r.status, r.body, status, message)
+		}
+		id := f[2]
+		if len(id) != 9 || strings.Trim(id, "abcdefghijkmnpqrstuvwxyz23456789") != "" {
+			t.Errorf("error id %q: want 9 characters of caddyhttp's alphabet", id)
+		}
+		if ids[id] {
+			t.Errorf("error id %q given twice", id)
+		}
+		ids[id] = true
+		if f[3] == "" {
+			t.Errorf("no error trace")
+		}
+	}
+	for range 5 {
+		check(s.get("/"), 429, "rate limit exceeded")
+		check(s.get("/", "User-Agent: bot"), 403, "client is on a deny tier")
+	}
+}
+
 func TestStatusSetsTheRejectionCode(t *testing.T) {
 	useFakeClock(t)
 	s := serve(t, `

@@ -905,6 +905,10 @@ func (c *denyCache) len() int {
 //	    prefix <string>         # default "rl:"
 //	    timeout <duration>      # per decision, default 100ms
 //	    pool_size <n>
+//	    breaker_failures <n>    # failed decisions in a row that open it, default 5
+//	    breaker_cooldown <duration>  # default 2s
+//	    deny_cache_size <n>     # default 100000
+//	    batch on|off            # pipeline concurrent decisions, default on
 //	}
 func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // "redis"
@@ -954,30 +958,54 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 		case "timeout":
+			if err := positiveDuration(d, &s.Timeout); err != nil {
+				return err
+			}
+		case "pool_size":
+			if err := intBetween(d, 1, 1<<20, &s.PoolSize); err != nil {
+				return err
+			}
+		case "breaker_failures":
+			if err := intBetween(d, 1, 1<<20, &s.BreakerFailures); err != nil {
+				return err
+			}
+		case "breaker_cooldown":
+			if err := positiveDuration(d, &s.BreakerCooldown); err != nil {
+				return err
+			}
+		case "deny_cache_size":
+			if err := intBetween(d, 1, 1<<26, &s.DenyCacheSize); err != nil {
+				return err
+			}
+		case "batch":
 			var v string
 			if err := oneArg(d, &v); err != nil {
 				return err
 			}
-			dur, err := caddy.ParseDuration(v)
-			if err != nil || dur <= 0 {
-				return d.Errf("timeout %q: want a positive duration such as 100ms", v)
+			if v != "on" && v != "off" {
+				return d.Errf("batch %q: want on or off", v)
 			}
-			s.Timeout = caddy.Duration(dur)
-		case "pool_size":
-			n, err := intArg(d)
-			if err != nil {
-				return err
-			}
-			if n < 1 || n > 1<<20 {
-				return d.Errf("pool_size %d: must be at least 1", n)
-			}
-			s.PoolSize = int(n)
+			on := v == "on"
+			s.Batch = &on
 		default:
 			return d.Errf("store redis: unknown subdirective %q", d.Val())
 		}
 	}
 	if err := s.checkFields(); err != nil {
 		return d.Err(err.Error())
+	}
+	return nil
+}
+
+// positiveDuration reads a subdirective's one duration, which must be
+// above zero.
+func positiveDuration(d *caddyfile.Dispenser, dur *caddy.Duration) error {
+	name := d.Val()
+	if err := durationArg(d, dur); err != nil {
+		return err
+	}
+	if *dur == 0 {
+		return d.Errf("%s %q: must be above 0", name, d.Val())
 	}
 	return nil
 }

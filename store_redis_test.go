@@ -728,6 +728,10 @@ http://127.0.0.1:8080 {
 			prefix edge:
 			timeout 250ms
 			pool_size 32
+			breaker_failures 3
+			breaker_cooldown 5s
+			deny_cache_size 5000
+			batch off
 		}`)
 	if err != nil {
 		t.Fatal(err)
@@ -739,9 +743,13 @@ http://127.0.0.1:8080 {
 		"password":  "{env.REDIS_PASSWORD}",
 		"tls": map[string]any{"ca": "/etc/ssl/redis-ca.pem", "cert": "/etc/ssl/client.pem",
 			"key": "/etc/ssl/client-key.pem", "insecure_skip_verify": true},
-		"prefix":    "edge:",
-		"timeout":   float64(250 * time.Millisecond),
-		"pool_size": float64(32),
+		"prefix":           "edge:",
+		"timeout":          float64(250 * time.Millisecond),
+		"pool_size":        float64(32),
+		"breaker_failures": float64(3),
+		"breaker_cooldown": float64(5 * time.Second),
+		"deny_cache_size":  float64(5000),
+		"batch":            false,
 	}
 	if g, w := fmt.Sprint(got), fmt.Sprint(want); g != w {
 		t.Fatalf("store JSON\n got %s\nwant %s", g, w)
@@ -767,6 +775,12 @@ http://127.0.0.1:8080 {
 		{"store redis {\n timeout soon\n }", `timeout "soon"`},
 		{"store redis {\n timeout -1s\n }", `timeout "-1s"`},
 		{"store redis {\n pool_size 0\n }", "pool_size 0"},
+		{"store redis {\n timeout 0\n }", `timeout "0": must be above 0`},
+		{"store redis {\n breaker_failures 0\n }", "breaker_failures 0"},
+		{"store redis {\n breaker_cooldown 0s\n }", `breaker_cooldown "0s": must be above 0`},
+		{"store redis {\n breaker_cooldown later\n }", `breaker_cooldown "later"`},
+		{"store redis {\n deny_cache_size -5\n }", "deny_cache_size -5"},
+		{"store redis {\n batch yes\n }", `batch "yes": want on or off`},
 		{"store redis {\n prefix\n }", "prefix: want exactly one value"},
 		{"store redis {\n cluster yes\n }", `unknown subdirective "cluster"`},
 		{"store redis {\n tls {\n ca\n }\n }", "tls ca: want a file"},
