@@ -867,31 +867,42 @@ func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
 	}
 }
 
+// BenchmarkRedisTake is the Redis store's decisions per second, serial and
+// from 32 goroutines at once, with batch on (the default) and off.
+// bench/redis-benchmark.sh runs it beside redis-benchmark.
 func BenchmarkRedisTake(b *testing.B) {
 	srv := startRedis(b)
-	s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
 	bucket := bucketFor("bench")
 	l := Limit{Capacity: 1_000_000_000, Rate: Rate{Tokens: 1, Interval: 1}} // never denies
-	b.Run("serial", func(b *testing.B) {
-		for b.Loop() {
-			if _, err := s.Take(bg, bucket, l, 1); err != nil {
-				b.Fatal(err)
-			}
+	for _, batch := range []bool{true, false} {
+		s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Batch: &batch})
+		if (s.conn.batcher != nil) != batch {
+			b.Fatalf("batch %v: the store's batcher is %v", batch, s.conn.batcher)
 		}
-		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-	})
-	b.Run("parallel", func(b *testing.B) {
-		b.SetParallelism(16)
-		b.RunParallel(func(pb *testing.PB) {
-			for pb.Next() {
+		name := map[bool]string{true: "batch-on", false: "batch-off"}[batch]
+		b.Run(name+"/serial", func(b *testing.B) {
+			for b.Loop() {
 				if _, err := s.Take(bg, bucket, l, 1); err != nil {
-					b.Error(err)
-					return
+					b.Fatal(err)
 				}
 			}
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
 		})
-		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-	})
-	b.Logf("redis-benchmark equivalent: redis-benchmark -p PORT -n 200000 -c 32 -q EVALSHA %s 1 %s %d %d %d 1",
-		bucketScript.Hash(), s.key(bucket), l.Capacity, l.Rate.Tokens, l.Rate.Interval)
+		b.Run(name+"/parallel", func(b *testing.B) {
+			b.SetParallelism(16)
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if _, err := s.Take(bg, bucket, l, 1); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+		})
+		if batch {
+			b.Logf("redis-benchmark equivalent: redis-benchmark -p PORT -n 200000 -c 32 -q EVALSHA %s 1 %s %d %d %d 1",
+				bucketScript.Hash(), s.key(bucket), l.Capacity, l.Rate.Tokens, l.Rate.Interval)
+		}
+	}
 }

@@ -16,9 +16,11 @@
 #       cache answers; Redis INFO commandstats counts what it cost
 #   (f) plain Caddy answering 429 through its error path (`error 429`),
 #       as denials go: what (e) costs without a limiter
-#   (g) (d) with the Redis store's JSON-only "batch" turned off, so each
-#       decision is its own EVALSHA, not pipelined with concurrent ones
+#   (g) (d) with the Redis store's "batch" turned off, so each decision
+#       is its own EVALSHA, not pipelined with concurrent ones
 #       (config: d.Caddyfile adapted, then "batch": false)
+#   (h) (a) driven by bench/keys.lua, as (c) is: the baseline for (c),
+#       since wrk with a Lua request() runs differently from plain wrk
 #
 # Every route is `respond "ok"`. Everything it starts is stopped on exit.
 # It prints a markdown table for bench/README.md.
@@ -29,7 +31,7 @@
 #   DURATION [10s]      each wrk run
 #   THREADS [1]         wrk threads
 #   CONNECTIONS [32]    wrk connections
-#   SETUPS [a b c d e f g]  which setups, in this order within a round
+#   SETUPS [a b c d e f g h]  which setups, in this order within a round
 #   KEYS [1000000]      distinct clients in (c)
 #   PREFILL [1]         send every (c) key once before the rounds, so the
 #                       store holds them all from the first round
@@ -47,7 +49,7 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10s}
 THREADS=${THREADS:-1}
 CONNECTIONS=${CONNECTIONS:-32}
-SETUPS=${SETUPS:-a b c d e f g}
+SETUPS=${SETUPS:-a b c d e f g h}
 KEYS=${KEYS:-1000000}
 PREFILL=${PREFILL:-1}
 CADDY_CPUS=${CADDY_CPUS:-}
@@ -135,14 +137,15 @@ for _ in $(seq 100); do
 done
 redis-cli -h 127.0.0.1 -p "$redis_port" ping >/dev/null
 
-binary() { if [[ $1 == a || $1 == f ]]; then echo "$plain"; else echo "$limited"; fi; }
+binary() { if [[ $1 == a || $1 == f || $1 == h ]]; then echo "$plain"; else echo "$limited"; fi; }
+caddyfile() { if [[ $1 == h ]]; then echo "$repo/bench/caddy/a.Caddyfile"; else echo "$repo/bench/caddy/$1.Caddyfile"; fi; }
 
 declare -A port admin
 for s in $SETUPS; do
 	port[$s]=$(free_port)
 	admin[$s]=$(free_port)
 	export BENCH_PORT=${port[$s]} BENCH_ADMIN_PORT=${admin[$s]} BENCH_REDIS_PORT=$redis_port
-	config=(--adapter caddyfile --config "$repo/bench/caddy/$s.Caddyfile")
+	config=(--adapter caddyfile --config "$(caddyfile "$s")")
 	if [[ $s == g ]]; then
 		"$limited" adapt --config "$repo/bench/caddy/d.Caddyfile" 2>/dev/null |
 			jq 'walk(if type == "object" and (.store? | type) == "object" and .store.store == "redis"
@@ -169,7 +172,7 @@ log "redis on $redis_port; caddy: $(for s in $SETUPS; do printf '%s=%s ' "$s" "$
 wrk_run() { # wrk_run <setup> <output file> [duration]
 	local s=$1 file=$2 d=${3:-$DURATION}
 	local script=()
-	[[ $s == c ]] && script=(-s "$repo/bench/keys.lua")
+	[[ $s == c || $s == h ]] && script=(-s "$repo/bench/keys.lua")
 	BENCH_KEYS=$KEYS "${pin_wrk[@]}" wrk -t"$THREADS" -c"$CONNECTIONS" -d"$d" --latency "${script[@]}" \
 		"http://127.0.0.1:${port[$s]}/" >"$file"
 }
@@ -236,6 +239,7 @@ declare -A what=(
 	[e]="Redis store, one denied client (deny cache)"
 	[f]="no limiter, plain Caddy answering \`error 429\`"
 	[g]="Redis store, by IP, never limited, \`batch\` off"
+	[h]="no limiter (plain Caddy), under bench/keys.lua as (c)"
 )
 declare -A rps
 for s in $SETUPS; do
@@ -265,6 +269,19 @@ done
 echo "Per-round req/s:"
 for s in $SETUPS; do
 	echo "  ($s) $(field "$s" '/Requests\/sec/ { printf "%s ", $2 }')"
+done
+# A setup against its baseline round by round, each pair run back to back
+# but for the setups between them: the median of those ratios drifts less
+# than the ratio of the medians.
+echo "Paired ratios, the median over rounds of each round's ratio:"
+for pair in b/a c/h c/b d/a e/a e/f d/g; do
+	x=${pair%/*} y=${pair#*/}
+	[[ -n ${rps[$x]:-} && -n ${rps[$y]:-} ]] || continue
+	ratio=$(for r in $(seq "$ROUNDS"); do
+		paste <(awk '/Requests\/sec/ { print $2 }' "$out/wrk-$x-$r.txt") <(awk '/Requests\/sec/ { print $2 }' "$out/wrk-$y-$r.txt") |
+			awk '{ printf "%.4f\n", $1 / $2 }'
+	done | median)
+	printf '  (%s)/(%s) %.2f\n' "$x" "$y" "$ratio"
 done
 if [[ " $SETUPS " == *" c "* ]]; then
 	keys=$(curl -s "http://127.0.0.1:${admin[c]}/metrics" | awk '/^caddy_http_rate_limit_keys\{policy="bench_c"\}/ { print $2 }')
