@@ -4,8 +4,8 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"net"
 	"net/http"
-	"net/http/httptest"
 	"runtime"
 	"strconv"
 	"sync/atomic"
@@ -64,11 +64,19 @@ func provisionedHandler(b *testing.B, cfg string) (*Handler, func()) {
 
 // benchRequest is a request as Caddy's server hands it to handlers: with a
 // replacer and the client_ip variable.
+// It is built directly, not parsed from text as httptest.NewRequest does,
+// so that the garbage of making it, collected while the timer runs, is
+// small beside what it measures.
 func benchRequest(ip string) *http.Request {
-	r := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
-	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
+	ctx := context.WithValue(context.Background(), caddy.ReplacerCtxKey, caddy.NewReplacer())
 	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip})
-	return r.WithContext(ctx)
+	r, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1/", nil)
+	if err != nil {
+		panic(err)
+	}
+	r.RemoteAddr = net.JoinHostPort(ip, "1234")
+	r.RequestURI = "/"
+	return r
 }
 
 var nopHandler = caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })

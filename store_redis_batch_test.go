@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -39,10 +40,41 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 	if got := allowed.Load(); got != 100 {
 		t.Fatalf("%d of 320 concurrent decisions allowed, want the capacity, 100", got)
 	}
-	srv.do("SCRIPT", "FLUSH")
-	vals, err := b.take(bg, []string{s.key(bucketFor("192.0.2.21"))}, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, 1})
-	if err != nil || vals[0] != 1 || vals[1] != 99 {
-		t.Fatalf("take after SCRIPT FLUSH: %v, %v; want allowed with 99 left", vals, err)
+	if b.callers.Load() != 0 {
+		t.Fatalf("%d callers counted after every take returned", b.callers.Load())
+	}
+
+	// Redis forgets the script (a restart, a failover): a lone caller
+	// (sent at once) and concurrent ones (sent as a pipeline) load it again.
+	for _, n := range []int{1, 32} {
+		srv.do("SCRIPT", "FLUSH")
+		key := s.key(bucketFor("192.0.2.2" + strconv.Itoa(n)))
+		var allowed atomic.Int64
+		var wg sync.WaitGroup
+		for range n {
+			wg.Go(func() {
+				vals, err := b.take(bg, []string{key}, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, 1})
+				if err != nil {
+					t.Errorf("take after SCRIPT FLUSH (%d at once): %v", n, err)
+					return
+				}
+				allowed.Add(vals[0])
+			})
+		}
+		wg.Wait()
+		if got := allowed.Load(); got != int64(n) {
+			t.Fatalf("after SCRIPT FLUSH, %d of %d takes allowed, want all", got, n)
+		}
+	}
+}
+
+func TestRedisBatcherAnswersAfterClose(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+	b := newRedisBatcher(s.conn.client, 1, 8)
+	b.close()
+	if _, err := b.take(bg, []string{s.key(bucketFor("192.0.2.30"))}, []any{1, 1, 1, 1}); !errors.Is(err, redis.ErrClosed) {
+		t.Fatalf("take on a closed batcher: %v, want %v", err, redis.ErrClosed)
 	}
 }
 
