@@ -248,3 +248,37 @@ func TestClockGoingBackwardsNeverAddsTokens(t *testing.T) {
 		t.Errorf("a request from before the last one was allowed from an empty bucket")
 	}
 }
+
+// The local store reads the clock before it takes the shard's lock, so a
+// take may apply an earlier time than the one stored before it. Times
+// applied out of order by up to a jitter never admit more than the exact
+// bound for the whole span.
+func TestTimesOutOfOrderNeverAdmitMoreThanTheBound(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for _, l := range []Limit{
+		{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 100_000}}, // 10/s
+		{Capacity: 3, Rate: Rate{Tokens: 1, Interval: 1_000_000}},
+		{Capacity: 100, Rate: Rate{Tokens: 7, Interval: 30_000}},
+	} {
+		const n, step, jitter = 20_000, 20_000, 500_000 // µs
+		var st State
+		start, last := int64(1_000_000), int64(0)
+		allowed := int64(0)
+		for i := range int64(n) {
+			now := max(start, start+i*step-rng.Int64N(jitter)) // read, then delayed
+			last = max(last, start+i*step)
+			var res Result
+			st, res = Take(st, now, l, 1)
+			if res.Allowed {
+				allowed++
+			}
+		}
+		bound := l.Capacity + (last-start)*l.Rate.Tokens/l.Rate.Interval
+		if allowed > bound {
+			t.Errorf("%+v: %d allowed over %d µs, more than the bound %d", l, allowed, last-start, bound)
+		}
+		if want := min(bound, n); allowed < want*9/10 {
+			t.Errorf("%+v: %d allowed over %d µs, far under %d: jitter should cost little", l, allowed, last-start, want)
+		}
+	}
+}
