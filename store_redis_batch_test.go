@@ -136,3 +136,60 @@ func BenchmarkRedisBatch(b *testing.B) {
 		})
 	})
 }
+
+// TestRedisBatcherHonoursEachDeadline pauses Redis under concurrent
+// decisions: each one, sent alone or in a pipeline, returns an error at its
+// own deadline instead of waiting for Redis, and the batcher works again
+// once Redis does.
+func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	b := newRedisBatcher(s.conn.client, 2, 8)
+	defer b.close()
+	l := slowLimit(1000)
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, 1}
+	key := s.key(bucketFor("192.0.2.40"))
+	if _, err := b.take(bg, []string{key}, args); err != nil {
+		t.Fatal(err)
+	}
+
+	const pause, timeout = 2 * time.Second, 200 * time.Millisecond
+	srv.do("CLIENT", "PAUSE", pause.Milliseconds(), "ALL")
+	paused := time.Now()
+	var wg sync.WaitGroup
+	var slowest atomic.Int64
+	for i := range 24 {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(bg, timeout)
+			defer cancel()
+			start := time.Now()
+			_, err := b.take(ctx, []string{key}, args)
+			took := time.Since(start)
+			if err == nil {
+				t.Errorf("decision %d answered while Redis was paused", i)
+			}
+			for {
+				old := slowest.Load()
+				if int64(took) <= old || slowest.CompareAndSwap(old, int64(took)) {
+					break
+				}
+			}
+		})
+	}
+	wg.Wait()
+	// Waiting for Redis would take the whole pause; the bound leaves the
+	// race detector and a loaded machine a second of slack.
+	if took := time.Duration(slowest.Load()); took >= timeout+time.Second {
+		t.Fatalf("the slowest decision took %s with a %s deadline while Redis was paused for %s", took, timeout, pause)
+	}
+	if elapsed := time.Since(paused); elapsed >= pause {
+		t.Fatalf("the decisions outlasted the pause (%s): they waited for Redis", elapsed)
+	}
+
+	// (CLIENT UNPAUSE would itself wait for the pause to end.)
+	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
+	defer cancel()
+	if _, err := b.take(ctx, []string{key}, args); err != nil {
+		t.Fatalf("take after Redis came back: %v", err)
+	}
+}
