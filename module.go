@@ -335,11 +335,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res Result) error {
 	d.result = res
 	h.render(d)
-	h.setHeaders(w.Header(), d)
+	setHeaders(w.Header(), &d.resp)
 	if res.Allowed {
 		d.decide(outcomeAllowed)
 	} else {
-		w.Header()["Retry-After"] = d.retry[:]
+		if !h.DryRun {
+			w.Header()["Retry-After"] = d.retry[:]
+		}
 		o, msg := outcomeDenied, "rate limited"
 		if h.DryRun {
 			o, msg = outcomeDryRun, "rate limited (dry run: let through)"
@@ -353,7 +355,8 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		}
 	}
 	if h.UpstreamHeaders {
-		h.setHeaders(r.Header, d)
+		d.upstream = d.resp
+		setHeaders(r.Header, &d.upstream)
 	}
 	return next.ServeHTTP(w, r)
 }
@@ -389,18 +392,26 @@ func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Ti
 	return h.Tiers[len(h.Tiers)-1], nil
 }
 
-// setHeaders writes the limit headers chosen by Headers into hdr, which is
-// the response's or, with upstream_headers, the request's.
-func (h *Handler) setHeaders(hdr http.Header, d *decision) {
-	t := d.tier
-	if h.xHeaders {
-		hdr["X-Ratelimit-Limit"] = t.limitHeader
-		hdr["X-Ratelimit-Remaining"] = d.remaining[:]
-		hdr["X-Ratelimit-Reset"] = d.reset[:]
+// headerValues are the limit headers of one response, or of one request
+// with upstream_headers. Each message owns its slices, because a later
+// handler (a deferred `header` replace) may edit them in place; the strings
+// themselves are immutable and may be shared. A nil entry is not sent.
+type headerValues struct {
+	limit, remaining, reset, policy, ietf [1]string
+	x, ietfOn                             bool
+}
+
+// setHeaders writes the limit headers into hdr: the response's or, with
+// upstream_headers, the request's.
+func setHeaders(hdr http.Header, v *headerValues) {
+	if v.x {
+		hdr["X-Ratelimit-Limit"] = v.limit[:]
+		hdr["X-Ratelimit-Remaining"] = v.remaining[:]
+		hdr["X-Ratelimit-Reset"] = v.reset[:]
 	}
-	if h.ietfHeaders {
-		hdr["Ratelimit-Policy"] = t.policyHeader
-		hdr["Ratelimit"] = d.ietf[:]
+	if v.ietfOn {
+		hdr["Ratelimit-Policy"] = v.policy[:]
+		hdr["Ratelimit"] = v.ietf[:]
 	}
 }
 
@@ -429,13 +440,17 @@ func (h *Handler) render(d *decision) {
 	// The strings share the decision's memory, which nothing writes again,
 	// and which the strings keep alive.
 	text := unsafe.String(unsafe.SliceData(buf), len(buf))
+	v := &d.resp
+	v.x, v.ietfOn = h.xHeaders, h.ietfHeaders
 	if h.xHeaders {
-		d.remaining[0] = text[:at[0]]
-		d.reset[0] = text[at[0]:at[1]]
+		v.limit[0] = d.tier.limitText
+		v.remaining[0] = text[:at[0]]
+		v.reset[0] = text[at[0]:at[1]]
 	}
 	d.retry[0] = text[at[1]:at[2]]
 	if h.ietfHeaders {
-		d.ietf[0] = text[at[2]:]
+		v.policy[0] = d.tier.policyText
+		v.ietf[0] = text[at[2]:]
 	}
 }
 
@@ -478,9 +493,11 @@ type decision struct {
 	outcome outcome
 	// value holds a short client value without another allocation.
 	value [64]byte
-	// The header values, rendered once into text.
-	remaining, reset, retry, ietf [1]string
-	text                          [96]byte
+	// The header values, rendered once into text: the response's, and a
+	// copy for the request with upstream_headers.
+	resp, upstream headerValues
+	retry          [1]string
+	text           [96]byte
 }
 
 const placeholderPrefix = "http.rate_limit."

@@ -43,9 +43,9 @@ type Tier struct {
 	limit    Limit
 	cost     int64
 	// Header values that do not change from request to request.
-	limitHeader  []string
-	policyHeader []string
-	quotedName   string
+	limitText  string
+	policyText string
+	quotedName string
 	counters     *outcomeCounters
 }
 
@@ -109,11 +109,11 @@ func (t *Tier) provision(ctx caddy.Context) error {
 			return fmt.Errorf("tier %q: %v", t.Name, err)
 		}
 	}
-	t.limitHeader = []string{strconv.FormatInt(t.limit.Capacity, 10)}
+	t.limitText = strconv.FormatInt(t.limit.Capacity, 10)
 	t.quotedName = strconv.Quote(t.Name)
 	if !t.Unlimited && !t.Deny {
 		window := ceilDiv(t.limit.units(), t.limit.Rate.Tokens*1e6)
-		t.policyHeader = []string{t.quotedName + ";q=" + t.limitHeader[0] + ";w=" + strconv.FormatInt(window, 10)}
+		t.policyText = t.quotedName + ";q=" + t.limitText + ";w=" + strconv.FormatInt(window, 10)
 	}
 	return nil
 }
