@@ -159,9 +159,16 @@ func (s State) deficit(now int64, l Limit) int64 {
 	if now >= s.FullAt {
 		return 0
 	}
-	// FullAt-now is at most the time to refill a whole bucket, so the product
-	// stays within units()+Tokens, unless the clock went backwards.
-	d := (s.FullAt-now)*l.Rate.Tokens - s.Slack
+	// Under the limit that wrote the state, FullAt-now is at most the time to
+	// refill a whole bucket. A reload may have changed the limit since, or
+	// the clock gone backwards: a gap longer than a whole refill saturates
+	// to an empty bucket before the product could overflow.
+	// (Slack is below the old limit's Tokens, so the sums stay small.)
+	gap := s.FullAt - now
+	if gap > (l.units()+s.Slack)/l.Rate.Tokens+1 {
+		return l.units()
+	}
+	d := gap*l.Rate.Tokens - s.Slack
 	if d > l.units() || d < 0 {
 		return l.units()
 	}

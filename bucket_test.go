@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"math"
 	"math/big"
 	"math/rand/v2"
 	"testing"
@@ -279,6 +280,75 @@ func TestTimesOutOfOrderNeverAdmitMoreThanTheBound(t *testing.T) {
 		}
 		if want := min(bound, n); allowed < want*9/10 {
 			t.Errorf("%+v: %d allowed over %d µs, far under %d: jitter should cost little", l, allowed, last-start, want)
+		}
+	}
+}
+
+// refDeficit is State.deficit computed without overflow: the units a bucket
+// in state s lacks at now under l, saturated to the capacity.
+func refDeficit(s State, now int64, l Limit) int64 {
+	if now >= s.FullAt {
+		return 0
+	}
+	d := new(big.Int).Mul(big.NewInt(s.FullAt-now), big.NewInt(l.Rate.Tokens))
+	d.Sub(d, big.NewInt(s.Slack))
+	if d.Sign() < 0 || d.Cmp(big.NewInt(l.units())) > 0 {
+		return l.units()
+	}
+	return d.Int64()
+}
+
+// randomExtremeLimit is a valid limit near the edges of what Validate
+// accepts: huge capacities, huge or tiny rates, intervals up to maxUnits.
+func randomExtremeLimit(rng *rand.Rand) Limit {
+	for {
+		interval := []int64{1, 1_000_000, 1 << 32, maxUnits, 1 + rng.Int64N(maxUnits)}[rng.IntN(5)]
+		tokens := []int64{1, math.MaxInt32, 1 + rng.Int64N(math.MaxInt32)}[rng.IntN(3)]
+		g := new(big.Int).GCD(nil, nil, big.NewInt(tokens), big.NewInt(interval)).Int64()
+		tokens, interval = tokens/g, interval/g
+		capMax := maxUnits / interval
+		capacity := []int64{1, capMax, 1 + rng.Int64N(capMax)}[rng.IntN(3)]
+		l := Limit{Capacity: capacity, Rate: Rate{Tokens: tokens, Interval: interval}}
+		if l.Validate(1) == nil {
+			return l
+		}
+	}
+}
+
+// A reload may change a bucket's limit to anything Validate accepts, and
+// the state stored under the old limit then meets the new one. The
+// arithmetic saturates: the level is never outside [0, capacity], and every
+// figure matches the overflow-free reference.
+func TestExtremeLimitChangesSaturate(t *testing.T) {
+	rng := rand.New(rand.NewPCG(12, 5))
+	n := 200_000
+	if testing.Short() {
+		n = 20_000
+	}
+	for i := range n {
+		old, next := randomExtremeLimit(rng), randomExtremeLimit(rng)
+		start := rng.Int64N(1 << 50)
+		st, _ := Take(State{}, start, old, 1+rng.Int64N(old.Capacity))
+		now := start + []int64{0, 1, -1, rng.Int64N(1 << 40), -rng.Int64N(1 << 40)}[rng.IntN(5)]
+		cost := 1 + rng.Int64N(next.Capacity)
+
+		deficit := refDeficit(st, now, next)
+		level := next.units() - deficit
+		if got := st.deficit(now, next); got != deficit {
+			t.Fatalf("case %d: state %+v at %d under %+v: deficit %d, want %d", i, st, now, next, got, deficit)
+		}
+		nst, res := Take(st, now, next, cost)
+		if want := level / next.Rate.Interval; res.Remaining > want || res.Remaining < 0 {
+			t.Fatalf("case %d: remaining %d, want at most %d and not negative", i, res.Remaining, want)
+		}
+		if res.Allowed != (level >= cost*next.Rate.Interval) {
+			t.Fatalf("case %d: allowed %v with level %d and cost %d", i, res.Allowed, level, cost)
+		}
+		if maxReset := ceilDiv(next.units(), next.Rate.Tokens); res.ResetAfter < 0 || res.ResetAfter > maxReset || res.RetryAfter < 0 || res.RetryAfter > maxReset {
+			t.Fatalf("case %d: reset after %d, retry after %d; want both in [0, %d]", i, res.ResetAfter, res.RetryAfter, maxReset)
+		}
+		if res.Allowed && (nst.FullAt < now || nst.Slack < 0 || nst.Slack >= next.Rate.Tokens) {
+			t.Fatalf("case %d: new state %+v at %d is out of range", i, nst, now)
 		}
 	}
 }
