@@ -46,7 +46,7 @@ type Tier struct {
 	limitText  string
 	policyText string
 	quotedName string
-	counters     *outcomeCounters
+	counters   *outcomeCounters
 }
 
 // check validates the tier and computes its limit. It needs no Caddy
