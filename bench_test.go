@@ -50,7 +50,7 @@ func BenchmarkLocalTakeParallel(b *testing.B) {
 
 // provisionedHandler sets up a handler from JSON outside a server, as Caddy
 // would.
-func provisionedHandler(b *testing.B, cfg string) (*Handler, func()) {
+func provisionedHandler(b testing.TB, cfg string) (*Handler, func()) {
 	h := new(Handler)
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		b.Fatal(err)

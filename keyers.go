@@ -99,6 +99,19 @@ func (k *IPKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	return k.appendAddr(buf, addr)
 }
 
+// fallbackKey names a client that no keyer named: by its IP address, or,
+// when the connection has none that parses (a listener wrapper or another
+// module set an odd remote address), by the whole remote address, so that
+// such clients do not all share one bucket. Unix sockets, where every
+// client's remote address is "@", are refused at provision instead (see
+// checkListeners).
+func (k *IPKeyer) fallbackKey(r *http.Request, buf []byte) []byte {
+	if v, ok := k.Key(r, buf); ok {
+		return v
+	}
+	return append(buf, r.RemoteAddr...)
+}
+
 // appendAddr appends the address's network, by the keyer's prefixes.
 func (k *IPKeyer) appendAddr(buf []byte, addr netip.Addr) ([]byte, bool) {
 	addr = addr.Unmap().WithZone("")

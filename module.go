@@ -81,7 +81,7 @@ type Handler struct {
 	DryRun bool `json:"dry_run,omitempty"`
 
 	keyers   []Keyer
-	fallback Keyer
+	fallback *IPKeyer
 	store    Store
 	// local limits per node while the shared store fails, with on_store_error local.
 	local       *LocalStore
@@ -136,6 +136,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.fallback = fallback
+	if err := h.checkListeners(ctx); err != nil {
+		return err
+	}
 
 	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
@@ -230,6 +233,25 @@ func (h *Handler) check() error {
 	return nil
 }
 
+// checkListeners refuses a server that listens on a Unix socket without
+// trusted_proxies_unix: every client there has the remote address "@" and
+// no IP, so the client IP, which names any client no keyer names, would
+// put them all in one bucket. With trusted_proxies_unix, Caddy reads the
+// client IP from the proxy's headers.
+func (h *Handler) checkListeners(ctx caddy.Context) error {
+	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv.TrustedProxiesUnix {
+		return nil
+	}
+	for _, ln := range srv.Listen {
+		na, err := caddy.ParseNetworkAddress(ln)
+		if err == nil && na.IsUnixNetwork() {
+			return fmt.Errorf("policy %q: the server listens on the Unix socket %q, where clients have no IP address, so all would share one bucket: set the global server option trusted_proxies_unix (Caddy then reads the client IP from the proxy's headers)", h.Name, ln)
+		}
+	}
+	return nil
+}
+
 // Cleanup releases the on_store_error store. Caddy cleans up the store
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
@@ -285,7 +307,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		repl.Map(d.placeholder)
 	}
 
-	keyer := h.fallback
+	var keyer Keyer = h.fallback
 	value := d.value[:0]
 	for _, k := range h.keyers {
 		if v, ok := k.Key(r, value); ok && len(v) > 0 {
@@ -294,7 +316,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 	}
 	if keyer == h.fallback {
-		value, _ = keyer.Key(r, value)
+		value = h.fallback.fallbackKey(r, value)
 	}
 	var claims Claims
 	if h.JWT != nil {

@@ -1,0 +1,97 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// A remote address that does not parse as an IP (a listener wrapper or
+// another module set it) names the client by itself: such clients do not
+// share one bucket.
+func TestUnparseableRemoteAddressesGetTheirOwnBuckets(t *testing.T) {
+	h, done := provisionedHandler(t, `{"name":"odd-addr","tiers":[{"name":"default","capacity":1,"refill":"1/h"}]}`)
+	defer done()
+	take := func(remote string) bool {
+		r := benchRequest("") // no client_ip: the remote address decides
+		r.RemoteAddr = remote
+		return h.ServeHTTP(&headerSink{h: make(http.Header)}, r, nopHandler) == nil
+	}
+	for _, remote := range []string{"peer-a", "peer-b", "[garbage]:1"} {
+		if !take(remote) {
+			t.Errorf("first request from %q was refused: it shares a bucket with another client", remote)
+		}
+	}
+	if take("peer-a") {
+		t.Errorf("second request from peer-a was allowed by a bucket of capacity 1")
+	}
+}
+
+// On a Unix socket every client's remote address is "@". Without
+// trusted_proxies_unix the client IP cannot name anyone, so the config is
+// refused; with it, Caddy reads the client IP from the proxy's header and
+// each client has its own bucket.
+func TestUnixSocketListener(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "edge.sock")
+	caddyfile := func(serverOpts string) string {
+		return fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+	servers {
+		%s
+	}
+}
+http:// {
+	bind unix/%s
+	rate_limit 1 1/h
+	respond "ok"
+}`, serverOpts, sock)
+	}
+
+	cfg, err := adaptCaddyfile(caddyfile("max_header_size 1MB"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = caddy.Load(cfg, true)
+	if err == nil {
+		_ = caddy.Stop()
+		t.Fatal("a Unix socket listener without trusted_proxies_unix loaded; want an error")
+	}
+	for _, want := range []string{"Unix socket", "trusted_proxies_unix"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name %q", err, want)
+		}
+	}
+
+	cfg, err = adaptCaddyfile(caddyfile("trusted_proxies_unix"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatalf("loading with trusted_proxies_unix: %v", err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop(); _ = os.Remove(sock) })
+	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return new(net.Dialer).DialContext(ctx, "unix", sock)
+	}}}
+	status := func(ip string) int {
+		req, _ := http.NewRequest(http.MethodGet, "http://edge/", nil)
+		req.Header.Set("X-Forwarded-For", ip)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if a, b, again := status("127.0.0.2"), status("127.0.0.3"), status("127.0.0.2"); a != 200 || b != 200 || again != 429 {
+		t.Errorf("over the socket: client A %d, client B %d, A again %d; want 200 200 429", a, b, again)
+	}
+}
