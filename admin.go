@@ -130,7 +130,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 		}
 		raw, _ = ipk.appendAddr(nil, addr)
 	}
-	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: raw}
+	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: raw, secret: h.keySecret}
 
 	state := bucketState{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Capacity: tier.limit.Capacity, Refill: tier.Refill}
 	state.KeyID = keyID(b)

@@ -64,6 +64,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    upstream_headers
 //	    status <code>
 //	    dry_run
+//	    key_secret <secret>
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
@@ -102,6 +103,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = flag(d, &h.UpstreamHeaders)
 		case "dry_run":
 			err = flag(d, &h.DryRun)
+		case "key_secret":
+			err = oneArg(d, &h.KeySecret)
 		case "status":
 			var n int64
 			if n, err = intArg(d); err == nil {

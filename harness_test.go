@@ -170,3 +170,12 @@ func useFakeClock(t testing.TB) *fakeClock {
 	t.Cleanup(func() { localClock = old })
 	return c
 }
+
+// loadAndStop loads a config that a test expects to be refused, and stops
+// Caddy again if it loaded after all.
+func loadAndStop(cfg []byte) error {
+	if err := caddy.Load(cfg, true); err != nil {
+		return err
+	}
+	return caddy.Stop()
+}

@@ -59,9 +59,8 @@ http:// {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = caddy.Load(cfg, true)
+	err = loadAndStop(cfg)
 	if err == nil {
-		_ = caddy.Stop()
 		t.Fatal("a Unix socket listener without trusted_proxies_unix loaded; want an error")
 	}
 	for _, want := range []string{"Unix socket", "trusted_proxies_unix"} {

@@ -9,11 +9,13 @@
 package ratelimit
 
 import (
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -80,11 +82,20 @@ type Handler struct {
 	// DryRun decides, counts, logs and sets headers, but never rejects.
 	DryRun bool `json:"dry_run,omitempty"`
 
+	// KeySecret, when set, keys the hash that turns a client's value into
+	// its bucket's Redis key and its key_id (HMAC-SHA256). Without it they
+	// are an unkeyed SHA-256: pseudonyms, which anyone can reverse for
+	// values as few as the IPv4 addresses. At least 16 bytes; placeholders
+	// such as {env.RATE_LIMIT_KEY_SECRET} are expanded at provision. Every
+	// node sharing a Redis store needs the same secret.
+	KeySecret string `json:"key_secret,omitempty"`
+
 	keyers   []Keyer
 	fallback *IPKeyer
 	store    Store
 	// local limits per node while the shared store fails, with on_store_error local.
 	local       *LocalStore
+	keySecret   []byte
 	xHeaders    bool
 	ietfHeaders bool
 	logger      *zap.Logger
@@ -109,6 +120,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
 	}))
 	if err := h.check(); err != nil {
+		return err
+	}
+	if err := h.provisionKeySecret(); err != nil {
 		return err
 	}
 	if h.JWT != nil {
@@ -196,6 +210,9 @@ func (h *Handler) check() error {
 	if h.Status == 0 {
 		h.Status = http.StatusTooManyRequests
 	}
+	if h.KeySecret != "" && !strings.Contains(h.KeySecret, "{") && len(h.KeySecret) < minKeySecret {
+		return fmt.Errorf("key_secret: the value given is %d bytes long; want at least %d", len(h.KeySecret), minKeySecret)
+	}
 	switch h.OnStoreError {
 	case "local", "allow", "deny":
 	default:
@@ -230,6 +247,27 @@ func (h *Handler) check() error {
 	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
 		return fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", h.Name)
 	}
+	return nil
+}
+
+// minKeySecret is the shortest key_secret accepted, in bytes.
+const minKeySecret = 16
+
+// provisionKeySecret expands key_secret. Its value is never shown in an
+// error: only what it was written as, when that is a placeholder.
+func (h *Handler) provisionKeySecret() error {
+	if h.KeySecret == "" {
+		return nil
+	}
+	secret := caddy.NewReplacer().ReplaceKnown(h.KeySecret, "")
+	if len(secret) < minKeySecret {
+		shown := "the value given"
+		if strings.Contains(h.KeySecret, "{") {
+			shown = strconv.Quote(h.KeySecret)
+		}
+		return fmt.Errorf("key_secret: %s is %d bytes long; want at least %d", shown, len(secret), minKeySecret)
+	}
+	h.keySecret = []byte(secret)
 	return nil
 }
 
@@ -328,7 +366,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return err
 	}
 	d.tier = tier
-	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: value}
+	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: value, secret: h.keySecret}
 
 	switch {
 	case tier.Unlimited:
@@ -573,8 +611,8 @@ func (d *decision) placeholder(key string) (any, bool) {
 }
 
 // keyID is a fingerprint of the client's key, for logs: the first 8 bytes
-// of SHA-256 over the keyer and the value. It is stable across nodes, so
-// that logs can be joined, and never shows the value itself.
+// of the bucket's digest. It is stable across nodes, so that logs can be
+// joined, and never shows the value itself.
 func (d *decision) keyID() string { return keyID(&d.bucket) }
 
 func keyID(b *Bucket) string {
@@ -583,9 +621,16 @@ func keyID(b *Bucket) string {
 }
 
 // bucketDigest hashes the client part of a bucket's name: the keyer and the
-// value. It is stable across processes, for stores shared by several nodes.
+// value, with HMAC-SHA256 under key_secret when there is one, else plain
+// SHA-256. It is stable across processes, for stores shared by several
+// nodes.
 func bucketDigest(b *Bucket) [sha256.Size]byte {
-	h := sha256.New()
+	var h hash.Hash
+	if len(b.secret) > 0 {
+		h = hmac.New(sha256.New, b.secret)
+	} else {
+		h = sha256.New()
+	}
 	h.Write([]byte(b.Keyer))
 	h.Write([]byte{0})
 	h.Write(b.Value)

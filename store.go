@@ -25,6 +25,8 @@ type Bucket struct {
 	Tier   string
 	Keyer  string
 	Value  []byte
+	// secret keys the digest of Keyer and Value (key_secret), when set.
+	secret []byte
 }
 
 // Store keeps buckets. Take must be atomic per bucket: two concurrent Takes
