@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"fmt"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -84,7 +85,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.Errf("rate_limit: want <capacity> <refill> on the first line, such as `rate_limit 100 10/s`; got %d values", len(args))
 	}
 
+	seen := make(map[string]bool)
 	for d.NextBlock(0) {
+		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret"); err != nil {
+			return err
+		}
 		var err error
 		switch sub := d.Val(); sub {
 		case "name":
@@ -210,7 +215,11 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
+	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny"); err != nil {
+			return err
+		}
 		var err error
 		switch sub := d.Val(); sub {
 		case "capacity":
@@ -227,7 +236,11 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			err = flag(d, &t.Deny)
 		case "match":
 			var set caddy.ModuleMap
+			file, line := d.File(), d.Line()
 			if set, err = caddyhttp.ParseCaddyfileNestedMatcherSet(d); err == nil {
+				if len(set) == 0 {
+					return fmt.Errorf("tier %q: match: an empty block would match every request; give a matcher, or drop the block, at %s:%d", t.Name, file, line)
+				}
 				t.MatcherSetsRaw = append(t.MatcherSetsRaw, set)
 			}
 		case "claim":
@@ -250,6 +263,21 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 		return d.Err(err.Error())
 	}
 	h.Tiers = append(h.Tiers, t)
+	return nil
+}
+
+// once fails when the current subdirective is one of single and was seen
+// before in this block: the later value would silently win.
+func once(d *caddyfile.Dispenser, seen map[string]bool, single ...string) error {
+	sub := d.Val()
+	for _, name := range single {
+		if name == sub {
+			if seen[sub] {
+				return d.Errf("%s: given twice in one block; give it once", sub)
+			}
+			seen[sub] = true
+		}
+	}
 	return nil
 }
 

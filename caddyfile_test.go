@@ -201,6 +201,33 @@ func TestCaddyfileMistakesFailAtAdapt(t *testing.T) {
 		{"flag with a value", `rate_limit 10 1/s {
 			dry_run yes
 		}`, []string{`dry_run takes no value`}},
+		{"name twice", `rate_limit 10 1/s {
+			name a
+			name b
+		}`, []string{"name: given twice", "Caddyfile:4"}},
+		{"on_store_error twice", `rate_limit 10 1/s {
+			on_store_error deny
+			on_store_error allow
+		}`, []string{"on_store_error: given twice", "Caddyfile:4"}},
+		{"tier capacity twice", `rate_limit 10 1/s {
+			tier a 1 1/s {
+				keyer header
+				capacity 5
+				capacity 6
+			}
+		}`, []string{"capacity: given twice", "Caddyfile:6"}},
+		{"empty match", `rate_limit 10 1/s {
+			tier a 1 1/s {
+				match {
+				}
+			}
+		}`, []string{`tier "a": match: an empty block`, "Caddyfile:4"}},
+		{"tier name not ASCII", `rate_limit 10 1/s {
+			tier gold€ 1 1/s {
+				keyer header
+			}
+		}`, []string{"printable ASCII", "RateLimit-Policy"}},
+		{"tier name with a control character", "rate_limit 10 1/s {\n\t\t\ttier \"a\tb\" 1 1/s {\n\t\t\t\tkeyer header\n\t\t\t}\n\t\t}", []string{"printable ASCII", "0x09"}},
 		{"claim without value", `rate_limit 10 1/s {
 			tier a 1 1/s {
 				claim plan
@@ -233,6 +260,8 @@ func TestJSONMistakesFailAtProvision(t *testing.T) {
 		{`{"handler":"rate_limit","tiers":[{"name":"a","capacity":5,"refill":"1/s","keyer":"header"}]}`, "no catch-all tier"},
 		{`{"handler":"rate_limit","tiers":[{"name":"default","capacity":5,"refill":"1/s","claims":{"plan":["gold"]}},{"name":"x","capacity":1,"refill":"1/s"}]}`, "a claim condition needs a jwt block"},
 		{`{"handler":"rate_limit","keys":[{"keyer":"header"}],"tiers":[{"name":"default","capacity":5,"refill":"1/s"}]}`, "a field name is required"},
+		{`{"handler":"rate_limit","tiers":[{"name":"a","capacity":5,"refill":"1/s","match":[{}]},{"name":"default","capacity":5,"refill":"1/s"}]}`, "an empty matcher set would match every request"},
+		{`{"handler":"rate_limit","tiers":[{"name":"gold\n","capacity":5,"refill":"1/s"}]}`, "printable ASCII"},
 	} {
 		port := freePort(t)
 		cfg := `{"admin":{"disabled":true},"apps":{"http":{"servers":{"s":{"listen":["127.0.0.1:` + strconv.Itoa(port) + `"],"routes":[{"handle":[` + tt.handler + `]}]}}}}}`

@@ -56,6 +56,14 @@ func (t *Tier) check() error {
 	if t.Name == "" {
 		return fmt.Errorf("a tier needs a name")
 	}
+	if err := checkTierName(t.Name); err != nil {
+		return err
+	}
+	for _, set := range t.MatcherSetsRaw {
+		if len(set) == 0 {
+			return fmt.Errorf("tier %q: match: an empty matcher set would match every request; give a matcher, or drop the set", t.Name)
+		}
+	}
 	if t.Unlimited && t.Deny {
 		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
 	}
@@ -87,6 +95,17 @@ func (t *Tier) check() error {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
 	default:
 		return fmt.Errorf("tier %q: keyer %q: want ip, header, cookie, jwt, form, json or placeholder", t.Name, t.Keyer)
+	}
+	return nil
+}
+
+// checkTierName accepts names that the IETF headers can carry as a
+// structured-field string (RFC 8941): printable ASCII, spaces included.
+func checkTierName(name string) error {
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c < 0x20 || c > 0x7e {
+			return fmt.Errorf("tier %q: the name may hold only printable ASCII characters, for the RateLimit-Policy header; byte %d is 0x%02x", name, i, c)
+		}
 	}
 	return nil
 }
