@@ -275,6 +275,7 @@ func errorID() string {
 // ServeHTTP limits the request, then passes it on or rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := &decision{handler: h, start: time.Now()}
+	d.claims = requestClaims{jwt: h.JWT, r: r}
 	if h.UpstreamHeaders {
 		// Later handlers trust these, so a client may not send its own.
 		for _, name := range limitHeaderNames {
@@ -288,7 +289,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	keyer := h.fallback
 	value := d.value[:0]
 	for _, k := range h.keyers {
-		if v, ok := k.Key(r, value); ok && len(v) > 0 {
+		if v, ok := keyWith(k, r, value, &d.claims); ok && len(v) > 0 {
 			keyer, value = k, v
 			break
 		}
@@ -296,12 +297,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if keyer == h.fallback {
 		value, _ = keyer.Key(r, value)
 	}
-	var claims Claims
-	if h.JWT != nil {
-		claims = h.JWT.claims(r)
-	}
-	d.claims = claims
-	tier, err := h.tierFor(r, keyer.Kind(), claims)
+	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
 	if err != nil {
 		return err
 	}
@@ -473,7 +469,7 @@ type decision struct {
 	start   time.Time
 	tier    *Tier
 	bucket  Bucket
-	claims  Claims
+	claims  requestClaims
 	result  Result
 	outcome outcome
 	// value holds a short client value without another allocation.
@@ -491,9 +487,6 @@ func (d *decision) placeholder(key string) (any, bool) {
 		return nil, false
 	}
 	if claim, ok := strings.CutPrefix(name, "claim."); ok {
-		if d.claims == nil {
-			return "", true
-		}
 		return strings.Join(d.claims.Claim(claim), ","), true
 	}
 	switch name {
