@@ -59,9 +59,11 @@ type JWTConfig struct {
 	// JWKS is a JSON Web Key Set: a file path or an https URL. It is read
 	// in the background and refreshed every JWKSRefresh; a failed read keeps
 	// the last good keys, and no request waits for one. Symmetric (oct)
-	// keys in the set are ignored.
+	// keys in the set are ignored. An https URL must be the document's
+	// own: a fetch that is redirected fails, wherever the redirect points.
 	JWKS string `json:"jwks,omitempty"`
-	// JWKSRefresh is how often the JWKS is read again. Default 5m.
+	// JWKSRefresh is how often the JWKS is read again. Default 5m; at
+	// least 1m.
 	JWKSRefresh caddy.Duration `json:"jwks_refresh,omitempty"`
 
 	// Algorithms, when set, is the allow-list of signing algorithms.
@@ -74,6 +76,10 @@ type JWTConfig struct {
 	Audience string `json:"audience,omitempty"`
 	// Leeway is the clock skew allowed when checking exp and nbf. Default 0.
 	Leeway caddy.Duration `json:"leeway,omitempty"`
+	// Require lists claims a token must carry, such as ["exp"]: a token
+	// without one of them counts as no token at all. A dot path reaches
+	// into objects. Default: none, so a token without exp never expires.
+	Require []string `json:"require,omitempty"`
 
 	parser    *jwt.Parser
 	secret    []byte
@@ -87,6 +93,8 @@ type JWTConfig struct {
 	cookie *CookieKeyer
 	now    func() time.Time
 	logger *zap.Logger
+	// onVerify is jwtVerifying, read once at provision.
+	onVerify func()
 }
 
 // jwtUser is a keyer that reads verified claims.
@@ -113,6 +121,11 @@ var (
 	jwksHTTPClient = &http.Client{Timeout: 10 * time.Second}
 	// jwksFirstWait is how long provision waits for the first https fetch.
 	jwksFirstWait = 2 * time.Second
+	// jwksMinRefresh is the shortest jwks_refresh accepted.
+	jwksMinRefresh = time.Minute
+	// jwtVerifying, when set, is called on every verification of a
+	// request's token, cached or not: tests count them.
+	jwtVerifying func()
 )
 
 // algFamily maps each accepted algorithm to the kind of key it needs.
@@ -157,8 +170,15 @@ func (j *JWTConfig) check() error {
 	if j.Leeway < 0 {
 		return fmt.Errorf("jwt: leeway %v: must not be negative", time.Duration(j.Leeway))
 	}
-	if j.JWKSRefresh < 0 {
-		return fmt.Errorf("jwt: jwks_refresh %v: must be positive", time.Duration(j.JWKSRefresh))
+	if j.JWKSRefresh != 0 && time.Duration(j.JWKSRefresh) < jwksMinRefresh {
+		// The issuer's server is not ours to poll hard; rotation is caught
+		// sooner anyway, when a token names a key id not yet held.
+		return fmt.Errorf("jwt: jwks_refresh %v: must be at least %s", time.Duration(j.JWKSRefresh), strings.TrimSuffix(jwksMinRefresh.String(), "0s"))
+	}
+	for _, name := range j.Require {
+		if name == "" {
+			return fmt.Errorf("jwt: require: an empty claim name")
+		}
 	}
 	return nil
 }
@@ -169,6 +189,7 @@ func (j *JWTConfig) provision(ctx caddy.Context) error {
 	}
 	j.logger = ctx.Logger().Named("jwt")
 	j.now = jwtClock
+	j.onVerify = jwtVerifying
 	if j.FromCookie != "" {
 		j.cookie = &CookieKeyer{Name: j.FromCookie}
 		if err := j.cookie.Provision(ctx); err != nil {
@@ -205,6 +226,9 @@ func (j *JWTConfig) provision(ctx caddy.Context) error {
 	}
 	if j.Audience != "" {
 		opts = append(opts, jwt.WithAudience(j.Audience))
+	}
+	if slices.Contains(j.Require, "exp") {
+		opts = append(opts, jwt.WithExpirationRequired())
 	}
 	j.parser = jwt.NewParser(opts...)
 
@@ -318,17 +342,47 @@ func stripBearer(v string) string {
 	return strings.TrimSpace(v)
 }
 
-// claims returns the request's verified claims, or nil.
-func (j *JWTConfig) claims(r *http.Request) Claims {
-	if c := j.verify(j.token(r)); c != nil {
-		return c
+// requestClaims are a request's verified claims, verified when first asked
+// for, and then kept: keyers, tiers and placeholders share one verification,
+// and a request that none of them asks about costs none.
+type requestClaims struct {
+	jwt    *JWTConfig // nil without a jwt block
+	r      *http.Request
+	done   bool
+	claims tokenClaims
+}
+
+func (rc *requestClaims) get() tokenClaims {
+	if !rc.done && rc.jwt != nil {
+		rc.done = true
+		rc.claims = rc.jwt.verify(rc.jwt.token(rc.r))
 	}
-	return nil
+	return rc.claims
+}
+
+// Claim implements Claims.
+func (rc *requestClaims) Claim(name string) []string { return rc.get()[name] }
+
+// claimsKeyer is a keyer that names the client by verified claims, which
+// the handler verifies once per request and hands it.
+type claimsKeyer interface {
+	keyFromClaims(c tokenClaims, buf []byte) ([]byte, bool)
+}
+
+// keyWith is k.Key, but hands a claims keyer the request's claims.
+func keyWith(k Keyer, r *http.Request, buf []byte, rc *requestClaims) ([]byte, bool) {
+	if ck, ok := k.(claimsKeyer); ok {
+		return ck.keyFromClaims(rc.get(), buf)
+	}
+	return k.Key(r, buf)
 }
 
 // verify returns the token's claims if it checks out, or nil. Verdicts are
 // cached by the token's SHA-256.
 func (j *JWTConfig) verify(token string) tokenClaims {
+	if j.onVerify != nil {
+		j.onVerify()
+	}
 	if token == "" || len(token) > maxTokenSize {
 		return nil
 	}
@@ -345,6 +399,12 @@ func (j *JWTConfig) verify(token string) tokenClaims {
 		return nil
 	}
 	c := flattenClaims(mc)
+	for _, name := range j.Require {
+		if len(c[name]) == 0 {
+			j.cache.put(sum, cacheEntry{until: now.Add(rejectedTTL), gen: gen}, now)
+			return nil
+		}
+	}
 	until := now.Add(verifiedTTL)
 	if exp, err := mc.GetExpirationTime(); err == nil && exp != nil {
 		if end := exp.Add(time.Duration(j.Leeway)); end.Before(until) {
@@ -534,7 +594,9 @@ func parseJWKS(data []byte) (*jwkSet, error) {
 // waits a little for it but never fails because it is unreachable.
 func (j *JWTConfig) startJWKS(ctx caddy.Context) error {
 	j.nudge = make(chan struct{}, 1)
-	j.client = jwksHTTPClient
+	client := *jwksHTTPClient
+	client.CheckRedirect = refuseRedirect
+	j.client = &client
 	refresh := time.Duration(j.JWKSRefresh)
 	if refresh == 0 {
 		refresh = 5 * time.Minute
@@ -565,7 +627,7 @@ func (j *JWTConfig) refreshJWKS(ctx context.Context, every time.Duration, first 
 		case <-first:
 		default:
 			if err := j.loadJWKS(ctx); err != nil {
-				j.logger.Warn("fetching JWKS", zap.String("jwks", j.JWKS), zap.Error(err))
+				j.logFetchError("fetching JWKS", err)
 			}
 			close(first)
 		}
@@ -585,7 +647,7 @@ func (j *JWTConfig) refreshJWKS(ctx context.Context, every time.Duration, first 
 		}
 		last = time.Now()
 		if err := j.loadJWKS(ctx); err != nil {
-			j.logger.Warn("refreshing JWKS; keeping the last good keys", zap.String("jwks", j.JWKS), zap.Error(err))
+			j.logFetchError("refreshing JWKS; keeping the last good keys", err)
 		}
 	}
 }
@@ -606,6 +668,26 @@ func (j *JWTConfig) loadJWKS(ctx context.Context) error {
 	j.jwks.Store(set)
 	j.gen.Add(1)
 	return nil
+}
+
+// refuseRedirect fails a JWKS fetch that is redirected. The keys decide
+// whose tokens are believed, so they come from the URL configured and from
+// nowhere it might point: not plain http, not another host, not another
+// path that a compromised or misconfigured server names.
+func refuseRedirect(req *http.Request, via []*http.Request) error {
+	return fmt.Errorf("redirected to %s: %w", req.URL.Redacted(), errJWKSRedirect)
+}
+
+var errJWKSRedirect = errors.New("redirects are refused; give the JWKS's final https URL")
+
+// logFetchError logs a failed JWKS read: a redirect as an error, since no
+// retry will succeed until the config changes; the rest as warnings.
+func (j *JWTConfig) logFetchError(msg string, err error) {
+	log := j.logger.Warn
+	if errors.Is(err, errJWKSRedirect) {
+		log = j.logger.Error
+	}
+	log(msg, zap.String("jwks", j.JWKS), zap.Error(err))
 }
 
 func readJWKS(ctx context.Context, client *http.Client, src string) ([]byte, error) {
@@ -647,6 +729,7 @@ func readJWKS(ctx context.Context, client *http.Client, src string) ([]byte, err
 //	    issuer <iss>
 //	    audience <aud>
 //	    leeway <duration>
+//	    require <claim...>
 //	}
 func parseJWT(h *Handler, d *caddyfile.Dispenser) error {
 	seg := d.NewFromNextSegment()
@@ -695,6 +778,12 @@ func parseJWT(h *Handler, d *caddyfile.Dispenser) error {
 			err = oneArg(seg, &j.Audience)
 		case "leeway":
 			err = durationArg(seg, &j.Leeway)
+		case "require":
+			names := seg.RemainingArgs()
+			if len(names) == 0 {
+				return seg.Err("jwt require: want one or more claims, such as exp")
+			}
+			j.Require = append(j.Require, names...)
 		default:
 			return seg.Errf("jwt: unknown subdirective %q", sub)
 		}
@@ -764,12 +853,17 @@ func (*JWTKeyer) Kind() string { return "jwt" }
 // ID implements Keyer.
 func (k *JWTKeyer) ID() string { return k.id }
 
-// Key implements Keyer. An array claim's elements are joined by commas.
+// Key implements Keyer. The handler calls keyFromClaims instead.
 func (k *JWTKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	if k.jwt == nil {
 		return buf, false
 	}
-	c := k.jwt.verify(k.jwt.token(r))
+	return k.keyFromClaims(k.jwt.verify(k.jwt.token(r)), buf)
+}
+
+// keyFromClaims implements claimsKeyer. An array claim's elements are
+// joined by commas.
+func (k *JWTKeyer) keyFromClaims(c tokenClaims, buf []byte) ([]byte, bool) {
 	vals := c[k.Claim]
 	n := len(buf)
 	for i, v := range vals {
@@ -794,7 +888,9 @@ func (k *JWTKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 var (
 	_ Keyer                 = (*JWTKeyer)(nil)
 	_ jwtUser               = (*JWTKeyer)(nil)
+	_ claimsKeyer           = (*JWTKeyer)(nil)
 	_ caddy.Provisioner     = (*JWTKeyer)(nil)
 	_ caddyfile.Unmarshaler = (*JWTKeyer)(nil)
 	_ Claims                = tokenClaims(nil)
+	_ Claims                = (*requestClaims)(nil)
 )

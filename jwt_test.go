@@ -12,9 +12,11 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -25,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	jose "github.com/go-jose/go-jose/v4"
 	"github.com/golang-jwt/jwt/v5"
 )
 
@@ -357,8 +360,17 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// allowFastJWKSRefresh lets jwks_refresh go below its one-minute floor
+// until the test ends, so that refreshes can be watched happening.
+func allowFastJWKSRefresh(t testing.TB) {
+	old := jwksMinRefresh
+	jwksMinRefresh = time.Millisecond
+	t.Cleanup(func() { jwksMinRefresh = old })
+}
+
 func TestJWKSKeyRotation(t *testing.T) {
 	useJWTClock(t)
+	allowFastJWKSRefresh(t)
 	dir := t.TempDir()
 	pub1, priv1 := newEd25519(t)
 	pub2, priv2 := newEd25519(t)
@@ -404,6 +416,7 @@ func TestJWKSKeyRotation(t *testing.T) {
 
 func TestJWKSOverHTTPSRefreshesAndKeepsKeysWhenTheFetchFails(t *testing.T) {
 	useJWTClock(t)
+	allowFastJWKSRefresh(t)
 	pub1, priv1 := newEd25519(t)
 	pub2, priv2 := newEd25519(t)
 	var doc atomic.Pointer[[]byte]
@@ -720,4 +733,279 @@ func FuzzJWTKeyer(f *testing.F) {
 			t.Fatalf("keyer verified a %d-byte token", len(token))
 		}
 	})
+}
+
+func TestJWKSRedirectsAreRefused(t *testing.T) {
+	useJWTClock(t)
+	pub, priv := newEd25519(t)
+	doc := jwksOf(map[string]ed25519.PublicKey{"one": pub})
+	var served atomic.Int32
+	serveJWKS := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
+		w.Write(doc)
+	})
+	// Every httptest TLS server has the same certificate, so the client of
+	// one trusts them all: only the redirect refusal stops the fetch.
+	otherHost := httptest.NewTLSServer(serveJWKS)
+	defer otherHost.Close()
+	plain := httptest.NewServer(serveJWKS)
+	defer plain.Close()
+	redirector := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if to := r.URL.Query().Get("to"); to != "" {
+			http.Redirect(w, r, to, http.StatusFound)
+			return
+		}
+		serveJWKS(w, r)
+	}))
+	defer redirector.Close()
+	old := jwksHTTPClient
+	jwksHTTPClient = redirector.Client()
+	t.Cleanup(func() { jwksHTTPClient = old })
+	oldWait := jwksFirstWait
+	jwksFirstWait = time.Second
+	t.Cleanup(func() { jwksFirstWait = oldWait })
+
+	tok := sign(t, jwt.SigningMethodEdDSA, priv, "one", claimsAt("alice", "free"))
+	for _, c := range []struct{ name, target string }{
+		{"https to http", plain.URL + "/jwks.json"},
+		{"to another host", otherHost.URL + "/jwks.json"},
+		{"within the same host", redirector.URL + "/jwks.json"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			served.Store(0)
+			j := provisionJWT(t, &JWTConfig{JWKS: redirector.URL + "/old?to=" + url.QueryEscape(c.target)})
+			if j.verify(tok) != nil {
+				t.Error("a token verified with keys fetched through a redirect")
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			err := j.loadJWKS(ctx)
+			if !errors.Is(err, errJWKSRedirect) || !strings.Contains(err.Error(), c.target) {
+				t.Errorf("fetch error %v, want one saying it refused the redirect to %s", err, c.target)
+			}
+			if n := served.Load(); n != 0 {
+				t.Errorf("the redirect's target was fetched %d times, want 0", n)
+			}
+		})
+	}
+}
+
+func TestJWKSRefreshUnderAMinuteIsAnError(t *testing.T) {
+	jwksFile := writeFile(t, t.TempDir(), "jwks.json", jwksOf(map[string]ed25519.PublicKey{"one": func() ed25519.PublicKey { p, _ := newEd25519(t); return p }()}))
+	site := func(refresh string) string {
+		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n\t\tjwt {\n\t\t\tjwks " + jwksFile +
+			"\n\t\t\tjwks_refresh " + refresh + "\n\t\t}\n\t}\n\trespond ok\n}\n"
+	}
+	for _, c := range []struct {
+		refresh string
+		want    string // "" for no error
+	}{
+		{"50ms", "jwt: jwks_refresh 50ms: must be at least 1m, at Caddyfile:4"},
+		{"59s", "jwt: jwks_refresh 59s: must be at least 1m, at Caddyfile:4"},
+		{"1m", ""},
+		{"1h", ""},
+	} {
+		t.Run("caddyfile "+c.refresh, func(t *testing.T) {
+			_, err := adaptCaddyfile(site(c.refresh))
+			if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+				t.Errorf("error %v, want %q", err, c.want)
+			}
+		})
+		t.Run("json "+c.refresh, func(t *testing.T) {
+			d, err := caddy.ParseDuration(c.refresh)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			err = (&JWTConfig{JWKS: jwksFile, JWKSRefresh: caddy.Duration(d)}).provision(ctx)
+			want, _, _ := strings.Cut(c.want, ", at")
+			if want == "" && err != nil || want != "" && (err == nil || !strings.Contains(err.Error(), want)) {
+				t.Errorf("error %v, want %q", err, want)
+			}
+		})
+	}
+}
+
+func TestTokenWithoutExpYieldsNothingWhenExpIsRequired(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	noExp := claimsAt("alice", "enterprise")
+	delete(noExp, "exp")
+	withExp := sign(t, jwt.SigningMethodHS256, []byte("k"), "", claimsAt("alice", "enterprise"))
+	withoutExp := sign(t, jwt.SigningMethodHS256, []byte("k"), "", noExp)
+	verified := "enterprise " + keyIDOf("jwt/sub", "alice") + " enterprise"
+	anonymous := "default " + keyIDOf("ip/32/64", "127.0.0.2") + " "
+	for _, c := range []struct {
+		name    string
+		require string
+		token   string
+		want    string
+	}{
+		{"exp required, token with exp", "require exp", withExp, verified},
+		{"exp required, token without exp", "require exp", withoutExp, anonymous},
+		{"exp not required, token without exp", "", withoutExp, verified},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := serve(t, `
+	rate_limit 100 1/s {
+		key jwt sub
+		jwt {
+			secret k
+			`+c.require+`
+		}
+		tier enterprise 100 1/s {
+			claim plan enterprise
+		}
+	}
+	respond "{http.rate_limit.tier} {http.rate_limit.key_id} {http.rate_limit.claim.plan}"`)
+			if r := s.from("127.0.0.2", "/", bearer(c.token)); r.status != 200 || r.body != c.want {
+				t.Errorf("%d %q, want 200 %q", r.status, r.body, c.want)
+			}
+		})
+	}
+}
+
+func TestJWTRequireCaddyfile(t *testing.T) {
+	site := func(require string) string {
+		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n\t\tjwt {\n\t\t\tsecret k\n\t\t\t" + require + "\n\t\t}\n\t}\n\trespond ok\n}\n"
+	}
+	cfg, err := adaptCaddyfile(site("require exp"))
+	if err != nil || !strings.Contains(string(cfg), `"jwt":{"require":["exp"],"secret":"k"}`) {
+		t.Errorf("adapted %s, %v; want a jwt with \"require\":[\"exp\"]", cfg, err)
+	}
+	if _, err := adaptCaddyfile(site("require")); err == nil || !strings.Contains(err.Error(), "jwt require: want one or more claims") {
+		t.Errorf("error %v, want one asking for claims", err)
+	}
+}
+
+// TestJWTWithoutKidIsTriedOnlyAgainstKeysOfItsFamily: a token with no kid
+// may be checked against each key of its algorithm's type, never against a
+// key of another type, which would cost an attempt and prove nothing.
+func TestJWTWithoutKidIsTriedOnlyAgainstKeysOfItsFamily(t *testing.T) {
+	useJWTClock(t)
+	ec256, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ec384, err := ecdsa.GenerateKey(elliptic.P384(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	edPub, edPriv := newEd25519(t)
+	var keys []jose.JSONWebKey
+	for kid, pub := range map[string]any{"rsa1": &testRSAKey().PublicKey, "rsa2": &otherRSAKey().PublicKey, "ec256": &ec256.PublicKey, "ec384": &ec384.PublicKey, "ed": edPub} {
+		keys = append(keys, jose.JSONWebKey{Key: pub, KeyID: kid, Use: "sig"})
+	}
+	doc, err := json.Marshal(jose.JSONWebKeySet{Keys: keys})
+	if err != nil {
+		t.Fatal(err)
+	}
+	jwksFile := writeFile(t, t.TempDir(), "jwks.json", doc)
+	j := provisionJWT(t, &JWTConfig{Secret: "k", JWKS: jwksFile})
+	claims := claimsAt("alice", "free")
+
+	for _, c := range []struct {
+		name  string
+		token string
+		want  string // the types of the keys offered, in JWKS order
+	}{
+		{"RS256", sign(t, jwt.SigningMethodRS256, testRSAKey(), "", claims), "rsa rsa"},
+		{"PS384", sign(t, jwt.SigningMethodPS384, testRSAKey(), "", claims), "rsa rsa"},
+		{"ES256", sign(t, jwt.SigningMethodES256, ec256, "", claims), "P-256"},
+		{"ES384", sign(t, jwt.SigningMethodES384, ec384, "", claims), "P-384"},
+		{"EdDSA", sign(t, jwt.SigningMethodEdDSA, edPriv, "", claims), "ed25519"},
+		{"HS256", sign(t, jwt.SigningMethodHS256, []byte("k"), "", claims), "hmac"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tok, _, err := jwt.NewParser().ParseUnverified(c.token, jwt.MapClaims{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			key, err := j.keyFor(tok)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var offered []any
+			if set, ok := key.(jwt.VerificationKeySet); ok {
+				for _, k := range set.Keys {
+					offered = append(offered, k)
+				}
+			} else {
+				offered = []any{key}
+			}
+			var types []string
+			for _, k := range offered {
+				switch k := k.(type) {
+				case *rsa.PublicKey:
+					types = append(types, "rsa")
+				case *ecdsa.PublicKey:
+					types = append(types, k.Curve.Params().Name)
+				case ed25519.PublicKey:
+					types = append(types, "ed25519")
+				case []byte:
+					types = append(types, "hmac")
+				default:
+					types = append(types, fmt.Sprintf("%T", k))
+				}
+			}
+			if got := strings.Join(types, " "); got != c.want {
+				t.Errorf("keys offered: %s, want %s", got, c.want)
+			}
+			if j.verify(c.token) == nil {
+				t.Error("the token does not verify with the key of its family")
+			}
+		})
+	}
+}
+
+// countVerifications counts, until the test ends, the verifications of
+// request tokens by JWT configs provisioned from now on.
+func countVerifications(t testing.TB) *atomic.Int64 {
+	var n atomic.Int64
+	old := jwtVerifying
+	jwtVerifying = func() { n.Add(1) }
+	t.Cleanup(func() { jwtVerifying = old })
+	return &n
+}
+
+func TestRequestJWTIsVerifiedOnceForKeyersTiersAndPlaceholders(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	genuine := sign(t, jwt.SigningMethodHS256, []byte("k"), "", claimsAt("alice", "enterprise"))
+	forged := sign(t, jwt.SigningMethodHS256, []byte("guess"), "", claimsAt("alice", "enterprise"))
+	const claimTier = `
+		tier enterprise 100 1/s {
+			claim plan enterprise
+		}`
+	for _, c := range []struct {
+		name, keys, tiers, body, token, want string
+		verifications                        int64
+	}{
+		{"jwt keyer, claim tier and claim placeholder", "key jwt sub", claimTier, "{http.rate_limit.tier} {http.rate_limit.claim.plan}", genuine, "enterprise enterprise", 1},
+		{"two jwt keyers, the first finding nothing", "key jwt email\n\t\tkey jwt sub", claimTier, "{http.rate_limit.tier} {http.rate_limit.claim.sub}", genuine, "enterprise alice", 1},
+		{"forged token", "key jwt sub", claimTier, "{http.rate_limit.tier} {http.rate_limit.claim.plan}", forged, "default ", 1},
+		{"claim tier only", "key header X-Key", claimTier, "{http.rate_limit.tier}", genuine, "enterprise", 1},
+		{"claim placeholder only", "key header X-Key", "", "{http.rate_limit.claim.sub}", genuine, "alice", 1},
+		{"nothing reads claims", "key header X-Key", "", "{http.rate_limit.tier}", genuine, "default", 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n := countVerifications(t)
+			s := serve(t, `
+	rate_limit 100 1/s {
+		`+c.keys+`
+		jwt {
+			secret k
+		}`+c.tiers+`
+	}
+	respond "`+c.body+`"`)
+			r := s.from("127.0.0.2", "/", bearer(c.token))
+			if r.status != 200 || r.body != c.want {
+				t.Errorf("%d %q, want 200 %q", r.status, r.body, c.want)
+			}
+			if got := n.Load(); got != c.verifications {
+				t.Errorf("%d verifications, want %d", got, c.verifications)
+			}
+		})
+	}
 }

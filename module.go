@@ -335,6 +335,7 @@ func errorID() string {
 // ServeHTTP limits the request, then passes it on or rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := &decision{handler: h, start: time.Now()}
+	d.claims = requestClaims{jwt: h.JWT, r: r}
 	if h.UpstreamHeaders {
 		// Later handlers trust these, so a client may not send its own.
 		for _, name := range limitHeaderNames {
@@ -348,7 +349,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	var keyer Keyer = h.fallback
 	value := d.value[:0]
 	for _, k := range h.keyers {
-		if v, ok := k.Key(r, value); ok && len(v) > 0 {
+		if v, ok := keyWith(k, r, value, &d.claims); ok && len(v) > 0 {
 			keyer, value = k, v
 			break
 		}
@@ -356,12 +357,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if keyer == h.fallback {
 		value = h.fallback.fallbackKey(r, value)
 	}
-	var claims Claims
-	if h.JWT != nil {
-		claims = h.JWT.claims(r)
-	}
-	d.claims = claims
-	tier, err := h.tierFor(r, keyer.Kind(), claims)
+	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
 	if err != nil {
 		return err
 	}
@@ -548,7 +544,7 @@ type decision struct {
 	start   time.Time
 	tier    *Tier
 	bucket  Bucket
-	claims  Claims
+	claims  requestClaims
 	result  Result
 	outcome outcome
 	// value holds a short client value without another allocation.
@@ -568,9 +564,6 @@ func (d *decision) placeholder(key string) (any, bool) {
 		return nil, false
 	}
 	if claim, ok := strings.CutPrefix(name, "claim."); ok {
-		if d.claims == nil {
-			return "", true
-		}
 		return strings.Join(d.claims.Claim(claim), ","), true
 	}
 	switch name {

@@ -138,7 +138,8 @@ func (t *Tier) provision(ctx caddy.Context) error {
 }
 
 // applies reports whether the tier's conditions all hold for a client named
-// by a keyer of kind keyerKind, with verified claims (nil without a JWT).
+// by a keyer of kind keyerKind, with verified claims (none without a JWT).
+// The claims are read only when the tier has a claim condition.
 func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, error) {
 	if t.Keyer != "" && t.Keyer != keyerKind {
 		return false, nil
