@@ -17,10 +17,6 @@ func init() {
 	httpcaddyfile.RegisterDirectiveOrder("rate_limit", httpcaddyfile.Before, "basic_auth")
 }
 
-// handlerSubdirectives parse the handler subdirectives that live beside
-// their feature, such as jwt in jwt.go.
-var handlerSubdirectives = map[string]func(h *Handler, d *caddyfile.Dispenser) error{}
-
 func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 	rl := new(Handler)
 	err := rl.UnmarshalCaddyfile(h.Dispenser)
@@ -115,12 +111,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if n, err = intArg(d); err == nil {
 				h.Status = int(n)
 			}
+		case "jwt":
+			err = parseJWT(h, d)
 		default:
-			parse, ok := handlerSubdirectives[sub]
-			if !ok {
-				return d.Errf("rate_limit: unknown subdirective %q", sub)
-			}
-			err = parse(h, d)
+			return d.Errf("rate_limit: unknown subdirective %q", sub)
 		}
 		if err != nil {
 			return err
@@ -331,3 +325,104 @@ func intBetween(d *caddyfile.Dispenser, lo, hi int64, v *int) error {
 
 // Interface guard
 var _ caddyfile.Unmarshaler = (*Handler)(nil)
+
+// parseJWT reads the jwt block:
+//
+//	jwt {
+//	    from header <field> | cookie <name> | query <param>
+//	    secret <hmac secret>
+//	    public_key <pem file>
+//	    jwks <file or https url>
+//	    jwks_refresh <duration>
+//	    algorithms <alg...>
+//	    issuer <iss>
+//	    audience <aud>
+//	    leeway <duration>
+//	    require <claim...>
+//	}
+func parseJWT(h *Handler, d *caddyfile.Dispenser) error {
+	seg := d.NewFromNextSegment()
+	seg.Next() // jwt
+	if h.JWT != nil {
+		return seg.Err("jwt: given twice")
+	}
+	if seg.NextArg() {
+		return seg.Errf("jwt: takes a block, not %q", seg.Val())
+	}
+	j := new(JWTConfig)
+	for seg.NextBlock(0) {
+		var err error
+		switch sub := seg.Val(); sub {
+		case "from":
+			var where, name string
+			if !seg.AllArgs(&where, &name) {
+				return seg.Err("jwt from: want header <field>, cookie <name> or query <param>")
+			}
+			switch where {
+			case "header":
+				j.FromHeader = name
+			case "cookie":
+				j.FromCookie = name
+			case "query":
+				j.FromQuery = name
+			default:
+				return seg.Errf("jwt from %q: want header, cookie or query", where)
+			}
+		case "secret":
+			err = oneArg(seg, &j.Secret)
+		case "public_key":
+			err = oneArg(seg, &j.PublicKey)
+		case "jwks":
+			err = oneArg(seg, &j.JWKS)
+		case "jwks_refresh":
+			err = durationArg(seg, &j.JWKSRefresh)
+		case "algorithms":
+			j.Algorithms = append(j.Algorithms, seg.RemainingArgs()...)
+			if len(j.Algorithms) == 0 {
+				return seg.Err("jwt algorithms: want one or more, such as RS256")
+			}
+		case "issuer":
+			err = oneArg(seg, &j.Issuer)
+		case "audience":
+			err = oneArg(seg, &j.Audience)
+		case "leeway":
+			err = durationArg(seg, &j.Leeway)
+		case "require":
+			names := seg.RemainingArgs()
+			if len(names) == 0 {
+				return seg.Err("jwt require: want one or more claims, such as exp")
+			}
+			j.Require = append(j.Require, names...)
+		default:
+			return seg.Errf("jwt: unknown subdirective %q", sub)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if err := j.check(); err != nil {
+		seg.Reset()
+		seg.Next()
+		return seg.Err(err.Error())
+	}
+	h.JWT = j
+	return nil
+}
+
+// durationArg reads exactly one duration argument.
+func durationArg(d *caddyfile.Dispenser, dur *caddy.Duration) error {
+	name := d.Val()
+	var s string
+	if !d.AllArgs(&s) {
+		return d.Errf("%s: want exactly one duration", name)
+	}
+	v, err := caddy.ParseDuration(s)
+	if err != nil {
+		return d.Errf("%s %q: want a duration such as 30s", name, s)
+	}
+	if v < 0 {
+		return d.Errf("%s %q: must not be negative", name, s)
+	}
+	*dur = caddy.Duration(v)
+	return nil
+}

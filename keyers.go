@@ -19,6 +19,7 @@ func init() {
 	caddy.RegisterModule(HeaderKeyer{})
 	caddy.RegisterModule(CookieKeyer{})
 	caddy.RegisterModule(PlaceholderKeyer{})
+	caddy.RegisterModule(JWTKeyer{})
 }
 
 // A Keyer names the client of a request. Keyers are guest modules in the
@@ -342,12 +343,83 @@ func (k *PlaceholderKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// JWTKeyer names the client by a claim of the request's verified JWT, such
+// as sub. It yields nothing when the token is absent or does not verify.
+type JWTKeyer struct {
+	// Claim is the claim's name; a dot path reaches into objects.
+	Claim string `json:"claim"`
+
+	jwt *JWTConfig
+	id  string
+}
+
+// CaddyModule returns the Caddy module information.
+func (JWTKeyer) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  keyerModulePrefix + "jwt",
+		New: func() caddy.Module { return new(JWTKeyer) },
+	}
+}
+
+// Provision checks the claim's name.
+func (k *JWTKeyer) Provision(caddy.Context) error {
+	if k.Claim == "" {
+		return fmt.Errorf("key jwt: a claim name is required, such as sub")
+	}
+	k.id = "jwt/" + k.Claim
+	return nil
+}
+
+func (k *JWTKeyer) useJWT(j *JWTConfig) { k.jwt = j }
+
+// Kind implements Keyer.
+func (*JWTKeyer) Kind() string { return "jwt" }
+
+// ID implements Keyer.
+func (k *JWTKeyer) ID() string { return k.id }
+
+// Key implements Keyer. The handler calls keyFromClaims instead.
+func (k *JWTKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
+	if k.jwt == nil {
+		return buf, false
+	}
+	return k.keyFromClaims(k.jwt.verify(k.jwt.token(r)), buf)
+}
+
+// keyFromClaims implements claimsKeyer. An array claim's elements are
+// joined by commas.
+func (k *JWTKeyer) keyFromClaims(c tokenClaims, buf []byte) ([]byte, bool) {
+	vals := c[k.Claim]
+	n := len(buf)
+	for i, v := range vals {
+		if i > 0 {
+			buf = append(buf, ',')
+		}
+		buf = append(buf, v...)
+	}
+	return buf, len(buf) > n
+}
+
+// UnmarshalCaddyfile reads `jwt <claim>`.
+func (k *JWTKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next()
+	if !d.AllArgs(&k.Claim) {
+		return d.Err("key jwt: want exactly one claim name, such as sub")
+	}
+	return nil
+}
+
 // Interface guards
 var (
 	_ Keyer                 = (*IPKeyer)(nil)
 	_ Keyer                 = (*HeaderKeyer)(nil)
 	_ Keyer                 = (*CookieKeyer)(nil)
 	_ Keyer                 = (*PlaceholderKeyer)(nil)
+	_ Keyer                 = (*JWTKeyer)(nil)
+	_ jwtUser               = (*JWTKeyer)(nil)
+	_ claimsKeyer           = (*JWTKeyer)(nil)
+	_ caddy.Provisioner     = (*JWTKeyer)(nil)
+	_ caddyfile.Unmarshaler = (*JWTKeyer)(nil)
 	_ caddy.Provisioner     = (*IPKeyer)(nil)
 	_ caddy.Provisioner     = (*HeaderKeyer)(nil)
 	_ caddy.Provisioner     = (*CookieKeyer)(nil)

@@ -152,35 +152,3 @@ func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, 
 	}
 	return true, nil
 }
-
-// Claims are the claims of a verified JWT, as strings. A nil Claims has none.
-type Claims interface {
-	// Claim returns the values of a claim: one for a string or number, each
-	// element for an array.
-	Claim(name string) []string
-}
-
-// claimsHoldAll reports whether, for every claim named in want, the
-// verified claims have one of the values listed.
-func claimsHoldAll(c Claims, want map[string][]string) bool {
-	if c == nil {
-		return false
-	}
-	for name, values := range want {
-		if !anyEqual(c.Claim(name), values) {
-			return false
-		}
-	}
-	return true
-}
-
-func anyEqual(have, want []string) bool {
-	for _, h := range have {
-		for _, w := range want {
-			if h == w {
-				return true
-			}
-		}
-	}
-	return false
-}
