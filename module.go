@@ -9,19 +9,12 @@
 package ratelimit
 
 import (
-	"crypto/hmac"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"hash"
-	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
-	"unsafe"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -300,38 +293,6 @@ func (h *Handler) Cleanup() error {
 	return nil
 }
 
-// errLimited is the error behind a rejection, for Caddy's error handling.
-var errLimited = errors.New("rate limit exceeded")
-
-// errDenyTier is the error behind a deny tier's 403.
-var errDenyTier = errors.New("client is on a deny tier")
-
-// rejection is the error for a request this handler refuses: the
-// caddyhttp.HandlerError that caddyhttp.Error makes, so that handle_errors
-// and the {http.error.*} placeholders see what they expect. Its ID and
-// trace are filled in here, because caddyhttp.Error finds and formats its
-// caller's file and line with runtime.Caller on every call: under a flood
-// of denials that was the handler's largest cost (bench/README.md). The
-// place is always this one, so the trace is a constant.
-func rejection(status int, err error) error {
-	return caddyhttp.Error(status, caddyhttp.HandlerError{StatusCode: status, Err: err, ID: errorID(), Trace: rejectionTrace})
-}
-
-const rejectionTrace = "ratelimit.rejection (module.go)"
-
-// errorID is a random error ID in caddyhttp's own form, 9 characters from
-// its 32-letter alphabet, from one random number.
-func errorID() string {
-	const alphabet = "abcdefghijkmnpqrstuvwxyz23456789"
-	var id [9]byte
-	n := rand.Uint64()
-	for i := range id {
-		id[i] = alphabet[n&31]
-		n >>= 5
-	}
-	return string(id[:])
-}
-
 // ServeHTTP limits the request, then passes it on or rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := &decision{handler: h, start: time.Now()}
@@ -447,202 +408,6 @@ func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Ti
 	// Unreachable: check guarantees a catch-all tier.
 	return h.Tiers[len(h.Tiers)-1], nil
 }
-
-// headerValues are the limit headers of one response, or of one request
-// with upstream_headers. Each message owns its slices, because a later
-// handler (a deferred `header` replace) may edit them in place; the strings
-// themselves are immutable and may be shared. A nil entry is not sent.
-type headerValues struct {
-	limit, remaining, reset, policy, ietf [1]string
-	x, ietfOn                             bool
-}
-
-// setHeaders writes the limit headers into hdr: the response's or, with
-// upstream_headers, the request's.
-func setHeaders(hdr http.Header, v *headerValues) {
-	if v.x {
-		hdr["X-Ratelimit-Limit"] = v.limit[:]
-		hdr["X-Ratelimit-Remaining"] = v.remaining[:]
-		hdr["X-Ratelimit-Reset"] = v.reset[:]
-	}
-	if v.ietfOn {
-		hdr["Ratelimit-Policy"] = v.policy[:]
-		hdr["Ratelimit"] = v.ietf[:]
-	}
-}
-
-// render writes the header values for the decision's result once, into the
-// decision itself, so that headers cost no allocation of their own.
-func (h *Handler) render(d *decision) {
-	buf := d.text[:0]
-	var at [3]int // where the x values and Retry-After end
-	if h.xHeaders {
-		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
-		at[0] = len(buf)
-		buf = strconv.AppendInt(buf, d.resetEpoch(), 10)
-		at[1] = len(buf)
-	}
-	if !d.result.Allowed {
-		buf = strconv.AppendInt(buf, d.retryAfterSeconds(), 10)
-	}
-	at[2] = len(buf)
-	if h.ietfHeaders {
-		buf = append(buf, d.tier.quotedName...)
-		buf = append(buf, ";r="...)
-		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
-		buf = append(buf, ";t="...)
-		buf = strconv.AppendInt(buf, secondsUp(d.result.ResetAfter), 10)
-	}
-	// The strings share the decision's memory, which nothing writes again,
-	// and which the strings keep alive.
-	text := unsafe.String(unsafe.SliceData(buf), len(buf))
-	v := &d.resp
-	v.x, v.ietfOn = h.xHeaders, h.ietfHeaders
-	if h.xHeaders {
-		v.limit[0] = d.tier.limitText
-		v.remaining[0] = text[:at[0]]
-		v.reset[0] = text[at[0]:at[1]]
-	}
-	d.retry[0] = text[at[1]:at[2]]
-	if h.ietfHeaders {
-		v.policy[0] = d.tier.policyText
-		v.ietf[0] = text[at[2]:]
-	}
-}
-
-// limitHeaderNames are the headers setHeaders may write, in canonical form.
-var limitHeaderNames = []string{"X-Ratelimit-Limit", "X-Ratelimit-Remaining", "X-Ratelimit-Reset", "Ratelimit-Policy", "Ratelimit"}
-
-// outcome is what the handler decided for a request.
-type outcome uint8
-
-const (
-	outcomeAllowed outcome = iota
-	outcomeDenied
-	outcomeDryRun
-	outcomeUnlimited
-	outcomeError
-	outcomeCount
-)
-
-// String is the outcome as the {http.rate_limit.decision} placeholder and
-// the metrics' decision label show it.
-func (o outcome) String() string {
-	return [outcomeCount]string{"allowed", "denied", "dry_run", "unlimited", "error"}[o]
-}
-
-// decide records the outcome and counts it.
-func (d *decision) decide(o outcome) {
-	d.outcome = o
-	d.tier.counters[o].Inc()
-}
-
-// decision is one request's passage through the handler. It answers the
-// placeholders, lazily, for as long as the request's replacer lives.
-type decision struct {
-	handler *Handler
-	start   time.Time
-	tier    *Tier
-	bucket  Bucket
-	claims  requestClaims
-	result  Result
-	outcome outcome
-	// value holds a short client value without another allocation.
-	value [64]byte
-	// The header values, rendered once into text: the response's, and a
-	// copy for the request with upstream_headers.
-	resp, upstream headerValues
-	retry          [1]string
-	text           [96]byte
-}
-
-const placeholderPrefix = "http.rate_limit."
-
-func (d *decision) placeholder(key string) (any, bool) {
-	name, ok := strings.CutPrefix(key, placeholderPrefix)
-	if !ok {
-		return nil, false
-	}
-	if claim, ok := strings.CutPrefix(name, "claim."); ok {
-		return strings.Join(d.claims.Claim(claim), ","), true
-	}
-	switch name {
-	case "policy":
-		return d.handler.Name, true
-	case "decision":
-		if d.tier == nil {
-			return "", true
-		}
-		return d.outcome.String(), true
-	}
-	if d.tier == nil {
-		return "", true
-	}
-	switch name {
-	case "tier":
-		return d.tier.Name, true
-	case "key_id":
-		return d.keyID(), true
-	}
-	if d.tier.Unlimited || d.tier.Deny || d.outcome == outcomeError && d.result == (Result{}) {
-		return "", true
-	}
-	switch name {
-	case "limit":
-		return d.tier.limit.Capacity, true
-	case "remaining":
-		return d.result.Remaining, true
-	case "reset":
-		return d.resetEpoch(), true
-	case "retry_after":
-		if d.result.Allowed {
-			return 0, true
-		}
-		return d.retryAfterSeconds(), true
-	}
-	return nil, false
-}
-
-// keyID is a fingerprint of the client's key, for logs: the first 8 bytes
-// of the bucket's digest. It is stable across nodes, so that logs can be
-// joined, and never shows the value itself.
-func (d *decision) keyID() string { return keyID(&d.bucket) }
-
-func keyID(b *Bucket) string {
-	sum := bucketDigest(b)
-	return hex.EncodeToString(sum[:8])
-}
-
-// bucketDigest hashes the client part of a bucket's name: the keyer and the
-// value, with HMAC-SHA256 under key_secret when there is one, else plain
-// SHA-256. It is stable across processes, for stores shared by several
-// nodes.
-func bucketDigest(b *Bucket) [sha256.Size]byte {
-	var h hash.Hash
-	if len(b.secret) > 0 {
-		h = hmac.New(sha256.New, b.secret)
-	} else {
-		h = sha256.New()
-	}
-	h.Write([]byte(b.Keyer))
-	h.Write([]byte{0})
-	h.Write(b.Value)
-	var sum [sha256.Size]byte
-	h.Sum(sum[:0])
-	return sum
-}
-
-// resetEpoch is the Unix second at which the bucket is full again.
-func (d *decision) resetEpoch() int64 {
-	return secondsUp(d.start.UnixMicro() + d.result.ResetAfter)
-}
-
-// retryAfterSeconds is Retry-After: whole seconds, at least 1.
-func (d *decision) retryAfterSeconds() int64 {
-	return max(1, secondsUp(d.result.RetryAfter))
-}
-
-func secondsUp(micros int64) int64 { return ceilDiv(micros, 1e6) }
 
 // Interface guards
 var (

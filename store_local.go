@@ -1,0 +1,264 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"hash/maphash"
+	"math/bits"
+	"sync"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func init() {
+	caddy.RegisterModule(LocalStore{})
+}
+
+// LocalStore keeps buckets in this process's memory. It is the default
+// store. Buckets survive config reloads, for as long as some loaded config
+// uses the policy.
+type LocalStore struct {
+	// MaxKeys bounds how many buckets the policy keeps. When a new client
+	// arrives at the bound, buckets that have refilled to full are dropped
+	// first (which loses nothing), then others. Default 1000000.
+	MaxKeys int `json:"max_keys,omitempty"`
+
+	buckets *localBuckets
+	key     string
+}
+
+// CaddyModule returns the Caddy module information.
+func (LocalStore) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit.stores.local",
+		New: func() caddy.Module { return new(LocalStore) },
+	}
+}
+
+const defaultMaxKeys = 1000000
+
+// Validate checks the configuration.
+func (s *LocalStore) Validate() error {
+	if s.MaxKeys < 0 {
+		return fmt.Errorf("store local: max_keys %d: must be at least 1", s.MaxKeys)
+	}
+	return nil
+}
+
+func (s *LocalStore) maxKeys() int {
+	if s.MaxKeys == 0 {
+		return defaultMaxKeys
+	}
+	return s.MaxKeys
+}
+
+// localPool holds one bucket table per policy, across config reloads.
+var localPool = caddy.NewUsagePool()
+
+func (s *LocalStore) bind(policy string) error {
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	s.key = "local/" + policy
+	val, loaded, err := localPool.LoadOrNew(s.key, func() (caddy.Destructor, error) {
+		return newLocalBuckets(s.maxKeys(), localClock), nil
+	})
+	if err != nil {
+		return err
+	}
+	s.buckets = val.(*localBuckets)
+	if loaded {
+		s.buckets.setMaxKeys(s.maxKeys())
+	}
+	return nil
+}
+
+// Cleanup releases this config's hold on the policy's buckets.
+func (s *LocalStore) Cleanup() error {
+	if s.key == "" {
+		return nil
+	}
+	// Idempotent: a config's Cleanup may reach a store more than once.
+	_, err := localPool.Delete(s.key)
+	s.key = ""
+	return err
+}
+
+// Take implements Store.
+func (s *LocalStore) Take(_ context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
+	return s.buckets.take(b, l, cost), nil
+}
+
+// Peek implements Store.
+func (s *LocalStore) Peek(_ context.Context, b *Bucket, l Limit) (Result, error) {
+	return s.buckets.peek(b, l), nil
+}
+
+// Reset implements Store.
+func (s *LocalStore) Reset(_ context.Context, b *Bucket) error {
+	s.buckets.reset(b)
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens:
+//
+//	store local {
+//	    max_keys <n>
+//	}
+func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // "local"
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "max_keys":
+			n, err := intArg(d)
+			if err != nil {
+				return err
+			}
+			if n < 1 {
+				return d.Errf("max_keys %d: must be at least 1", n)
+			}
+			s.MaxKeys = int(n)
+		default:
+			return d.Errf("store local: unknown subdirective %q", d.Val())
+		}
+	}
+	return nil
+}
+
+// localClock is the clock that new local bucket tables read. Tests replace
+// it before they load a config.
+var localClock = monotonicMicros
+
+// hashSeed keys the local hash, so clients cannot aim for collisions.
+var hashSeed = maphash.MakeSeed()
+
+// localBuckets is a sharded table of bucket states keyed by a 64-bit keyed
+// hash of the bucket's name. Each shard has its own lock. The bound on keys
+// is kept over the whole table, so that shards that happen to draw more
+// clients than others do not evict early.
+type localBuckets struct {
+	now     func() int64
+	shards  []localShard
+	shift   uint
+	maxKeys atomic.Int64
+	count   atomic.Int64 // buckets held, over all shards
+
+	fullDrops atomic.Uint64 // full buckets dropped: nothing lost
+	evictions atomic.Uint64 // live buckets dropped to respect MaxKeys
+}
+
+type localShard struct {
+	mu     sync.Mutex
+	states stateTable
+	_      [64]byte // keep shards' locks on separate cache lines
+}
+
+func newLocalBuckets(maxKeys int, now func() int64) *localBuckets {
+	n := 1
+	for n < 64 && n*2*256 <= maxKeys {
+		n *= 2
+	}
+	lb := &localBuckets{now: now, shards: make([]localShard, n), shift: uint(64 - bits.TrailingZeros(uint(n)))}
+	lb.setMaxKeys(maxKeys)
+	return lb
+}
+
+// setMaxKeys changes the bound. A table over its new bound shrinks as new
+// clients arrive.
+func (lb *localBuckets) setMaxKeys(maxKeys int) { lb.maxKeys.Store(int64(max(maxKeys, 1))) }
+
+// Destruct implements caddy.Destructor.
+func (lb *localBuckets) Destruct() error { return nil }
+
+func (lb *localBuckets) locate(b *Bucket) (*localShard, uint64) {
+	var h maphash.Hash
+	h.SetSeed(hashSeed)
+	h.WriteString(b.Policy)
+	h.WriteByte(0)
+	h.WriteString(b.Tier)
+	h.WriteByte(0)
+	h.WriteString(b.Keyer)
+	h.WriteByte(0)
+	h.Write(b.Value)
+	sum := h.Sum64()
+	if lb.shift == 64 {
+		return &lb.shards[0], sum
+	}
+	return &lb.shards[sum>>lb.shift], sum
+}
+
+func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
+	sh, id := lb.locate(b)
+	// The clock is read before the lock, to keep the lock short (a clock
+	// read is a third of a take on some VMs). Another take may then store
+	// a later time first; an earlier now only makes the bucket look
+	// emptier, and leaves its FullAt as it would have been, so it can deny
+	// early, by the time between the two reads, and never admits more.
+	now := lb.now()
+	sh.mu.Lock()
+	old, ok := sh.states.get(id)
+	st, res := Take(old, now, l, cost)
+	if res.Allowed {
+		if !ok {
+			if lb.count.Load() >= lb.maxKeys.Load() {
+				lb.makeRoom(sh, now, id)
+			}
+			lb.count.Add(1)
+		}
+		sh.states.put(id, st)
+	}
+	sh.mu.Unlock()
+	return res
+}
+
+func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
+	sh, id := lb.locate(b)
+	now := lb.now()
+	sh.mu.Lock()
+	st, _ := sh.states.get(id)
+	res := Peek(st, now, l)
+	sh.mu.Unlock()
+	return res
+}
+
+func (lb *localBuckets) reset(b *Bucket) {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	before := sh.states.n
+	sh.states.remove(id)
+	lb.count.Add(int64(sh.states.n - before))
+	sh.mu.Unlock()
+}
+
+// makeRoom frees at least a 32nd of the shard, so that the sweep's cost is
+// spread over many inserts. Full buckets go first: dropping one changes no
+// decision. Only then are live buckets dropped, from a place in the table
+// that the incoming hash picks, which is as good as random.
+func (lb *localBuckets) makeRoom(sh *localShard, now int64, seed uint64) {
+	want := max(1, sh.states.n/32)
+	full := sh.states.sweep(0, sh.states.n, func(fullAt int64) bool { return fullAt <= now })
+	lb.fullDrops.Add(uint64(full))
+	live := 0
+	if full < want {
+		live = sh.states.sweep(int(seed), want-full, func(int64) bool { return true })
+		lb.evictions.Add(uint64(live))
+		evictionsTotal.Add(uint64(live))
+	}
+	lb.count.Add(-int64(full + live))
+}
+
+// len counts the buckets held.
+func (lb *localBuckets) len() int { return int(lb.count.Load()) }
+
+// Interface guards
+var (
+	_ policyStore           = (*LocalStore)(nil)
+	_ caddy.Validator       = (*LocalStore)(nil)
+	_ caddy.CleanerUpper    = (*LocalStore)(nil)
+	_ caddyfile.Unmarshaler = (*LocalStore)(nil)
+)
