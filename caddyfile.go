@@ -64,6 +64,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    upstream_headers
 //	    status <code>
 //	    dry_run
+//	    no_key ip|deny
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
@@ -102,6 +103,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = flag(d, &h.UpstreamHeaders)
 		case "dry_run":
 			err = flag(d, &h.DryRun)
+		case "no_key":
+			if h.NoKey != "" {
+				return d.Err("no_key: given twice")
+			}
+			err = oneArg(d, &h.NoKey)
 		case "status":
 			var n int64
 			if n, err = intArg(d); err == nil {

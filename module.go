@@ -80,9 +80,17 @@ type Handler struct {
 	// DryRun decides, counts, logs and sets headers, but never rejects.
 	DryRun bool `json:"dry_run,omitempty"`
 
-	keyers   []Keyer
-	fallback Keyer
-	store    Store
+	// NoKey says what happens when no keyer names the client: "ip" keys it
+	// by its IP address; "deny" answers 400 and the request goes no
+	// further, so that a client cannot leave the per-user bucket by sending
+	// a body the body keyers cannot read. "deny" needs at least one keyer.
+	// Default "ip".
+	NoKey string `json:"no_key,omitempty"`
+
+	keyers    []Keyer
+	fallback  Keyer
+	noKeyDeny bool
+	store     Store
 	// local limits per node while the shared store fails, with on_store_error local.
 	local       *LocalStore
 	xHeaders    bool
@@ -198,6 +206,9 @@ func (h *Handler) check() error {
 	default:
 		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
 	}
+	if err := h.checkNoKey(); err != nil {
+		return err
+	}
 	switch h.Headers {
 	case "x", "ietf", "both", "none":
 	default:
@@ -230,6 +241,22 @@ func (h *Handler) check() error {
 	return nil
 }
 
+// checkNoKey validates no_key. Its default is left unwritten, so that the
+// adapted config shows only what the Caddyfile says.
+func (h *Handler) checkNoKey() error {
+	switch h.NoKey {
+	case "", "ip":
+	case "deny":
+		if len(h.KeyersRaw) == 0 {
+			return fmt.Errorf("no_key deny: give a key to try first; with none, every request would be denied")
+		}
+	default:
+		return fmt.Errorf("no_key %q: want ip or deny", h.NoKey)
+	}
+	h.noKeyDeny = h.NoKey == "deny"
+	return nil
+}
+
 // Cleanup releases the on_store_error store. Caddy cleans up the store
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
@@ -245,6 +272,9 @@ var errLimited = errors.New("rate limit exceeded")
 
 // errDenyTier is the error behind a deny tier's 403.
 var errDenyTier = errors.New("client is on a deny tier")
+
+// errNoKey is the error behind no_key deny's 400.
+var errNoKey = errors.New("no keyer named the client")
 
 // rejection is the error for a request this handler refuses: the
 // caddyhttp.HandlerError that caddyhttp.Error makes, so that handle_errors
@@ -318,6 +348,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
 		}
 		return rejection(http.StatusForbidden, errDenyTier)
+	case h.noKeyDeny && keyer == h.fallback:
+		return h.refuseNoKey(w, r, next, d)
 	}
 
 	began := time.Now()
@@ -328,6 +360,24 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.storeFailed(w, r, next, d, err)
 	}
 	return h.finish(w, r, next, d, res)
+}
+
+// refuseNoKey applies no_key deny: 400, and the body reaches nobody. The
+// decision is counted and logged as a denial on the request's tier, with
+// the client IP's key id, so that logs show who sends unkeyable requests.
+func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
+	o, msg := outcomeDenied, "no keyer named the client"
+	if h.DryRun {
+		o, msg = outcomeDryRun, "no keyer named the client (dry run: let through)"
+	}
+	d.decide(o)
+	if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
+		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
+	}
+	if h.DryRun {
+		return next.ServeHTTP(w, r)
+	}
+	return rejection(http.StatusBadRequest, errNoKey)
 }
 
 // finish sets the headers for the store's answer and passes the request on,
