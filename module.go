@@ -87,10 +87,9 @@ type Handler struct {
 	// Default "ip".
 	NoKey string `json:"no_key,omitempty"`
 
-	keyers    []Keyer
-	fallback  Keyer
-	noKeyDeny bool
-	store     Store
+	keyers   []Keyer
+	fallback Keyer
+	store    Store
 	// local limits per node while the shared store fails, with on_store_error local.
 	local       *LocalStore
 	xHeaders    bool
@@ -99,6 +98,9 @@ type Handler struct {
 	storeLog    *zap.Logger
 	storeTime   prometheus.Observer
 	storeErrors prometheus.Counter
+
+	// noKeyDeny is NoKey == "deny".
+	noKeyDeny bool
 }
 
 // CaddyModule returns the Caddy module information.
