@@ -143,7 +143,7 @@ func multipartField(body []byte, boundary, field string) (string, bool) {
 	n := 0
 	for {
 		part, err := mr.NextPart()
-		if errors.Is(err, io.EOF) {
+		if err == io.EOF { // the closing boundary; a truncated body wraps io.EOF
 			return string(value), n == 1
 		}
 		if err != nil {
