@@ -62,62 +62,102 @@ func (*FormKeyer) Kind() string { return "form" }
 func (k *FormKeyer) ID() string { return k.id }
 
 // Key implements Keyer. It parses a copy of the body, never the request's
-// own form, which would consume the body.
+// own form, which would consume the body. It names nothing when origins
+// could read the field differently: a body that does not parse, the field
+// twice (in any case, since some frameworks fold names), or the field also
+// in the query string, which many frameworks merge with the body.
 func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	mediaType, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil {
 		return buf, false
 	}
 	var value string
+	var ok bool
 	switch mediaType {
 	case "application/x-www-form-urlencoded":
-		body, ok := peekBody(r)
-		if !ok {
+		body, whole := peekBody(r)
+		if !whole {
 			return buf, false
 		}
-		form, err := url.ParseQuery(string(body))
-		if err != nil {
-			return buf, false
-		}
-		value = form.Get(k.Field)
+		value, ok = urlencodedField(string(body), k.Field)
 	case "multipart/form-data":
 		boundary := params["boundary"]
 		if boundary == "" {
 			return buf, false
 		}
-		body, ok := peekBody(r)
-		if !ok {
+		body, whole := peekBody(r)
+		if !whole {
 			return buf, false
 		}
 		value, ok = multipartField(body, boundary, k.Field)
-		if !ok {
-			return buf, false
-		}
 	default:
 		return buf, false
 	}
-	if value == "" {
+	if !ok || value == "" || !absentFromQuery(r.URL.RawQuery, k.Field) {
 		return buf, false
 	}
 	return append(buf, value...), true
 }
 
-// multipartField returns the value of the first non-file part named field.
+// urlencodedField returns the value of the field, which must be in the
+// form once, in a form that parses whole.
+func urlencodedField(body, field string) (string, bool) {
+	form, err := url.ParseQuery(body)
+	if err != nil {
+		return "", false
+	}
+	var value string
+	n := 0
+	for name, vs := range form {
+		if strings.EqualFold(name, field) {
+			n += len(vs)
+			value = vs[0]
+		}
+	}
+	return value, n == 1
+}
+
+// absentFromQuery reports whether the query string parses and lacks the
+// field in any case.
+func absentFromQuery(rawQuery, field string) bool {
+	if rawQuery == "" {
+		return true
+	}
+	query, err := url.ParseQuery(rawQuery)
+	if err != nil {
+		return false
+	}
+	for name := range query {
+		if strings.EqualFold(name, field) {
+			return false
+		}
+	}
+	return true
+}
+
+// multipartField returns the value of the one part named field, in a body
+// that parses to its closing boundary. A file of that name is no value.
 func multipartField(body []byte, boundary, field string) (string, bool) {
 	mr := multipart.NewReader(bytes.NewReader(body), boundary)
+	var value []byte
+	n := 0
 	for {
 		part, err := mr.NextPart()
+		if err == io.EOF { // the closing boundary; a truncated body wraps io.EOF
+			return string(value), n == 1
+		}
 		if err != nil {
 			return "", false
 		}
-		if part.FormName() != field || part.FileName() != "" {
+		if !strings.EqualFold(part.FormName(), field) {
 			continue
 		}
-		v, err := io.ReadAll(part)
-		if err != nil {
+		if n++; part.FileName() != "" {
 			return "", false
 		}
-		return string(v), true
+		if value, err = io.ReadAll(part); err != nil {
+			return "", false
+		}
 	}
 }
 
@@ -173,7 +213,12 @@ func (*JSONKeyer) Kind() string { return "json" }
 // ID implements Keyer.
 func (k *JSONKeyer) ID() string { return k.id }
 
-// Key implements Keyer.
+// Key implements Keyer. It walks the document's tokens itself rather than
+// decoding into a map, which would keep the last of two equal keys without
+// a word. It names nothing when origins could read the field differently:
+// a body that is not one JSON document, or an object on the path that has
+// the path's key twice or in another case (Go's encoding/json matches keys
+// case-insensitively and keeps the last).
 func (k *JSONKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	mediaType, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil || mediaType != "application/json" {
@@ -185,38 +230,124 @@ func (k *JSONKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
-	var doc any
-	if err := dec.Decode(&doc); err != nil {
+	v, ok, err := jsonField(dec, k.path)
+	if err != nil || !ok || v == "" {
 		return buf, false
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return buf, false // trailing data: not one JSON document
 	}
-	v, ok := jsonScalar(jsonLookup(doc, k.path))
-	if !ok || v == "" {
-		return buf, false
-	}
 	return append(buf, v...), true
 }
 
-// jsonLookup follows a dot path through decoded JSON; it returns nil when
-// the path leads nowhere.
-func jsonLookup(v any, path []string) any {
-	for _, name := range path {
-		switch x := v.(type) {
-		case map[string]any:
-			v = x[name]
-		case []any:
-			i, err := strconv.Atoi(name)
-			if err != nil || i < 0 || i >= len(x) {
-				return nil
+// errAmbiguousKey stops a walk at a key that origins could read two ways.
+var errAmbiguousKey = errors.New("a key on the path is given twice or in another case")
+
+// jsonField reads one JSON value from dec, whole, and returns the scalar at
+// path within it (a number indexes an array). It fails on malformed JSON and
+// on an ambiguous key along the path.
+func jsonField(dec *json.Decoder, path []string) (string, bool, error) {
+	tok, err := dec.Token()
+	if err != nil {
+		return "", false, err
+	}
+	delim, ok := tok.(json.Delim)
+	if !ok {
+		if len(path) > 0 {
+			return "", false, nil
+		}
+		v, ok := jsonScalar(tok)
+		return v, ok, nil
+	}
+	if len(path) == 0 {
+		return "", false, skipJSONNested(dec)
+	}
+	var v string
+	found := false
+	switch delim {
+	case '{':
+		v, found, err = jsonObjectField(dec, path)
+	default: // '['
+		v, found, err = jsonArrayField(dec, path)
+	}
+	if err != nil {
+		return "", false, err
+	}
+	if _, err := dec.Token(); err != nil { // the closing delimiter
+		return "", false, err
+	}
+	return v, found, nil
+}
+
+// jsonObjectField reads an object's members, after its '{', and follows
+// path[0], which must be its key exactly once and in no other case.
+func jsonObjectField(dec *json.Decoder, path []string) (v string, found bool, err error) {
+	seen := false
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return "", false, err
+		}
+		key, _ := tok.(string)
+		switch {
+		case key == path[0] && !seen:
+			seen = true
+			if v, found, err = jsonField(dec, path[1:]); err != nil {
+				return "", false, err
 			}
-			v = x[i]
+		case strings.EqualFold(key, path[0]):
+			return "", false, errAmbiguousKey
 		default:
-			return nil
+			if err := skipJSONValue(dec); err != nil {
+				return "", false, err
+			}
 		}
 	}
-	return v
+	return v, found, nil
+}
+
+// jsonArrayField reads an array's elements, after its '[', and follows the
+// one that path[0] indexes.
+func jsonArrayField(dec *json.Decoder, path []string) (v string, found bool, err error) {
+	want, err := strconv.Atoi(path[0])
+	if err != nil {
+		want = -1
+	}
+	for i := 0; dec.More(); i++ {
+		if i == want {
+			v, found, err = jsonField(dec, path[1:])
+		} else {
+			err = skipJSONValue(dec)
+		}
+		if err != nil {
+			return "", false, err
+		}
+	}
+	return v, found, nil
+}
+
+// skipJSONValue reads one JSON value from dec and discards it.
+func skipJSONValue(dec *json.Decoder) error {
+	_, _, err := jsonField(dec, nil)
+	return err
+}
+
+// skipJSONNested reads the rest of an object or array, after its opening
+// delimiter, up to and including its closing one.
+func skipJSONNested(dec *json.Decoder) error {
+	for depth := 1; depth > 0; {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		switch tok {
+		case json.Delim('{'), json.Delim('['):
+			depth++
+		case json.Delim('}'), json.Delim(']'):
+			depth--
+		}
+	}
+	return nil
 }
 
 // jsonScalar formats a decoded JSON string, number or boolean. Numbers are

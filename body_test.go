@@ -58,17 +58,30 @@ func (o *origin) last(t *testing.T) ([]byte, string) {
 	return o.bodies[n], o.keyIDs[n]
 }
 
+// seen is how many requests reached the origin.
+func (o *origin) seen() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return len(o.bodies)
+}
+
 // loginSite limits a login endpoint to 3 attempts an hour per username,
-// with keyer, and proxies to the origin, telling it the key id.
-func loginSite(t *testing.T, keyer string) (*testServer, *origin) {
+// with keyer and any more rate_limit subdirectives, and proxies to the
+// origin, telling it the key id. A rejection's page names its status and
+// the decision, through handle_errors.
+func loginSite(t *testing.T, keyer string, more ...string) (*testServer, *origin) {
 	o := newOrigin(t)
 	s := serve(t, fmt.Sprintf(`
 	rate_limit 3 1/h {
 		key %s
+		%s
 	}
 	reverse_proxy %s {
 		header_up X-Rate-Key {http.rate_limit.key_id}
-	}`, keyer, strings.TrimPrefix(o.URL, "http://")))
+	}
+	handle_errors {
+		respond "{http.error.status_code} {http.rate_limit.decision}" {http.error.status_code}
+	}`, keyer, strings.Join(more, "\n\t\t"), strings.TrimPrefix(o.URL, "http://")))
 	return s, o
 }
 
@@ -289,6 +302,208 @@ func TestBodyKeyerCaddyfile(t *testing.T) {
 	}
 }
 
+const formType = "application/x-www-form-urlencoded"
+
+// hostileLogin is a login for the user "victim" whose body a keyer cannot
+// be sure of, so that keying it by IP would give a botnet a bucket per IP.
+type hostileLogin struct {
+	name, keyer, query, ctype, body string
+}
+
+func hostileLogins(t testing.TB) []hostileLogin {
+	mpTwice := "--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy\r\n--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\nvictim\r\n--X--\r\n"
+	mp, mpType := multipartBody(t, map[string]string{"user": "decoy"})
+	return []hostileLogin{
+		{"form with a malformed field elsewhere", "form user", "", formType, "user=victim&z=%zz"},
+		{"form field also in the query", "form user", "?user=victim", formType, "user=decoy"},
+		{"form field twice", "form user", "", formType, "user=decoy&user=victim"},
+		{"form field twice in another case", "form user", "", formType, "user=decoy&USER=victim"},
+		{"form over 64 KiB", "form user", "", formType, "user=victim&pad=" + strings.Repeat("x", maxKeyedBody)},
+		{"form as text/plain", "form user", "", "text/plain", "user=victim"},
+		{"multipart field twice", "form user", "", "multipart/form-data; boundary=X", mpTwice},
+		{"multipart field also in the query", "form user", "?user=victim", mpType, mp},
+		{"JSON key twice in another case", "json user", "", "application/json", `{"user":"decoy","USER":"victim"}`},
+		{"JSON key twice", "json user", "", "application/json", `{"user":"decoy","user":"victim"}`},
+		{"JSON over 64 KiB", "json user", "", "application/json", `{"user":"victim","pad":"` + strings.Repeat("x", maxKeyedBody) + `"}`},
+	}
+}
+
+func TestBodyKeyersNameNothingWhenOriginsCouldReadAnotherValue(t *testing.T) {
+	form := func(field string) Keyer { return &FormKeyer{Field: field} }
+	js := func(path string) Keyer { return &JSONKeyer{Path: path} }
+	cases := []struct {
+		name         string
+		keyer        Keyer
+		query, ctype string
+		body         string
+		want         string // "": nothing
+	}{
+		{"form with a malformed field elsewhere", form("user"), "", formType, "user=victim&z=%zz", ""},
+		{"form field also in the query", form("user"), "user=victim", formType, "user=decoy", ""},
+		{"form field also in the query, empty", form("user"), "user=", formType, "user=decoy", ""},
+		{"form field in the query in another case", form("user"), "USER=victim", formType, "user=decoy", ""},
+		{"form with a malformed query", form("user"), "a=1;user=victim", formType, "user=decoy", ""},
+		{"form field twice", form("user"), "", formType, "user=decoy&user=victim", ""},
+		{"form field twice, once empty", form("user"), "", formType, "user=&user=victim", ""},
+		{"form field twice in another case", form("user"), "", formType, "user=decoy&USER=victim", ""},
+		{"form over 64 KiB", form("user"), "", formType, "user=victim&pad=" + strings.Repeat("x", maxKeyedBody), ""},
+		{"form as text/plain", form("user"), "", "text/plain", "user=victim", ""},
+		{"multipart field twice", form("user"), "", "multipart/form-data; boundary=X", "--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy\r\n--X\r\nContent-Disposition: form-data; name=\"USER\"\r\n\r\nvictim\r\n--X--\r\n", ""},
+		{"multipart field and a file of that name", form("user"), "", "multipart/form-data; boundary=X", "--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy\r\n--X\r\nContent-Disposition: form-data; name=\"user\"; filename=\"a\"\r\n\r\nvictim\r\n--X--\r\n", ""},
+		{"multipart field also in the query", form("user"), "user=victim", "multipart/form-data; boundary=X", "--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy\r\n--X--\r\n", ""},
+		{"multipart unterminated after the field", form("user"), "", "multipart/form-data; boundary=X", "--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\nvictim\r\n--X\r\nContent-Disposition: form-data; name=\"pw\"\r\n\r\nsecret", ""},
+		{"JSON key twice in another case", js("user"), "", "application/json", `{"user":"decoy","USER":"victim"}`, ""},
+		{"JSON key only in another case", js("user"), "", "application/json", `{"User":"victim"}`, ""},
+		{"JSON key twice", js("user"), "", "application/json", `{"user":"decoy","user":"victim"}`, ""},
+		{"JSON outer key twice", js("user.name"), "", "application/json", `{"user":{"name":"decoy"},"user":{"name":"victim"}}`, ""},
+		{"JSON outer key in another case", js("user.name"), "", "application/json", `{"user":{"name":"decoy"},"uSer":{"name":"victim"}}`, ""},
+		{"JSON inner key in another case", js("user.name"), "", "application/json", `{"user":{"name":"decoy","NAME":"victim"}}`, ""},
+		{"JSON key twice in an indexed element", js("users.0.name"), "", "application/json", `{"users":[{"name":"decoy","name":"victim"}]}`, ""},
+		{"JSON malformed after the field", js("user"), "", "application/json", `{"user":"victim","x":[1,}`, ""},
+		{"JSON over 64 KiB", js("user"), "", "application/json", `{"user":"victim","pad":"` + strings.Repeat("x", maxKeyedBody) + `"}`, ""},
+		{"JSON as text/plain", js("user"), "", "text/plain", `{"user":"victim"}`, ""},
+		// What stays unambiguous is still named.
+		{"form other fields twice", form("user"), "next=/a", formType, "user=alice&x=1&x=2", "alice"},
+		{"form field once in another case", form("user"), "", formType, "User=alice", "alice"},
+		{"JSON keys twice off the path", js("user.name"), "", "application/json", `{"a":{"name":1,"name":2},"user":{"name":"alice","id":1,"ID":2}}`, "alice"},
+		{"JSON key in another case off the path", js("user.name"), "", "application/json", `{"users":{"Name":"x"},"user":{"name":"alice"}}`, "alice"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if err := c.keyer.(caddy.Provisioner).Provision(caddy.Context{}); err != nil {
+				t.Fatal(err)
+			}
+			r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/login?"+c.query, strings.NewReader(c.body))
+			r.Header.Set("Content-Type", c.ctype)
+			got, ok := c.keyer.Key(r, nil)
+			if string(got) != c.want || ok != (c.want != "") {
+				t.Errorf("Key = %q, %v; want %q", got, ok, c.want)
+			}
+			if rest, err := io.ReadAll(r.Body); err != nil || string(rest) != c.body {
+				t.Errorf("the body downstream differs from the body sent (%d bytes, %v)", len(rest), err)
+			}
+		})
+	}
+}
+
+func TestNoKeyDenyRefusesUnkeyableLoginsBeforeTheOrigin(t *testing.T) {
+	useFakeClock(t)
+	for _, c := range hostileLogins(t) {
+		t.Run(c.name, func(t *testing.T) {
+			s, o := loginSite(t, c.keyer, "no_key deny")
+			r := s.do(http.MethodPost, "/login"+c.query, c.body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+c.ctype)
+			if r.status != 400 || r.body != "400 denied" {
+				t.Errorf("got %d %q, want 400 with the handle_errors page %q", r.status, r.body, "400 denied")
+			}
+			if n := o.seen(); n != 0 {
+				t.Errorf("the origin saw %d requests, want none", n)
+			}
+		})
+	}
+}
+
+func TestNoKeyDenyPassesKeyableLogins(t *testing.T) {
+	useFakeClock(t)
+	s, o := loginSite(t, "form user", "no_key deny")
+	body := "user=alice&password=x"
+	r := s.do(http.MethodPost, "/login", body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+formType)
+	if r.status != 200 {
+		t.Fatalf("status %d, want 200", r.status)
+	}
+	got, keyID := o.last(t)
+	if string(got) != body || keyID != keyIDOf("form/user", "alice") {
+		t.Errorf("the origin got %q keyed %s, want %q keyed by the user", got, keyID, body)
+	}
+}
+
+func TestNoKeyIPKeysUnkeyableLoginsByIP(t *testing.T) {
+	useFakeClock(t)
+	for _, c := range hostileLogins(t) {
+		t.Run(c.name, func(t *testing.T) {
+			for _, more := range []string{"", "no_key ip"} {
+				s, o := loginSite(t, c.keyer, more)
+				r := s.do(http.MethodPost, "/login"+c.query, c.body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+c.ctype)
+				if r.status != 200 {
+					t.Fatalf("%q: status %d, want 200", more, r.status)
+				}
+				got, keyID := o.last(t)
+				if string(got) != c.body {
+					t.Errorf("%q: the origin got %d bytes, want the %d sent, unchanged", more, len(got), len(c.body))
+				}
+				if want := keyIDOf("ip/32/64", "127.0.0.2"); keyID != want {
+					t.Errorf("%q: key id %s, want the client IP's %s", more, keyID, want)
+				}
+			}
+		})
+	}
+}
+
+func TestLoginFloodFromManyIPsDrainsOneBucketWithNoKeyDeny(t *testing.T) {
+	useFakeClock(t)
+	s, o := loginSite(t, "form user", "no_key deny")
+	var attempts []hostileLogin
+	for _, c := range hostileLogins(t) {
+		if c.keyer == "form user" {
+			attempts = append(attempts, c)
+		}
+	}
+	attempts = append(attempts, hostileLogin{"plain", "form user", "", formType, "user=victim&password=guess"})
+	statuses := map[int]int{}
+	for i := range 40 {
+		c := attempts[i%len(attempts)]
+		ip := fmt.Sprintf("127.0.%d.%d", i/200, 2+i%200)
+		r := s.do(http.MethodPost, "/login"+c.query, c.body, "X-Forwarded-For: "+ip, "Content-Type: "+c.ctype)
+		statuses[r.status]++
+	}
+	if n := o.seen(); n != 3 {
+		t.Errorf("the origin saw %d attempts on victim from 40 IPs, want 3: one bucket", n)
+	}
+	if statuses[200] != 3 || statuses[200]+statuses[400]+statuses[429] != 40 {
+		t.Errorf("statuses %v: want 3 passed, the rest 400 (unkeyable) or 429 (victim's bucket empty)", statuses)
+	}
+	if _, keyID := o.last(t); keyID != keyIDOf("form/user", "victim") {
+		t.Errorf("key id %s, want victim's", keyID)
+	}
+}
+
+func TestNoKeyDenyInDryRunLetsThrough(t *testing.T) {
+	useFakeClock(t)
+	s, o := loginSite(t, "form user", "no_key deny", "dry_run")
+	body := "user=decoy&user=victim"
+	r := s.do(http.MethodPost, "/login", body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+formType)
+	if r.status != 200 {
+		t.Fatalf("status %d, want 200: a dry run never rejects", r.status)
+	}
+	if got, _ := o.last(t); string(got) != body {
+		t.Errorf("the origin got %q, want %q", got, body)
+	}
+}
+
+func TestNoKeyCaddyfile(t *testing.T) {
+	site := func(lines string) string {
+		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n" + lines + "\n\t}\n}\n"
+	}
+	cfg, err := adaptCaddyfile(site("\t\tkey form user\n\t\tno_key deny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(cfg), `"no_key":"deny"`) {
+		t.Errorf("adapted config lacks \"no_key\":\"deny\":\n%s", cfg)
+	}
+	for _, c := range []struct{ lines, want string }{
+		{"\t\tkey form user\n\t\tno_key maybe", `no_key "maybe": want ip or deny`},
+		{"\t\tkey form user\n\t\tno_key", "no_key: want exactly one value"},
+		{"\t\tkey form user\n\t\tno_key deny ip", "no_key: want exactly one value"},
+		{"\t\tkey form user\n\t\tno_key deny\n\t\tno_key ip", "no_key: given twice"},
+		{"\t\tno_key deny", "no_key deny: give a key"},
+	} {
+		_, err := adaptCaddyfile(site(c.lines))
+		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "Caddyfile:") {
+			t.Errorf("%q: error %v, want one naming the line and containing %q", c.lines, err, c.want)
+		}
+	}
+}
+
 // fuzzBodyKeyer runs a keyer on a body and checks that the body downstream
 // is the body sent, and that a value comes only from a body within the cap.
 func fuzzBodyKeyer(t *testing.T, k Keyer, ctype string, body []byte, noLength bool) ([]byte, bool) {
@@ -327,8 +542,14 @@ func FuzzFormKeyer(f *testing.F) {
 		v, ok := fuzzBodyKeyer(t, k, ctype, body, noLength)
 		if ok && strings.HasPrefix(ctype, "application/x-www-form-urlencoded") {
 			form, err := url.ParseQuery(string(body))
-			if err != nil || form.Get("username") != string(v) {
-				t.Fatalf("value %q, but the form parses as %v, %v", v, form, err)
+			var values []string
+			for name, vs := range form {
+				if strings.EqualFold(name, "username") {
+					values = append(values, vs...)
+				}
+			}
+			if err != nil || len(values) != 1 || values[0] != string(v) {
+				t.Fatalf("value %q, but the form parses as %v, %v: want the field once", v, form, err)
 			}
 		}
 	})
@@ -352,9 +573,22 @@ func FuzzJSONKeyer(f *testing.F) {
 		if err := dec.Decode(&doc); err != nil {
 			t.Fatalf("value %q from a body that does not parse: %v", v, err)
 		}
+		if !json.Valid(body) {
+			t.Fatalf("value %q from a body that is not one JSON document", v)
+		}
 		user, _ := doc["user"].(map[string]any)
 		if s, _ := jsonScalar(user["name"]); s != string(v) {
 			t.Fatalf("value %q, but user.name is %v", v, user["name"])
+		}
+		for _, c := range []struct {
+			obj  map[string]any
+			name string
+		}{{doc, "user"}, {user, "name"}} {
+			for key := range c.obj {
+				if key != c.name && strings.EqualFold(key, c.name) {
+					t.Fatalf("value %q, but the path's key %q is also given as %q", v, c.name, key)
+				}
+			}
 		}
 	})
 }

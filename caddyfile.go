@@ -62,6 +62,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    status <code>
 //	    dry_run
 //	    key_secret <secret>
+//	    no_key ip|deny
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
@@ -83,7 +84,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret"); err != nil {
+		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key"); err != nil {
 			return err
 		}
 		var err error
@@ -106,6 +107,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = flag(d, &h.DryRun)
 		case "key_secret":
 			err = oneArg(d, &h.KeySecret)
+		case "no_key":
+			err = oneArg(d, &h.NoKey)
 		case "status":
 			var n int64
 			if n, err = intArg(d); err == nil {

@@ -190,6 +190,9 @@ var errLimited = errors.New("rate limit exceeded")
 // errDenyTier is the error behind a deny tier's 403.
 var errDenyTier = errors.New("client is on a deny tier")
 
+// errNoKey is the error behind no_key deny's 400.
+var errNoKey = errors.New("no keyer named the client")
+
 // rejection is the error for a request this handler refuses: the
 // caddyhttp.HandlerError that caddyhttp.Error makes, so that handle_errors
 // and the {http.error.*} placeholders see what they expect. Its ID and

@@ -83,6 +83,13 @@ type Handler struct {
 	// node sharing a Redis store needs the same secret.
 	KeySecret string `json:"key_secret,omitempty"`
 
+	// NoKey says what happens when no keyer names the client: "ip" keys it
+	// by its IP address; "deny" answers 400 and the request goes no
+	// further, so that a client cannot leave the per-user bucket by sending
+	// a body the body keyers cannot read. "deny" needs at least one keyer.
+	// Default "ip".
+	NoKey string `json:"no_key,omitempty"`
+
 	keyers   []Keyer
 	fallback *IPKeyer
 	store    Store
@@ -95,6 +102,9 @@ type Handler struct {
 	storeLog    *zap.Logger
 	storeTime   prometheus.Observer
 	storeErrors prometheus.Counter
+
+	// noKeyDeny is NoKey == "deny".
+	noKeyDeny bool
 }
 
 // CaddyModule returns the Caddy module information.
@@ -211,6 +221,9 @@ func (h *Handler) check() error {
 	default:
 		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
 	}
+	if err := h.checkNoKey(); err != nil {
+		return err
+	}
 	switch h.Headers {
 	case "x", "ietf", "both", "none":
 	default:
@@ -271,15 +284,31 @@ func (h *Handler) provisionKeySecret() error {
 // client IP from the proxy's headers.
 func (h *Handler) checkListeners(ctx caddy.Context) error {
 	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	if !ok || srv.TrustedProxiesUnix {
+	if !ok || srv.TrustedProxiesUnix || h.noKeyDeny {
 		return nil
 	}
 	for _, ln := range srv.Listen {
 		na, err := caddy.ParseNetworkAddress(ln)
 		if err == nil && na.IsUnixNetwork() {
-			return fmt.Errorf("policy %q: the server listens on the Unix socket %q, where clients have no IP address, so all would share one bucket: set the global server option trusted_proxies_unix (Caddy then reads the client IP from the proxy's headers)", h.Name, ln)
+			return fmt.Errorf("policy %q: the server listens on the Unix socket %q, where clients have no IP address, so all would share one bucket: set the global server option trusted_proxies_unix (Caddy then reads the client IP from the proxy's headers), or no_key deny with a key that names every client", h.Name, ln)
 		}
 	}
+	return nil
+}
+
+// checkNoKey validates no_key. Its default is left unwritten, so that the
+// adapted config shows only what the Caddyfile says.
+func (h *Handler) checkNoKey() error {
+	switch h.NoKey {
+	case "", "ip":
+	case "deny":
+		if len(h.KeyersRaw) == 0 {
+			return fmt.Errorf("no_key deny: give a key to try first; with none, every request would be denied")
+		}
+	default:
+		return fmt.Errorf("no_key %q: want ip or deny", h.NoKey)
+	}
+	h.noKeyDeny = h.NoKey == "deny"
 	return nil
 }
 
@@ -335,6 +364,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
 		}
 		return rejection(http.StatusForbidden, errDenyTier)
+	case h.noKeyDeny && keyer == h.fallback:
+		return h.refuseNoKey(w, r, next, d)
 	}
 
 	began := time.Now()
@@ -345,6 +376,24 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.storeFailed(w, r, next, d, err)
 	}
 	return h.finish(w, r, next, d, res)
+}
+
+// refuseNoKey applies no_key deny: 400, and the body reaches nobody. The
+// decision is counted and logged as a denial on the request's tier, with
+// the client IP's key id, so that logs show who sends unkeyable requests.
+func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
+	o, msg := outcomeDenied, "no keyer named the client"
+	if h.DryRun {
+		o, msg = outcomeDryRun, "no keyer named the client (dry run: let through)"
+	}
+	d.decide(o)
+	if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
+		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
+	}
+	if h.DryRun {
+		return next.ServeHTTP(w, r)
+	}
+	return rejection(http.StatusBadRequest, errNoKey)
 }
 
 // finish sets the headers for the store's answer and passes the request on,
