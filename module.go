@@ -134,6 +134,33 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 	}
 
+	if err := h.provisionKeyers(ctx); err != nil {
+		return err
+	}
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
+	for _, t := range h.Tiers {
+		if err := t.provision(ctx); err != nil {
+			return err
+		}
+		t.counters = newOutcomeCounters(h.Name, t.Name)
+		if len(t.Claims) > 0 && h.JWT == nil {
+			return fmt.Errorf("tier %q: a claim condition needs a jwt block to verify tokens", t.Name)
+		}
+	}
+
+	if err := h.provisionStore(ctx); err != nil {
+		return err
+	}
+	registerHandler(h)
+	return nil
+}
+
+// provisionKeyers loads the keyers, hands the jwt block to those that read
+// verified claims, and sets up the client IP keyer that names any client
+// no keyer names.
+func (h *Handler) provisionKeyers(ctx caddy.Context) error {
 	mods, err := ctx.LoadModule(h, "KeyersRaw")
 	if err != nil {
 		return fmt.Errorf("loading keyers: %v", err)
@@ -153,23 +180,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.fallback = fallback
-	if err := h.checkListeners(ctx); err != nil {
-		return err
-	}
+	return h.checkListeners(ctx)
+}
 
-	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
-		return fmt.Errorf("registering metrics: %v", err)
-	}
-	for _, t := range h.Tiers {
-		if err := t.provision(ctx); err != nil {
-			return err
-		}
-		t.counters = newOutcomeCounters(h.Name, t.Name)
-		if len(t.Claims) > 0 && h.JWT == nil {
-			return fmt.Errorf("tier %q: a claim condition needs a jwt block to verify tokens", t.Name)
-		}
-	}
-
+// provisionStore loads the store (local by default), binds it to the
+// policy, and, with on_store_error local beside a shared store, sets up
+// this node's own fallback buckets.
+func (h *Handler) provisionStore(ctx caddy.Context) error {
 	if h.StoreRaw == nil {
 		h.StoreRaw = json.RawMessage(`{"store":"local"}`)
 	}
@@ -194,7 +211,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	registerHandler(h)
 	return nil
 }
 
