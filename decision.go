@@ -24,11 +24,10 @@ type decision struct {
 	outcome outcome
 	// value holds a short client value without another allocation.
 	value [64]byte
-	// The header values, rendered once into text: the response's, and a
-	// copy for the request with upstream_headers.
-	resp, upstream headerValues
-	retry          [1]string
-	text           [96]byte
+	// The response's header values, rendered once into text.
+	resp  headerValues
+	retry [1]string
+	text  [96]byte
 }
 
 // outcome is what the handler decided for a request.
@@ -61,18 +60,17 @@ func (d *decision) decide(o outcome) {
 // themselves are immutable and may be shared. A nil entry is not sent.
 type headerValues struct {
 	limit, remaining, reset, policy, ietf [1]string
-	x, ietfOn                             bool
 }
 
 // setHeaders writes the limit headers into hdr: the response's or, with
 // upstream_headers, the request's.
-func setHeaders(hdr http.Header, v *headerValues) {
-	if v.x {
+func (h *Handler) setHeaders(hdr http.Header, v *headerValues) {
+	if h.xHeaders {
 		hdr["X-Ratelimit-Limit"] = v.limit[:]
 		hdr["X-Ratelimit-Remaining"] = v.remaining[:]
 		hdr["X-Ratelimit-Reset"] = v.reset[:]
 	}
-	if v.ietfOn {
+	if h.ietfHeaders {
 		hdr["Ratelimit-Policy"] = v.policy[:]
 		hdr["Ratelimit"] = v.ietf[:]
 	}
@@ -104,7 +102,6 @@ func (h *Handler) render(d *decision) {
 	// and which the strings keep alive.
 	text := unsafe.String(unsafe.SliceData(buf), len(buf))
 	v := &d.resp
-	v.x, v.ietfOn = h.xHeaders, h.ietfHeaders
 	if h.xHeaders {
 		v.limit[0] = d.tier.limitText
 		v.remaining[0] = text[:at[0]]

@@ -417,7 +417,7 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res Result) error {
 	d.result = res
 	h.render(d)
-	setHeaders(w.Header(), &d.resp)
+	h.setHeaders(w.Header(), &d.resp)
 	if res.Allowed {
 		d.decide(outcomeAllowed)
 	} else {
@@ -437,8 +437,10 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		}
 	}
 	if h.UpstreamHeaders {
-		d.upstream = d.resp
-		setHeaders(r.Header, &d.upstream)
+		// The request gets its own slices: nothing edits one message's
+		// values through the other's.
+		upstream := d.resp
+		h.setHeaders(r.Header, &upstream)
 	}
 	return next.ServeHTTP(w, r)
 }
