@@ -502,6 +502,9 @@ type redisConn struct {
 	batcher *redisBatcher // nil unless Batch
 	errors  atomic.Uint64
 	stop    context.CancelFunc
+	// now is the breaker's and the deny cache's clock: monotonicMicros,
+	// which tests replace.
+	now func() int64
 }
 
 func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
@@ -521,6 +524,7 @@ func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
 		}},
 		denied: newDenyCache(cfg.denyCapacity),
 		stop:   cancel,
+		now:    monotonicMicros,
 	}
 	if cfg.batch {
 		c.batcher = newRedisBatcher(c.client, batchLoops, maxBatch)
@@ -630,7 +634,7 @@ func (s *RedisStore) key(b *Bucket) string {
 // Take implements Store.
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
 	key := s.key(b)
-	start := monotonicMicros()
+	start := s.conn.now()
 	if res, ok := s.conn.denied.get(key, l, cost, start); ok {
 		return res, nil
 	}
@@ -652,7 +656,7 @@ func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, erro
 func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	key := s.key(b)
 	s.conn.denied.remove(key)
-	if !s.conn.breaker.allow(monotonicMicros()) {
+	if !s.conn.breaker.allow(s.conn.now()) {
 		return errBreakerOpen
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
@@ -668,7 +672,7 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 // run makes one decision in Redis, within the timeout and through the
 // breaker. It also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
-	if !s.conn.breaker.allow(monotonicMicros()) {
+	if !s.conn.breaker.allow(s.conn.now()) {
 		s.conn.errors.Add(1)
 		return Result{}, 0, errBreakerOpen
 	}
@@ -708,7 +712,7 @@ func (s *RedisStore) record(ctx context.Context, err error) {
 	if err != nil {
 		s.conn.errors.Add(1)
 	}
-	s.conn.breaker.record(err == nil, monotonicMicros())
+	s.conn.breaker.record(err == nil, s.conn.now())
 }
 
 // DenyCacheHits counts the decisions answered by the deny cache, without
