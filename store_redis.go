@@ -656,13 +656,14 @@ func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, erro
 func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	key := s.key(b)
 	s.conn.denied.remove(key)
-	if !s.conn.breaker.allow(s.conn.now()) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
 		return errBreakerOpen
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	err := s.conn.client.Del(ctx, key).Err()
-	s.record(ctx, err)
+	s.record(ctx, probe, err)
 	if err != nil {
 		return fmt.Errorf("redis store: reset: %w", err)
 	}
@@ -672,7 +673,8 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 // run makes one decision in Redis, within the timeout and through the
 // breaker. It also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
-	if !s.conn.breaker.allow(s.conn.now()) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
 		s.conn.errors.Add(1)
 		return Result{}, 0, errBreakerOpen
 	}
@@ -692,7 +694,7 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	if err == nil && len(vals) != 5 {
 		err = fmt.Errorf("script answered %d values, want 5", len(vals))
 	}
-	s.record(ctx, err)
+	s.record(ctx, probe, err)
 	if err != nil {
 		var netErr net.Error
 		if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
@@ -703,16 +705,20 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3]}, vals[4], nil
 }
 
-// record tells the breaker how a call went. A request whose client went
-// away says nothing about Redis.
-func (s *RedisStore) record(ctx context.Context, err error) {
-	if err != nil && errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled {
-		return
-	}
-	if err != nil {
+// record tells the breaker how a call went; probe says whether the breaker
+// let it through as its probe. A request whose client went away says
+// nothing about Redis, but it still ends its probe.
+func (s *RedisStore) record(ctx context.Context, probe bool, err error) {
+	out := callOK
+	switch {
+	case err == nil:
+	case errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled:
+		out = callAbandoned
+	default:
+		out = callFailed
 		s.conn.errors.Add(1)
 	}
-	s.conn.breaker.record(err == nil, s.conn.now())
+	s.conn.breaker.record(probe, out, s.conn.now())
 }
 
 // DenyCacheHits counts the decisions answered by the deny cache, without
@@ -736,39 +742,53 @@ type breaker struct {
 	changed func(open bool)
 }
 
-// allow says whether a call may go to Redis now. Once the cool-down is
-// over, one call at a time probes.
-func (b *breaker) allow(now int64) bool {
+// allow says whether a call may go to Redis now, and whether it is the
+// probe. Once the cool-down is over, one call at a time probes; whoever
+// gets probe must pass it to record, whatever becomes of the call.
+func (b *breaker) allow(now int64) (ok, probe bool) {
 	until := b.openUntil.Load()
 	if until == 0 {
-		return true
+		return true, false
 	}
 	if now < until {
-		return false
+		return false, false
 	}
-	return b.probing.CompareAndSwap(false, true)
+	ok = b.probing.CompareAndSwap(false, true)
+	return ok, ok
 }
 
-func (b *breaker) record(ok bool, now int64) {
-	if ok {
+// callOutcome is how a call to Redis went, for the breaker.
+type callOutcome uint8
+
+const (
+	callOK        callOutcome = iota
+	callFailed                // Redis failed or did not answer in time
+	callAbandoned             // the caller went away first: nothing learned
+)
+
+// record counts a call's outcome. Any outcome ends a probe: a failed one
+// starts another cool-down, an abandoned one lets the next call probe.
+func (b *breaker) record(probe bool, out callOutcome, now int64) {
+	switch out {
+	case callOK:
 		if b.failures.Load() != 0 {
 			b.failures.Store(0)
 		}
 		if until := b.openUntil.Load(); until != 0 && b.openUntil.CompareAndSwap(until, 0) {
-			b.probing.Store(false)
 			b.notify(false)
 		}
-		return
+	case callFailed:
+		n := b.failures.Add(1)
+		if probe {
+			if b.openUntil.Swap(now+b.cooldown) == 0 {
+				b.notify(true)
+			}
+		} else if n >= b.threshold && b.openUntil.CompareAndSwap(0, now+b.cooldown) {
+			b.notify(true)
+		}
 	}
-	n := b.failures.Add(1)
-	if b.probing.Load() {
-		// The probe failed: another cool-down.
-		b.openUntil.Store(now + b.cooldown)
+	if probe {
 		b.probing.Store(false)
-		return
-	}
-	if n >= b.threshold && b.openUntil.CompareAndSwap(0, now+b.cooldown) {
-		b.notify(true)
 	}
 }
 

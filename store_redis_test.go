@@ -470,7 +470,7 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 	for range 8 {
 		wg.Go(func() {
 			for range 10 {
-				b.record(false, 10)
+				b.record(false, callFailed, 10)
 			}
 		})
 	}
@@ -478,11 +478,12 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 	if opened.Load() != 1 || closed.Load() != 0 {
 		t.Fatalf("80 concurrent failures: told open %d times, closed %d; want 1 and 0", opened.Load(), closed.Load())
 	}
-	if !b.allow(1010) {
+	if ok, probe := b.allow(1010); !ok || !probe {
 		t.Fatal("no probe after the cool-down")
 	}
+	b.record(true, callOK, 1011)
 	for range 3 {
-		b.record(true, 1011)
+		b.record(false, callOK, 1011)
 	}
 	if opened.Load() != 1 || closed.Load() != 1 {
 		t.Fatalf("after the probe succeeded: told open %d, closed %d; want 1 and 1", opened.Load(), closed.Load())
@@ -492,27 +493,28 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 	b := breaker{threshold: 3, cooldown: 1000}
 	for now := range int64(3) {
-		if !b.allow(now) {
+		if ok, _ := b.allow(now); !ok {
 			t.Fatalf("closed breaker refused call %d", now)
 		}
-		b.record(false, now)
+		b.record(false, callFailed, now)
 	}
 	// Open until 2+1000.
-	if b.allow(500) || b.allow(1001) || !b.allow(1002) {
+	allowed := func(now int64) bool { ok, _ := b.allow(now); return ok }
+	if allowed(500) || allowed(1001) || !allowed(1002) {
 		t.Fatal("after 3 failures: want refusal during the cool-down, then a probe")
 	}
-	if b.allow(1003) {
+	if allowed(1003) {
 		t.Fatal("a second probe went through while the first was out")
 	}
-	b.record(false, 1004) // the probe failed: open until 2004
-	if b.allow(1500) {
+	b.record(true, callFailed, 1004) // the probe failed: open until 2004
+	if allowed(1500) {
 		t.Fatal("a failed probe did not restart the cool-down")
 	}
-	if !b.allow(2004) {
+	if !allowed(2004) {
 		t.Fatal("no probe after the second cool-down")
 	}
-	b.record(true, 2005)
-	if !b.allow(2006) || !b.allow(2007) || b.open() {
+	b.record(true, callOK, 2005)
+	if !allowed(2006) || !allowed(2007) || b.open() {
 		t.Fatal("a successful probe did not close the breaker")
 	}
 
