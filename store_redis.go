@@ -500,7 +500,6 @@ type redisConn struct {
 	breaker breaker
 	denied  *denyCache
 	batcher *redisBatcher // nil unless Batch
-	errors  atomic.Uint64
 	stop    context.CancelFunc
 	// now is the breaker's and the deny cache's clock: monotonicMicros,
 	// which tests replace.
@@ -675,7 +674,6 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
-		s.conn.errors.Add(1)
 		return Result{}, 0, errBreakerOpen
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
@@ -716,7 +714,6 @@ func (s *RedisStore) record(ctx context.Context, probe bool, err error) {
 		out = callAbandoned
 	default:
 		out = callFailed
-		s.conn.errors.Add(1)
 	}
 	s.conn.breaker.record(probe, out, s.conn.now())
 }
@@ -724,10 +721,6 @@ func (s *RedisStore) record(ctx context.Context, probe bool, err error) {
 // DenyCacheHits counts the decisions answered by the deny cache, without
 // Redis, since the client was made.
 func (s *RedisStore) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
-
-// Errors counts the decisions that failed, including those the open
-// breaker failed at once, since the client was made.
-func (s *RedisStore) Errors() uint64 { return s.conn.errors.Load() }
 
 // breaker is a circuit breaker over consecutive failures. Closed, it costs
 // two atomic loads. Times are monotonic microseconds.
