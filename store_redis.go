@@ -616,16 +616,25 @@ var bucketScript = redis.NewScript(takeScript)
 // errBreakerOpen fails decisions while the breaker is open.
 var errBreakerOpen = errors.New("redis store: circuit breaker open after repeated failures; not calling Redis until the cool-down ends")
 
-// key is the bucket's Redis key: the prefix, policy and tier, then a hash
-// of the keyer and the value, so that client values never reach Redis.
+// key is the bucket's Redis key: the prefix, then the policy and the tier,
+// each after its length in bytes, then a hash of the keyer and the value,
+// so that client values never reach Redis:
+//
+//	rl:<len>:<policy>:<len>:<tier>:<32 hex digits>
+//
+// The lengths keep names apart that hold ":" (policy "a:b" with tier "c"
+// and policy "a" with tier "b:c"). It is one key per bucket, with no hash
+// tag of its own, so a Cluster spreads the buckets over its masters.
 func (s *RedisStore) key(b *Bucket) string {
 	sum := bucketDigest(b)
-	buf := make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+2+32)
+	buf := make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+16+32)
 	buf = append(buf, s.prefix...)
-	buf = append(buf, b.Policy...)
-	buf = append(buf, ':')
-	buf = append(buf, b.Tier...)
-	buf = append(buf, ':')
+	for _, part := range [...]string{b.Policy, b.Tier} {
+		buf = strconv.AppendInt(buf, int64(len(part)), 10)
+		buf = append(buf, ':')
+		buf = append(buf, part...)
+		buf = append(buf, ':')
+	}
 	buf = hex.AppendEncode(buf, sum[:16])
 	return string(buf)
 }

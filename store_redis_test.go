@@ -127,8 +127,8 @@ func TestRedisKeysHideClientValues(t *testing.T) {
 		t.Fatalf("keys %v, want one", keys)
 	}
 	key := keys[0].(string)
-	if !regexp.MustCompile(`^edge:api:gold:[0-9a-f]{32}$`).MatchString(key) {
-		t.Fatalf("key %q, want edge:api:gold: and 32 hex digits", key)
+	if !regexp.MustCompile(`^edge:3:api:4:gold:[0-9a-f]{32}$`).MatchString(key) {
+		t.Fatalf("key %q, want edge:3:api:4:gold: and 32 hex digits", key)
 	}
 	if strings.Contains(key, "secret") || strings.Contains(key, "X-Api-Key") {
 		t.Fatalf("key %q shows the client value", key)
