@@ -76,8 +76,9 @@ type RedisStore struct {
 	Prefix string `json:"prefix,omitempty"`
 
 	// Timeout bounds each decision, including the wait for a connection.
-	// A decision that takes longer fails, and on_store_error applies.
-	// Default 100ms.
+	// A decision that takes longer fails, and on_store_error applies. It
+	// bounds each dial too, TLS handshake included, to Redis and to the
+	// Sentinels. Default 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// PoolSize is the most connections kept per Redis node. Default 10 per
@@ -247,7 +248,8 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 		Breaker   string
 		DenyCache int
 		Batch     bool
-	}{Username: username, DB: s.DB, TLS: tlsID, PoolSize: s.PoolSize,
+		Timeout   time.Duration // it bounds the dials
+	}{Username: username, DB: s.DB, TLS: tlsID, PoolSize: s.PoolSize, Timeout: s.timeout,
 		Breaker: fmt.Sprint(cfg.failures, cfg.cooldown), DenyCache: cfg.denyCapacity, Batch: cfg.batch}
 
 	if s.Sentinel != nil {
@@ -269,6 +271,9 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 			DB:            s.DB,
 			TLSConfig:     tlsConfig,
 			PoolSize:      s.PoolSize,
+			DialTimeout:   s.timeout,
+			// The Sentinels' connections and the master's, TLS included.
+			Dialer: redisDialer(tlsConfig, s.timeout),
 		}
 		// Sentinels that need a password mostly share the data nodes'.
 		opts.SentinelUsername, opts.SentinelPassword = username, password
@@ -313,7 +318,8 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 			first.MaxRetries = -1
 			first.DialerRetries = 1
 			first.ContextTimeoutEnabled = true
-			first.Dialer = redisDialer(first.TLSConfig)
+			first.DialTimeout = s.timeout
+			first.Dialer = redisDialer(first.TLSConfig, s.timeout)
 			cfg.newClient = func() redis.UniversalClient { return redis.NewClient(first) }
 		} else {
 			opts := &redis.ClusterOptions{
@@ -324,6 +330,7 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 				MaxRetries:            -1,
 				DialerRetries:         1,
 				ContextTimeoutEnabled: true,
+				DialTimeout:           s.timeout,
 			}
 			for i, o := range nodes {
 				raw := addresses[i]
@@ -345,7 +352,7 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 				// Cluster nodes are many hosts: verify each by its own name.
 				opts.TLSConfig.ServerName = ""
 			}
-			opts.Dialer = redisDialer(opts.TLSConfig)
+			opts.Dialer = redisDialer(opts.TLSConfig, s.timeout)
 			cfg.newClient = func() redis.UniversalClient { return redis.NewClusterClient(opts) }
 		}
 	}
@@ -445,11 +452,13 @@ func parseRedisAddress(addr string) (*redis.Options, error) {
 	return o, nil
 }
 
-// redisDialer dials within the caller's deadline, TLS handshake included,
-// which go-redis's own TLS dialer does not, so that a Redis that accepts
-// and then hangs cannot hold a request past the timeout.
-func redisDialer(cfg *tls.Config) func(ctx context.Context, network, addr string) (net.Conn, error) {
-	nd := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
+// redisDialer dials within timeout and the caller's deadline, TLS handshake
+// included, which go-redis's own TLS dialer does not. go-redis dials apart
+// from the request that needs the connection, so without the timeout a
+// Redis or Sentinel that accepts and then hangs would hold each dial, and
+// a dial slot, for 5 s after the decision gave up.
+func redisDialer(cfg *tls.Config, timeout time.Duration) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	nd := &net.Dialer{Timeout: timeout, KeepAlive: 30 * time.Second}
 	if cfg == nil {
 		return nd.DialContext
 	}
@@ -559,7 +568,13 @@ func (c *redisConn) Destruct() error {
 // optionally microseconds to add to TIME, which only tests pass.
 //
 // It returns {allowed (0|1), remaining, retry after, reset after, now}.
+//
+// It reads TIME and then writes, which Redis before 5 refuses unless the
+// script replicates its effects rather than itself: replicate_commands
+// asks for that on 3.2 and 4, and does nothing from 5 on (7 only keeps it
+// for old scripts). Older Redis refuses the write; the error says why.
 const takeScript = `
+if redis.replicate_commands then redis.replicate_commands() end
 local function idiv(a, b)
   local q = math.floor(a / b)
   local r = a - q * b
@@ -604,8 +619,11 @@ if level < need then
 end
 deficit = deficit + need
 local refill = ceildiv(deficit, tokens)
-redis.call('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
+local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
   'PX', ceildiv(refill, 1000) + 1)
+if type(ok) == 'table' and ok.err then
+  return redis.error_reply('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
+end
 return {1, idiv(level - need, interval), 0, refill, now}
 `
 
