@@ -661,12 +661,13 @@ func (s *RedisStore) key(b *Bucket) string {
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
 	key := s.key(b)
 	start := s.conn.now()
-	if res, ok := s.conn.denied.get(key, l, cost, start); ok {
+	res, epoch, ok := s.conn.denied.get(key, l, cost, start)
+	if ok {
 		return res, nil
 	}
 	res, _, err := s.run(ctx, key, l, cost)
 	if err == nil && !res.Allowed {
-		s.conn.denied.put(key, l, cost, start, res)
+		s.conn.denied.put(key, epoch, l, cost, start, res)
 	}
 	return res, err
 }
@@ -677,11 +678,16 @@ func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, erro
 	return res, err
 }
 
-// Reset implements Store. Other nodes may still answer from their deny
-// caches until the retry time they were given.
+// Reset implements Store. It forgets the bucket's denial on this node
+// whether or not Redis answers; other nodes may still answer from their
+// deny caches until the retry time they were given.
 func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	key := s.key(b)
 	s.conn.denied.remove(key)
+	// Again once Redis has answered: a Take that went to Redis before the
+	// reset is dropped when it puts its denial, but one that set out
+	// between the first remove and the DEL carries the newer epoch.
+	defer s.conn.denied.remove(key)
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
 		return errBreakerOpen
@@ -835,6 +841,12 @@ type denyShard struct {
 	mu      sync.Mutex
 	entries map[string]denyEntry
 	max     int
+	// epoch counts the resets of the shard's keys. A denial is kept only
+	// if no reset came between the Take's look at the cache and its put:
+	// one that Redis gave before a reset must not outlive it. Per shard,
+	// not per key, to stay bounded; a put dropped for another key's reset
+	// only sends that client's next request to Redis.
+	epoch uint64
 }
 
 type denyEntry struct {
@@ -865,29 +877,36 @@ func (c *denyCache) shard(key string) *denyShard {
 
 // get answers a Take that a remembered denial already decides. The same
 // cost on the same limit is denied until the retry time, since tokens
-// refill at a fixed rate and only Reset adds more.
-func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, bool) {
+// refill at a fixed rate and only Reset adds more. Otherwise it returns
+// the epoch to hand to put.
+func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, uint64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	e, ok := sh.entries[key]
+	epoch := sh.epoch
 	sh.mu.Unlock()
 	if !ok || now >= e.until || e.limit != l || e.cost != cost {
-		return Result{}, false
+		return Result{}, epoch, false
 	}
 	c.hits.Add(1)
 	denyCacheHitsTotal.Add(1)
 	res := e.result
 	res.RetryAfter = e.until - now
 	res.ResetAfter = max(res.RetryAfter, e.resetAt-now)
-	return res, true
+	return res, epoch, true
 }
 
-// put remembers a denial that Redis gave to a request sent at start. Redis
-// decided at or after start, so start plus its retry time is never later
-// than the moment Redis would allow.
-func (c *denyCache) put(key string, l Limit, cost, start int64, res Result) {
+// put remembers a denial that Redis gave to a request sent at start, when
+// get gave epoch. Redis decided at or after start, so start plus its retry
+// time is never later than the moment Redis would allow. A reset since
+// then drops it.
+func (c *denyCache) put(key string, epoch uint64, l Limit, cost, start int64, res Result) {
 	sh := c.shard(key)
 	sh.mu.Lock()
+	if sh.epoch != epoch {
+		sh.mu.Unlock()
+		return
+	}
 	if _, ok := sh.entries[key]; !ok && len(sh.entries) >= sh.max {
 		sh.makeRoom(start)
 	}
@@ -895,10 +914,12 @@ func (c *denyCache) put(key string, l Limit, cost, start int64, res Result) {
 	sh.mu.Unlock()
 }
 
+// remove forgets the key's denial, and any a Take in flight would put.
 func (c *denyCache) remove(key string) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	delete(sh.entries, key)
+	sh.epoch++
 	sh.mu.Unlock()
 }
 

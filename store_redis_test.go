@@ -233,31 +233,31 @@ func TestDenyCacheIsBounded(t *testing.T) {
 	c := newDenyCache(1000)
 	l := slowLimit(1)
 	for i := range 20000 {
-		c.put("rl:p:t:"+strconv.Itoa(i), l, 1, 1, Result{RetryAfter: 1 << 40})
+		c.put("rl:p:t:"+strconv.Itoa(i), 0, l, 1, 1, Result{RetryAfter: 1 << 40})
 	}
 	if n := c.len(); n > 1000+denyShards {
 		t.Fatalf("deny cache holds %d entries, bound 1000", n)
 	}
 	// Expired entries go before live ones.
 	c = newDenyCache(denyShards)
-	c.put("old", l, 1, 0, Result{RetryAfter: 10})
+	c.put("old", 0, l, 1, 0, Result{RetryAfter: 10})
 	sh := c.shard("old")
 	sh.makeRoom(100)
 	if len(sh.entries) != 0 {
 		t.Fatal("an expired entry survived makeRoom")
 	}
 	// Only the same limit and cost are answered.
-	c.put("k", l, 2, 0, Result{RetryAfter: 1000})
-	if _, ok := c.get("k", l, 1, 10); ok {
+	c.put("k", 0, l, 2, 0, Result{RetryAfter: 1000})
+	if _, _, ok := c.get("k", l, 1, 10); ok {
 		t.Fatal("a denial at cost 2 answered a take of cost 1")
 	}
-	if _, ok := c.get("k", slowLimit(2), 2, 10); ok {
+	if _, _, ok := c.get("k", slowLimit(2), 2, 10); ok {
 		t.Fatal("a denial answered a take on another limit")
 	}
-	if _, ok := c.get("k", l, 2, 1000); ok {
+	if _, _, ok := c.get("k", l, 2, 1000); ok {
 		t.Fatal("a denial answered at its retry time")
 	}
-	if res, ok := c.get("k", l, 2, 10); !ok || res.Allowed || res.RetryAfter != 990 {
+	if res, _, ok := c.get("k", l, 2, 10); !ok || res.Allowed || res.RetryAfter != 990 {
 		t.Fatalf("get within the retry time: %+v, %v", res, ok)
 	}
 }
