@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -89,8 +90,13 @@ type bucketState struct {
 	Reset int64 `json:"reset"`
 	// ResetAfter is the seconds until then.
 	ResetAfter int64 `json:"reset_after"`
-	// Deleted is set when DELETE refilled the bucket.
+	// Deleted is set when DELETE refilled the bucket in every layer.
 	Deleted bool `json:"deleted,omitempty"`
+	// LayersReset names the layers DELETE reset: deny_cache and redis, or
+	// local; and local_fallback (on_store_error local).
+	LayersReset []string `json:"layers_reset,omitempty"`
+	// LayersFailed gives, by layer, why DELETE could not reset it.
+	LayersFailed map[string]string `json:"layers_failed,omitempty"`
 }
 
 func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
@@ -134,12 +140,13 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 
 	state := bucketState{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Capacity: tier.limit.Capacity, Refill: tier.Refill}
 	state.KeyID = keyID(b)
+	w.Header().Set("Content-Type", "application/json")
 	if r.Method == http.MethodDelete {
-		if err := h.store.Reset(r.Context(), b); err != nil {
-			return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("resetting the bucket: %v", err)}
-		}
-		if h.local != nil {
-			_ = h.local.Reset(r.Context(), b)
+		state.LayersReset, state.LayersFailed = h.resetBucket(r.Context(), b)
+		if len(state.LayersFailed) > 0 {
+			// Some layer kept the bucket; nothing to read it from.
+			w.WriteHeader(http.StatusBadGateway)
+			return json.NewEncoder(w).Encode(state)
 		}
 		state.Deleted = true
 	}
@@ -150,8 +157,39 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	state.Remaining = res.Remaining
 	state.ResetAfter = secondsUp(res.ResetAfter)
 	state.Reset = secondsUp(time.Now().UnixMicro() + res.ResetAfter)
-	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(state)
+}
+
+// resetBucket resets the bucket in every layer this node holds, whether or
+// not the others could be reached, and says which it reset and which it
+// could not. With Redis down, the local fallback still refills, so the
+// client gets through on this node while on_store_error local applies.
+func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, failed map[string]string) {
+	note := func(layer string, err error) {
+		if err == nil {
+			reset = append(reset, layer)
+			return
+		}
+		if failed == nil {
+			failed = make(map[string]string)
+		}
+		failed[layer] = err.Error()
+	}
+	switch s := h.store.(type) {
+	case *RedisStore:
+		// Reset forgets the denial on this node first, whatever Redis does.
+		err := s.Reset(ctx, b)
+		note("deny_cache", nil)
+		note("redis", err)
+	case *LocalStore:
+		note("local", s.Reset(ctx, b))
+	default:
+		note("store", h.store.Reset(ctx, b))
+	}
+	if h.local != nil {
+		note("local_fallback", h.local.Reset(ctx, b))
+	}
+	return reset, failed
 }
 
 // tierNamed finds a tier that has buckets; "" names the catch-all.

@@ -76,8 +76,9 @@ type RedisStore struct {
 	Prefix string `json:"prefix,omitempty"`
 
 	// Timeout bounds each decision, including the wait for a connection.
-	// A decision that takes longer fails, and on_store_error applies.
-	// Default 100ms.
+	// A decision that takes longer fails, and on_store_error applies. It
+	// bounds each dial too, TLS handshake included, to Redis and to the
+	// Sentinels. Default 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// PoolSize is the most connections kept per Redis node. Default 10 per
@@ -247,7 +248,8 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 		Breaker   string
 		DenyCache int
 		Batch     bool
-	}{Username: username, DB: s.DB, TLS: tlsID, PoolSize: s.PoolSize,
+		Timeout   time.Duration // it bounds the dials
+	}{Username: username, DB: s.DB, TLS: tlsID, PoolSize: s.PoolSize, Timeout: s.timeout,
 		Breaker: fmt.Sprint(cfg.failures, cfg.cooldown), DenyCache: cfg.denyCapacity, Batch: cfg.batch}
 
 	if s.Sentinel != nil {
@@ -269,6 +271,9 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 			DB:            s.DB,
 			TLSConfig:     tlsConfig,
 			PoolSize:      s.PoolSize,
+			DialTimeout:   s.timeout,
+			// The Sentinels' connections and the master's, TLS included.
+			Dialer: redisDialer(tlsConfig, s.timeout),
 		}
 		// Sentinels that need a password mostly share the data nodes'.
 		opts.SentinelUsername, opts.SentinelPassword = username, password
@@ -313,7 +318,8 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 			first.MaxRetries = -1
 			first.DialerRetries = 1
 			first.ContextTimeoutEnabled = true
-			first.Dialer = redisDialer(first.TLSConfig)
+			first.DialTimeout = s.timeout
+			first.Dialer = redisDialer(first.TLSConfig, s.timeout)
 			cfg.newClient = func() redis.UniversalClient { return redis.NewClient(first) }
 		} else {
 			opts := &redis.ClusterOptions{
@@ -324,6 +330,7 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 				MaxRetries:            -1,
 				DialerRetries:         1,
 				ContextTimeoutEnabled: true,
+				DialTimeout:           s.timeout,
 			}
 			for i, o := range nodes {
 				raw := addresses[i]
@@ -345,7 +352,7 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 				// Cluster nodes are many hosts: verify each by its own name.
 				opts.TLSConfig.ServerName = ""
 			}
-			opts.Dialer = redisDialer(opts.TLSConfig)
+			opts.Dialer = redisDialer(opts.TLSConfig, s.timeout)
 			cfg.newClient = func() redis.UniversalClient { return redis.NewClusterClient(opts) }
 		}
 	}
@@ -445,11 +452,13 @@ func parseRedisAddress(addr string) (*redis.Options, error) {
 	return o, nil
 }
 
-// redisDialer dials within the caller's deadline, TLS handshake included,
-// which go-redis's own TLS dialer does not, so that a Redis that accepts
-// and then hangs cannot hold a request past the timeout.
-func redisDialer(cfg *tls.Config) func(ctx context.Context, network, addr string) (net.Conn, error) {
-	nd := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
+// redisDialer dials within timeout and the caller's deadline, TLS handshake
+// included, which go-redis's own TLS dialer does not. go-redis dials apart
+// from the request that needs the connection, so without the timeout a
+// Redis or Sentinel that accepts and then hangs would hold each dial, and
+// a dial slot, for 5 s after the decision gave up.
+func redisDialer(cfg *tls.Config, timeout time.Duration) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	nd := &net.Dialer{Timeout: timeout, KeepAlive: 30 * time.Second}
 	if cfg == nil {
 		return nd.DialContext
 	}
@@ -500,8 +509,10 @@ type redisConn struct {
 	breaker breaker
 	denied  *denyCache
 	batcher *redisBatcher // nil unless Batch
-	errors  atomic.Uint64
 	stop    context.CancelFunc
+	// now is the breaker's and the deny cache's clock: monotonicMicros,
+	// which tests replace.
+	now func() int64
 }
 
 func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
@@ -521,6 +532,7 @@ func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
 		}},
 		denied: newDenyCache(cfg.denyCapacity),
 		stop:   cancel,
+		now:    monotonicMicros,
 	}
 	if cfg.batch {
 		c.batcher = newRedisBatcher(c.client, batchLoops, maxBatch)
@@ -556,7 +568,13 @@ func (c *redisConn) Destruct() error {
 // optionally microseconds to add to TIME, which only tests pass.
 //
 // It returns {allowed (0|1), remaining, retry after, reset after, now}.
+//
+// It reads TIME and then writes, which Redis before 5 refuses unless the
+// script replicates its effects rather than itself: replicate_commands
+// asks for that on 3.2 and 4, and does nothing from 5 on (7 only keeps it
+// for old scripts). Older Redis refuses the write; the error says why.
 const takeScript = `
+if redis.replicate_commands then redis.replicate_commands() end
 local function idiv(a, b)
   local q = math.floor(a / b)
   local r = a - q * b
@@ -601,8 +619,11 @@ if level < need then
 end
 deficit = deficit + need
 local refill = ceildiv(deficit, tokens)
-redis.call('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
+local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
   'PX', ceildiv(refill, 1000) + 1)
+if type(ok) == 'table' and ok.err then
+  return redis.error_reply('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
+end
 return {1, idiv(level - need, interval), 0, refill, now}
 `
 
@@ -613,16 +634,25 @@ var bucketScript = redis.NewScript(takeScript)
 // errBreakerOpen fails decisions while the breaker is open.
 var errBreakerOpen = errors.New("redis store: circuit breaker open after repeated failures; not calling Redis until the cool-down ends")
 
-// key is the bucket's Redis key: the prefix, policy and tier, then a hash
-// of the keyer and the value, so that client values never reach Redis.
+// key is the bucket's Redis key: the prefix, then the policy and the tier,
+// each after its length in bytes, then a hash of the keyer and the value,
+// so that client values never reach Redis:
+//
+//	rl:<len>:<policy>:<len>:<tier>:<32 hex digits>
+//
+// The lengths keep names apart that hold ":" (policy "a:b" with tier "c"
+// and policy "a" with tier "b:c"). It is one key per bucket, with no hash
+// tag of its own, so a Cluster spreads the buckets over its masters.
 func (s *RedisStore) key(b *Bucket) string {
 	sum := bucketDigest(b)
-	buf := make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+2+32)
+	buf := make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+16+32)
 	buf = append(buf, s.prefix...)
-	buf = append(buf, b.Policy...)
-	buf = append(buf, ':')
-	buf = append(buf, b.Tier...)
-	buf = append(buf, ':')
+	for _, part := range [...]string{b.Policy, b.Tier} {
+		buf = strconv.AppendInt(buf, int64(len(part)), 10)
+		buf = append(buf, ':')
+		buf = append(buf, part...)
+		buf = append(buf, ':')
+	}
 	buf = hex.AppendEncode(buf, sum[:16])
 	return string(buf)
 }
@@ -630,13 +660,14 @@ func (s *RedisStore) key(b *Bucket) string {
 // Take implements Store.
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
 	key := s.key(b)
-	start := monotonicMicros()
-	if res, ok := s.conn.denied.get(key, l, cost, start); ok {
+	start := s.conn.now()
+	res, epoch, ok := s.conn.denied.get(key, l, cost, start)
+	if ok {
 		return res, nil
 	}
 	res, _, err := s.run(ctx, key, l, cost)
 	if err == nil && !res.Allowed {
-		s.conn.denied.put(key, l, cost, start, res)
+		s.conn.denied.put(key, epoch, l, cost, start, res)
 	}
 	return res, err
 }
@@ -647,18 +678,24 @@ func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, erro
 	return res, err
 }
 
-// Reset implements Store. Other nodes may still answer from their deny
-// caches until the retry time they were given.
+// Reset implements Store. It forgets the bucket's denial on this node
+// whether or not Redis answers; other nodes may still answer from their
+// deny caches until the retry time they were given.
 func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	key := s.key(b)
 	s.conn.denied.remove(key)
-	if !s.conn.breaker.allow(monotonicMicros()) {
+	// Again once Redis has answered: a Take that went to Redis before the
+	// reset is dropped when it puts its denial, but one that set out
+	// between the first remove and the DEL carries the newer epoch.
+	defer s.conn.denied.remove(key)
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
 		return errBreakerOpen
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	err := s.conn.client.Del(ctx, key).Err()
-	s.record(ctx, err)
+	s.record(ctx, probe, err)
 	if err != nil {
 		return fmt.Errorf("redis store: reset: %w", err)
 	}
@@ -668,8 +705,8 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 // run makes one decision in Redis, within the timeout and through the
 // breaker. It also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
-	if !s.conn.breaker.allow(monotonicMicros()) {
-		s.conn.errors.Add(1)
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
 		return Result{}, 0, errBreakerOpen
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
@@ -688,7 +725,7 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	if err == nil && len(vals) != 5 {
 		err = fmt.Errorf("script answered %d values, want 5", len(vals))
 	}
-	s.record(ctx, err)
+	s.record(ctx, probe, err)
 	if err != nil {
 		var netErr net.Error
 		if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
@@ -699,25 +736,24 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3]}, vals[4], nil
 }
 
-// record tells the breaker how a call went. A request whose client went
-// away says nothing about Redis.
-func (s *RedisStore) record(ctx context.Context, err error) {
-	if err != nil && errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled {
-		return
+// record tells the breaker how a call went; probe says whether the breaker
+// let it through as its probe. A request whose client went away says
+// nothing about Redis, but it still ends its probe.
+func (s *RedisStore) record(ctx context.Context, probe bool, err error) {
+	out := callOK
+	switch {
+	case err == nil:
+	case errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled:
+		out = callAbandoned
+	default:
+		out = callFailed
 	}
-	if err != nil {
-		s.conn.errors.Add(1)
-	}
-	s.conn.breaker.record(err == nil, monotonicMicros())
+	s.conn.breaker.record(probe, out, s.conn.now())
 }
 
 // DenyCacheHits counts the decisions answered by the deny cache, without
 // Redis, since the client was made.
 func (s *RedisStore) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
-
-// Errors counts the decisions that failed, including those the open
-// breaker failed at once, since the client was made.
-func (s *RedisStore) Errors() uint64 { return s.conn.errors.Load() }
 
 // breaker is a circuit breaker over consecutive failures. Closed, it costs
 // two atomic loads. Times are monotonic microseconds.
@@ -732,39 +768,53 @@ type breaker struct {
 	changed func(open bool)
 }
 
-// allow says whether a call may go to Redis now. Once the cool-down is
-// over, one call at a time probes.
-func (b *breaker) allow(now int64) bool {
+// allow says whether a call may go to Redis now, and whether it is the
+// probe. Once the cool-down is over, one call at a time probes; whoever
+// gets probe must pass it to record, whatever becomes of the call.
+func (b *breaker) allow(now int64) (ok, probe bool) {
 	until := b.openUntil.Load()
 	if until == 0 {
-		return true
+		return true, false
 	}
 	if now < until {
-		return false
+		return false, false
 	}
-	return b.probing.CompareAndSwap(false, true)
+	ok = b.probing.CompareAndSwap(false, true)
+	return ok, ok
 }
 
-func (b *breaker) record(ok bool, now int64) {
-	if ok {
+// callOutcome is how a call to Redis went, for the breaker.
+type callOutcome uint8
+
+const (
+	callOK        callOutcome = iota
+	callFailed                // Redis failed or did not answer in time
+	callAbandoned             // the caller went away first: nothing learned
+)
+
+// record counts a call's outcome. Any outcome ends a probe: a failed one
+// starts another cool-down, an abandoned one lets the next call probe.
+func (b *breaker) record(probe bool, out callOutcome, now int64) {
+	switch out {
+	case callOK:
 		if b.failures.Load() != 0 {
 			b.failures.Store(0)
 		}
 		if until := b.openUntil.Load(); until != 0 && b.openUntil.CompareAndSwap(until, 0) {
-			b.probing.Store(false)
 			b.notify(false)
 		}
-		return
+	case callFailed:
+		n := b.failures.Add(1)
+		if probe {
+			if b.openUntil.Swap(now+b.cooldown) == 0 {
+				b.notify(true)
+			}
+		} else if n >= b.threshold && b.openUntil.CompareAndSwap(0, now+b.cooldown) {
+			b.notify(true)
+		}
 	}
-	n := b.failures.Add(1)
-	if b.probing.Load() {
-		// The probe failed: another cool-down.
-		b.openUntil.Store(now + b.cooldown)
+	if probe {
 		b.probing.Store(false)
-		return
-	}
-	if n >= b.threshold && b.openUntil.CompareAndSwap(0, now+b.cooldown) {
-		b.notify(true)
 	}
 }
 
@@ -791,6 +841,12 @@ type denyShard struct {
 	mu      sync.Mutex
 	entries map[string]denyEntry
 	max     int
+	// epoch counts the resets of the shard's keys. A denial is kept only
+	// if no reset came between the Take's look at the cache and its put:
+	// one that Redis gave before a reset must not outlive it. Per shard,
+	// not per key, to stay bounded; a put dropped for another key's reset
+	// only sends that client's next request to Redis.
+	epoch uint64
 }
 
 type denyEntry struct {
@@ -821,29 +877,36 @@ func (c *denyCache) shard(key string) *denyShard {
 
 // get answers a Take that a remembered denial already decides. The same
 // cost on the same limit is denied until the retry time, since tokens
-// refill at a fixed rate and only Reset adds more.
-func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, bool) {
+// refill at a fixed rate and only Reset adds more. Otherwise it returns
+// the epoch to hand to put.
+func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, uint64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	e, ok := sh.entries[key]
+	epoch := sh.epoch
 	sh.mu.Unlock()
 	if !ok || now >= e.until || e.limit != l || e.cost != cost {
-		return Result{}, false
+		return Result{}, epoch, false
 	}
 	c.hits.Add(1)
 	denyCacheHitsTotal.Add(1)
 	res := e.result
 	res.RetryAfter = e.until - now
 	res.ResetAfter = max(res.RetryAfter, e.resetAt-now)
-	return res, true
+	return res, epoch, true
 }
 
-// put remembers a denial that Redis gave to a request sent at start. Redis
-// decided at or after start, so start plus its retry time is never later
-// than the moment Redis would allow.
-func (c *denyCache) put(key string, l Limit, cost, start int64, res Result) {
+// put remembers a denial that Redis gave to a request sent at start, when
+// get gave epoch. Redis decided at or after start, so start plus its retry
+// time is never later than the moment Redis would allow. A reset since
+// then drops it.
+func (c *denyCache) put(key string, epoch uint64, l Limit, cost, start int64, res Result) {
 	sh := c.shard(key)
 	sh.mu.Lock()
+	if sh.epoch != epoch {
+		sh.mu.Unlock()
+		return
+	}
 	if _, ok := sh.entries[key]; !ok && len(sh.entries) >= sh.max {
 		sh.makeRoom(start)
 	}
@@ -851,10 +914,12 @@ func (c *denyCache) put(key string, l Limit, cost, start int64, res Result) {
 	sh.mu.Unlock()
 }
 
+// remove forgets the key's denial, and any a Take in flight would put.
 func (c *denyCache) remove(key string) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	delete(sh.entries, key)
+	sh.epoch++
 	sh.mu.Unlock()
 }
 

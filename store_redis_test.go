@@ -127,8 +127,8 @@ func TestRedisKeysHideClientValues(t *testing.T) {
 		t.Fatalf("keys %v, want one", keys)
 	}
 	key := keys[0].(string)
-	if !regexp.MustCompile(`^edge:api:gold:[0-9a-f]{32}$`).MatchString(key) {
-		t.Fatalf("key %q, want edge:api:gold: and 32 hex digits", key)
+	if !regexp.MustCompile(`^edge:3:api:4:gold:[0-9a-f]{32}$`).MatchString(key) {
+		t.Fatalf("key %q, want edge:3:api:4:gold: and 32 hex digits", key)
 	}
 	if strings.Contains(key, "secret") || strings.Contains(key, "X-Api-Key") {
 		t.Fatalf("key %q shows the client value", key)
@@ -233,31 +233,31 @@ func TestDenyCacheIsBounded(t *testing.T) {
 	c := newDenyCache(1000)
 	l := slowLimit(1)
 	for i := range 20000 {
-		c.put("rl:p:t:"+strconv.Itoa(i), l, 1, 1, Result{RetryAfter: 1 << 40})
+		c.put("rl:p:t:"+strconv.Itoa(i), 0, l, 1, 1, Result{RetryAfter: 1 << 40})
 	}
 	if n := c.len(); n > 1000+denyShards {
 		t.Fatalf("deny cache holds %d entries, bound 1000", n)
 	}
 	// Expired entries go before live ones.
 	c = newDenyCache(denyShards)
-	c.put("old", l, 1, 0, Result{RetryAfter: 10})
+	c.put("old", 0, l, 1, 0, Result{RetryAfter: 10})
 	sh := c.shard("old")
 	sh.makeRoom(100)
 	if len(sh.entries) != 0 {
 		t.Fatal("an expired entry survived makeRoom")
 	}
 	// Only the same limit and cost are answered.
-	c.put("k", l, 2, 0, Result{RetryAfter: 1000})
-	if _, ok := c.get("k", l, 1, 10); ok {
+	c.put("k", 0, l, 2, 0, Result{RetryAfter: 1000})
+	if _, _, ok := c.get("k", l, 1, 10); ok {
 		t.Fatal("a denial at cost 2 answered a take of cost 1")
 	}
-	if _, ok := c.get("k", slowLimit(2), 2, 10); ok {
+	if _, _, ok := c.get("k", slowLimit(2), 2, 10); ok {
 		t.Fatal("a denial answered a take on another limit")
 	}
-	if _, ok := c.get("k", l, 2, 1000); ok {
+	if _, _, ok := c.get("k", l, 2, 1000); ok {
 		t.Fatal("a denial answered at its retry time")
 	}
-	if res, ok := c.get("k", l, 2, 10); !ok || res.Allowed || res.RetryAfter != 990 {
+	if res, _, ok := c.get("k", l, 2, 10); !ok || res.Allowed || res.RetryAfter != 990 {
 		t.Fatalf("get within the retry time: %+v, %v", res, ok)
 	}
 }
@@ -470,7 +470,7 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 	for range 8 {
 		wg.Go(func() {
 			for range 10 {
-				b.record(false, 10)
+				b.record(false, callFailed, 10)
 			}
 		})
 	}
@@ -478,11 +478,12 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 	if opened.Load() != 1 || closed.Load() != 0 {
 		t.Fatalf("80 concurrent failures: told open %d times, closed %d; want 1 and 0", opened.Load(), closed.Load())
 	}
-	if !b.allow(1010) {
+	if ok, probe := b.allow(1010); !ok || !probe {
 		t.Fatal("no probe after the cool-down")
 	}
+	b.record(true, callOK, 1011)
 	for range 3 {
-		b.record(true, 1011)
+		b.record(false, callOK, 1011)
 	}
 	if opened.Load() != 1 || closed.Load() != 1 {
 		t.Fatalf("after the probe succeeded: told open %d, closed %d; want 1 and 1", opened.Load(), closed.Load())
@@ -492,27 +493,28 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 	b := breaker{threshold: 3, cooldown: 1000}
 	for now := range int64(3) {
-		if !b.allow(now) {
+		if ok, _ := b.allow(now); !ok {
 			t.Fatalf("closed breaker refused call %d", now)
 		}
-		b.record(false, now)
+		b.record(false, callFailed, now)
 	}
 	// Open until 2+1000.
-	if b.allow(500) || b.allow(1001) || !b.allow(1002) {
+	allowed := func(now int64) bool { ok, _ := b.allow(now); return ok }
+	if allowed(500) || allowed(1001) || !allowed(1002) {
 		t.Fatal("after 3 failures: want refusal during the cool-down, then a probe")
 	}
-	if b.allow(1003) {
+	if allowed(1003) {
 		t.Fatal("a second probe went through while the first was out")
 	}
-	b.record(false, 1004) // the probe failed: open until 2004
-	if b.allow(1500) {
+	b.record(true, callFailed, 1004) // the probe failed: open until 2004
+	if allowed(1500) {
 		t.Fatal("a failed probe did not restart the cool-down")
 	}
-	if !b.allow(2004) {
+	if !allowed(2004) {
 		t.Fatal("no probe after the second cool-down")
 	}
-	b.record(true, 2005)
-	if !b.allow(2006) || !b.allow(2007) || b.open() {
+	b.record(true, callOK, 2005)
+	if !allowed(2006) || !allowed(2007) || b.open() {
 		t.Fatal("a successful probe did not close the breaker")
 	}
 

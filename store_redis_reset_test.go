@@ -1,0 +1,92 @@
+package ratelimit
+
+import (
+	"context"
+	"sync"
+
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// afterScriptHook runs a function once, right after Redis has answered
+// the next script call: a test's way to slip an event between Redis's
+// decision and the store's handling of it.
+type afterScriptHook struct {
+	mu   sync.Mutex
+	then func()
+}
+
+func (h *afterScriptHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *afterScriptHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *afterScriptHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if name := cmd.Name(); name == "evalsha" || name == "eval" {
+			h.mu.Lock()
+			then := h.then
+			h.then = nil
+			h.mu.Unlock()
+			if then != nil {
+				then()
+			}
+		}
+		return err
+	}
+}
+
+// TestRedisResetDuringATakeLeavesNoStaleDenial resets a bucket after Redis
+// denied a Take but before the Take remembered the denial. The denial
+// predates the reset, so the deny cache must not keep it: the next Take
+// goes to Redis, where the bucket is full again.
+func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
+	srv := startRedis(t)
+	off := false
+	s := newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Batch: &off})
+	hook := new(afterScriptHook)
+	s.conn.client.AddHook(hook)
+	b := bucketFor("reset-race")
+	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
+		t.Fatalf("first take: %+v, %v", res, err)
+	}
+
+	hook.mu.Lock()
+	hook.then = func() {
+		if err := s.Reset(bg, b); err != nil {
+			t.Errorf("reset: %v", err)
+		}
+	}
+	hook.mu.Unlock()
+	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || res.Allowed {
+		t.Fatalf("second take, on the empty bucket: %+v, %v; want denied", res, err)
+	}
+	if n := srv.do("EXISTS", s.key(b)).(int64); n != 0 {
+		t.Fatal("the reset did not delete the bucket in Redis")
+	}
+	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
+		t.Fatalf("take after the reset: %+v, %v; want allowed: a denial from before the reset was kept", res, err)
+	}
+}
+
+// TestDenyCacheDropsADenialFromBeforeAReset is the deny cache's side of
+// the race: a put that carries the epoch from before a reset is dropped,
+// one from after it is kept.
+func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
+	c := newDenyCache(100)
+	l := slowLimit(1)
+	denial := Result{RetryAfter: 1000, ResetAfter: 1000}
+	_, before, _ := c.get("k", l, 1, 0)
+	c.remove("k")
+	c.put("k", before, l, 1, 0, denial)
+	if _, _, ok := c.get("k", l, 1, 10); ok {
+		t.Fatal("a denial from before the reset was kept")
+	}
+	_, after, _ := c.get("k", l, 1, 10)
+	c.put("k", after, l, 1, 10, denial)
+	if _, _, ok := c.get("k", l, 1, 20); !ok {
+		t.Fatal("a denial from after the reset was dropped")
+	}
+}
