@@ -2,26 +2,15 @@ package ratelimit
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/tls"
-	"crypto/x509"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"strconv"
-	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 func init() {
@@ -114,27 +103,6 @@ type RedisStore struct {
 	clockOffset int64
 }
 
-// RedisSentinel names the master that Sentinel watches and the Sentinels.
-type RedisSentinel struct {
-	// Master is the master's name in the Sentinels' configuration.
-	Master string `json:"master,omitempty"`
-	// Addresses are the Sentinels, as host:port.
-	Addresses []string `json:"addresses,omitempty"`
-}
-
-// RedisTLS sets up TLS to Redis.
-type RedisTLS struct {
-	// CA is a PEM file of the certificate authorities that may sign the
-	// server's certificate. Default: the system's roots.
-	CA string `json:"ca,omitempty"`
-	// Cert and Key are PEM files of a client certificate and its key, for
-	// servers that verify clients.
-	Cert string `json:"cert,omitempty"`
-	Key  string `json:"key,omitempty"`
-	// InsecureSkipVerify accepts any server certificate. For tests only.
-	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
-}
-
 // CaddyModule returns the Caddy module information.
 func (RedisStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
@@ -142,18 +110,6 @@ func (RedisStore) CaddyModule() caddy.ModuleInfo {
 		New: func() caddy.Module { return new(RedisStore) },
 	}
 }
-
-const (
-	defaultRedisAddress    = "redis://127.0.0.1:6379"
-	defaultRedisPrefix     = "rl:"
-	defaultRedisTimeout    = 100 * time.Millisecond
-	defaultBreakerFailures = 5
-	defaultBreakerCooldown = 2 * time.Second
-	defaultDenyCacheSize   = 100000
-)
-
-// redisPool holds the clients, by connection settings, across reloads.
-var redisPool = caddy.NewUsagePool()
 
 // Provision checks the settings and takes, or makes, the client for them.
 // It never talks to Redis, so that a config loads while Redis is down.
@@ -183,456 +139,6 @@ func (s *RedisStore) Cleanup() error {
 	s.poolKey = ""
 	return err
 }
-
-// redisSettings is a RedisStore's configuration, checked and expanded,
-// ready to build a client.
-type redisSettings struct {
-	key          string // the pool key: every setting that shapes the client
-	newClient    func() redis.UniversalClient
-	failures     int
-	cooldown     time.Duration
-	denyCapacity int
-	batch        bool
-}
-
-// settings applies the defaults, expands placeholders, checks every value
-// and reads the TLS files.
-func (s *RedisStore) settings() (*redisSettings, error) {
-	if err := s.checkFields(); err != nil {
-		return nil, err
-	}
-	repl := caddy.NewReplacer()
-	expand := func(v string) string { return repl.ReplaceKnown(v, "") }
-
-	s.prefix = s.Prefix
-	if s.prefix == "" {
-		s.prefix = defaultRedisPrefix
-	}
-	s.timeout = time.Duration(s.Timeout)
-	if s.timeout == 0 {
-		s.timeout = defaultRedisTimeout
-	}
-	cfg := &redisSettings{
-		failures:     s.BreakerFailures,
-		cooldown:     time.Duration(s.BreakerCooldown),
-		denyCapacity: s.DenyCacheSize,
-		batch:        s.Batch == nil || *s.Batch,
-	}
-	if cfg.failures == 0 {
-		cfg.failures = defaultBreakerFailures
-	}
-	if cfg.cooldown == 0 {
-		cfg.cooldown = defaultBreakerCooldown
-	}
-	if cfg.denyCapacity == 0 {
-		cfg.denyCapacity = defaultDenyCacheSize
-	}
-
-	tlsConfig, tlsID, err := s.tlsConfig(expand)
-	if err != nil {
-		return nil, err
-	}
-	username, password := expand(s.Username), expand(s.Password)
-
-	// Everything that shapes the client goes into the pool key. The
-	// password only as a hash, so that it sits in no map in clear.
-	id := struct {
-		Nodes     []string
-		Master    string
-		Sentinels []string
-		Username  string
-		Password  string
-		DB        int
-		TLS       string
-		PoolSize  int
-		Breaker   string
-		DenyCache int
-		Batch     bool
-		Timeout   time.Duration // it bounds the dials
-	}{Username: username, DB: s.DB, TLS: tlsID, PoolSize: s.PoolSize, Timeout: s.timeout,
-		Breaker: fmt.Sprint(cfg.failures, cfg.cooldown), DenyCache: cfg.denyCapacity, Batch: cfg.batch}
-
-	if s.Sentinel != nil {
-		master := expand(s.Sentinel.Master)
-		var sentinels []string
-		for _, raw := range s.Sentinel.Addresses {
-			addr := expand(raw)
-			if err := checkHostPort(addr); err != nil {
-				return nil, fmt.Errorf("store redis: sentinel address %q: %v", raw, err)
-			}
-			sentinels = append(sentinels, addr)
-		}
-		id.Master, id.Sentinels = master, sentinels
-		opts := &redis.FailoverOptions{
-			MasterName:    master,
-			SentinelAddrs: sentinels,
-			Username:      username,
-			Password:      password,
-			DB:            s.DB,
-			TLSConfig:     tlsConfig,
-			PoolSize:      s.PoolSize,
-			DialTimeout:   s.timeout,
-			// The Sentinels' connections and the master's, TLS included.
-			Dialer: redisDialer(tlsConfig, s.timeout),
-		}
-		// Sentinels that need a password mostly share the data nodes'.
-		opts.SentinelUsername, opts.SentinelPassword = username, password
-		// One try per decision: a retry would spend the timeout, and a
-		// script whose answer was lost may have run, so must not run twice.
-		opts.MaxRetries = -1
-		opts.DialerRetries = 1
-		opts.ContextTimeoutEnabled = true
-		cfg.newClient = func() redis.UniversalClient { return redis.NewFailoverClient(opts) }
-	} else {
-		addresses := s.Addresses
-		if len(addresses) == 0 {
-			addresses = []string{defaultRedisAddress}
-		}
-		var nodes []*redis.Options
-		for _, raw := range addresses {
-			o, err := parseRedisAddress(expand(raw))
-			if err != nil {
-				return nil, fmt.Errorf("store redis: address %q: %v", redactURL(raw), err)
-			}
-			nodes = append(nodes, o)
-			id.Nodes = append(id.Nodes, o.Network+"|"+o.Addr+"|"+o.Username+"|"+hashString(o.Password)+"|"+strconv.Itoa(o.DB)+"|"+strconv.FormatBool(o.TLSConfig != nil))
-		}
-		first := nodes[0]
-		if username != "" {
-			first.Username = username
-		}
-		if password != "" {
-			first.Password = password
-		}
-		if s.DB != 0 {
-			first.DB = s.DB
-		}
-		if tlsConfig != nil {
-			first.TLSConfig = tlsConfig.Clone()
-			if first.TLSConfig.ServerName == "" && first.Network != "unix" {
-				first.TLSConfig.ServerName, _, _ = net.SplitHostPort(first.Addr)
-			}
-		}
-		if len(nodes) == 1 {
-			first.PoolSize = s.PoolSize
-			first.MaxRetries = -1
-			first.DialerRetries = 1
-			first.ContextTimeoutEnabled = true
-			first.DialTimeout = s.timeout
-			first.Dialer = redisDialer(first.TLSConfig, s.timeout)
-			cfg.newClient = func() redis.UniversalClient { return redis.NewClient(first) }
-		} else {
-			opts := &redis.ClusterOptions{
-				Username:              first.Username,
-				Password:              first.Password,
-				TLSConfig:             first.TLSConfig,
-				PoolSize:              s.PoolSize,
-				MaxRetries:            -1,
-				DialerRetries:         1,
-				ContextTimeoutEnabled: true,
-				DialTimeout:           s.timeout,
-			}
-			for i, o := range nodes {
-				raw := addresses[i]
-				switch {
-				case o.Network == "unix":
-					return nil, fmt.Errorf("store redis: address %q: a Cluster needs TCP addresses, not a unix socket", redactURL(raw))
-				case (o.TLSConfig != nil) != (nodes[0].TLSConfig != nil) && tlsConfig == nil:
-					return nil, fmt.Errorf("store redis: address %q: the Cluster's addresses mix redis:// and rediss://", redactURL(raw))
-				case o.DB != 0 || s.DB != 0:
-					return nil, fmt.Errorf("store redis: address %q: a Cluster has only database 0", redactURL(raw))
-				case i > 0 && username == "" && o.Username != nodes[0].Username:
-					return nil, fmt.Errorf("store redis: address %q: the Cluster's addresses give different usernames", redactURL(raw))
-				case i > 0 && password == "" && o.Password != nodes[0].Password:
-					return nil, fmt.Errorf("store redis: address %q: the Cluster's addresses give different passwords", redactURL(raw))
-				}
-				opts.Addrs = append(opts.Addrs, o.Addr)
-			}
-			if opts.TLSConfig != nil {
-				// Cluster nodes are many hosts: verify each by its own name.
-				opts.TLSConfig.ServerName = ""
-			}
-			opts.Dialer = redisDialer(opts.TLSConfig, s.timeout)
-			cfg.newClient = func() redis.UniversalClient { return redis.NewClusterClient(opts) }
-		}
-	}
-	id.Password = hashString(password)
-	key, _ := json.Marshal(id)
-	cfg.key = "redis/" + string(key)
-	return cfg, nil
-}
-
-// checkFields checks what needs no expansion, for adapt and provision.
-func (s *RedisStore) checkFields() error {
-	switch {
-	case s.Sentinel != nil && len(s.Addresses) > 0:
-		return errors.New("store redis: give address or sentinel, not both")
-	case s.Sentinel != nil && s.Sentinel.Master == "":
-		return errors.New("store redis: sentinel: the master's name is missing")
-	case s.Sentinel != nil && len(s.Sentinel.Addresses) == 0:
-		return fmt.Errorf("store redis: sentinel %q: no sentinel address", s.Sentinel.Master)
-	case s.DB < 0:
-		return fmt.Errorf("store redis: db %d: must be 0 or more", s.DB)
-	case s.Timeout < 0:
-		return fmt.Errorf("store redis: timeout %s: must be above 0", time.Duration(s.Timeout))
-	case s.PoolSize < 0:
-		return fmt.Errorf("store redis: pool_size %d: must be at least 1", s.PoolSize)
-	case s.BreakerFailures < 0:
-		return fmt.Errorf("store redis: breaker_failures %d: must be at least 1", s.BreakerFailures)
-	case s.BreakerCooldown < 0:
-		return fmt.Errorf("store redis: breaker_cooldown %s: must be above 0", time.Duration(s.BreakerCooldown))
-	case s.DenyCacheSize < 0:
-		return fmt.Errorf("store redis: deny_cache_size %d: must be at least 1", s.DenyCacheSize)
-	}
-	if t := s.TLS; t != nil && (t.Cert == "") != (t.Key == "") {
-		return errors.New("store redis: tls: give cert and key together")
-	}
-	return nil
-}
-
-// tlsConfig reads the tls block's files. The id it returns names their
-// contents, so that renewed certificates make a new client.
-func (s *RedisStore) tlsConfig(expand func(string) string) (*tls.Config, string, error) {
-	t := s.TLS
-	if t == nil {
-		return nil, "", nil
-	}
-	cfg := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: t.InsecureSkipVerify}
-	h := sha256.New()
-	fmt.Fprint(h, t.InsecureSkipVerify)
-	if t.CA != "" {
-		pem, err := os.ReadFile(expand(t.CA))
-		if err != nil {
-			return nil, "", fmt.Errorf("store redis: tls ca %q: %v", t.CA, err)
-		}
-		cfg.RootCAs = x509.NewCertPool()
-		if !cfg.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, "", fmt.Errorf("store redis: tls ca %q: no PEM certificate in it", t.CA)
-		}
-		h.Write(pem)
-	}
-	if t.Cert != "" {
-		certPEM, err := os.ReadFile(expand(t.Cert))
-		if err != nil {
-			return nil, "", fmt.Errorf("store redis: tls cert %q: %v", t.Cert, err)
-		}
-		keyPEM, err := os.ReadFile(expand(t.Key))
-		if err != nil {
-			return nil, "", fmt.Errorf("store redis: tls key %q: %v", t.Key, err)
-		}
-		pair, err := tls.X509KeyPair(certPEM, keyPEM)
-		if err != nil {
-			return nil, "", fmt.Errorf("store redis: tls cert %q and key %q: %v", t.Cert, t.Key, err)
-		}
-		cfg.Certificates = []tls.Certificate{pair}
-		h.Write(certPEM)
-		h.Write(keyPEM)
-	}
-	return cfg, hex.EncodeToString(h.Sum(nil)), nil
-}
-
-// parseRedisAddress reads a redis://, rediss:// or unix:// URL, or a plain
-// host:port.
-func parseRedisAddress(addr string) (*redis.Options, error) {
-	if !strings.Contains(addr, "://") {
-		if err := checkHostPort(addr); err != nil {
-			return nil, err
-		}
-		return &redis.Options{Network: "tcp", Addr: addr}, nil
-	}
-	o, err := redis.ParseURL(addr)
-	if err != nil {
-		// go-redis quotes the URL, with its password, in some errors.
-		msg := err.Error()
-		if strings.Contains(msg, "://") {
-			msg = "not a redis://, rediss:// or unix:// URL"
-		}
-		return nil, errors.New(strings.TrimPrefix(msg, "redis: "))
-	}
-	return o, nil
-}
-
-// redisDialer dials within timeout and the caller's deadline, TLS handshake
-// included, which go-redis's own TLS dialer does not. go-redis dials apart
-// from the request that needs the connection, so without the timeout a
-// Redis or Sentinel that accepts and then hangs would hold each dial, and
-// a dial slot, for 5 s after the decision gave up.
-func redisDialer(cfg *tls.Config, timeout time.Duration) func(ctx context.Context, network, addr string) (net.Conn, error) {
-	nd := &net.Dialer{Timeout: timeout, KeepAlive: 30 * time.Second}
-	if cfg == nil {
-		return nd.DialContext
-	}
-	td := &tls.Dialer{NetDialer: nd, Config: cfg}
-	return td.DialContext
-}
-
-func checkHostPort(addr string) error {
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil || host == "" {
-		return errors.New("want a URL such as redis://host:6379, or host:port")
-	}
-	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
-		return fmt.Errorf("port %q: want 1 to 65535", port)
-	}
-	return nil
-}
-
-// redactURL hides the password of a URL, for error messages.
-func redactURL(s string) string {
-	scheme, rest, ok := strings.Cut(s, "://")
-	if !ok {
-		return s
-	}
-	at := strings.LastIndex(rest, "@")
-	if at < 0 {
-		return s
-	}
-	user, _, hasPass := strings.Cut(rest[:at], ":")
-	if !hasPass {
-		return s
-	}
-	return scheme + "://" + user + ":xxxxx" + rest[at:]
-}
-
-func hashString(s string) string {
-	if s == "" {
-		return ""
-	}
-	sum := sha256.Sum256([]byte(s))
-	return hex.EncodeToString(sum[:])
-}
-
-// redisConn is what the pool shares between configs: the client, its
-// breaker and its deny cache.
-type redisConn struct {
-	client  redis.UniversalClient
-	breaker breaker
-	denied  *denyCache
-	batcher *redisBatcher // nil unless Batch
-	stop    context.CancelFunc
-	// now is the breaker's and the deny cache's clock: monotonicMicros,
-	// which tests replace.
-	now func() int64
-}
-
-func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	// A flapping Redis turns the breaker often; a few lines a second say so.
-	logger = logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
-		return zapcore.NewSamplerWithOptions(c, time.Second, 2, 0)
-	}))
-	c := &redisConn{
-		client: cfg.newClient(),
-		breaker: breaker{threshold: int64(cfg.failures), cooldown: cfg.cooldown.Microseconds(), changed: func(open bool) {
-			if open {
-				logger.Error("redis store unreachable: circuit breaker open, on_store_error decides", zap.Int("failures", cfg.failures), zap.Duration("cooldown", cfg.cooldown))
-			} else {
-				logger.Warn("redis store answering again: circuit breaker closed")
-			}
-		}},
-		denied: newDenyCache(cfg.denyCapacity),
-		stop:   cancel,
-		now:    monotonicMicros,
-	}
-	if cfg.batch {
-		c.batcher = newRedisBatcher(c.client, batchLoops, maxBatch)
-	}
-	// Connect and load the script in the background, so that the first
-	// decisions do not pay for it within their timeout. A Redis that is
-	// down is no error here: decisions will say so.
-	go func() {
-		defer cancel()
-		_ = bucketScript.Load(ctx, c.client).Err()
-	}()
-	return c
-}
-
-// Destruct closes the client once no config uses it.
-func (c *redisConn) Destruct() error {
-	c.stop()
-	if c.batcher != nil {
-		c.batcher.close()
-	}
-	return c.client.Close()
-}
-
-// takeScript applies one request to one bucket, atomically, with the math
-// of bucket.go's Take and Peek, in Lua's doubles: every figure stays below
-// 2^53, so they are exact, and idiv corrects the rounding of a quotient.
-//
-// KEYS[1] is the bucket, stored as "<fullAt> <slack>" (microseconds of the
-// server's TIME) and expiring when the bucket is full again, when it is the
-// same as no bucket. A denial writes nothing.
-//
-// ARGV: capacity, rate tokens, rate interval (µs), cost (0 peeks), and
-// optionally microseconds to add to TIME, which only tests pass.
-//
-// It returns {allowed (0|1), remaining, retry after, reset after, now}.
-//
-// It reads TIME and then writes, which Redis before 5 refuses unless the
-// script replicates its effects rather than itself: replicate_commands
-// asks for that on 3.2 and 4, and does nothing from 5 on (7 only keeps it
-// for old scripts). Older Redis refuses the write; the error says why.
-const takeScript = `
-if redis.replicate_commands then redis.replicate_commands() end
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
-  if r < 0 then q = q - 1 elseif r >= b then q = q + 1 end
-  return q
-end
-local function ceildiv(a, b) return idiv(a + b - 1, b) end
-
-local capacity = tonumber(ARGV[1])
-local tokens = tonumber(ARGV[2])
-local interval = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[5] or '0')
-local units = capacity * interval
-
-local full_at, slack = 0, 0
-local v = redis.call('GET', KEYS[1])
-if v then
-  local a, b = string.match(v, '^(%d+) (%d+)$')
-  if not a then
-    return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
-  end
-  full_at, slack = tonumber(a), tonumber(b)
-end
-
-local deficit = 0
-if now < full_at then
-  deficit = (full_at - now) * tokens - slack
-  if deficit > units or deficit < 0 then deficit = units end
-end
-local level = units - deficit
-
-if cost == 0 then
-  local allowed = 0
-  if level >= interval then allowed = 1 end
-  return {allowed, idiv(level, interval), 0, ceildiv(deficit, tokens), now}
-end
-local need = cost * interval
-if level < need then
-  return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
-end
-deficit = deficit + need
-local refill = ceildiv(deficit, tokens)
-local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
-  'PX', ceildiv(refill, 1000) + 1)
-if type(ok) == 'table' and ok.err then
-  return redis.error_reply('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
-end
-return {1, idiv(level - need, interval), 0, refill, now}
-`
-
-// bucketScript runs takeScript by EVALSHA, and by EVAL when Redis answers
-// NOSCRIPT (a restart, a failover, SCRIPT FLUSH), which loads it again.
-var bucketScript = redis.NewScript(takeScript)
-
-// errBreakerOpen fails decisions while the breaker is open.
-var errBreakerOpen = errors.New("redis store: circuit breaker open after repeated failures; not calling Redis until the cool-down ends")
 
 // key is the bucket's Redis key: the prefix, then the policy and the tier,
 // each after its length in bytes, then a hash of the keyer and the value,
@@ -755,204 +261,6 @@ func (s *RedisStore) record(ctx context.Context, probe bool, err error) {
 // Redis, since the client was made.
 func (s *RedisStore) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
 
-// breaker is a circuit breaker over consecutive failures. Closed, it costs
-// two atomic loads. Times are monotonic microseconds.
-type breaker struct {
-	threshold int64
-	cooldown  int64
-
-	failures  atomic.Int64
-	openUntil atomic.Int64 // 0 when closed
-	probing   atomic.Bool
-	// changed, when set, hears the breaker open and close.
-	changed func(open bool)
-}
-
-// allow says whether a call may go to Redis now, and whether it is the
-// probe. Once the cool-down is over, one call at a time probes; whoever
-// gets probe must pass it to record, whatever becomes of the call.
-func (b *breaker) allow(now int64) (ok, probe bool) {
-	until := b.openUntil.Load()
-	if until == 0 {
-		return true, false
-	}
-	if now < until {
-		return false, false
-	}
-	ok = b.probing.CompareAndSwap(false, true)
-	return ok, ok
-}
-
-// callOutcome is how a call to Redis went, for the breaker.
-type callOutcome uint8
-
-const (
-	callOK        callOutcome = iota
-	callFailed                // Redis failed or did not answer in time
-	callAbandoned             // the caller went away first: nothing learned
-)
-
-// record counts a call's outcome. Any outcome ends a probe: a failed one
-// starts another cool-down, an abandoned one lets the next call probe.
-func (b *breaker) record(probe bool, out callOutcome, now int64) {
-	switch out {
-	case callOK:
-		if b.failures.Load() != 0 {
-			b.failures.Store(0)
-		}
-		if until := b.openUntil.Load(); until != 0 && b.openUntil.CompareAndSwap(until, 0) {
-			b.notify(false)
-		}
-	case callFailed:
-		n := b.failures.Add(1)
-		if probe {
-			if b.openUntil.Swap(now+b.cooldown) == 0 {
-				b.notify(true)
-			}
-		} else if n >= b.threshold && b.openUntil.CompareAndSwap(0, now+b.cooldown) {
-			b.notify(true)
-		}
-	}
-	if probe {
-		b.probing.Store(false)
-	}
-}
-
-func (b *breaker) notify(open bool) {
-	if b.changed != nil {
-		b.changed(open)
-	}
-}
-
-// open reports whether the breaker is failing calls.
-func (b *breaker) open() bool { return b.openUntil.Load() != 0 }
-
-// denyCache remembers denied buckets until their retry time, by Redis key.
-// It only ever answers "denied", and only before the time Redis gave, so it
-// never admits what Redis would deny, and denies only what Redis would.
-type denyCache struct {
-	shards [denyShards]denyShard
-	hits   atomic.Uint64
-}
-
-const denyShards = 64
-
-type denyShard struct {
-	mu      sync.Mutex
-	entries map[string]denyEntry
-	max     int
-	// epoch counts the resets of the shard's keys. A denial is kept only
-	// if no reset came between the Take's look at the cache and its put:
-	// one that Redis gave before a reset must not outlive it. Per shard,
-	// not per key, to stay bounded; a put dropped for another key's reset
-	// only sends that client's next request to Redis.
-	epoch uint64
-}
-
-type denyEntry struct {
-	limit   Limit
-	cost    int64
-	result  Result
-	until   int64 // monotonic µs at which the client may retry
-	resetAt int64 // monotonic µs at which the bucket is full
-}
-
-func newDenyCache(size int) *denyCache {
-	c := &denyCache{}
-	for i := range c.shards {
-		c.shards[i].entries = make(map[string]denyEntry)
-		c.shards[i].max = max(1, (size+denyShards-1)/denyShards)
-	}
-	return c
-}
-
-func (c *denyCache) shard(key string) *denyShard {
-	// FNV-1a over the key's hex tail is plenty: the keys are hashes already.
-	h := uint32(2166136261)
-	for i := max(0, len(key)-8); i < len(key); i++ {
-		h = (h ^ uint32(key[i])) * 16777619
-	}
-	return &c.shards[h%denyShards]
-}
-
-// get answers a Take that a remembered denial already decides. The same
-// cost on the same limit is denied until the retry time, since tokens
-// refill at a fixed rate and only Reset adds more. Otherwise it returns
-// the epoch to hand to put.
-func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, uint64, bool) {
-	sh := c.shard(key)
-	sh.mu.Lock()
-	e, ok := sh.entries[key]
-	epoch := sh.epoch
-	sh.mu.Unlock()
-	if !ok || now >= e.until || e.limit != l || e.cost != cost {
-		return Result{}, epoch, false
-	}
-	c.hits.Add(1)
-	denyCacheHitsTotal.Add(1)
-	res := e.result
-	res.RetryAfter = e.until - now
-	res.ResetAfter = max(res.RetryAfter, e.resetAt-now)
-	return res, epoch, true
-}
-
-// put remembers a denial that Redis gave to a request sent at start, when
-// get gave epoch. Redis decided at or after start, so start plus its retry
-// time is never later than the moment Redis would allow. A reset since
-// then drops it.
-func (c *denyCache) put(key string, epoch uint64, l Limit, cost, start int64, res Result) {
-	sh := c.shard(key)
-	sh.mu.Lock()
-	if sh.epoch != epoch {
-		sh.mu.Unlock()
-		return
-	}
-	if _, ok := sh.entries[key]; !ok && len(sh.entries) >= sh.max {
-		sh.makeRoom(start)
-	}
-	sh.entries[key] = denyEntry{limit: l, cost: cost, result: res, until: start + res.RetryAfter, resetAt: start + res.ResetAfter}
-	sh.mu.Unlock()
-}
-
-// remove forgets the key's denial, and any a Take in flight would put.
-func (c *denyCache) remove(key string) {
-	sh := c.shard(key)
-	sh.mu.Lock()
-	delete(sh.entries, key)
-	sh.epoch++
-	sh.mu.Unlock()
-}
-
-// makeRoom drops expired entries, then any, to free a 16th of the shard.
-// Dropping an entry only sends that client's next request to Redis.
-func (sh *denyShard) makeRoom(now int64) {
-	want := len(sh.entries) - sh.max + max(1, sh.max/16)
-	for k, e := range sh.entries {
-		if now >= e.until {
-			delete(sh.entries, k)
-			want--
-		}
-	}
-	for k := range sh.entries {
-		if want <= 0 {
-			break
-		}
-		delete(sh.entries, k)
-		want--
-	}
-}
-
-func (c *denyCache) len() int {
-	n := 0
-	for i := range c.shards {
-		sh := &c.shards[i]
-		sh.mu.Lock()
-		n += len(sh.entries)
-		sh.mu.Unlock()
-	}
-	return n
-}
-
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
 //
 //	store redis {
@@ -980,84 +288,68 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.Errf("store redis: unexpected %q; the settings go in a block", d.Val())
 	}
+	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		switch d.Val() {
-		case "address":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.Err("address: want one or more redis://, rediss:// or unix:// URLs")
-			}
-			s.Addresses = append(s.Addresses, args...)
-		case "sentinel":
-			args := d.RemainingArgs()
-			if len(args) < 2 {
-				return d.Err("sentinel: want <master> <address...>")
-			}
-			if s.Sentinel != nil {
-				return d.Err("sentinel: given twice")
-			}
-			s.Sentinel = &RedisSentinel{Master: args[0], Addresses: args[1:]}
-		case "username":
-			if err := oneArg(d, &s.Username); err != nil {
-				return err
-			}
-		case "password":
-			if err := oneArg(d, &s.Password); err != nil {
-				return err
-			}
-		case "db":
-			n, err := intArg(d)
-			if err != nil {
-				return err
-			}
-			if n < 0 || n > 1<<20 {
-				return d.Errf("db %d: want a database number, 0 or more", n)
-			}
-			s.DB = int(n)
-		case "tls":
-			if err := s.unmarshalTLS(d); err != nil {
-				return err
-			}
-		case "prefix":
-			if err := oneArg(d, &s.Prefix); err != nil {
-				return err
-			}
-		case "timeout":
-			if err := positiveDuration(d, &s.Timeout); err != nil {
-				return err
-			}
-		case "pool_size":
-			if err := intBetween(d, 1, 1<<20, &s.PoolSize); err != nil {
-				return err
-			}
-		case "breaker_failures":
-			if err := intBetween(d, 1, 1<<20, &s.BreakerFailures); err != nil {
-				return err
-			}
-		case "breaker_cooldown":
-			if err := positiveDuration(d, &s.BreakerCooldown); err != nil {
-				return err
-			}
-		case "deny_cache_size":
-			if err := intBetween(d, 1, 1<<26, &s.DenyCacheSize); err != nil {
-				return err
-			}
-		case "batch":
-			var v string
-			if err := oneArg(d, &v); err != nil {
-				return err
-			}
-			if v != "on" && v != "off" {
-				return d.Errf("batch %q: want on or off", v)
-			}
-			on := v == "on"
-			s.Batch = &on
-		default:
-			return d.Errf("store redis: unknown subdirective %q", d.Val())
+		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch"); err != nil {
+			return err
+		}
+		if err := s.unmarshalSetting(d); err != nil {
+			return err
 		}
 	}
 	if err := s.checkFields(); err != nil {
 		return d.Err(err.Error())
+	}
+	return nil
+}
+
+// unmarshalSetting reads one subdirective of the store block.
+func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
+	switch d.Val() {
+	case "address":
+		args := d.RemainingArgs()
+		if len(args) == 0 {
+			return d.Err("address: want one or more redis://, rediss:// or unix:// URLs")
+		}
+		s.Addresses = append(s.Addresses, args...)
+	case "sentinel":
+		args := d.RemainingArgs()
+		if len(args) < 2 {
+			return d.Err("sentinel: want <master> <address...>")
+		}
+		s.Sentinel = &RedisSentinel{Master: args[0], Addresses: args[1:]}
+	case "username":
+		return oneArg(d, &s.Username)
+	case "password":
+		return oneArg(d, &s.Password)
+	case "db":
+		return intBetween(d, 0, 1<<20, &s.DB)
+	case "tls":
+		return s.unmarshalTLS(d)
+	case "prefix":
+		return oneArg(d, &s.Prefix)
+	case "timeout":
+		return positiveDuration(d, &s.Timeout)
+	case "pool_size":
+		return intBetween(d, 1, 1<<20, &s.PoolSize)
+	case "breaker_failures":
+		return intBetween(d, 1, 1<<20, &s.BreakerFailures)
+	case "breaker_cooldown":
+		return positiveDuration(d, &s.BreakerCooldown)
+	case "deny_cache_size":
+		return intBetween(d, 1, 1<<26, &s.DenyCacheSize)
+	case "batch":
+		var v string
+		if err := oneArg(d, &v); err != nil {
+			return err
+		}
+		if v != "on" && v != "off" {
+			return d.Errf("batch %q: want on or off", v)
+		}
+		on := v == "on"
+		s.Batch = &on
+	default:
+		return d.Errf("store redis: unknown subdirective %q", d.Val())
 	}
 	return nil
 }

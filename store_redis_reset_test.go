@@ -70,23 +70,3 @@ func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
 		t.Fatalf("take after the reset: %+v, %v; want allowed: a denial from before the reset was kept", res, err)
 	}
 }
-
-// TestDenyCacheDropsADenialFromBeforeAReset is the deny cache's side of
-// the race: a put that carries the epoch from before a reset is dropped,
-// one from after it is kept.
-func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
-	c := newDenyCache(100)
-	l := slowLimit(1)
-	denial := Result{RetryAfter: 1000, ResetAfter: 1000}
-	_, before, _ := c.get("k", l, 1, 0)
-	c.remove("k")
-	c.put("k", before, l, 1, 0, denial)
-	if _, _, ok := c.get("k", l, 1, 10); ok {
-		t.Fatal("a denial from before the reset was kept")
-	}
-	_, after, _ := c.get("k", l, 1, 10)
-	c.put("k", after, l, 1, 10, denial)
-	if _, _, ok := c.get("k", l, 1, 20); !ok {
-		t.Fatal("a denial from after the reset was dropped")
-	}
-}

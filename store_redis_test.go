@@ -229,39 +229,6 @@ func commandCalls(srv *redisServer, command string) int {
 	return n
 }
 
-func TestDenyCacheIsBounded(t *testing.T) {
-	c := newDenyCache(1000)
-	l := slowLimit(1)
-	for i := range 20000 {
-		c.put("rl:p:t:"+strconv.Itoa(i), 0, l, 1, 1, Result{RetryAfter: 1 << 40})
-	}
-	if n := c.len(); n > 1000+denyShards {
-		t.Fatalf("deny cache holds %d entries, bound 1000", n)
-	}
-	// Expired entries go before live ones.
-	c = newDenyCache(denyShards)
-	c.put("old", 0, l, 1, 0, Result{RetryAfter: 10})
-	sh := c.shard("old")
-	sh.makeRoom(100)
-	if len(sh.entries) != 0 {
-		t.Fatal("an expired entry survived makeRoom")
-	}
-	// Only the same limit and cost are answered.
-	c.put("k", 0, l, 2, 0, Result{RetryAfter: 1000})
-	if _, _, ok := c.get("k", l, 1, 10); ok {
-		t.Fatal("a denial at cost 2 answered a take of cost 1")
-	}
-	if _, _, ok := c.get("k", slowLimit(2), 2, 10); ok {
-		t.Fatal("a denial answered a take on another limit")
-	}
-	if _, _, ok := c.get("k", l, 2, 1000); ok {
-		t.Fatal("a denial answered at its retry time")
-	}
-	if res, _, ok := c.get("k", l, 2, 10); !ok || res.Allowed || res.RetryAfter != 990 {
-		t.Fatalf("get within the retry time: %+v, %v", res, ok)
-	}
-}
-
 func TestRedisResetAndPeek(t *testing.T) {
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
@@ -454,95 +421,6 @@ func TestRedisProvisionDoesNotNeedRedis(t *testing.T) {
 	}
 	if _, err := s.Take(bg, bucketFor("x"), slowLimit(1), 1); err == nil {
 		t.Fatal("take with Redis down: no error")
-	}
-}
-
-func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
-	var opened, closed atomic.Int64
-	b := breaker{threshold: 5, cooldown: 1000, changed: func(open bool) {
-		if open {
-			opened.Add(1)
-		} else {
-			closed.Add(1)
-		}
-	}}
-	var wg sync.WaitGroup
-	for range 8 {
-		wg.Go(func() {
-			for range 10 {
-				b.record(false, callFailed, 10)
-			}
-		})
-	}
-	wg.Wait()
-	if opened.Load() != 1 || closed.Load() != 0 {
-		t.Fatalf("80 concurrent failures: told open %d times, closed %d; want 1 and 0", opened.Load(), closed.Load())
-	}
-	if ok, probe := b.allow(1010); !ok || !probe {
-		t.Fatal("no probe after the cool-down")
-	}
-	b.record(true, callOK, 1011)
-	for range 3 {
-		b.record(false, callOK, 1011)
-	}
-	if opened.Load() != 1 || closed.Load() != 1 {
-		t.Fatalf("after the probe succeeded: told open %d, closed %d; want 1 and 1", opened.Load(), closed.Load())
-	}
-}
-
-func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
-	b := breaker{threshold: 3, cooldown: 1000}
-	for now := range int64(3) {
-		if ok, _ := b.allow(now); !ok {
-			t.Fatalf("closed breaker refused call %d", now)
-		}
-		b.record(false, callFailed, now)
-	}
-	// Open until 2+1000.
-	allowed := func(now int64) bool { ok, _ := b.allow(now); return ok }
-	if allowed(500) || allowed(1001) || !allowed(1002) {
-		t.Fatal("after 3 failures: want refusal during the cool-down, then a probe")
-	}
-	if allowed(1003) {
-		t.Fatal("a second probe went through while the first was out")
-	}
-	b.record(true, callFailed, 1004) // the probe failed: open until 2004
-	if allowed(1500) {
-		t.Fatal("a failed probe did not restart the cool-down")
-	}
-	if !allowed(2004) {
-		t.Fatal("no probe after the second cool-down")
-	}
-	b.record(true, callOK, 2005)
-	if !allowed(2006) || !allowed(2007) || b.open() {
-		t.Fatal("a successful probe did not close the breaker")
-	}
-
-	// Through the store: a Redis that does not answer costs the timeout
-	// per decision until the breaker opens, then nothing.
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(50 * time.Millisecond)})
-	if _, err := s.Take(bg, bucketFor("y"), slowLimit(1), 1); err != nil {
-		t.Fatal(err)
-	}
-	srv.pause()
-	defer srv.resume()
-	for i := range defaultBreakerFailures {
-		start := time.Now()
-		_, err := s.Take(bg, bucketFor("y"+strconv.Itoa(i)), slowLimit(1), 1)
-		if err == nil || !strings.Contains(err.Error(), "no answer within 50ms") {
-			t.Fatalf("take %d from a stopped Redis: %v", i, err)
-		}
-		if d := time.Since(start); d > 50*time.Millisecond+250*time.Millisecond {
-			t.Fatalf("take %d waited %s, timeout 50ms", i, d)
-		}
-	}
-	start := time.Now()
-	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); err != errBreakerOpen {
-		t.Fatalf("take with the breaker open: %v, want errBreakerOpen", err)
-	}
-	if d := time.Since(start); d > 10*time.Millisecond {
-		t.Fatalf("take with the breaker open waited %s", d)
 	}
 }
 
@@ -773,6 +651,8 @@ http://127.0.0.1:8080 {
 		{"store redis {\n address\n }", "address: want one or more"},
 		{"store redis {\n sentinel mymaster\n }", "sentinel: want <master> <address...>"},
 		{"store redis {\n db -1\n }", "db -1"},
+		{"store redis {\n prefix a:\n prefix b:\n }", "prefix: given twice"},
+		{"store redis {\n timeout 1s\n timeout 2s\n }", "timeout: given twice"},
 		{"store redis {\n db two\n }", `db "two"`},
 		{"store redis {\n timeout soon\n }", `timeout "soon"`},
 		{"store redis {\n timeout -1s\n }", `timeout "-1s"`},

@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -189,4 +192,93 @@ func hangUp(t *testing.T, port int, ip string) {
 		t.Fatal(err)
 	}
 	conn.Close()
+}
+
+func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
+	var opened, closed atomic.Int64
+	b := breaker{threshold: 5, cooldown: 1000, changed: func(open bool) {
+		if open {
+			opened.Add(1)
+		} else {
+			closed.Add(1)
+		}
+	}}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 10 {
+				b.record(false, callFailed, 10)
+			}
+		})
+	}
+	wg.Wait()
+	if opened.Load() != 1 || closed.Load() != 0 {
+		t.Fatalf("80 concurrent failures: told open %d times, closed %d; want 1 and 0", opened.Load(), closed.Load())
+	}
+	if ok, probe := b.allow(1010); !ok || !probe {
+		t.Fatal("no probe after the cool-down")
+	}
+	b.record(true, callOK, 1011)
+	for range 3 {
+		b.record(false, callOK, 1011)
+	}
+	if opened.Load() != 1 || closed.Load() != 1 {
+		t.Fatalf("after the probe succeeded: told open %d, closed %d; want 1 and 1", opened.Load(), closed.Load())
+	}
+}
+
+func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
+	b := breaker{threshold: 3, cooldown: 1000}
+	for now := range int64(3) {
+		if ok, _ := b.allow(now); !ok {
+			t.Fatalf("closed breaker refused call %d", now)
+		}
+		b.record(false, callFailed, now)
+	}
+	// Open until 2+1000.
+	allowed := func(now int64) bool { ok, _ := b.allow(now); return ok }
+	if allowed(500) || allowed(1001) || !allowed(1002) {
+		t.Fatal("after 3 failures: want refusal during the cool-down, then a probe")
+	}
+	if allowed(1003) {
+		t.Fatal("a second probe went through while the first was out")
+	}
+	b.record(true, callFailed, 1004) // the probe failed: open until 2004
+	if allowed(1500) {
+		t.Fatal("a failed probe did not restart the cool-down")
+	}
+	if !allowed(2004) {
+		t.Fatal("no probe after the second cool-down")
+	}
+	b.record(true, callOK, 2005)
+	if !allowed(2006) || !allowed(2007) || b.open() {
+		t.Fatal("a successful probe did not close the breaker")
+	}
+
+	// Through the store: a Redis that does not answer costs the timeout
+	// per decision until the breaker opens, then nothing.
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(50 * time.Millisecond)})
+	if _, err := s.Take(bg, bucketFor("y"), slowLimit(1), 1); err != nil {
+		t.Fatal(err)
+	}
+	srv.pause()
+	defer srv.resume()
+	for i := range defaultBreakerFailures {
+		start := time.Now()
+		_, err := s.Take(bg, bucketFor("y"+strconv.Itoa(i)), slowLimit(1), 1)
+		if err == nil || !strings.Contains(err.Error(), "no answer within 50ms") {
+			t.Fatalf("take %d from a stopped Redis: %v", i, err)
+		}
+		if d := time.Since(start); d > 50*time.Millisecond+250*time.Millisecond {
+			t.Fatalf("take %d waited %s, timeout 50ms", i, d)
+		}
+	}
+	start := time.Now()
+	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); err != errBreakerOpen {
+		t.Fatalf("take with the breaker open: %v, want errBreakerOpen", err)
+	}
+	if d := time.Since(start); d > 10*time.Millisecond {
+		t.Fatalf("take with the breaker open waited %s", d)
+	}
 }
