@@ -127,7 +127,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if catchAll != nil {
 		h.Tiers = append(h.Tiers, catchAll)
 	}
-	if err := h.check(); err != nil {
+	if err := h.validate(); err != nil {
 		return d.Errf("rate_limit: %v", err)
 	}
 	return nil
@@ -256,7 +256,7 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	if err := t.check(); err != nil {
+	if err := t.validate(); err != nil {
 		return d.Err(err.Error())
 	}
 	h.Tiers = append(h.Tiers, t)
@@ -403,7 +403,7 @@ func parseJWT(h *Handler, d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	if err := j.check(); err != nil {
+	if err := j.validate(); err != nil {
 		seg.Reset()
 		seg.Next()
 		return seg.Err(err.Error())

@@ -52,7 +52,7 @@ func FuzzCaddyfile(f *testing.F) {
 			return
 		}
 		for _, h := range findHandlers(t, cfg) {
-			if err := h.check(); err != nil {
+			if err := h.validate(); err != nil {
 				t.Fatalf("adapted, but the config is invalid: %v\n%s", err, block)
 			}
 		}

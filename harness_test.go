@@ -179,3 +179,24 @@ func loadAndStop(cfg []byte) error {
 	}
 	return caddy.Stop()
 }
+
+// step is one request of a scripted test and the status it must get.
+type step struct {
+	from, path, header string // header "" sends none
+	want               int
+}
+
+// expectSteps sends the steps in order, each as the client at its loopback
+// address, and reports every status that differs.
+func (s *testServer) expectSteps(steps []step) {
+	s.t.Helper()
+	for i, st := range steps {
+		var headers []string
+		if st.header != "" {
+			headers = append(headers, st.header)
+		}
+		if r := s.from(st.from, st.path, headers...); r.status != st.want {
+			s.t.Errorf("step %d (%s %s %q): %d, want %d", i+1, st.from, st.path, st.header, r.status, st.want)
+		}
+	}
+}

@@ -120,9 +120,9 @@ var algFamily = map[string]string{
 	"EdDSA": "ed25519",
 }
 
-// check validates what needs no Caddy context, for the Caddyfile adapter
+// validate checks what needs no Caddy context, for the Caddyfile adapter
 // and provision alike.
-func (j *JWTConfig) check() error {
+func (j *JWTConfig) validate() error {
 	from := 0
 	for _, f := range []string{j.FromHeader, j.FromCookie, j.FromQuery} {
 		if f != "" {
@@ -167,7 +167,7 @@ func (j *JWTConfig) check() error {
 }
 
 func (j *JWTConfig) provision(ctx caddy.Context) error {
-	if err := j.check(); err != nil {
+	if err := j.validate(); err != nil {
 		return err
 	}
 	j.logger = ctx.Logger().Named("jwt")

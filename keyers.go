@@ -29,8 +29,9 @@ type Keyer interface {
 	// Kind is the keyer's module name (ip, header, cookie, placeholder,
 	// jwt, form, json), which tiers may test with `keyer <kind>`.
 	Kind() string
-	// ID names the keyer and what it reads, such as "header X-Api-Key". It
-	// is part of the bucket's name, so two keyers never share buckets.
+	// ID names the keyer and what it reads, such as "header/X-API-Key" or
+	// "ip/32/64". It is part of the bucket's name, so two keyers never
+	// share buckets.
 	ID() string
 	// Key appends the client's identity to buf and reports whether it found
 	// one. It must not keep buf. A keyer that reads the body must leave it

@@ -94,3 +94,69 @@ http:// {
 		t.Errorf("over the socket: client A %d, client B %d, A again %d; want 200 200 429", a, b, again)
 	}
 }
+
+func TestHeaderKeyerGivesEachKeyItsBucketAndFallsBackToIP(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/h {
+		key header X-API-Key
+	}
+	respond "ok"`)
+	s.expectSteps([]step{
+		{"127.0.0.9", "/", "X-API-Key: alpha", 200},
+		{"127.0.0.9", "/", "X-API-Key: alpha", 429},
+		{"127.0.0.9", "/", "X-API-Key: beta", 200}, // its own bucket
+		// No key: the client IP names the client, one bucket per address.
+		{"127.0.0.2", "/", "", 200},
+		{"127.0.0.2", "/", "", 429},
+		{"127.0.0.3", "/", "", 200},
+	})
+}
+
+func TestCookieAndPlaceholderKeyers(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/h {
+		key cookie session
+		key placeholder {http.request.uri.query.user}
+	}
+	respond "ok"`)
+	s.expectSteps([]step{
+		{"127.0.0.9", "/", "Cookie: theme=dark; session=s1", 200},
+		{"127.0.0.9", "/", "Cookie: session=s1", 429},
+		{"127.0.0.9", "/", "Cookie: session=\"s2\"; theme=dark", 200},
+		{"127.0.0.9", "/?user=ann", "Cookie: theme=dark", 200},
+		{"127.0.0.9", "/?user=ann", "Cookie: other=s1", 429},
+		{"127.0.0.9", "/?user=bob", "Cookie: session=", 200},
+	})
+}
+
+func TestIPPrefixGroupsClients(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 1 1/h {
+		key ip /24
+	}
+	respond "ok"`)
+	s.expectSteps([]step{
+		{"127.0.5.1", "/", "", 200},
+		{"127.0.5.200", "/", "", 429}, // the same /24
+		{"127.0.6.1", "/", "", 200},   // another /24
+	})
+}
+
+func TestForwardedForIsIgnoredWithoutTrustedProxies(t *testing.T) {
+	useFakeClock(t)
+	port := freePort(t)
+	s := serveCaddyfile(t, port, fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	rate_limit 1 1/h
+	respond "ok"
+}`, port))
+	s.from("127.0.0.2", "/")
+	if r := s.from("127.0.0.3", "/"); r.status != 429 {
+		t.Fatalf("a forged X-Forwarded-For got a fresh bucket: %d, want 429", r.status)
+	}
+}

@@ -122,7 +122,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.storeLog = h.logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
 	}))
-	if err := h.check(); err != nil {
+	if err := h.validate(); err != nil {
 		return err
 	}
 	if err := h.provisionKeySecret(); err != nil {
@@ -214,9 +214,9 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	return nil
 }
 
-// check applies defaults and validates what needs no Caddy context. The
+// validate applies defaults and checks what needs no Caddy context. The
 // Caddyfile adapter runs it too, so that mistakes fail `caddy adapt`.
-func (h *Handler) check() error {
+func (h *Handler) validate() error {
 	if h.Name == "" {
 		h.Name = "default"
 	}
@@ -237,7 +237,7 @@ func (h *Handler) check() error {
 	default:
 		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
 	}
-	if err := h.checkNoKey(); err != nil {
+	if err := h.validateNoKey(); err != nil {
 		return err
 	}
 	switch h.Headers {
@@ -255,7 +255,7 @@ func (h *Handler) check() error {
 	}
 	seen := make(map[string]bool, len(h.Tiers))
 	for i, t := range h.Tiers {
-		if err := t.check(); err != nil {
+		if err := t.validate(); err != nil {
 			return err
 		}
 		if seen[t.Name] {
@@ -312,9 +312,9 @@ func (h *Handler) checkListeners(ctx caddy.Context) error {
 	return nil
 }
 
-// checkNoKey validates no_key. Its default is left unwritten, so that the
+// validateNoKey checks no_key. Its default is left unwritten, so that the
 // adapted config shows only what the Caddyfile says.
-func (h *Handler) checkNoKey() error {
+func (h *Handler) validateNoKey() error {
 	switch h.NoKey {
 	case "", "ip":
 	case "deny":
@@ -472,7 +472,7 @@ func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Ti
 			return t, nil
 		}
 	}
-	// Unreachable: check guarantees a catch-all tier.
+	// Unreachable: validate guarantees a catch-all tier.
 	return h.Tiers[len(h.Tiers)-1], nil
 }
 

@@ -69,7 +69,7 @@ type redisSettings struct {
 // settings applies the defaults, expands placeholders, checks every value
 // and reads the TLS files.
 func (s *RedisStore) settings() (*redisSettings, error) {
-	if err := s.checkFields(); err != nil {
+	if err := s.validate(); err != nil {
 		return nil, err
 	}
 	s.applyDefaults()
@@ -251,8 +251,8 @@ func (s *RedisStore) clusterClient(c *clientParams, addresses []string, nodes []
 	return func() redis.UniversalClient { return redis.NewClusterClient(opts) }, nil
 }
 
-// checkFields checks what needs no expansion, for adapt and provision.
-func (s *RedisStore) checkFields() error {
+// validate checks what needs no expansion, for adapt and provision.
+func (s *RedisStore) validate() error {
 	switch {
 	case s.Sentinel != nil && len(s.Addresses) > 0:
 		return errors.New("store redis: give address or sentinel, not both")

@@ -414,3 +414,25 @@ func newPrivateRedisStore(t testing.TB, s *RedisStore) *RedisStore {
 	t.Cleanup(func() { _ = s.conn.Destruct() })
 	return s
 }
+
+// serveOnRedis serves a policy of 3 requests an hour on the Redis server,
+// with the given timeout and on_store_error mode, and waits until the store
+// has loaded its script, so that the first request does not race the cold
+// start.
+func serveOnRedis(t *testing.T, srv *redisServer, timeout time.Duration, mode string) *testServer {
+	t.Helper()
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 3 1/h {
+		store redis {
+			address %s
+			timeout %s
+		}
+		on_store_error %s
+	}
+	respond "ok"`, srv.url(), timeout, mode))
+	waitFor(t, 5*time.Second, "the script to be loaded", func() bool {
+		v, _ := srv.do("SCRIPT", "EXISTS", bucketScript.Hash()).([]any)
+		return len(v) == 1 && v[0] == int64(1)
+	})
+	return s
+}

@@ -123,19 +123,7 @@ func TestRedisKilledAndRestartedUnderConcurrentLoad(t *testing.T) {
 	for _, mode := range []string{"local", "allow", "deny"} {
 		t.Run(mode, func(t *testing.T) {
 			srv := startRedis(t)
-			s := serve(t, fmt.Sprintf(`
-	rate_limit 3 1/h {
-		store redis {
-			address %s
-			timeout %s
-		}
-		on_store_error %s
-	}
-	respond "ok"`, srv.url(), timeout, mode))
-			waitFor(t, 5*time.Second, "the script to be loaded", func() bool {
-				v, _ := srv.do("SCRIPT", "EXISTS", bucketScript.Hash()).([]any)
-				return len(v) == 1 && v[0] == int64(1)
-			})
+			s := serveOnRedis(t, srv, timeout, mode)
 			var st trafficStats
 			c := trafficClient(10 * time.Second)
 			stop := backgroundTraffic(c, s.base, 8, &st)

@@ -297,7 +297,7 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	if err := s.checkFields(); err != nil {
+	if err := s.validate(); err != nil {
 		return d.Err(err.Error())
 	}
 	return nil

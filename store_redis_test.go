@@ -431,22 +431,7 @@ func TestRedisDownModes(t *testing.T) {
 	for _, mode := range []string{"local", "allow", "deny"} {
 		t.Run(mode, func(t *testing.T) {
 			srv := startRedis(t)
-			s := serve(t, fmt.Sprintf(`
-	rate_limit 3 1/h {
-		store redis {
-			address %s
-			timeout %s
-		}
-		on_store_error %s
-	}
-	respond "ok"`, srv.url(), timeout, mode))
-
-			// The store loads its script in the background; wait for it,
-			// so that the first request does not race the cold start.
-			waitFor(t, 5*time.Second, "the script to be loaded", func() bool {
-				v, _ := srv.do("SCRIPT", "EXISTS", bucketScript.Hash()).([]any)
-				return len(v) == 1 && v[0] == int64(1)
-			})
+			s := serveOnRedis(t, srv, timeout, mode)
 			var (
 				mu      sync.Mutex
 				slowest time.Duration

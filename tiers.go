@@ -49,10 +49,10 @@ type Tier struct {
 	counters   *outcomeCounters
 }
 
-// check validates the tier and computes its limit. It needs no Caddy
+// validate checks the tier and computes its limit. It needs no Caddy
 // context, so the Caddyfile adapter runs it too, and a mistake fails
 // `caddy adapt`.
-func (t *Tier) check() error {
+func (t *Tier) validate() error {
 	if t.Name == "" {
 		return fmt.Errorf("a tier needs a name")
 	}
@@ -116,7 +116,7 @@ func (t *Tier) catchAll() bool {
 }
 
 func (t *Tier) provision(ctx caddy.Context) error {
-	if err := t.check(); err != nil {
+	if err := t.validate(); err != nil {
 		return err
 	}
 	if t.MatcherSetsRaw != nil {
