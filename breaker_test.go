@@ -111,9 +111,7 @@ func TestBreakerEveryProbeOutcomeEndsTheProbe(t *testing.T) {
 // link is back, decisions must reach Redis again within a few cool-downs,
 // as Redis itself shows: new buckets appear in it.
 func TestRedisBreakerClosesAfterClientsHangUpDuringAnOutage(t *testing.T) {
-	if testing.Short() {
-		t.Skip("fault test: a black-holed Redis link, a few seconds")
-	}
+	skipUnderShort(t, "fault injection (a black-holed Redis link)")
 	const timeout, cooldown = 300 * time.Millisecond, 300 * time.Millisecond
 	srv := startRedis(t)
 	proxy := startBlackholeProxy(t, srv.addr())

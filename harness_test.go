@@ -200,3 +200,12 @@ func (s *testServer) expectSteps(steps []step) {
 		}
 	}
 }
+
+// skipUnderShort skips a heavy load, fault-injection or long test under
+// -short, the inner loop; CI runs everything.
+func skipUnderShort(t *testing.T, kind string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skipf("%s test: skipped under -short", kind)
+	}
+}

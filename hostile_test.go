@@ -26,6 +26,7 @@ var floodKeys = 1_000_000
 // heap after the flood, after a GC, is within a bound proportional to
 // max_keys, not to the flood.
 func TestFloodOfDistinctKeysStaysWithinMaxKeys(t *testing.T) {
+	skipUnderShort(t, "heavy load")
 	const maxKeys = 100_000
 	clock := new(fakeClock)
 	clock.micros.Store(1)

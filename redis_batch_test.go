@@ -142,6 +142,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 // own deadline instead of waiting for Redis, and the batcher works again
 // once Redis does.
 func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
 	b := newRedisBatcher(s.conn.client, 2, 8)

@@ -115,6 +115,7 @@ func burst(c *http.Client, base, ip string, n int) map[int]int {
 // but deny's 503), and a concurrent burst from one client is limited
 // exactly before, during (local) and after the outage.
 func TestRedisKilledAndRestartedUnderConcurrentLoad(t *testing.T) {
+	skipUnderShort(t, "fault injection under load")
 	// Long enough that no decision times out while Redis is up, even
 	// under -race on two cores: a timeout would send it to on_store_error,
 	// and the bursts below would not be exact. A killed Redis refuses
@@ -192,6 +193,7 @@ func TestRedisKilledAndRestartedUnderConcurrentLoad(t *testing.T) {
 // after the breaker's threshold of timeouts, requests no longer wait at all;
 // and once Redis answers again, the store uses it again.
 func TestSlowRedisTimesOutAndOpensTheBreaker(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	const timeout = 100 * time.Millisecond
 	for _, c := range []struct {
 		name string
@@ -287,6 +289,7 @@ func fastest(took []time.Duration, timeout time.Duration) time.Duration {
 // local buckets carry across: an exhausted client stays denied, and one
 // that spent part of its bucket gets exactly the rest.
 func TestReloadUnderLoadKeepsBucketsAndFailsNoRequest(t *testing.T) {
+	skipUnderShort(t, "load")
 	port := freePort(t)
 	caddyfile := func(body string) string {
 		return fmt.Sprintf(`{
@@ -375,6 +378,7 @@ func (rt retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // with CLUSTER FAILOVER on the replica: the buckets emptied before stay
 // empty, and new clients on those slots are limited exactly.
 func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	nodes := startCluster(t, 3)
 	master := nodes[0]
 	replica := startRedisOn(t, clusterPort(t), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")

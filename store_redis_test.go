@@ -359,6 +359,7 @@ func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
 }
 
 func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	st := startSentinel(t)
 	s := newRedisStoreFor(t, &RedisStore{
 		Sentinel: &RedisSentinel{Master: st.name, Addresses: st.sentinelAddresses},
@@ -427,6 +428,7 @@ func TestRedisProvisionDoesNotNeedRedis(t *testing.T) {
 // TestRedisDownModes runs a real config with each on_store_error mode,
 // then stops Redis, kills it and starts it again, with traffic flowing.
 func TestRedisDownModes(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	const timeout = 100 * time.Millisecond
 	for _, mode := range []string{"local", "allow", "deny"} {
 		t.Run(mode, func(t *testing.T) {
