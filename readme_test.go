@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -40,5 +41,32 @@ func TestReadmeExamplesAdapt(t *testing.T) {
 	}
 	if tested < 10 {
 		t.Errorf("only %d README examples found; the pattern may have broken", tested)
+	}
+}
+
+// TestCodeMapNamesEveryFile checks the README's code map against the
+// package: every source file is in it, and every file it names exists.
+func TestCodeMapNamesEveryFile(t *testing.T) {
+	readme, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, codeMap, ok := strings.Cut(string(readme), "## Code map")
+	if !ok {
+		t.Fatal("README.md has no Code map section")
+	}
+	codeMap, _, _ = strings.Cut(codeMap, "\nTests sit beside")
+	named := map[string]bool{}
+	for _, m := range regexp.MustCompile("`([a-z_/]+\\.go)`").FindAllStringSubmatch(codeMap, -1) {
+		named[m[1]] = true
+		if _, err := os.Stat(m[1]); err != nil {
+			t.Errorf("the code map names %s, which does not exist", m[1])
+		}
+	}
+	files, _ := filepath.Glob("*.go")
+	for _, f := range files {
+		if !strings.HasSuffix(f, "_test.go") && !named[f] {
+			t.Errorf("%s is not in the README's code map", f)
+		}
 	}
 }
