@@ -317,18 +317,6 @@ func (t *leaseTable) reset(key []byte) {
 	sh.mu.Unlock()
 }
 
-// len is how many buckets this node holds entries for.
-func (t *leaseTable) len() int {
-	n := 0
-	for i := range t.shards {
-		sh := &t.shards[i]
-		sh.mu.Lock()
-		n += len(sh.m)
-		sh.mu.Unlock()
-	}
-	return n
-}
-
 // giveBack is unused leased tokens on their way back to a shared bucket.
 type giveBack struct {
 	key    string

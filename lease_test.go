@@ -292,3 +292,125 @@ func TestRedisLeaseScriptsMatchTheModel(t *testing.T) {
 		}
 	}
 }
+
+// A decision that the tokens held cover makes no allocation and no call:
+// the key is built on the stack and looked up without a copy.
+func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "1000000"})
+	l := Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1}}
+	b := bucketFor("steady")
+	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		t.Fatalf("first request: %+v, %v", res, err)
+	}
+	s.leases.calls.Wait()
+	// Hold a lease as a long-running client would, with no prefetch due.
+	key := s.key(b)
+	e := s.leases.shard([]byte(key)).m[key]
+	e.tokens, e.size = 1<<30, 1<<30
+	calls := srv.info("commandstats", "cmdstat_evalsha")
+	allocs := testing.AllocsPerRun(1000, func() {
+		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+			t.Fatalf("%+v, %v", res, err)
+		}
+	})
+	if allocs != 0 {
+		t.Errorf("%.1f allocations a leased decision, want 0", allocs)
+	}
+	if after := srv.info("commandstats", "cmdstat_evalsha"); after != calls {
+		t.Errorf("leased decisions called Redis: commandstats %q, then %q", calls, after)
+	}
+}
+
+// Two nodes leasing from one real Redis, under a concurrent burst on one
+// key with no refill to speak of: every token is spent, held by a node, or
+// still in Redis, never two of these, so the nodes admit at most the
+// capacity between them; and once both give back, Redis holds every
+// token not spent.
+func TestLeasingNodesConserveEveryToken(t *testing.T) {
+	srv := startRedis(t)
+	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+	var nodes [2]*RedisStore
+	for i := range nodes {
+		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "10%"})
+		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{percent: 10}, time.Hour, 1000, zap.NewNop())
+	}
+	b := bucketFor("shared")
+	var mu sync.Mutex
+	allowed := 0
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for range 40 {
+				res, err := nodes[g%2].Take(bg, b, l, 1)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if res.Allowed {
+					mu.Lock()
+					allowed++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	key := nodes[0].key(b)
+	held := int64(0)
+	for _, n := range nodes {
+		n.leases.calls.Wait()
+		if e := n.leases.shard([]byte(key)).m[key]; e != nil {
+			held += e.tokens
+		}
+	}
+	peek := func() int64 {
+		res, err := nodes[0].Peek(bg, b, l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Remaining
+	}
+	if got := int64(allowed) + held + peek(); got != l.Capacity {
+		t.Errorf("allowed %d + held %d + in Redis %d = %d, want the capacity %d", allowed, held, peek(), got, l.Capacity)
+	}
+	if allowed > 100 || allowed < 80 {
+		t.Errorf("%d allowed of a bucket of 100 over 320 requests, want at most 100 and near it", allowed)
+	}
+	for _, n := range nodes {
+		n.leases.close()
+	}
+	if got := int64(allowed) + peek(); got != l.Capacity {
+		t.Errorf("after both gave back: allowed %d + in Redis %d = %d, want %d", allowed, peek(), got, l.Capacity)
+	}
+	t.Logf("%d allowed, %d held before the give-back", allowed, held)
+}
+
+func TestLeaseCaddyfile(t *testing.T) {
+	cfg, err := adaptSite(`rate_limit 200 50/s {
+		store redis {
+			address redis://127.0.0.1:6379
+			lease 10%
+			lease_ttl 2s
+		}
+	}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := handlerJSON(t, cfg)["store"].(map[string]any)
+	if store["lease"] != "10%" || store["lease_ttl"] != float64(2*time.Second) {
+		t.Errorf("store JSON %v, want lease 10%% and lease_ttl 2s", store)
+	}
+	for _, tt := range []struct{ lines, want string }{
+		{"lease 0", `lease "0"`},
+		{"lease 150%", `lease "150%"`},
+		{"lease", "lease: want exactly one value"},
+		{"lease 5\n lease 6", "lease: given twice"},
+		{"lease_ttl 0s", "lease_ttl"},
+	} {
+		_, err := adaptSite("rate_limit 10 1/s {\n store redis {\n " + tt.lines + "\n }\n }")
+		if err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%q: error %v, want one containing %q", tt.lines, err, tt.want)
+		}
+	}
+}
