@@ -2,11 +2,13 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -54,6 +56,7 @@ type leaseTable struct {
 	logger   *zap.Logger
 
 	stop    chan struct{}
+	closed  atomic.Bool
 	calls   sync.WaitGroup // fetches and give-backs in flight
 	janitor sync.WaitGroup
 }
@@ -261,6 +264,12 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
+	if t.closed.Load() {
+		// A request still in flight through an unloaded config.
+		c.err = errLeasesClosed
+		close(c.done)
+		return c
+	}
 	e.call = c
 	t.calls.Add(1)
 	go func(key string, l Limit) {
@@ -385,8 +394,20 @@ func (t *leaseTable) giveBackNow(back []giveBack) {
 	}
 }
 
+// errLeasesClosed fails a lease call asked of an unloaded config's table;
+// the store then decides in strict mode.
+var errLeasesClosed = errors.New("redis store: the config's leases were given back")
+
 // close stops the table and gives every token it holds back.
 func (t *leaseTable) close() {
+	t.closed.Store(true)
+	// A fetch starts under its shard's lock: once every lock has been held
+	// since closed was set, none can start, so the waits below see them all.
+	for i := range t.shards {
+		t.shards[i].mu.Lock()
+		//lint:ignore SA2001 the empty critical section is the point: it waits out fetches starting
+		t.shards[i].mu.Unlock()
+	}
 	close(t.stop)
 	t.janitor.Wait()
 	t.calls.Wait()

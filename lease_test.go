@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
@@ -412,5 +413,58 @@ func TestLeaseCaddyfile(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%q: error %v, want one containing %q", tt.lines, err, tt.want)
 		}
+	}
+}
+
+// BenchmarkRedisLeaseTake is BenchmarkRedisTake's serial and parallel
+// decisions with lease 10%, over 1,000 returning clients whose limits are
+// never hit, beside strict mode in the same run.
+func BenchmarkRedisLeaseTake(b *testing.B) {
+	srv := startRedis(b)
+	l := Limit{Capacity: 1_000_000, Rate: Rate{Tokens: 1_000_000, Interval: 1_000_000}} // never denies
+	var buckets [1000]*Bucket
+	for i := range buckets {
+		buckets[i] = bucketFor("client-" + strconv.Itoa(i))
+	}
+	for _, lease := range []string{"1", "10%"} {
+		s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Lease: lease})
+		name := map[string]string{"1": "strict", "10%": "lease-10%"}[lease]
+		b.Run(name+"/serial", func(b *testing.B) {
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				if _, err := s.Take(bg, buckets[i%len(buckets)], l, 1); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+		})
+		b.Run(name+"/parallel", func(b *testing.B) {
+			b.SetParallelism(16)
+			b.RunParallel(func(pb *testing.PB) {
+				for i := 0; pb.Next(); i++ {
+					if _, err := s.Take(bg, buckets[i%len(buckets)], l, 1); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+		})
+	}
+}
+
+// A request still in flight through an unloaded config finds its lease
+// table closed: it starts no lease call, whose tokens no one would give
+// back, and the store decides it in strict mode.
+func TestClosedLeaseTableStartsNoCall(t *testing.T) {
+	clock := new(fakeClock)
+	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
+	node.close()
+	_, err := node.take(bg, []byte("k"), Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 1_000_000}}, 1)
+	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
+		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
 	}
 }

@@ -153,7 +153,6 @@ func (s *RedisStore) Cleanup() error {
 	}
 	if s.leases != nil {
 		s.leases.close()
-		s.leases = nil
 	}
 	_, err := redisPool.Delete(s.poolKey)
 	s.poolKey = ""
@@ -190,7 +189,10 @@ func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
 	if s.leases != nil && s.leases.size.of(l) > cost {
 		var buf [192]byte
-		return s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
+		res, err := s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
+		if !errors.Is(err, errLeasesClosed) {
+			return res, err
+		}
 	}
 	key := s.key(b)
 	start := s.conn.now()
