@@ -468,3 +468,43 @@ func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
 	}
 }
+
+// DESIGN 9's oversubscribed fleet on the model, with a simulated clock: 4
+// nodes share a key at 8x its rate for 4 s (capacity 200, 50/s, lease
+// 10%). The fleet admits at most C + r*T and at least 0.9 of it, with
+// about one call per lease's worth of refill per node.
+func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	start := clock.now()
+	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
+	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
+	var fleet [nodes]*leaseTable
+	for i := range fleet {
+		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
+		defer fleet[i].close()
+	}
+	admitted := int64(0)
+	step := time.Second / perSecond
+	for i := range seconds * perSecond {
+		node := fleet[i%nodes]
+		res, err := node.take(bg, []byte("shared"), l, 1)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed {
+			admitted++
+		}
+		clock.advance(step)
+	}
+	bound := l.Capacity + (clock.now()-start)*l.Rate.Tokens/l.Rate.Interval
+	if admitted > bound || admitted*10 < bound*9 {
+		t.Errorf("%d admitted, want at most the bound %d and at least 0.9 of it", admitted, bound)
+	}
+	if most := 2*nodes*admitted/20 + 10*nodes; int64(m.calls) > most {
+		t.Errorf("%d lease calls, want at most %d", m.calls, most)
+	}
+	t.Logf("%d of %d admitted (bound %d), %d lease calls", admitted, seconds*perSecond, bound, m.calls)
+}
