@@ -436,7 +436,7 @@ var (
 // lease takes a lease of want tokens on the bucket at key, for a request
 // costing cost, within the timeout and through the breaker.
 func (s *RedisStore) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
-	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want}
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want, l.Ban}
 	vals, err := s.call(context.Background(), leaseBucketScript, key, args, false)
 	if err != nil {
 		return LeaseResult{}, err

@@ -244,8 +244,11 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 // breaker. It also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
 	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost}
-	if s.clockOffset != 0 {
+	if s.clockOffset != 0 || l.Ban > 0 {
 		args = append(args, s.clockOffset)
+	}
+	if l.Ban > 0 {
+		args = append(args, l.Ban)
 	}
 	vals, err := s.call(ctx, bucketScript, key, args, true)
 	if err != nil {
