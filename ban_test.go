@@ -67,7 +67,7 @@ func TestRedisBanMatchesTheModel(t *testing.T) {
 				}
 				var res LeaseResult
 				st, res = Lease(st, vals[4], l, cost, want)
-				if got := (LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3]}); got != res {
+				if got := (LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3], Banned: len(vals) == 6 && vals[5] == 1}); got != res {
 					t.Fatalf("trace %d step %d lease (limit %+v, cost %d, want %d): Redis %+v, Lease %+v", i, j, l, cost, want, got, res)
 				}
 				continue

@@ -67,6 +67,8 @@ type Result struct {
 	RetryAfter int64
 	// ResetAfter is the microseconds until the bucket is full again.
 	ResetAfter int64
+	// Banned says that this denial started a ban.
+	Banned bool
 }
 
 // ParseRate parses a refill rate written as <amount>/<duration>: "100/s",
@@ -209,12 +211,13 @@ func Take(s State, now int64, l Limit, cost int64) (State, Result) {
 // l.Ban from now, unless a ban already holds it, and says how long until
 // need units are back.
 func ban(s State, now int64, l Limit, need int64) (State, Result) {
-	if !banned(s, now, l) {
+	started := !banned(s, now, l)
+	if started {
 		// Empty at now+Ban exactly, then refilling as usual.
 		refill := ceilDiv(l.units(), l.Rate.Tokens)
 		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.units()}
 	}
-	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now}
+	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now, Banned: started}
 }
 
 // banned reports whether s lacks more than the whole bucket at now: only a
@@ -256,6 +259,8 @@ type LeaseResult struct {
 	HoldOff int64
 	// ResetAfter is the microseconds until the shared bucket is full again.
 	ResetAfter int64
+	// Banned says that this refusal started a ban.
+	Banned bool
 }
 
 // Lease takes tokens for a node to spend on its own (DESIGN section 9):
@@ -268,8 +273,9 @@ func Lease(s State, now int64, l Limit, cost, want int64) (State, LeaseResult) {
 	level := l.units() - deficit
 	if level < cost*l.Rate.Interval {
 		if l.Ban > 0 {
-			s, _ = ban(s, now, l, cost*l.Rate.Interval)
-			return s, LeaseResult{HoldOff: untilLevel(s, now, l, want*l.Rate.Interval), ResetAfter: s.FullAt - now}
+			var res Result
+			s, res = ban(s, now, l, cost*l.Rate.Interval)
+			return s, LeaseResult{HoldOff: untilLevel(s, now, l, want*l.Rate.Interval), ResetAfter: s.FullAt - now, Banned: res.Banned}
 		}
 		return s, LeaseResult{
 			Remaining:  level / l.Rate.Interval,

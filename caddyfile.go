@@ -63,6 +63,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    dry_run
 //	    key_secret <secret>
 //	    no_key ip|deny
+//	    count_status <code|class...>
+//	    ban <duration>
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
@@ -84,7 +86,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key"); err != nil {
+		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban"); err != nil {
 			return err
 		}
 		var err error
@@ -109,6 +111,15 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = oneArg(d, &h.KeySecret)
 		case "no_key":
 			err = oneArg(d, &h.NoKey)
+		case "count_status":
+			if h.CountStatus = d.RemainingArgs(); len(h.CountStatus) == 0 {
+				return d.Err("count_status: want one or more status codes or classes, such as 401 or 4xx")
+			}
+			if _, err := parseStatusSet(h.CountStatus); err != nil {
+				return d.Err(err.Error())
+			}
+		case "ban":
+			err = positiveDuration(d, &h.Ban)
 		case "status":
 			var n int64
 			if n, err = intArg(d); err == nil {

@@ -22,6 +22,8 @@ type decision struct {
 	claims  requestClaims
 	result  Result
 	outcome outcome
+	// took is the store the tokens came from, for count_status.
+	took Store
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The response's header values, rendered once into text.

@@ -89,6 +89,8 @@ type lease struct {
 type leaseCall struct {
 	done chan struct{}
 	err  error
+	// banned: the call's refusal started a ban.
+	banned bool
 }
 
 // leaseSize is the lease setting: a number of tokens, or a share of each
@@ -164,7 +166,7 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		e = t.insert(sh, string(key), l, now)
 	}
 	e.limit, e.lastUsed = l, now
-	waited := false
+	waited, banned := false, false
 	for {
 		if e.tokens >= cost {
 			e.tokens -= cost
@@ -177,12 +179,13 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		}
 		if now < e.holdUntil || waited {
 			res := e.result(now, false, cost)
+			res.Banned = banned
 			sh.mu.Unlock()
 			return res, nil
 		}
-		c := e.call
+		c, mine := e.call, false
 		if c == nil {
-			c = t.fetch(e, cost, now, false)
+			c, mine = t.fetch(e, cost, now, false), true
 		}
 		sh.mu.Unlock()
 		select {
@@ -193,6 +196,7 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		if c.err != nil {
 			return Result{}, c.err
 		}
+		banned = mine && c.banned
 		sh.mu.Lock()
 		now, waited = t.now(), true
 		if sh.m[string(key)] != e {
@@ -283,7 +287,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			t.apply(e, lr, want, now)
 		}
 		e.call = nil
-		c.err = err
+		c.err, c.banned = err, lr.Banned
 		sh.mu.Unlock()
 		close(c.done)
 	}(e.key, e.limit)
@@ -312,6 +316,20 @@ func leaseOutcome(granted, want int64) string {
 		return "partial"
 	}
 	return "granted"
+}
+
+// giveBackHeld returns n tokens to this node's lease on the bucket at key,
+// if it holds one: they were taken from it.
+func (t *leaseTable) giveBackHeld(key []byte, n int64) bool {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[string(key)]
+	if e == nil {
+		return false
+	}
+	e.tokens += n
+	return true
 }
 
 // reset drops this node's lease on the bucket at key: its tokens are not
@@ -441,7 +459,7 @@ func (s *RedisStore) lease(key string, l Limit, cost, want int64) (LeaseResult, 
 	if err != nil {
 		return LeaseResult{}, err
 	}
-	return LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3]}, nil
+	return LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3], Banned: len(vals) == 6 && vals[5] == 1}, nil
 }
 
 // giveBack returns unused leased tokens to their buckets in one pipeline,

@@ -23,6 +23,11 @@ var (
 		Buckets: []float64{0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25},
 	}, []string{"store"})
 
+	bansTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "bans_total",
+		Help: "Bans started (ban): denials that emptied a bucket for the ban's length, by policy and tier.",
+	}, []string{"policy", "tier"})
+
 	storeErrorsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "store_errors_total",
 		Help: "Decisions the store failed to make, so that on_store_error decided.",
@@ -68,7 +73,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, denyCacheHitsCounter, keysGauge, leasesTotal, leaseTokensReturned, leaseEvictions} {
+	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, denyCacheHitsCounter, keysGauge, bansTotal, leasesTotal, leaseTokensReturned, leaseEvictions} {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

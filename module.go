@@ -83,6 +83,18 @@ type Handler struct {
 	// node sharing a Redis store needs the same secret.
 	KeySecret string `json:"key_secret,omitempty"`
 
+	// CountStatus, when set, keeps a request's tokens taken only when its
+	// response has one of these statuses: codes such as "401", or classes
+	// such as "4xx". Tokens are taken before the request goes on, as
+	// always, and given back after any other response, so that a login
+	// form limits failed attempts only.
+	CountStatus []string `json:"count_status,omitempty"`
+
+	// Ban, when set, holds a denied client's bucket empty for this long
+	// from the denial, in the shared store too. Denials during the ban do
+	// not extend it; when it ends, the bucket refills from empty.
+	Ban caddy.Duration `json:"ban,omitempty"`
+
 	// NoKey says what happens when no keyer names the client: "ip" keys it
 	// by its IP address; "deny" answers 400 and the request goes no
 	// further, so that a client cannot leave the per-user bucket by sending
@@ -105,6 +117,8 @@ type Handler struct {
 
 	// noKeyDeny is NoKey == "deny".
 	noKeyDeny bool
+	// counted is CountStatus as a set; nil counts every response.
+	counted *statusSet
 }
 
 // CaddyModule returns the Caddy module information.
@@ -238,6 +252,9 @@ func (h *Handler) validate() error {
 		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
 	}
 	if err := h.validateNoKey(); err != nil {
+		return err
+	}
+	if err := h.validateLogin(); err != nil {
 		return err
 	}
 	switch h.Headers {
@@ -387,6 +404,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	began := time.Now()
 	res, err := h.store.Take(r.Context(), &d.bucket, tier.limit, tier.cost)
 	h.storeTime.Observe(time.Since(began).Seconds())
+	d.took = h.store
 	if err != nil {
 		h.storeErrors.Inc()
 		return h.storeFailed(w, r, next, d, err)
@@ -429,6 +447,9 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			o, msg = outcomeDryRun, "rate limited (dry run: let through)"
 		}
 		d.decide(o)
+		if res.Banned {
+			bansTotal.WithLabelValues(h.Name, d.tier.Name).Inc()
+		}
 		if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
 		}
@@ -441,6 +462,9 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		// values through the other's.
 		upstream := d.resp
 		h.setHeaders(r.Header, &upstream)
+	}
+	if h.counted != nil && res.Allowed {
+		return h.serveCounted(w, r, next, d)
 	}
 	return next.ServeHTTP(w, r)
 }
@@ -458,6 +482,7 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
 	res, _ := h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.tier.cost)
+	d.took = h.local
 	return h.finish(w, r, next, d, res)
 }
 

@@ -70,16 +70,18 @@ local function store(deficit)
 end
 
 -- apply_ban empties the bucket for ban µs from now, unless a ban, which
--- leaves it lacking more than the whole bucket, holds it already.
+-- leaves it lacking more than the whole bucket, holds it already. It
+-- returns 1 when it started a ban, else 0.
 local function apply_ban(ban)
   local gap = full_at - now
-  if gap > 0 and gap > idiv(units + slack, tokens) then return end
+  if gap > 0 and gap > idiv(units + slack, tokens) then return 0 end
   local refill = ceildiv(units, tokens)
   full_at, slack = now + ban + refill, refill * tokens - units
   local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', full_at, slack), 'PX', ceildiv(full_at - now, 1000) + 1)
   if type(ok) == 'table' and ok.err then
     error('rate_limit: Redis refused to write the bucket: ' .. ok.err)
   end
+  return 1
 end
 
 -- wait_for is the µs until the bucket holds x units, at least 1; it holds
@@ -96,7 +98,8 @@ end
 // (µs): a denial then empties the bucket for that long, unless a ban holds
 // it already. Any other denial writes nothing.
 //
-// It returns {allowed (0|1), remaining, retry after, reset after, now}.
+// It returns {allowed (0|1), remaining, retry after, reset after, now},
+// and a sixth value, 1, when the denial started a ban.
 const takeScript = scriptPrelude + `
 if count == 0 then
   local allowed = 0
@@ -109,8 +112,8 @@ if level < need then
   if ban <= 0 then
     return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
   end
-  apply_ban(ban)
-  return {0, 0, wait_for(need), full_at - now, now}
+  local started = apply_ban(ban)
+  return {0, 0, wait_for(need), full_at - now, now, started}
 end
 local refill = store(deficit + need)
 return {1, idiv(level - need, interval), 0, refill, now}
@@ -120,14 +123,15 @@ return {1, idiv(level - need, interval), 0, refill, now}
 // ARGV[6] is the tokens the node wants (ARGV[5] must then be given), and
 // ARGV[7] the ban (µs, 0 for none), applied when the lease is refused.
 //
-// It returns {granted, remaining, hold-off, reset after, now}.
+// It returns {granted, remaining, hold-off, reset after, now}, and a sixth
+// value, 1, when the refusal started a ban.
 const leaseScript = scriptPrelude + `
 local want = tonumber(ARGV[6])
 local ban = tonumber(ARGV[7] or '0')
 if level < count * interval then
   if ban > 0 then
-    apply_ban(ban)
-    return {0, 0, wait_for(want * interval), full_at - now, now}
+    local started = apply_ban(ban)
+    return {0, 0, wait_for(want * interval), full_at - now, now, started}
   end
   return {0, idiv(level, interval), ceildiv(want * interval - level, tokens), ceildiv(deficit, tokens), now}
 end

@@ -30,6 +30,9 @@ type Store interface {
 	Peek(ctx context.Context, b *Bucket, l Limit) (Result, error)
 	// Reset makes the bucket full again.
 	Reset(ctx context.Context, b *Bucket) error
+	// GiveBack returns n tokens that a Take took, up to the capacity: for
+	// count_status, when the response's status is not one that counts.
+	GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error
 }
 
 // policyStore is a store that keeps each policy's buckets apart. The handler

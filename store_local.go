@@ -102,6 +102,12 @@ func (s *LocalStore) Reset(_ context.Context, b *Bucket) error {
 	return nil
 }
 
+// GiveBack implements Store.
+func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l Limit, n int64) error {
+	s.buckets.giveBack(b, l, n)
+	return nil
+}
+
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
 //
 //	store local {
@@ -203,7 +209,7 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 	sh.mu.Lock()
 	old, ok := sh.states.get(id)
 	st, res := Take(old, now, l, cost)
-	if res.Allowed {
+	if res.Allowed || res.Banned {
 		if !ok {
 			if lb.count.Load() >= lb.maxKeys.Load() {
 				lb.makeRoom(sh, now, id)
@@ -224,6 +230,17 @@ func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
 	res := Peek(st, now, l)
 	sh.mu.Unlock()
 	return res
+}
+
+func (lb *localBuckets) giveBack(b *Bucket, l Limit, n int64) {
+	sh, id := lb.locate(b)
+	now := lb.now()
+	sh.mu.Lock()
+	if st, ok := sh.states.get(id); ok {
+		// A bucket back to full is no bucket; keeping it costs nothing.
+		sh.states.put(id, GiveBack(st, now, l, n))
+	}
+	sh.mu.Unlock()
 }
 
 func (lb *localBuckets) reset(b *Bucket) {

@@ -207,6 +207,20 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 	return res, err
 }
 
+// GiveBack implements Store: into this node's lease when the take came
+// from one, else one script call.
+func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
+	if s.leases != nil && s.leases.size.of(l) > n {
+		var buf [192]byte
+		if s.leases.giveBackHeld(s.appendKey(buf[:0], b), n) {
+			return nil
+		}
+	}
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset}
+	_, err := s.call(context.WithoutCancel(ctx), giveBackBucketScript, s.key(b), args, false)
+	return err
+}
+
 // Peek implements Store.
 func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, error) {
 	res, _, err := s.run(ctx, s.key(b), l, 0)
@@ -254,7 +268,7 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	if err != nil {
 		return Result{}, 0, err
 	}
-	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3]}, vals[4], nil
+	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3], Banned: len(vals) == 6 && vals[5] == 1}, vals[4], nil
 }
 
 // call runs a script that answers five numbers on one key, within the
@@ -274,8 +288,8 @@ func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string,
 	} else {
 		vals, err = script.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
 	}
-	if err == nil && len(vals) != 5 {
-		err = fmt.Errorf("script answered %d values, want 5", len(vals))
+	if err == nil && len(vals) != 5 && len(vals) != 6 {
+		err = fmt.Errorf("script answered %d values, want 5 or 6", len(vals))
 	}
 	s.record(ctx, probe, err)
 	if err != nil {

@@ -41,7 +41,9 @@ type Tier struct {
 
 	matchers caddyhttp.MatcherSets
 	limit    Limit
-	cost     int64
+	// ban is the handler's ban (µs), which the tier's limit carries.
+	ban  int64
+	cost int64
 	// Header values that do not change from request to request.
 	limitText  string
 	policyText string
@@ -87,7 +89,7 @@ func (t *Tier) validate() error {
 	if t.cost == 0 {
 		t.cost = 1
 	}
-	t.limit = Limit{Capacity: t.Capacity, Rate: rate}
+	t.limit = Limit{Capacity: t.Capacity, Rate: rate, Ban: t.ban}
 	if err := t.limit.Validate(t.cost); err != nil {
 		return fmt.Errorf("tier %q: %w", t.Name, err)
 	}

@@ -1,0 +1,109 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+)
+
+// Protecting logins (DESIGN section 10): count_status keeps the tokens of
+// the responses that count, such as 401, and gives the others back; ban
+// holds a denied client off for a while (the bucket math is in bucket.go).
+
+// statusSet is a set of response statuses, 100 to 599.
+type statusSet [600]bool
+
+// parseStatusSet reads codes ("401") and classes ("4xx").
+func parseStatusSet(list []string) (*statusSet, error) {
+	set := new(statusSet)
+	for _, s := range list {
+		if len(s) == 3 && s[0] >= '1' && s[0] <= '5' && (s[1:] == "xx" || s[1:] == "XX") {
+			lo := int(s[0]-'0') * 100
+			for c := lo; c < lo+100; c++ {
+				set[c] = true
+			}
+			continue
+		}
+		code, err := strconv.Atoi(s)
+		if err != nil || code < 100 || code > 599 {
+			return nil, fmt.Errorf("count_status %q: want a status code from 100 to 599, such as 401, or a class such as 4xx", s)
+		}
+		set[code] = true
+	}
+	return set, nil
+}
+
+// validateLogin checks count_status and ban, and hands the ban to the
+// tiers' limits.
+func (h *Handler) validateLogin() error {
+	if h.CountStatus != nil {
+		if len(h.CountStatus) == 0 {
+			return errors.New("count_status: give one or more status codes or classes, such as 401 or 4xx")
+		}
+		set, err := parseStatusSet(h.CountStatus)
+		if err != nil {
+			return err
+		}
+		h.counted = set
+	}
+	if h.Ban < 0 {
+		return fmt.Errorf("ban %s: must be above 0", time.Duration(h.Ban))
+	}
+	for _, t := range h.Tiers {
+		t.ban = time.Duration(h.Ban).Microseconds()
+	}
+	return nil
+}
+
+// serveCounted passes the request on and gives its tokens back unless the
+// status the client gets is one that counts. An error from a later handler
+// counts with its status code, or 500 when it has none.
+func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
+	rec := &statusRecorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	err := next.ServeHTTP(rec, r)
+	status := rec.status
+	if err != nil && status == 0 {
+		status = http.StatusInternalServerError
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) && he.StatusCode != 0 {
+			status = he.StatusCode
+		}
+	}
+	if status == 0 {
+		status = http.StatusOK
+	}
+	if status < len(h.counted) && h.counted[status] {
+		return err
+	}
+	// The client may be gone; the give-back still belongs to its bucket.
+	if gbErr := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, d.tier.cost); gbErr != nil {
+		h.storeLog.Warn("rate limit store: giving back the tokens of an uncounted response failed", zap.String("policy", h.Name), zap.Int("status", status), zap.Error(gbErr))
+	}
+	return err
+}
+
+// statusRecorder notes the final status a response is sent with.
+type statusRecorder struct {
+	*caddyhttp.ResponseWriterWrapper
+	status int
+}
+
+func (rec *statusRecorder) WriteHeader(code int) {
+	if rec.status == 0 && code >= 200 {
+		rec.status = code
+	}
+	rec.ResponseWriterWrapper.WriteHeader(code)
+}
+
+func (rec *statusRecorder) Write(b []byte) (int, error) {
+	if rec.status == 0 {
+		rec.status = http.StatusOK
+	}
+	return rec.ResponseWriterWrapper.Write(b)
+}

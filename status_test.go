@@ -1,0 +1,231 @@
+package ratelimit
+
+import (
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+)
+
+// loginDirectives is a login form's limit: wrong passwords get 401 from a
+// matcher, right ones 200.
+const loginDirectives = `
+	rate_limit 3 1/h {
+		key header X-User
+		%s
+	}
+	@wrong header X-Password wrong
+	respond @wrong "wrong password" 401
+	respond "welcome"`
+
+func TestCountStatusLimitsFailedAttemptsOnly(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, fmt.Sprintf(loginDirectives, "count_status 401"))
+	right, wrong := []string{"X-User: ann", "X-Password: right"}, []string{"X-User: ann", "X-Password: wrong"}
+	for i := range 10 {
+		if r := s.get("/", right...); r.status != 200 {
+			t.Fatalf("right password %d: %d, want 200: successes are given back", i+1, r.status)
+		}
+	}
+	for i := range 3 {
+		if r := s.get("/", wrong...); r.status != 401 {
+			t.Fatalf("wrong password %d: %d, want 401", i+1, r.status)
+		}
+	}
+	if r := s.get("/", wrong...); r.status != 429 {
+		t.Fatalf("fourth wrong password: %d, want 429", r.status)
+	}
+	// The point: a user who has spent the bucket is refused even with the
+	// right password, so the password cannot be found by trying.
+	if r := s.get("/", right...); r.status != 429 {
+		t.Fatalf("right password after three wrong: %d, want 429", r.status)
+	}
+	if r := s.get("/", "X-User: bob", "X-Password: wrong"); r.status != 401 {
+		t.Fatalf("another user: %d, want 401 from a bucket of its own", r.status)
+	}
+}
+
+// The status that counts is the one the client gets: an error from a later
+// handler counts with its code, 500 when it has none.
+func TestCountStatusSeesErrorsOfLaterHandlers(t *testing.T) {
+	for _, tt := range []struct {
+		name, counts, handler string
+		wantStatus            int
+		counted               bool
+	}{
+		{"error 403 counted by code", "403", `error "forbidden" 403`, 403, true},
+		{"error 403 counted by class", "4xx", `error "forbidden" 403`, 403, true},
+		{"error without a code is a 500", "4xx", `error "boom"`, 500, false},
+		{"error 500 counted by class", "5xx", `error "boom" 500`, 500, true},
+		{"a 200 not counted", "4xx", `respond "ok"`, 200, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit 2 1/h {
+		count_status %s
+	}
+	%s`, tt.counts, tt.handler))
+			got := make([]int, 4)
+			for i := range got {
+				got[i] = s.from("127.0.0.2", "/").status
+			}
+			want := []int{tt.wantStatus, tt.wantStatus, tt.wantStatus, tt.wantStatus}
+			if tt.counted {
+				want[2], want[3] = 429, 429
+			}
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Errorf("statuses %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+// Tokens are taken before the request goes on: concurrent wrong attempts
+// never get more than the capacity through before their give-backs.
+func TestConcurrentFailedAttemptsNeverOverrunTheBucket(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, fmt.Sprintf(loginDirectives, "count_status 401"))
+	var unauthorized, limited, other atomic.Int64
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for range 60 {
+		wg.Go(func() {
+			<-start
+			switch s.get("/", "X-User: carol", "X-Password: wrong").status {
+			case 401:
+				unauthorized.Add(1)
+			case 429:
+				limited.Add(1)
+			default:
+				other.Add(1)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if unauthorized.Load() != 3 || limited.Load() != 57 || other.Load() != 0 {
+		t.Errorf("60 concurrent wrong attempts: %d reached the form, %d limited, %d other; want 3, 57, 0", unauthorized.Load(), limited.Load(), other.Load())
+	}
+}
+
+func TestBanHoldsADeniedClientOff(t *testing.T) {
+	clock := useFakeClock(t)
+	s := serve(t, `
+	rate_limit 2 1/s {
+		ban 1h
+	}
+	respond "ok"`)
+	for range 2 {
+		s.from("127.0.0.2", "/")
+	}
+	r := s.from("127.0.0.2", "/")
+	if r.status != 429 || r.header.Get("Retry-After") != "3601" {
+		t.Fatalf("the banning denial: %d, Retry-After %q; want 429 and 3601 (the ban, then a token)", r.status, r.header.Get("Retry-After"))
+	}
+	var m dto.Metric
+	if err := bansTotal.WithLabelValues("default", "default").Write(&m); err != nil || m.GetCounter().GetValue() < 1 {
+		got := m.GetCounter().GetValue()
+		t.Errorf("bans_total{default,default} = %v after a ban, want at least 1", got)
+	}
+	clock.advance(10 * time.Minute)
+	if r := s.from("127.0.0.2", "/"); r.status != 429 || r.header.Get("Retry-After") != "3001" {
+		t.Fatalf("10 minutes into the ban: %d, Retry-After %q; want 429 and 3001: a denial does not extend the ban", r.status, r.header.Get("Retry-After"))
+	}
+	if r := s.from("127.0.0.3", "/"); r.status != 200 {
+		t.Fatalf("another client: %d, want 200", r.status)
+	}
+	clock.advance(50*time.Minute + time.Second)
+	if r := s.from("127.0.0.2", "/"); r.status != 200 {
+		t.Fatalf("after the ban and a second's refill: %d, want 200", r.status)
+	}
+	if r := s.from("127.0.0.2", "/"); r.status != 429 {
+		t.Fatalf("a second request at once: %d, want 429: the bucket refills from empty", r.status)
+	}
+}
+
+func TestLoginSettingsMistakes(t *testing.T) {
+	for _, tt := range []struct{ line, want string }{
+		{"count_status", "count_status: want one or more"},
+		{"count_status 401 6xx", `count_status "6xx"`},
+		{"count_status 42", `count_status "42"`},
+		{"ban 0s", "ban"},
+		{"ban -1m", "ban"},
+		{"ban soon", "ban"},
+		{"ban 1m\n ban 2m", "ban: given twice"},
+	} {
+		_, err := adaptSite("rate_limit 10 1/s {\n " + tt.line + "\n }")
+		if err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%q: error %v, want one containing %q", tt.line, err, tt.want)
+		}
+	}
+}
+
+// Two Caddy processes on one redis-server: successes given back on either
+// node leave the shared bucket whole; failures on both spend it; the ban
+// that one node starts holds on the other.
+func TestTwoCaddyProcessesShareGiveBacksAndBans(t *testing.T) {
+	srv := startRedis(t)
+	var ports [2]int
+	for i := range ports {
+		ports[i] = freePort(t)
+		startCaddyProcess(t, ports[i], fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	handle /ready {
+		respond "ready"
+	}
+	rate_limit 3 1/h {
+		name login
+		key header X-User
+		count_status 401
+		ban 1h
+		store redis {
+			address %s
+			timeout 2s
+		}
+	}
+	@wrong header X-Password wrong
+	respond @wrong "wrong password" 401
+	respond "welcome"
+}
+`, ports[i], srv.url()))
+	}
+	client := &http.Client{Timeout: 10 * time.Second}
+	attempt := func(node int, password string) *http.Response {
+		req, _ := http.NewRequest("GET", "http://127.0.0.1:"+strconv.Itoa(ports[node])+"/", nil)
+		req.Header.Set("X-User", "dave")
+		req.Header.Set("X-Password", password)
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
+	}
+	for i := range 8 {
+		if r := attempt(i%2, "right"); r.StatusCode != 200 {
+			t.Fatalf("right password %d on node %d: %d, want 200", i+1, i%2, r.StatusCode)
+		}
+	}
+	for i := range 3 {
+		if r := attempt(i%2, "wrong"); r.StatusCode != 401 {
+			t.Fatalf("wrong password %d on node %d: %d, want 401", i+1, i%2, r.StatusCode)
+		}
+	}
+	r := attempt(1, "wrong")
+	// The ban's hour, then an hour to refill one attempt at 1/h.
+	if r.StatusCode != 429 || r.Header.Get("Retry-After") != "7200" {
+		t.Fatalf("fourth wrong password on node 1: %d, Retry-After %q; want 429 and 7200", r.StatusCode, r.Header.Get("Retry-After"))
+	}
+	if r := attempt(0, "right"); r.StatusCode != 429 {
+		t.Fatalf("right password on node 0 during the ban node 1 started: %d, want 429", r.StatusCode)
+	}
+}
