@@ -91,6 +91,11 @@ type leaseCall struct {
 	err  error
 	// banned: the call's refusal started a ban.
 	banned bool
+	// short: the call got fewer tokens than it asked for, so the shared
+	// bucket is empty for now and strict mode would refuse too.
+	short bool
+	// joined counts the requests that wait on the call besides its own.
+	joined int
 }
 
 // leaseSize is the lease setting: a number of tokens, or a share of each
@@ -186,6 +191,8 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		c, mine := e.call, false
 		if c == nil {
 			c, mine = t.fetch(e, cost, now, false), true
+		} else {
+			c.joined++
 		}
 		sh.mu.Unlock()
 		select {
@@ -198,7 +205,11 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		}
 		banned = mine && c.banned
 		sh.mu.Lock()
-		now, waited = t.now(), true
+		// A short lease means the shared bucket is empty: the requests it
+		// did not cover are refused, with no second round trip. A full one
+		// that others spent first (a small early lease) leaves the shared
+		// bucket holding more: ask again, as strict mode would.
+		now, waited = t.now(), c.short
 		if sh.m[string(key)] != e {
 			// Evicted meanwhile: its tokens went back.
 			sh.mu.Unlock()
@@ -287,7 +298,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			t.apply(e, lr, want, now)
 		}
 		e.call = nil
-		c.err, c.banned = err, lr.Banned
+		c.err, c.banned, c.short = err, lr.Banned, lr.Granted < want
 		sh.mu.Unlock()
 		close(c.done)
 	}(e.key, e.limit)

@@ -22,9 +22,14 @@ type sharedModel struct {
 	states map[string]State
 	calls  int
 	down   bool
+	// gate, when set, holds every lease call until it is closed.
+	gate chan struct{}
 }
 
 func (m *sharedModel) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
+	if m.gate != nil {
+		<-m.gate
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++
@@ -507,4 +512,40 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 		t.Errorf("%d lease calls, want at most %d", m.calls, most)
 	}
 	t.Logf("%d of %d admitted (bound %d), %d lease calls", admitted, seconds*perSecond, bound, m.calls)
+}
+
+// Requests that wait on a lease call the tokens of which others spent
+// first (a node's first leases are small) are not refused while the shared
+// bucket still holds tokens: they ask again, as strict mode would allow
+// them. Only a short lease, which leaves the shared bucket empty, refuses
+// the requests it did not cover.
+func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]State{}, gate: make(chan struct{})}
+	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
+	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
+	defer node.close()
+	const waiting = 5
+	results := make(chan Result, waiting)
+	for range waiting {
+		go func() {
+			res, _ := node.take(bg, []byte("k"), l, 1)
+			results <- res
+		}()
+	}
+	// Let every request reach the one call in flight, then answer it.
+	waitFor(t, 5*time.Second, "the requests to wait on one call", func() bool {
+		sh := node.shard([]byte("k"))
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		e := sh.m["k"]
+		return e != nil && e.call != nil && e.call.joined == waiting-1
+	})
+	close(m.gate)
+	for range waiting {
+		if res := <-results; !res.Allowed {
+			t.Errorf("a request was refused (%+v) while the shared bucket held %d tokens", res, l.Capacity-waiting)
+		}
+	}
 }
