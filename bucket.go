@@ -211,3 +211,53 @@ func Peek(s State, now int64, l Limit) Result {
 }
 
 func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
+
+// LeaseResult is what one lease call decided for a node.
+type LeaseResult struct {
+	// Granted is the whole tokens the node took; 0 when refused.
+	Granted int64
+	// Remaining is the whole tokens left in the shared bucket.
+	Remaining int64
+	// HoldOff is, when fewer than the tokens asked for were granted, the
+	// microseconds until the shared bucket holds them; 0 otherwise.
+	HoldOff int64
+	// ResetAfter is the microseconds until the shared bucket is full again.
+	ResetAfter int64
+}
+
+// Lease takes tokens for a node to spend on its own (DESIGN section 9):
+// when the bucket holds at least cost tokens, min(whole tokens held, want),
+// else none. A partial or refused lease says how long until the bucket
+// holds want, so that the node waits that long before asking again. want
+// must lie in [cost, Capacity].
+func Lease(s State, now int64, l Limit, cost, want int64) (State, LeaseResult) {
+	deficit := s.deficit(now, l)
+	level := l.units() - deficit
+	if level < cost*l.Rate.Interval {
+		return s, LeaseResult{
+			Remaining:  level / l.Rate.Interval,
+			HoldOff:    ceilDiv(want*l.Rate.Interval-level, l.Rate.Tokens),
+			ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
+		}
+	}
+	granted := min(level/l.Rate.Interval, want)
+	deficit += granted * l.Rate.Interval
+	level -= granted * l.Rate.Interval
+	refill := ceilDiv(deficit, l.Rate.Tokens)
+	res := LeaseResult{Granted: granted, Remaining: level / l.Rate.Interval, ResetAfter: refill}
+	if granted < want {
+		res.HoldOff = ceilDiv(want*l.Rate.Interval-level, l.Rate.Tokens)
+	}
+	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}, res
+}
+
+// GiveBack returns n unused leased tokens to the bucket, which never holds
+// more than its capacity.
+func GiveBack(s State, now int64, l Limit, n int64) State {
+	deficit := s.deficit(now, l) - n*l.Rate.Interval
+	if deficit <= 0 {
+		return State{}
+	}
+	refill := ceilDiv(deficit, l.Rate.Tokens)
+	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}
+}

@@ -68,7 +68,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, denyCacheHitsCounter, keysGauge} {
+	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, denyCacheHitsCounter, keysGauge, leasesTotal, leaseTokensReturned, leaseEvictions} {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

@@ -50,6 +50,7 @@ const (
 	defaultBreakerFailures = 5
 	defaultBreakerCooldown = 2 * time.Second
 	defaultDenyCacheSize   = 100000
+	defaultLeaseTTL        = time.Second
 )
 
 // redisPool holds the clients, by connection settings, across reloads.
@@ -64,6 +65,8 @@ type redisSettings struct {
 	cooldown     time.Duration
 	denyCapacity int
 	batch        bool
+	lease        leaseSize
+	leaseTTL     time.Duration
 }
 
 // settings applies the defaults, expands placeholders, checks every value
@@ -78,10 +81,14 @@ func (s *RedisStore) settings() (*redisSettings, error) {
 		cooldown:     cmp.Or(time.Duration(s.BreakerCooldown), defaultBreakerCooldown),
 		denyCapacity: cmp.Or(s.DenyCacheSize, defaultDenyCacheSize),
 		batch:        s.Batch == nil || *s.Batch,
+		leaseTTL:     cmp.Or(time.Duration(s.LeaseTTL), defaultLeaseTTL),
+	}
+	var err error
+	if cfg.lease, err = parseLeaseSize(s.Lease); err != nil {
+		return nil, err
 	}
 	repl := caddy.NewReplacer()
 	c := &clientParams{expand: func(v string) string { return repl.ReplaceKnown(v, "") }}
-	var err error
 	if c.tls, c.id.TLS, err = s.tlsConfig(c.expand); err != nil {
 		return nil, err
 	}
@@ -270,6 +277,8 @@ func (s *RedisStore) validate() error {
 		return fmt.Errorf("store redis: breaker_failures %d: must be at least 1", s.BreakerFailures)
 	case s.BreakerCooldown < 0:
 		return fmt.Errorf("store redis: breaker_cooldown %s: must be above 0", time.Duration(s.BreakerCooldown))
+	case s.LeaseTTL < 0:
+		return fmt.Errorf("store redis: lease_ttl %s: must be above 0", time.Duration(s.LeaseTTL))
 	case s.DenyCacheSize < 0:
 		return fmt.Errorf("store redis: deny_cache_size %d: must be at least 1", s.DenyCacheSize)
 	}
@@ -431,7 +440,9 @@ func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
 	// down is no error here: decisions will say so.
 	go func() {
 		defer cancel()
-		_ = bucketScript.Load(ctx, c.client).Err()
+		for _, script := range []*redis.Script{bucketScript, leaseBucketScript, giveBackBucketScript} {
+			_ = script.Load(ctx, c.client).Err()
+		}
 	}()
 	return c
 }

@@ -2,24 +2,23 @@ package ratelimit
 
 import "github.com/redis/go-redis/v9"
 
-// takeScript applies one request to one bucket, atomically, with the math
-// of bucket.go's Take and Peek, in Lua's doubles: every figure stays below
-// 2^53, so they are exact, and idiv corrects the rounding of a quotient.
+// The scripts apply bucket.go's math to one bucket, atomically, in Lua's
+// doubles: every figure stays below 2^53, so they are exact, and idiv
+// corrects the rounding of a quotient.
 //
 // KEYS[1] is the bucket, stored as "<fullAt> <slack>" (microseconds of the
 // server's TIME) and expiring when the bucket is full again, when it is the
-// same as no bucket. A denial writes nothing.
+// same as no bucket.
 //
-// ARGV: capacity, rate tokens, rate interval (µs), cost (0 peeks), and
+// Every script's ARGV starts alike: capacity, rate tokens, rate interval
+// (µs), a count of tokens (what each script does with it, below), and
 // optionally microseconds to add to TIME, which only tests pass.
 //
-// It returns {allowed (0|1), remaining, retry after, reset after, now}.
-//
-// It reads TIME and then writes, which Redis before 5 refuses unless the
+// They read TIME and then write, which Redis before 5 refuses unless the
 // script replicates its effects rather than itself: replicate_commands
 // asks for that on 3.2 and 4, and does nothing from 5 on (7 only keeps it
 // for old scripts). Older Redis refuses the write; the error says why.
-const takeScript = `
+const scriptPrelude = `
 if redis.replicate_commands then redis.replicate_commands() end
 local function idiv(a, b)
   local q = math.floor(a / b)
@@ -32,7 +31,7 @@ local function ceildiv(a, b) return idiv(a + b - 1, b) end
 local capacity = tonumber(ARGV[1])
 local tokens = tonumber(ARGV[2])
 local interval = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
+local count = tonumber(ARGV[4])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[5] or '0')
 local units = capacity * interval
@@ -54,25 +53,74 @@ if now < full_at then
 end
 local level = units - deficit
 
-if cost == 0 then
+-- store keeps a bucket that lacks deficit units, until it is full again;
+-- a full bucket is no bucket. It returns the microseconds until full.
+local function store(deficit)
+  if deficit <= 0 then
+    redis.call('DEL', KEYS[1])
+    return 0
+  end
+  local refill = ceildiv(deficit, tokens)
+  local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
+    'PX', ceildiv(refill, 1000) + 1)
+  if type(ok) == 'table' and ok.err then
+    error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
+  end
+  return refill
+end
+`
+
+// takeScript applies one request: bucket.go's Take, or Peek when the count
+// (the request's cost) is 0. A denial writes nothing.
+//
+// It returns {allowed (0|1), remaining, retry after, reset after, now}.
+const takeScript = scriptPrelude + `
+if count == 0 then
   local allowed = 0
   if level >= interval then allowed = 1 end
   return {allowed, idiv(level, interval), 0, ceildiv(deficit, tokens), now}
 end
-local need = cost * interval
+local need = count * interval
 if level < need then
   return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
 end
-deficit = deficit + need
-local refill = ceildiv(deficit, tokens)
-local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
-  'PX', ceildiv(refill, 1000) + 1)
-if type(ok) == 'table' and ok.err then
-  return redis.error_reply('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
-end
+local refill = store(deficit + need)
 return {1, idiv(level - need, interval), 0, refill, now}
+`
+
+// leaseScript is bucket.go's Lease: the count is the request's cost, and
+// ARGV[6] is the tokens the node wants (ARGV[5] must then be given).
+//
+// It returns {granted, remaining, hold-off, reset after, now}.
+const leaseScript = scriptPrelude + `
+local want = tonumber(ARGV[6])
+if level < count * interval then
+  return {0, idiv(level, interval), ceildiv(want * interval - level, tokens), ceildiv(deficit, tokens), now}
+end
+local granted = math.min(idiv(level, interval), want)
+level = level - granted * interval
+local refill = store(deficit + granted * interval)
+local hold = 0
+if granted < want then hold = ceildiv(want * interval - level, tokens) end
+return {granted, idiv(level, interval), hold, refill, now}
+`
+
+// giveBackScript is bucket.go's GiveBack: the count is the unused leased
+// tokens that go back, up to the capacity.
+//
+// It returns {count, 0, 0, reset after, now}.
+const giveBackScript = scriptPrelude + `
+local refill = store(deficit - count * interval)
+return {count, 0, 0, refill, now}
 `
 
 // bucketScript runs takeScript by EVALSHA, and by EVAL when Redis answers
 // NOSCRIPT (a restart, a failover, SCRIPT FLUSH), which loads it again.
 var bucketScript = redis.NewScript(takeScript)
+
+// leaseBucketScript and giveBackBucketScript run the lease scripts as
+// bucketScript runs takeScript.
+var (
+	leaseBucketScript    = redis.NewScript(leaseScript)
+	giveBackBucketScript = redis.NewScript(giveBackScript)
+)

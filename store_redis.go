@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/redis/go-redis/v9"
 )
 
 func init() {
@@ -93,7 +94,19 @@ type RedisStore struct {
 	// false sends each decision on its own. Default true.
 	Batch *bool `json:"batch,omitempty"`
 
+	// Lease is how many tokens of a shared bucket this node takes at once,
+	// to decide the requests they cover without calling Redis: a number,
+	// or a share of each tier's capacity such as "10%" (at least 1). The
+	// fleet still admits no more than with one call per decision (DESIGN
+	// section 9). Default 1: every decision asks Redis.
+	Lease string `json:"lease,omitempty"`
+
+	// LeaseTTL is how long leased tokens may stay unused on this node
+	// before they go back to the shared bucket. Default 1s.
+	LeaseTTL caddy.Duration `json:"lease_ttl,omitempty"`
+
 	conn    *redisConn
+	leases  *leaseTable // nil in strict mode
 	poolKey string
 	prefix  string
 	timeout time.Duration
@@ -126,6 +139,9 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.conn = val.(*redisConn)
 	s.poolKey = cfg.key
+	if !cfg.lease.strict() {
+		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, cfg.denyCapacity, ctx.Logger())
+	}
 	return nil
 }
 
@@ -134,6 +150,10 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 func (s *RedisStore) Cleanup() error {
 	if s.poolKey == "" {
 		return nil
+	}
+	if s.leases != nil {
+		s.leases.close()
+		s.leases = nil
 	}
 	_, err := redisPool.Delete(s.poolKey)
 	s.poolKey = ""
@@ -150,8 +170,12 @@ func (s *RedisStore) Cleanup() error {
 // and policy "a" with tier "b:c"). It is one key per bucket, with no hash
 // tag of its own, so a Cluster spreads the buckets over its masters.
 func (s *RedisStore) key(b *Bucket) string {
+	return string(s.appendKey(make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+16+32), b))
+}
+
+// appendKey appends the bucket's key to buf.
+func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
 	sum := bucketDigest(b)
-	buf := make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+16+32)
 	buf = append(buf, s.prefix...)
 	for _, part := range [...]string{b.Policy, b.Tier} {
 		buf = strconv.AppendInt(buf, int64(len(part)), 10)
@@ -159,12 +183,15 @@ func (s *RedisStore) key(b *Bucket) string {
 		buf = append(buf, part...)
 		buf = append(buf, ':')
 	}
-	buf = hex.AppendEncode(buf, sum[:16])
-	return string(buf)
+	return hex.AppendEncode(buf, sum[:16])
 }
 
 // Take implements Store.
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
+	if s.leases != nil && s.leases.size.of(l) > cost {
+		var buf [192]byte
+		return s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
+	}
 	key := s.key(b)
 	start := s.conn.now()
 	res, epoch, ok := s.conn.denied.get(key, l, cost, start)
@@ -189,6 +216,9 @@ func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, erro
 // deny caches until the retry time they were given.
 func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	key := s.key(b)
+	if s.leases != nil {
+		s.leases.reset([]byte(key))
+	}
 	s.conn.denied.remove(key)
 	// Again once Redis has answered: a Take that went to Redis before the
 	// reset is dropped when it puts its denial, but one that set out
@@ -211,35 +241,105 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 // run makes one decision in Redis, within the timeout and through the
 // breaker. It also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return Result{}, 0, errBreakerOpen
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
 	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost}
 	if s.clockOffset != 0 {
 		args = append(args, s.clockOffset)
 	}
+	vals, err := s.call(ctx, bucketScript, key, args, true)
+	if err != nil {
+		return Result{}, 0, err
+	}
+	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3]}, vals[4], nil
+}
+
+// lease takes a lease of want tokens on the bucket at key, for a request
+// costing cost, within the timeout and through the breaker.
+func (s *RedisStore) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want}
+	vals, err := s.call(context.Background(), leaseBucketScript, key, args, false)
+	if err != nil {
+		return LeaseResult{}, err
+	}
+	return LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3]}, nil
+}
+
+// call runs a script that answers five numbers on one key, within the
+// timeout and through the breaker; batched, through the batcher if there
+// is one.
+func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string, args []any, batched bool) ([]int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return nil, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
 	var vals []int64
 	var err error
-	if s.conn.batcher != nil {
+	if batched && s.conn.batcher != nil {
 		vals, err = s.conn.batcher.take(ctx, []string{key}, args)
 	} else {
-		vals, err = bucketScript.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
+		vals, err = script.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
 	}
 	if err == nil && len(vals) != 5 {
 		err = fmt.Errorf("script answered %d values, want 5", len(vals))
 	}
 	s.record(ctx, probe, err)
 	if err != nil {
-		var netErr net.Error
-		if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
-			return Result{}, 0, fmt.Errorf("redis store: no answer within %s: %w", s.timeout, err)
-		}
-		return Result{}, 0, fmt.Errorf("redis store: %w", err)
+		return nil, s.wrap(err)
 	}
-	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3]}, vals[4], nil
+	return vals, nil
+}
+
+// wrap says what went wrong with a call to Redis.
+func (s *RedisStore) wrap(err error) error {
+	var netErr net.Error
+	if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
+		return fmt.Errorf("redis store: no answer within %s: %w", s.timeout, err)
+	}
+	return fmt.Errorf("redis store: %w", err)
+}
+
+// giveBack returns unused leased tokens to their buckets in one pipeline,
+// and reports how many went back.
+func (s *RedisStore) giveBack(back []giveBack) (int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return 0, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	run := func(pipe redis.Pipeliner, g giveBack) *redis.Cmd {
+		return giveBackBucketScript.EvalSha(ctx, pipe, []string{g.key}, g.limit.Capacity, g.limit.Rate.Tokens, g.limit.Rate.Interval, g.tokens, s.clockOffset)
+	}
+	cmds := make([]*redis.Cmd, len(back))
+	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+		for i, g := range back {
+			cmds[i] = run(pipe, g)
+		}
+		return nil
+	})
+	var returned int64
+	var failed error
+	for i, cmd := range cmds {
+		err := cmd.Err()
+		if redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// Redis lost its scripts (a restart, a failover): EVAL loads it.
+			err = giveBackBucketScript.Run(ctx, s.conn.client, []string{back[i].key}, back[i].limit.Capacity, back[i].limit.Rate.Tokens, back[i].limit.Rate.Interval, back[i].tokens, s.clockOffset).Err()
+		}
+		if err == nil {
+			returned += back[i].tokens
+		} else if failed == nil {
+			failed = err
+		}
+	}
+	if failed == nil && err != nil && !redis.HasErrorPrefix(err, "NOSCRIPT") {
+		failed = err
+	}
+	s.record(ctx, probe, failed)
+	if failed != nil {
+		return returned, s.wrap(failed)
+	}
+	return returned, nil
 }
 
 // record tells the breaker how a call went; probe says whether the breaker
@@ -282,6 +382,8 @@ func (s *RedisStore) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
 //	    breaker_cooldown <duration>  # default 2s
 //	    deny_cache_size <n>     # default 100000
 //	    batch on|off            # pipeline concurrent decisions, default on
+//	    lease <n>|<p>%          # tokens a node takes at once, default 1 (strict)
+//	    lease_ttl <duration>    # unused leased tokens go back after, default 1s
 //	}
 func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // "redis"
@@ -290,7 +392,7 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch"); err != nil {
+		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch", "lease", "lease_ttl"); err != nil {
 			return err
 		}
 		if err := s.unmarshalSetting(d); err != nil {
@@ -338,6 +440,16 @@ func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
 		return positiveDuration(d, &s.BreakerCooldown)
 	case "deny_cache_size":
 		return intBetween(d, 1, 1<<26, &s.DenyCacheSize)
+	case "lease":
+		if err := oneArg(d, &s.Lease); err != nil {
+			return err
+		}
+		_, err := parseLeaseSize(s.Lease)
+		if err != nil {
+			return d.Err(err.Error())
+		}
+	case "lease_ttl":
+		return positiveDuration(d, &s.LeaseTTL)
 	case "batch":
 		var v string
 		if err := oneArg(d, &v); err != nil {
