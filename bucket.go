@@ -42,6 +42,10 @@ type Rate struct {
 type Limit struct {
 	Capacity int64
 	Rate     Rate
+	// Ban, when above 0, is how long (µs) a denial holds the bucket empty
+	// (DESIGN section 10). Denials during a ban do not extend it; when it
+	// ends, the bucket refills from empty.
+	Ban int64
 }
 
 // State is a bucket's stored state. The zero State is a full bucket.
@@ -183,6 +187,9 @@ func Take(s State, now int64, l Limit, cost int64) (State, Result) {
 	level := l.units() - deficit
 	need := cost * l.Rate.Interval
 	if level < need {
+		if l.Ban > 0 {
+			return ban(s, now, l, need)
+		}
 		return s, Result{
 			Remaining:  level / l.Rate.Interval,
 			RetryAfter: ceilDiv(need-level, l.Rate.Tokens),
@@ -196,6 +203,32 @@ func Take(s State, now int64, l Limit, cost int64) (State, Result) {
 		Remaining:  (level - need) / l.Rate.Interval,
 		ResetAfter: refill,
 	}
+}
+
+// ban answers a denial under a ban setting: it empties the bucket for
+// l.Ban from now, unless a ban already holds it, and says how long until
+// need units are back.
+func ban(s State, now int64, l Limit, need int64) (State, Result) {
+	if !banned(s, now, l) {
+		// Empty at now+Ban exactly, then refilling as usual.
+		refill := ceilDiv(l.units(), l.Rate.Tokens)
+		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.units()}
+	}
+	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now}
+}
+
+// banned reports whether s lacks more than the whole bucket at now: only a
+// ban writes such a state.
+func banned(s State, now int64, l Limit) bool {
+	gap := s.FullAt - now
+	return gap > 0 && gap > (l.units()+s.Slack)/l.Rate.Tokens
+}
+
+// untilLevel is the microseconds until the bucket in state s holds x
+// units, at least 1: the moment (FullAt-t)*Tokens - Slack falls to
+// units - x. It holds for a banned bucket too, whose deficit saturates.
+func untilLevel(s State, now int64, l Limit, x int64) int64 {
+	return max(1, s.FullAt-now-(l.units()-x+s.Slack)/l.Rate.Tokens)
 }
 
 // Peek reports the bucket as it stands at now, without taking: Allowed says
@@ -234,6 +267,10 @@ func Lease(s State, now int64, l Limit, cost, want int64) (State, LeaseResult) {
 	deficit := s.deficit(now, l)
 	level := l.units() - deficit
 	if level < cost*l.Rate.Interval {
+		if l.Ban > 0 {
+			s, _ = ban(s, now, l, cost*l.Rate.Interval)
+			return s, LeaseResult{HoldOff: untilLevel(s, now, l, want*l.Rate.Interval), ResetAfter: s.FullAt - now}
+		}
 		return s, LeaseResult{
 			Remaining:  level / l.Rate.Interval,
 			HoldOff:    ceilDiv(want*l.Rate.Interval-level, l.Rate.Tokens),

@@ -2,14 +2,17 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -54,6 +57,7 @@ type leaseTable struct {
 	logger   *zap.Logger
 
 	stop    chan struct{}
+	closed  atomic.Bool
 	calls   sync.WaitGroup // fetches and give-backs in flight
 	janitor sync.WaitGroup
 }
@@ -261,6 +265,12 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
+	if t.closed.Load() {
+		// A request still in flight through an unloaded config.
+		c.err = errLeasesClosed
+		close(c.done)
+		return c
+	}
 	e.call = c
 	t.calls.Add(1)
 	go func(key string, l Limit) {
@@ -315,18 +325,6 @@ func (t *leaseTable) reset(key []byte) {
 		e.tokens, e.holdUntil = 0, 0
 	}
 	sh.mu.Unlock()
-}
-
-// len is how many buckets this node holds entries for.
-func (t *leaseTable) len() int {
-	n := 0
-	for i := range t.shards {
-		sh := &t.shards[i]
-		sh.mu.Lock()
-		n += len(sh.m)
-		sh.mu.Unlock()
-	}
-	return n
 }
 
 // giveBack is unused leased tokens on their way back to a shared bucket.
@@ -397,8 +395,20 @@ func (t *leaseTable) giveBackNow(back []giveBack) {
 	}
 }
 
+// errLeasesClosed fails a lease call asked of an unloaded config's table;
+// the store then decides in strict mode.
+var errLeasesClosed = errors.New("redis store: the config's leases were given back")
+
 // close stops the table and gives every token it holds back.
 func (t *leaseTable) close() {
+	t.closed.Store(true)
+	// A fetch starts under its shard's lock: once every lock has been held
+	// since closed was set, none can start, so the waits below see them all.
+	for i := range t.shards {
+		t.shards[i].mu.Lock()
+		//lint:ignore SA2001 the empty critical section is the point: it waits out fetches starting
+		t.shards[i].mu.Unlock()
+	}
 	close(t.stop)
 	t.janitor.Wait()
 	t.calls.Wait()
@@ -422,3 +432,57 @@ var (
 		Help: "Lease entries dropped to keep this node's lease table within its bound.",
 	})
 )
+
+// lease takes a lease of want tokens on the bucket at key, for a request
+// costing cost, within the timeout and through the breaker.
+func (s *RedisStore) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want, l.Ban}
+	vals, err := s.call(context.Background(), leaseBucketScript, key, args, false)
+	if err != nil {
+		return LeaseResult{}, err
+	}
+	return LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3]}, nil
+}
+
+// giveBack returns unused leased tokens to their buckets in one pipeline,
+// and reports how many went back.
+func (s *RedisStore) giveBack(back []giveBack) (int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return 0, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	run := func(pipe redis.Pipeliner, g giveBack) *redis.Cmd {
+		return giveBackBucketScript.EvalSha(ctx, pipe, []string{g.key}, g.limit.Capacity, g.limit.Rate.Tokens, g.limit.Rate.Interval, g.tokens, s.clockOffset)
+	}
+	cmds := make([]*redis.Cmd, len(back))
+	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+		for i, g := range back {
+			cmds[i] = run(pipe, g)
+		}
+		return nil
+	})
+	var returned int64
+	var failed error
+	for i, cmd := range cmds {
+		err := cmd.Err()
+		if redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// Redis lost its scripts (a restart, a failover): EVAL loads it.
+			err = giveBackBucketScript.Run(ctx, s.conn.client, []string{back[i].key}, back[i].limit.Capacity, back[i].limit.Rate.Tokens, back[i].limit.Rate.Interval, back[i].tokens, s.clockOffset).Err()
+		}
+		if err == nil {
+			returned += back[i].tokens
+		} else if failed == nil {
+			failed = err
+		}
+	}
+	if failed == nil && err != nil && !redis.HasErrorPrefix(err, "NOSCRIPT") {
+		failed = err
+	}
+	s.record(ctx, probe, failed)
+	if failed != nil {
+		return returned, s.wrap(failed)
+	}
+	return returned, nil
+}

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
@@ -291,4 +292,219 @@ func TestRedisLeaseScriptsMatchTheModel(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A decision that the tokens held cover makes no allocation and no call:
+// the key is built on the stack and looked up without a copy.
+func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "1000000"})
+	l := Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1}}
+	b := bucketFor("steady")
+	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		t.Fatalf("first request: %+v, %v", res, err)
+	}
+	s.leases.calls.Wait()
+	// Hold a lease as a long-running client would, with no prefetch due.
+	key := s.key(b)
+	e := s.leases.shard([]byte(key)).m[key]
+	e.tokens, e.size = 1<<30, 1<<30
+	calls := srv.info("commandstats", "cmdstat_evalsha")
+	allocs := testing.AllocsPerRun(1000, func() {
+		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+			t.Fatalf("%+v, %v", res, err)
+		}
+	})
+	if allocs != 0 {
+		t.Errorf("%.1f allocations a leased decision, want 0", allocs)
+	}
+	if after := srv.info("commandstats", "cmdstat_evalsha"); after != calls {
+		t.Errorf("leased decisions called Redis: commandstats %q, then %q", calls, after)
+	}
+}
+
+// Two nodes leasing from one real Redis, under a concurrent burst on one
+// key with no refill to speak of: every token is spent, held by a node, or
+// still in Redis, never two of these, so the nodes admit at most the
+// capacity between them; and once both give back, Redis holds every
+// token not spent.
+func TestLeasingNodesConserveEveryToken(t *testing.T) {
+	srv := startRedis(t)
+	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+	var nodes [2]*RedisStore
+	for i := range nodes {
+		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "10%"})
+		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{percent: 10}, time.Hour, 1000, zap.NewNop())
+	}
+	b := bucketFor("shared")
+	var mu sync.Mutex
+	allowed := 0
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for range 40 {
+				res, err := nodes[g%2].Take(bg, b, l, 1)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if res.Allowed {
+					mu.Lock()
+					allowed++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	key := nodes[0].key(b)
+	held := int64(0)
+	for _, n := range nodes {
+		n.leases.calls.Wait()
+		if e := n.leases.shard([]byte(key)).m[key]; e != nil {
+			held += e.tokens
+		}
+	}
+	peek := func() int64 {
+		res, err := nodes[0].Peek(bg, b, l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Remaining
+	}
+	if got := int64(allowed) + held + peek(); got != l.Capacity {
+		t.Errorf("allowed %d + held %d + in Redis %d = %d, want the capacity %d", allowed, held, peek(), got, l.Capacity)
+	}
+	if allowed > 100 || allowed < 80 {
+		t.Errorf("%d allowed of a bucket of 100 over 320 requests, want at most 100 and near it", allowed)
+	}
+	for _, n := range nodes {
+		n.leases.close()
+	}
+	if got := int64(allowed) + peek(); got != l.Capacity {
+		t.Errorf("after both gave back: allowed %d + in Redis %d = %d, want %d", allowed, peek(), got, l.Capacity)
+	}
+	t.Logf("%d allowed, %d held before the give-back", allowed, held)
+}
+
+func TestLeaseCaddyfile(t *testing.T) {
+	cfg, err := adaptSite(`rate_limit 200 50/s {
+		store redis {
+			address redis://127.0.0.1:6379
+			lease 10%
+			lease_ttl 2s
+		}
+	}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := handlerJSON(t, cfg)["store"].(map[string]any)
+	if store["lease"] != "10%" || store["lease_ttl"] != float64(2*time.Second) {
+		t.Errorf("store JSON %v, want lease 10%% and lease_ttl 2s", store)
+	}
+	for _, tt := range []struct{ lines, want string }{
+		{"lease 0", `lease "0"`},
+		{"lease 150%", `lease "150%"`},
+		{"lease", "lease: want exactly one value"},
+		{"lease 5\n lease 6", "lease: given twice"},
+		{"lease_ttl 0s", "lease_ttl"},
+	} {
+		_, err := adaptSite("rate_limit 10 1/s {\n store redis {\n " + tt.lines + "\n }\n }")
+		if err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%q: error %v, want one containing %q", tt.lines, err, tt.want)
+		}
+	}
+}
+
+// BenchmarkRedisLeaseTake is BenchmarkRedisTake's serial and parallel
+// decisions with lease 10%, over 1,000 returning clients whose limits are
+// never hit, beside strict mode in the same run.
+func BenchmarkRedisLeaseTake(b *testing.B) {
+	srv := startRedis(b)
+	l := Limit{Capacity: 1_000_000, Rate: Rate{Tokens: 1_000_000, Interval: 1_000_000}} // never denies
+	var buckets [1000]*Bucket
+	for i := range buckets {
+		buckets[i] = bucketFor("client-" + strconv.Itoa(i))
+	}
+	for _, lease := range []string{"1", "10%"} {
+		s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Lease: lease})
+		name := map[string]string{"1": "strict", "10%": "lease-10%"}[lease]
+		b.Run(name+"/serial", func(b *testing.B) {
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				if _, err := s.Take(bg, buckets[i%len(buckets)], l, 1); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+		})
+		b.Run(name+"/parallel", func(b *testing.B) {
+			b.SetParallelism(16)
+			b.RunParallel(func(pb *testing.PB) {
+				for i := 0; pb.Next(); i++ {
+					if _, err := s.Take(bg, buckets[i%len(buckets)], l, 1); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+		})
+	}
+}
+
+// A request still in flight through an unloaded config finds its lease
+// table closed: it starts no lease call, whose tokens no one would give
+// back, and the store decides it in strict mode.
+func TestClosedLeaseTableStartsNoCall(t *testing.T) {
+	clock := new(fakeClock)
+	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
+	node.close()
+	_, err := node.take(bg, []byte("k"), Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 1_000_000}}, 1)
+	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
+		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
+	}
+}
+
+// DESIGN 9's oversubscribed fleet on the model, with a simulated clock: 4
+// nodes share a key at 8x its rate for 4 s (capacity 200, 50/s, lease
+// 10%). The fleet admits at most C + r*T and at least 0.9 of it, with
+// about one call per lease's worth of refill per node.
+func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	start := clock.now()
+	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
+	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
+	var fleet [nodes]*leaseTable
+	for i := range fleet {
+		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
+		defer fleet[i].close()
+	}
+	admitted := int64(0)
+	step := time.Second / perSecond
+	for i := range seconds * perSecond {
+		node := fleet[i%nodes]
+		res, err := node.take(bg, []byte("shared"), l, 1)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed {
+			admitted++
+		}
+		clock.advance(step)
+	}
+	bound := l.Capacity + (clock.now()-start)*l.Rate.Tokens/l.Rate.Interval
+	if admitted > bound || admitted*10 < bound*9 {
+		t.Errorf("%d admitted, want at most the bound %d and at least 0.9 of it", admitted, bound)
+	}
+	if most := 2*nodes*admitted/20 + 10*nodes; int64(m.calls) > most {
+		t.Errorf("%d lease calls, want at most %d", m.calls, most)
+	}
+	t.Logf("%d of %d admitted (bound %d), %d lease calls", admitted, seconds*perSecond, bound, m.calls)
 }

@@ -68,10 +68,33 @@ local function store(deficit)
   end
   return refill
 end
+
+-- apply_ban empties the bucket for ban µs from now, unless a ban, which
+-- leaves it lacking more than the whole bucket, holds it already.
+local function apply_ban(ban)
+  local gap = full_at - now
+  if gap > 0 and gap > idiv(units + slack, tokens) then return end
+  local refill = ceildiv(units, tokens)
+  full_at, slack = now + ban + refill, refill * tokens - units
+  local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', full_at, slack), 'PX', ceildiv(full_at - now, 1000) + 1)
+  if type(ok) == 'table' and ok.err then
+    error('rate_limit: Redis refused to write the bucket: ' .. ok.err)
+  end
+end
+
+-- wait_for is the µs until the bucket holds x units, at least 1; it holds
+-- for a banned bucket too.
+local function wait_for(x)
+  local wait = full_at - now - idiv(units - x + slack, tokens)
+  if wait < 1 then wait = 1 end
+  return wait
+end
 `
 
 // takeScript applies one request: bucket.go's Take, or Peek when the count
-// (the request's cost) is 0. A denial writes nothing.
+// (the request's cost) is 0. ARGV[6], when given and above 0, is the ban
+// (µs): a denial then empties the bucket for that long, unless a ban holds
+// it already. Any other denial writes nothing.
 //
 // It returns {allowed (0|1), remaining, retry after, reset after, now}.
 const takeScript = scriptPrelude + `
@@ -82,19 +105,30 @@ if count == 0 then
 end
 local need = count * interval
 if level < need then
-  return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
+  local ban = tonumber(ARGV[6] or '0')
+  if ban <= 0 then
+    return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
+  end
+  apply_ban(ban)
+  return {0, 0, wait_for(need), full_at - now, now}
 end
 local refill = store(deficit + need)
 return {1, idiv(level - need, interval), 0, refill, now}
 `
 
-// leaseScript is bucket.go's Lease: the count is the request's cost, and
-// ARGV[6] is the tokens the node wants (ARGV[5] must then be given).
+// leaseScript is bucket.go's Lease: the count is the request's cost,
+// ARGV[6] is the tokens the node wants (ARGV[5] must then be given), and
+// ARGV[7] the ban (µs, 0 for none), applied when the lease is refused.
 //
 // It returns {granted, remaining, hold-off, reset after, now}.
 const leaseScript = scriptPrelude + `
 local want = tonumber(ARGV[6])
+local ban = tonumber(ARGV[7] or '0')
 if level < count * interval then
+  if ban > 0 then
+    apply_ban(ban)
+    return {0, 0, wait_for(want * interval), full_at - now, now}
+  end
   return {0, idiv(level, interval), ceildiv(want * interval - level, tokens), ceildiv(deficit, tokens), now}
 end
 local granted = math.min(idiv(level, interval), want)

@@ -57,6 +57,14 @@ func keyID(b *Bucket) string {
 // SHA-256. It is stable across processes, for stores shared by several
 // nodes.
 func bucketDigest(b *Bucket) [sha256.Size]byte {
+	if len(b.secret) == 0 && len(b.Keyer)+1+len(b.Value) <= 256 {
+		// Most keys are short: hashed from the stack, with no allocation.
+		var buf [256]byte
+		n := copy(buf[:], b.Keyer)
+		n++ // the 0 between keyer and value
+		n += copy(buf[n:], b.Value)
+		return sha256.Sum256(buf[:n])
+	}
 	var h hash.Hash
 	if len(b.secret) > 0 {
 		h = hmac.New(sha256.New, b.secret)

@@ -153,7 +153,6 @@ func (s *RedisStore) Cleanup() error {
 	}
 	if s.leases != nil {
 		s.leases.close()
-		s.leases = nil
 	}
 	_, err := redisPool.Delete(s.poolKey)
 	s.poolKey = ""
@@ -190,7 +189,10 @@ func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
 	if s.leases != nil && s.leases.size.of(l) > cost {
 		var buf [192]byte
-		return s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
+		res, err := s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
+		if !errors.Is(err, errLeasesClosed) {
+			return res, err
+		}
 	}
 	key := s.key(b)
 	start := s.conn.now()
@@ -242,25 +244,17 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 // breaker. It also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
 	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost}
-	if s.clockOffset != 0 {
+	if s.clockOffset != 0 || l.Ban > 0 {
 		args = append(args, s.clockOffset)
+	}
+	if l.Ban > 0 {
+		args = append(args, l.Ban)
 	}
 	vals, err := s.call(ctx, bucketScript, key, args, true)
 	if err != nil {
 		return Result{}, 0, err
 	}
 	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3]}, vals[4], nil
-}
-
-// lease takes a lease of want tokens on the bucket at key, for a request
-// costing cost, within the timeout and through the breaker.
-func (s *RedisStore) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
-	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want}
-	vals, err := s.call(context.Background(), leaseBucketScript, key, args, false)
-	if err != nil {
-		return LeaseResult{}, err
-	}
-	return LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3]}, nil
 }
 
 // call runs a script that answers five numbers on one key, within the
@@ -297,49 +291,6 @@ func (s *RedisStore) wrap(err error) error {
 		return fmt.Errorf("redis store: no answer within %s: %w", s.timeout, err)
 	}
 	return fmt.Errorf("redis store: %w", err)
-}
-
-// giveBack returns unused leased tokens to their buckets in one pipeline,
-// and reports how many went back.
-func (s *RedisStore) giveBack(back []giveBack) (int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return 0, errBreakerOpen
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-	defer cancel()
-	run := func(pipe redis.Pipeliner, g giveBack) *redis.Cmd {
-		return giveBackBucketScript.EvalSha(ctx, pipe, []string{g.key}, g.limit.Capacity, g.limit.Rate.Tokens, g.limit.Rate.Interval, g.tokens, s.clockOffset)
-	}
-	cmds := make([]*redis.Cmd, len(back))
-	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
-		for i, g := range back {
-			cmds[i] = run(pipe, g)
-		}
-		return nil
-	})
-	var returned int64
-	var failed error
-	for i, cmd := range cmds {
-		err := cmd.Err()
-		if redis.HasErrorPrefix(err, "NOSCRIPT") {
-			// Redis lost its scripts (a restart, a failover): EVAL loads it.
-			err = giveBackBucketScript.Run(ctx, s.conn.client, []string{back[i].key}, back[i].limit.Capacity, back[i].limit.Rate.Tokens, back[i].limit.Rate.Interval, back[i].tokens, s.clockOffset).Err()
-		}
-		if err == nil {
-			returned += back[i].tokens
-		} else if failed == nil {
-			failed = err
-		}
-	}
-	if failed == nil && err != nil && !redis.HasErrorPrefix(err, "NOSCRIPT") {
-		failed = err
-	}
-	s.record(ctx, probe, failed)
-	if failed != nil {
-		return returned, s.wrap(failed)
-	}
-	return returned, nil
 }
 
 // record tells the breaker how a call went; probe says whether the breaker
