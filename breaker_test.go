@@ -114,7 +114,7 @@ func TestRedisBreakerClosesAfterClientsHangUpDuringAnOutage(t *testing.T) {
 	skipUnderShort(t, "fault injection (a black-holed Redis link)")
 	const timeout, cooldown = 300 * time.Millisecond, 300 * time.Millisecond
 	srv := startRedis(t)
-	proxy := startBlackholeProxy(t, srv.addr())
+	proxy := startFaultProxy(t, srv.addr(), 0)
 	s := serve(t, fmt.Sprintf(`
 	rate_limit 100 1/h {
 		store redis {

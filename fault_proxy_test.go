@@ -5,45 +5,69 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
-// blackholeProxy stands between a client and a redis-server on loopback.
-// Dark, it still accepts connections but forwards nothing either way, as a
-// silent network does; lit again, new traffic flows. Bytes it dropped stay
-// dropped, so a connection that was in use while dark is out of step, as
-// after a real outage.
-type blackholeProxy struct {
+// faultProxy stands between a client and a redis-server on loopback, and
+// plays the network between them:
+//   - delay: every byte is forwarded a fixed time after it was read, in
+//     each direction, as a distant Redis would answer. Bytes in flight do
+//     not wait for each other, so pipelined calls overlap as on a real link.
+//   - blackhole: connections are still accepted but nothing is forwarded
+//     either way, as a silent network does; restore starts traffic again.
+//     Bytes dropped stay dropped, so a connection that was in use while
+//     dark is out of step, as after a real outage.
+//   - cut: every open connection is closed and new ones are closed as soon
+//     as they are accepted, as a Redis that was killed looks to its
+//     clients; restore lets new connections through again.
+type faultProxy struct {
 	ln     net.Listener
 	target string
+	delay  time.Duration
 	dark   atomic.Bool
+	down   atomic.Bool
 
 	mu    sync.Mutex
-	conns []net.Conn
+	conns map[net.Conn]struct{}
 }
 
-func startBlackholeProxy(t testing.TB, target string) *blackholeProxy {
+func startFaultProxy(t testing.TB, target string, delay time.Duration) *faultProxy {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &blackholeProxy{ln: ln, target: target}
+	p := &faultProxy{ln: ln, target: target, delay: delay, conns: map[net.Conn]struct{}{}}
 	go p.accept()
 	t.Cleanup(p.close)
 	return p
 }
 
-func (p *blackholeProxy) addr() string { return p.ln.Addr().String() }
+func (p *faultProxy) addr() string { return p.ln.Addr().String() }
 
-// blackhole stops the link; restore starts it again.
-func (p *blackholeProxy) blackhole() { p.dark.Store(true) }
-func (p *blackholeProxy) restore()   { p.dark.Store(false) }
+// blackhole silences the link; cut closes it; restore undoes either.
+func (p *faultProxy) blackhole() { p.dark.Store(true) }
+func (p *faultProxy) restore()   { p.dark.Store(false); p.down.Store(false) }
 
-func (p *blackholeProxy) accept() {
+func (p *faultProxy) cut() {
+	p.down.Store(true)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns {
+		c.Close()
+		delete(p.conns, c)
+	}
+}
+
+func (p *faultProxy) accept() {
 	for {
 		down, err := p.ln.Accept()
 		if err != nil {
 			return
+		}
+		if p.down.Load() {
+			down.Close()
+			continue
 		}
 		up, err := net.Dial("tcp", p.target)
 		if err != nil {
@@ -51,24 +75,31 @@ func (p *blackholeProxy) accept() {
 			continue
 		}
 		p.mu.Lock()
-		p.conns = append(p.conns, down, up)
+		p.conns[down], p.conns[up] = struct{}{}, struct{}{}
 		p.mu.Unlock()
 		go p.pipe(up, down)
 		go p.pipe(down, up)
 	}
 }
 
-// pipe copies src to dst, dropping what it reads while the proxy is dark.
-func (p *blackholeProxy) pipe(dst, src net.Conn) {
-	defer dst.Close()
-	defer src.Close()
+// chunk is bytes read from one side, due on the other at a time.
+type chunk struct {
+	data []byte
+	due  time.Time
+}
+
+// pipe copies src to dst, delayed, dropping what it reads while the proxy
+// is dark.
+func (p *faultProxy) pipe(dst, src net.Conn) {
+	defer p.forget(src)
+	queue := make(chan chunk, 4096)
+	go p.send(dst, queue)
+	defer close(queue)
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 && !p.dark.Load() {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
+			queue <- chunk{data: append([]byte(nil), buf[:n]...), due: time.Now().Add(p.delay)}
 		}
 		if err != nil {
 			return
@@ -76,11 +107,32 @@ func (p *blackholeProxy) pipe(dst, src net.Conn) {
 	}
 }
 
-func (p *blackholeProxy) close() {
+// send writes each chunk to dst when it is due, and closes dst after the
+// last one.
+func (p *faultProxy) send(dst net.Conn, queue <-chan chunk) {
+	defer p.forget(dst)
+	for c := range queue {
+		time.Sleep(time.Until(c.due))
+		if _, err := dst.Write(c.data); err != nil {
+			for range queue {
+			}
+			return
+		}
+	}
+}
+
+func (p *faultProxy) forget(c net.Conn) {
+	c.Close()
+	p.mu.Lock()
+	delete(p.conns, c)
+	p.mu.Unlock()
+}
+
+func (p *faultProxy) close() {
 	p.ln.Close()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, c := range p.conns {
+	for c := range p.conns {
 		c.Close()
 	}
 }

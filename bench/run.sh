@@ -21,6 +21,11 @@
 #       (config: d.Caddyfile adapted, then "batch": false)
 #   (h) (a) driven by bench/keys.lua, as (c) is: the baseline for (c),
 #       since wrk with a Lua request() runs differently from plain wrk
+#   (i) the Redis store with leases (`lease 10%`, DESIGN 9), 1,000
+#       returning clients by X-Key (bench/keys.lua with LEASE_KEYS), limits
+#       never hit: most decisions are made from leased tokens, in memory
+#   (j) (i) in strict mode (no `lease`): one EVALSHA per request, the
+#       same clients
 #
 # Every route is `respond "ok"`. Everything it starts is stopped on exit.
 # It prints a markdown table for bench/README.md.
@@ -31,8 +36,9 @@
 #   DURATION [10s]      each wrk run
 #   THREADS [1]         wrk threads
 #   CONNECTIONS [32]    wrk connections
-#   SETUPS [a b c d e f g h]  which setups, in this order within a round
-#   KEYS [1000000]      distinct clients in (c)
+#   SETUPS [a b c d e f g h i j]  which setups, in this order within a round
+#   KEYS [1000000]      distinct clients in (c) and (h)
+#   LEASE_KEYS [1000]   distinct clients in (i) and (j)
 #   PREFILL [1]         send every (c) key once before the rounds, so the
 #                       store holds them all from the first round
 #   CADDY_CPUS, WRK_CPUS, REDIS_CPUS  taskset CPU lists; empty: no pinning
@@ -49,8 +55,9 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10s}
 THREADS=${THREADS:-1}
 CONNECTIONS=${CONNECTIONS:-32}
-SETUPS=${SETUPS:-a b c d e f g h}
+SETUPS=${SETUPS:-a b c d e f g h i j}
 KEYS=${KEYS:-1000000}
+LEASE_KEYS=${LEASE_KEYS:-1000}
 PREFILL=${PREFILL:-1}
 CADDY_CPUS=${CADDY_CPUS:-}
 WRK_CPUS=${WRK_CPUS:-}
@@ -171,9 +178,10 @@ log "redis on $redis_port; caddy: $(for s in $SETUPS; do printf '%s=%s ' "$s" "$
 
 wrk_run() { # wrk_run <setup> <output file> [duration]
 	local s=$1 file=$2 d=${3:-$DURATION}
-	local script=()
-	[[ $s == c || $s == h ]] && script=(-s "$repo/bench/keys.lua")
-	BENCH_KEYS=$KEYS "${pin_wrk[@]}" wrk -t"$THREADS" -c"$CONNECTIONS" -d"$d" --latency "${script[@]}" \
+	local script=() keys=$KEYS
+	[[ $s == c || $s == h || $s == i || $s == j ]] && script=(-s "$repo/bench/keys.lua")
+	[[ $s == i || $s == j ]] && keys=$LEASE_KEYS
+	BENCH_KEYS=$keys "${pin_wrk[@]}" wrk -t"$THREADS" -c"$CONNECTIONS" -d"$d" --latency "${script[@]}" \
 		"http://127.0.0.1:${port[$s]}/" >"$file"
 }
 
@@ -240,6 +248,8 @@ declare -A what=(
 	[f]="no limiter, plain Caddy answering \`error 429\`"
 	[g]="Redis store, by IP, never limited, \`batch\` off"
 	[h]="no limiter (plain Caddy), under bench/keys.lua as (c)"
+	[i]="Redis store, \`lease 10%\`, $LEASE_KEYS returning X-Key clients, never limited"
+	[j]="Redis store, strict (no \`lease\`), $LEASE_KEYS returning X-Key clients, never limited"
 )
 declare -A rps
 for s in $SETUPS; do
@@ -260,7 +270,7 @@ for s in $SETUPS; do
 	p99=$(for r in $(seq "$ROUNDS"); do to_us "$(awk '$1 == "99%" { print $2 }' "$out/wrk-$s-$r.txt")"; echo; done | median)
 	non2xx=$(field "$s" 'BEGIN { n = 0 } /Non-2xx/ { n = $NF } END { print n }' | awk '{ t += $1 } END { print t + 0 }')
 	per="-"
-	if [[ $s == d || $s == e || $s == g ]]; then
+	if [[ $s == d || $s == e || $s == g || $s == i || $s == j ]]; then
 		per=$(awk -v c="${redis_calls[$s]}" -v n="${redis_reqs[$s]}" 'BEGIN { printf "%.6f (%d / %d)", c / n, c, n }')
 	fi
 	printf '| (%s) | %s | %.0f | %s | %s µs | %s µs | %s | %s |\n' \
@@ -274,7 +284,7 @@ done
 # but for the setups between them: the median of those ratios drifts less
 # than the ratio of the medians.
 echo "Paired ratios, the median over rounds of each round's ratio:"
-for pair in b/a c/h c/b d/a e/a e/f d/g; do
+for pair in b/a c/h c/b d/a e/a e/f d/g i/a i/h i/d i/j; do
 	x=${pair%/*} y=${pair#*/}
 	[[ -n ${rps[$x]:-} && -n ${rps[$y]:-} ]] || continue
 	ratio=$(for r in $(seq "$ROUNDS"); do

@@ -1,0 +1,590 @@
+package ratelimit
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The measured claims of DESIGN section 9, on real processes: Caddy
+// processes built from this checkout share one policy on one redis-server,
+// reached through a faultProxy that delays each direction by wanDelay, as
+// an edge PoP far from its Redis. Clients are named by X-Key, so the test
+// chooses each request's bucket.
+
+// wanDelay is the proxy's delay in each direction: a strict decision costs
+// at least twice this.
+const wanDelay = 20 * time.Millisecond
+
+// fleetPolicy is the rate_limit every node of a fleet serves.
+type fleetPolicy struct {
+	capacity int
+	refill   string // tokens per second, e.g. "50/s"
+	lease    string // "10%" or "20"; "" is strict mode
+	timeout  string // per decision
+	more     string // more lines for the store block
+}
+
+// refillPerSecond is the policy's refill as a rate.
+func (p fleetPolicy) refillPerSecond(t *testing.T) float64 {
+	t.Helper()
+	n, ok := strings.CutSuffix(p.refill, "/s")
+	r, err := strconv.ParseFloat(n, 64)
+	if !ok || err != nil {
+		t.Fatalf("refill %q: want <n>/s", p.refill)
+	}
+	return r
+}
+
+// leaseFleet is Caddy processes serving one policy on one Redis.
+type leaseFleet struct {
+	t         *testing.T
+	redis     *redisServer
+	proxy     *faultProxy
+	nodes     []fleetNode
+	transport *http.Transport
+	client    *http.Client
+}
+
+type fleetNode struct{ port, admin int }
+
+func (n fleetNode) base() string      { return fmt.Sprintf("http://127.0.0.1:%d", n.port) }
+func (n fleetNode) adminBase() string { return fmt.Sprintf("http://127.0.0.1:%d", n.admin) }
+
+// startLeaseFleet starts a redis-server, a proxy to it with the given delay
+// each way, and n Caddy processes serving p through the proxy.
+func startLeaseFleet(t *testing.T, n int, delay time.Duration, p fleetPolicy) *leaseFleet {
+	t.Helper()
+	f := &leaseFleet{t: t, redis: startRedis(t)}
+	f.proxy = startFaultProxy(t, f.redis.addr(), delay)
+	f.transport = &http.Transport{MaxIdleConnsPerHost: 128}
+	f.client = &http.Client{Transport: f.transport, Timeout: 10 * time.Second}
+	t.Cleanup(f.transport.CloseIdleConnections)
+	for range n {
+		node := fleetNode{port: freePort(t), admin: freePort(t)}
+		f.nodes = append(f.nodes, node)
+		startCaddyProcess(t, node.port, f.caddyfile(node, p))
+	}
+	return f
+}
+
+// caddyfile is one node's config. /ready is outside the limit, so that
+// neither startCaddyProcess nor a reload touches Redis.
+func (f *leaseFleet) caddyfile(node fleetNode, p fleetPolicy) string {
+	lease := ""
+	if p.lease != "" {
+		lease = "lease " + p.lease + "\n\t\t\tlease_ttl 1s"
+	}
+	return fmt.Sprintf(`{
+	admin 127.0.0.1:%d
+	persist_config off
+}
+http://127.0.0.1:%d {
+	handle /ready {
+		respond "ready"
+	}
+	@limited not path /ready
+	rate_limit @limited %d %s {
+		name fleet
+		key header X-Key
+		store redis {
+			address redis://%s
+			timeout %s
+			%s
+			%s
+		}
+		on_store_error deny
+	}
+	respond "ok"
+}
+`, node.admin, node.port, p.capacity, p.refill, f.proxy.addr(), p.timeout, lease, p.more)
+}
+
+// reload loads p on every node through its admin API, forcing a reload
+// even when the config is unchanged.
+func (f *leaseFleet) reload(p fleetPolicy) {
+	f.t.Helper()
+	for _, node := range f.nodes {
+		req, _ := http.NewRequest(http.MethodPost, node.adminBase()+"/load", strings.NewReader(f.caddyfile(node, p)))
+		req.Header.Set("Content-Type", "text/caddyfile")
+		req.Header.Set("Cache-Control", "must-revalidate")
+		resp, err := f.client.Do(req)
+		if err != nil {
+			f.t.Fatalf("reloading node %d: %v", node.port, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			f.t.Fatalf("reloading node %d: %d %s", node.port, resp.StatusCode, body)
+		}
+	}
+}
+
+// answer is one request as the client saw it.
+type answer struct {
+	node   int
+	sent   time.Time
+	done   time.Time
+	status int // 0: a transport error
+}
+
+func (o answer) took() time.Duration { return o.done.Sub(o.sent) }
+
+// get sends one request for key to node i.
+func (f *leaseFleet) get(i int, key string) answer {
+	req, _ := http.NewRequest(http.MethodGet, f.nodes[i].base()+"/", nil)
+	req.Header.Set("X-Key", key)
+	o := answer{node: i, sent: time.Now()}
+	resp, err := f.client.Do(req)
+	if err == nil {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		o.status = resp.StatusCode
+	}
+	o.done = time.Now()
+	return o
+}
+
+// paced sends requests for key at rate per second for d, round-robin over
+// the nodes, each on its own goroutine, so that a slow answer does not
+// hold back the next request. It returns them in the order sent.
+func (f *leaseFleet) paced(key string, rate float64, d time.Duration) []answer {
+	n := int(rate * d.Seconds())
+	out := make([]answer, n)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i := range n {
+		time.Sleep(time.Until(start.Add(time.Duration(float64(i) / rate * float64(time.Second)))))
+		wg.Go(func() { out[i] = f.get(i%len(f.nodes), key) })
+	}
+	wg.Wait()
+	return out
+}
+
+// warmUp waits until every node has allowed a request, so that its
+// connections to Redis are open and its scripts loaded: a cold start costs
+// several round trips, which a short timeout would count as Redis down.
+func (f *leaseFleet) warmUp() {
+	f.t.Helper()
+	for i, node := range f.nodes {
+		waitFor(f.t, 10*time.Second, fmt.Sprintf("node %d to allow a request", node.port), func() bool {
+			return f.get(i, "warm-up").status == 200
+		})
+	}
+}
+
+// scriptCalls counts the script calls Redis has run (EVALSHA and EVAL).
+func (f *leaseFleet) scriptCalls() int { return scriptCalls(f.redis) }
+
+// metric sums, over the nodes, the samples of a Prometheus metric whose
+// labels contain label (any labels when label is "").
+func (f *leaseFleet) metric(name, label string) float64 {
+	f.t.Helper()
+	var sum float64
+	for _, node := range f.nodes {
+		text := f.adminGet(node, "/metrics")
+		for line := range strings.SplitSeq(text, "\n") {
+			rest, ok := strings.CutPrefix(line, name)
+			if !ok || (rest != "" && rest[0] != '{' && rest[0] != ' ') || !strings.Contains(rest, label) {
+				continue
+			}
+			fields := strings.Fields(rest)
+			v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+			if err == nil {
+				sum += v
+			}
+		}
+	}
+	return sum
+}
+
+// leaseCounts reads the lease counters of the fleet.
+func (f *leaseFleet) leaseCounts() string {
+	return fmt.Sprintf("leases granted %.0f, partial %.0f, refused %.0f; tokens returned %.0f",
+		f.metric("caddy_http_rate_limit_leases_total", `result="granted"`),
+		f.metric("caddy_http_rate_limit_leases_total", `result="partial"`),
+		f.metric("caddy_http_rate_limit_leases_total", `result="refused"`),
+		f.metric("caddy_http_rate_limit_lease_tokens_returned_total", ""))
+}
+
+// goroutines is the number of goroutines in a node's process.
+func (f *leaseFleet) goroutines(node fleetNode) int {
+	f.t.Helper()
+	first, _, _ := strings.Cut(f.adminGet(node, "/debug/pprof/goroutine?debug=1"), "\n")
+	n, err := strconv.Atoi(strings.TrimPrefix(first, "goroutine profile: total "))
+	if err != nil {
+		f.t.Fatalf("goroutine profile of node %d: %q", node.port, first)
+	}
+	return n
+}
+
+func (f *leaseFleet) adminGet(node fleetNode, path string) string {
+	f.t.Helper()
+	resp, err := f.client.Get(node.adminBase() + path)
+	if err != nil {
+		f.t.Fatalf("GET %s on node %d's admin API: %v", path, node.port, err)
+	}
+	defer resp.Body.Close()
+	var b strings.Builder
+	if _, err := io.Copy(&b, bufio.NewReader(resp.Body)); err != nil || resp.StatusCode != 200 {
+		f.t.Fatalf("GET %s on node %d's admin API: %d %v", path, node.port, resp.StatusCode, err)
+	}
+	return b.String()
+}
+
+// tally counts outcomes by status.
+func tally(out []answer) map[int]int {
+	m := map[int]int{}
+	for _, o := range out {
+		m[o.status]++
+	}
+	return m
+}
+
+// medianTook is the median time to answer of the outcomes that keep holds
+// for, and how many there were.
+func medianTook(out []answer, keep func(answer) bool) (time.Duration, int) {
+	var ds []time.Duration
+	for _, o := range out {
+		if keep(o) {
+			ds = append(ds, o.took())
+		}
+	}
+	if len(ds) == 0 {
+		return 0, 0
+	}
+	slices.Sort(ds)
+	return ds[len(ds)/2], len(ds)
+}
+
+// span is the time from the first request sent to the last answer
+// received, and to the last request sent.
+func span(out []answer) (wall, sending time.Duration) {
+	first, lastSent, lastDone := out[0].sent, out[0].sent, out[0].done
+	for _, o := range out {
+		if o.sent.Before(first) {
+			first = o.sent
+		}
+		if o.sent.After(lastSent) {
+			lastSent = o.sent
+		}
+		if o.done.After(lastDone) {
+			lastDone = o.done
+		}
+	}
+	return lastDone.Sub(first), lastSent.Sub(first)
+}
+
+// allowance is what strict mode admits at most over d: C + floor(r*d).
+func allowance(p fleetPolicy, r float64, d time.Duration) int {
+	return p.capacity + int(math.Floor(r*d.Seconds()))
+}
+
+// afterGiveBacks waits until leased tokens left unused have gone back to
+// Redis (lease_ttl is 1s), so that the script calls counted include them.
+func afterGiveBacks() { time.Sleep(1500 * time.Millisecond) }
+
+// TestLeaseKeyUnderItsLimitIsDecidedLocally spreads one key under its limit
+// (400 requests against a capacity of 1000) over 4 nodes, 20 ms each way
+// from Redis, sent one after another and then paced at 200/s so that
+// requests overlap: every request is allowed, the median answer takes
+// under 5 ms (a strict decision takes 40), and Redis runs at most one
+// script call for every two requests, give-backs included.
+func TestLeaseKeyUnderItsLimitIsDecidedLocally(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
+	p := fleetPolicy{capacity: 1000, refill: "100/s", lease: "10%", timeout: "1s"}
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	const requests = 400
+	for _, tc := range []struct {
+		name string
+		send func(key string) []answer
+	}{
+		{"one after another", func(key string) []answer {
+			out := make([]answer, requests)
+			for i := range requests {
+				out[i] = f.get(i%len(f.nodes), key)
+			}
+			return out
+		}},
+		{"paced at 200/s", func(key string) []answer { return f.paced(key, 200, 2*time.Second) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := f.scriptCalls()
+			out := tc.send("under-limit-" + tc.name)
+			calls := f.scriptCalls() - before
+			afterGiveBacks()
+			callsAll := f.scriptCalls() - before
+
+			counts := tally(out)
+			median, _ := medianTook(out, func(answer) bool { return true })
+			wall, _ := span(out)
+			t.Logf("%d requests over %d nodes in %s: statuses %v; median %s; script calls %d during the load, %d after lease_ttl; %s (fleet totals so far)",
+				len(out), len(f.nodes), wall.Round(time.Millisecond), counts, median, calls, callsAll, f.leaseCounts())
+			if counts[200] != len(out) {
+				t.Errorf("statuses %v: want all %d allowed; not allowed: %s", counts, len(out), notAllowed(f, out))
+			}
+			if median >= 5*time.Millisecond {
+				t.Errorf("median latency %s, want < 5ms", median)
+			}
+			if callsAll > len(out)/2 {
+				t.Errorf("%d script calls for %d requests (give-backs included), want at most %d", callsAll, len(out), len(out)/2)
+			}
+		})
+	}
+}
+
+// notAllowed describes the answers that were not 200.
+func notAllowed(f *leaseFleet, out []answer) string {
+	var s []string
+	for _, o := range out {
+		if o.status != 200 {
+			s = append(s, fmt.Sprintf("%d on node %d, sent at %s, answered in %s",
+				o.status, f.nodes[o.node].port, o.sent.Sub(out[0].sent).Round(time.Millisecond), o.took().Round(time.Millisecond)))
+		}
+	}
+	return strings.Join(s, "; ")
+}
+
+// TestLeaseSharedKeyAtEightTimesItsRate floods one key at 8x its refill
+// rate over 4 nodes for 4 s. The fleet admits no more than strict mode
+// could (C + floor(r*T)) and at least 0.9 of it; allowed requests after
+// the first second are answered from memory (median < 5 ms); and Redis
+// runs at most 2 x nodes x admitted / lease script calls, plus 10 per node.
+// Strict mode's median for the same flood is logged beside it.
+func TestLeaseSharedKeyAtEightTimesItsRate(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
+	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
+	const lease = 20 // 10% of 200
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	r := p.refillPerSecond(t)
+	rate := 8 * r
+
+	before := f.scriptCalls()
+	out := f.paced("shared-8x", rate, 4*time.Second)
+	calls := f.scriptCalls() - before
+	afterGiveBacks()
+	callsAll := f.scriptCalls() - before
+
+	counts := tally(out)
+	admitted := counts[200]
+	wall, sending := span(out)
+	most, least := allowance(p, r, wall), allowance(p, r, sending)
+	first := out[0].sent
+	median, n := medianTook(out, func(o answer) bool { return o.status == 200 && o.sent.Sub(first) >= time.Second })
+	maxCalls := 2*len(f.nodes)*admitted/lease + 10*len(f.nodes)
+	t.Logf("%d requests at %.0f/s over %d nodes, wall span %s (sending %s): statuses %v; admitted %d, allowance %d (wall) / %d (sending), %.3f of it; median of the %d allowed after the first second %s; script calls %d during the load, %d after lease_ttl, bound %d; %s",
+		len(out), rate, len(f.nodes), wall.Round(time.Millisecond), sending.Round(time.Millisecond), counts,
+		admitted, most, least, float64(admitted)/float64(least), n, median, calls, callsAll, maxCalls, f.leaseCounts())
+	if counts[200]+counts[429] != len(out) {
+		t.Errorf("statuses %v: want only 200 and 429", counts)
+	}
+	if admitted > most {
+		t.Errorf("admitted %d, more than strict mode's allowance %d over %s", admitted, most, wall)
+	}
+	if float64(admitted) < 0.9*float64(least) {
+		t.Errorf("admitted %d, less than 0.9 of the allowance %d over %s", admitted, least, sending)
+	}
+	if n == 0 || median >= 5*time.Millisecond {
+		t.Errorf("median latency of the %d requests allowed after the first second: %s, want < 5ms", n, median)
+	}
+	if callsAll > maxCalls {
+		t.Errorf("%d script calls (give-backs included) for %d admitted, want at most %d", callsAll, admitted, maxCalls)
+	}
+
+	// The same flood, strict mode, for one second: the comparison.
+	p.lease = ""
+	f.reload(p)
+	out = f.paced("shared-8x-strict", rate, time.Second)
+	counts = tally(out)
+	median, n = medianTook(out, func(o answer) bool { return o.status == 200 })
+	wall, _ = span(out)
+	t.Logf("strict mode, the same flood for 1 s: statuses %v; median of the %d allowed %s", counts, n, median)
+	if most := allowance(p, r, wall); counts[200] > most {
+		t.Errorf("strict mode admitted %d, more than its allowance %d", counts[200], most)
+	}
+	if n == 0 || median < 2*wanDelay {
+		t.Errorf("strict mode's median %s (of %d allowed): want at least the round trip through the proxy, %s", median, n, 2*wanDelay)
+	}
+}
+
+// TestLeaseKeysSeenOnceCostOneCallEach sends 100 keys once each over 4
+// nodes: each costs at most one script call, as in strict mode, give-backs
+// included.
+func TestLeaseKeysSeenOnceCostOneCallEach(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes)")
+	p := fleetPolicy{capacity: 1000, refill: "100/s", lease: "10%", timeout: "1s"}
+	f := startLeaseFleet(t, 4, 0, p)
+	const keys = 100
+	before := f.scriptCalls()
+	out := make([]answer, keys)
+	for i := range keys {
+		out[i] = f.get(i%len(f.nodes), "once-"+strconv.Itoa(i))
+	}
+	afterGiveBacks()
+	calls := f.scriptCalls() - before
+	counts := tally(out)
+	t.Logf("%d keys once each over %d nodes: statuses %v; script calls %d, give-backs included; %s",
+		keys, len(f.nodes), counts, calls, f.leaseCounts())
+	if counts[200] != keys {
+		t.Errorf("statuses %v: want all %d allowed", counts, keys)
+	}
+	if calls > keys {
+		t.Errorf("%d script calls for %d keys seen once, want at most %d", calls, keys, keys)
+	}
+}
+
+// TestLeaseRedisOutageMidLoad floods one key at 3.2x its rate over 4 nodes
+// while the link to Redis goes dark (a black hole) and is then cut (every
+// connection closed and refused, as a killed Redis looks), and comes back:
+//   - up: every request is allowed (the bucket is not yet empty);
+//   - dark: each node spends its leased tokens, then on_store_error deny
+//     rules: a 503, and no request allowed after a node's first 503;
+//   - cut: nothing but 200 (tokens still leased) and 503;
+//   - back: every node admits again;
+//   - over the whole run the key is admitted at most C + floor(r*T) times;
+//   - reloading each node a few times leaves no goroutine behind.
+func TestLeaseRedisOutageMidLoad(t *testing.T) {
+	skipUnderShort(t, "fault injection (4 Caddy processes, a dark then cut Redis link)")
+	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "200ms",
+		more: "breaker_cooldown 300ms"}
+	const lease = 20 // 10% of 200
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	r := p.refillPerSecond(t)
+	rate := 3.2 * r
+	phases := []struct {
+		name  string
+		lasts time.Duration
+		do    func()
+	}{
+		{"up", time.Second, func() {}},
+		{"dark", 1500 * time.Millisecond, f.proxy.blackhole},
+		{"cut", time.Second, f.proxy.cut},
+		{"back", 2500 * time.Millisecond, f.proxy.restore},
+	}
+	var total time.Duration
+	for _, ph := range phases {
+		total += ph.lasts
+	}
+	f.warmUp()
+	var out []answer
+	loaded := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(loaded)
+		out = f.paced("outage", rate, total)
+	}()
+	var begins []time.Time
+	end := start
+	for _, ph := range phases {
+		begins = append(begins, time.Now())
+		ph.do()
+		end = end.Add(ph.lasts)
+		time.Sleep(time.Until(end))
+	}
+	<-loaded
+	f.proxy.restore()
+
+	// Each answer, by the phase it was sent in.
+	byPhase := make([][]answer, len(phases))
+	for _, o := range out {
+		i := len(begins) - 1
+		for i > 0 && o.sent.Before(begins[i]) {
+			i--
+		}
+		byPhase[i] = append(byPhase[i], o)
+	}
+	for i, ph := range phases {
+		t.Logf("%s (%s): %d requests, statuses %v", ph.name, ph.lasts, len(byPhase[i]), tally(byPhase[i]))
+	}
+	up, dark, cut, back := byPhase[0], byPhase[1], byPhase[2], byPhase[3]
+	if c := tally(up); c[200] != len(up) {
+		t.Errorf("before the outage, statuses %v: want all %d allowed; not allowed: %s", c, len(up), notAllowed(f, up))
+	}
+	for i, node := range f.nodes {
+		var allowed, failed int
+		var allowedAfterFailure []time.Duration
+		for _, o := range dark {
+			switch {
+			case o.node != i:
+			case o.status == 200 && failed > 0:
+				allowedAfterFailure = append(allowedAfterFailure, o.sent.Sub(begins[1]))
+				allowed++
+			case o.status == 200:
+				allowed++
+			case o.status == 503:
+				failed++
+			default:
+				t.Errorf("node %d, Redis dark: status %d, want 200 (leased) or 503 (on_store_error deny)", node.port, o.status)
+			}
+		}
+		t.Logf("node %d, Redis dark: %d allowed from its lease, %d denied by on_store_error", node.port, allowed, failed)
+		if allowed == 0 || failed == 0 {
+			t.Errorf("node %d, Redis dark: %d allowed, %d answered 503; want its leased tokens spent, then 503", node.port, allowed, failed)
+		}
+		if len(allowedAfterFailure) > 0 {
+			t.Errorf("node %d, Redis dark: %d requests allowed after its first 503, sent at %v into the outage", node.port, len(allowedAfterFailure), allowedAfterFailure)
+		}
+	}
+	if c := tally(dark); c[200] > 2*len(f.nodes)*lease {
+		t.Errorf("Redis dark: %d allowed, more than nodes x lease, twice over (%d)", c[200], 2*len(f.nodes)*lease)
+	}
+	if c := tally(cut); c[200]+c[503] != len(cut) {
+		t.Errorf("Redis cut: statuses %v, want only 200 and 503", c)
+	}
+	for i, node := range f.nodes {
+		if !slices.ContainsFunc(back, func(o answer) bool { return o.node == i && o.status == 200 }) {
+			t.Errorf("node %d admits nothing in the %s after Redis came back", node.port, phases[3].lasts)
+		}
+	}
+	admitted := tally(out)[200]
+	wall, _ := span(out)
+	if most := allowance(p, r, wall); admitted > most {
+		t.Errorf("admitted %d over %s, more than strict mode's allowance %d", admitted, wall, most)
+	} else {
+		t.Logf("admitted %d over %s: allowance %d; %s", admitted, wall.Round(time.Millisecond), most, f.leaseCounts())
+	}
+
+	reloadsLeaveNoGoroutines(t, f, p)
+}
+
+// reloadsLeaveNoGoroutines reloads every node a few times with the same
+// config, each time with a lease held for a fresh key, and checks that each
+// process ends with as many goroutines as before.
+func reloadsLeaveNoGoroutines(t *testing.T, f *leaseFleet, p fleetPolicy) {
+	t.Helper()
+	const reloads, slack = 5, 2
+	afterGiveBacks()
+	f.transport.CloseIdleConnections()
+	before := make([]int, len(f.nodes))
+	for i, node := range f.nodes {
+		before[i] = f.goroutines(node)
+	}
+	for n := range reloads {
+		for i := range f.nodes {
+			for range 5 {
+				f.get(i, "reload-"+strconv.Itoa(n))
+			}
+		}
+		f.reload(p)
+	}
+	f.transport.CloseIdleConnections()
+	for i, node := range f.nodes {
+		var now int
+		deadline := time.Now().Add(5 * time.Second)
+		for now = f.goroutines(node); now > before[i]+slack && time.Now().Before(deadline); now = f.goroutines(node) {
+			time.Sleep(100 * time.Millisecond)
+		}
+		t.Logf("node %d: %d goroutines before %d reloads, %d after", node.port, before[i], reloads, now)
+		if now > before[i]+slack {
+			t.Errorf("node %d: %d goroutines after %d reloads, %d before: a leak", node.port, now, reloads, before[i])
+		}
+	}
+}
