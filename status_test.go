@@ -24,9 +24,37 @@ const loginDirectives = `
 	respond @wrong "wrong password" 401
 	respond "welcome"`
 
+// In every store mode: successes cost nothing, failures spend the bucket,
+// and the ban that ends them holds even the right password off.
+func TestCountStatusAndBanInEveryStoreMode(t *testing.T) {
+	srv := startRedis(t)
+	for _, tt := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
+		{"redis lease 50%", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 50%\n }"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			srv.do("FLUSHALL")
+			s := serve(t, fmt.Sprintf(loginDirectives, "count_status 401\n ban 1h\n "+tt.store))
+			countFailures(t, s)
+			r := s.get("/", "X-User: ann", "X-Password: right")
+			if after, _ := strconv.Atoi(r.header.Get("Retry-After")); r.status != 429 || after <= 3600 {
+				t.Errorf("during the ban: %d, Retry-After %q; want 429 and more than the ban's 3600 s", r.status, r.header.Get("Retry-After"))
+			}
+		})
+	}
+}
+
 func TestCountStatusLimitsFailedAttemptsOnly(t *testing.T) {
 	useFakeClock(t)
 	s := serve(t, fmt.Sprintf(loginDirectives, "count_status 401"))
+	countFailures(t, s)
+}
+
+// countFailures checks a loginDirectives site with count_status 401.
+func countFailures(t *testing.T, s *testServer) {
+	t.Helper()
 	right, wrong := []string{"X-User: ann", "X-Password: right"}, []string{"X-User: ann", "X-Password: wrong"}
 	for i := range 10 {
 		if r := s.get("/", right...); r.status != 200 {
