@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"net/netip"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -22,6 +24,8 @@ func init() {
 //
 //	GET    /rate_limit/buckets?policy=&tier=&keyer=&value=   a bucket's state
 //	DELETE /rate_limit/buckets?policy=&tier=&keyer=&value=   refill it, to unblock a client
+//	GET    /rate_limit/policies                              every policy, its store's health
+//	GET    /rate_limit/top?policy=&n=10                      the buckets denied most lately
 //
 // policy defaults to "default", tier to the policy's catch-all tier and
 // keyer to "ip". keyer is a keyer's kind (ip, header, ...) or, where a
@@ -39,7 +43,11 @@ func (Admin) CaddyModule() caddy.ModuleInfo {
 
 // Routes returns the admin routes.
 func (a *Admin) Routes() []caddy.AdminRoute {
-	return []caddy.AdminRoute{{Pattern: "/rate_limit/buckets", Handler: caddy.AdminHandlerFunc(a.serveBuckets)}}
+	return []caddy.AdminRoute{
+		{Pattern: "/rate_limit/buckets", Handler: caddy.AdminHandlerFunc(a.serveBuckets)},
+		{Pattern: "/rate_limit/policies", Handler: caddy.AdminHandlerFunc(a.servePolicies)},
+		{Pattern: "/rate_limit/top", Handler: caddy.AdminHandlerFunc(a.serveTop)},
+	}
 }
 
 // liveHandlers are the provisioned handlers by policy, newest last, so the
@@ -225,6 +233,113 @@ func (h *Handler) keyerNamed(name string) Keyer {
 		return h.fallback
 	}
 	return nil
+}
+
+// policyView is GET /rate_limit/policies's view of one policy: what an
+// operator checks first.
+type policyView struct {
+	Policy string     `json:"policy"`
+	Keyers []string   `json:"keyers"`
+	Tiers  []tierView `json:"tiers"`
+	// Store is local or redis.
+	Store string `json:"store"`
+	// Keys is the buckets this node's local store holds: the policy's, or,
+	// beside Redis, its on_store_error local fallback's.
+	Keys int `json:"keys"`
+	// Breaker is closed, open or half-open (Redis only).
+	Breaker string `json:"breaker,omitempty"`
+	// Leases is the buckets this node holds leased tokens of (Redis with
+	// lease only).
+	Leases int `json:"leases"`
+}
+
+type tierView struct {
+	Name   string      `json:"name"`
+	Limits []limitView `json:"limits,omitempty"`
+	Cost   int64       `json:"cost,omitempty"`
+	// Unlimited or Deny mark allow- and block-list tiers.
+	Unlimited bool `json:"unlimited,omitempty"`
+	Deny      bool `json:"deny,omitempty"`
+}
+
+type limitView struct {
+	Capacity int64  `json:"capacity"`
+	Refill   string `json:"refill"`
+}
+
+func (a *Admin) servePolicies(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s: use GET", r.Method)}
+	}
+	liveHandlers.Lock()
+	var handlers []*Handler
+	for _, hs := range liveHandlers.byPolicy {
+		handlers = append(handlers, hs[len(hs)-1])
+	}
+	liveHandlers.Unlock()
+	slices.SortFunc(handlers, func(a, b *Handler) int { return strings.Compare(a.Name, b.Name) })
+	views := make([]policyView, 0, len(handlers))
+	for _, h := range handlers {
+		views = append(views, h.view())
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(views)
+}
+
+// view describes the handler's policy as it runs now.
+func (h *Handler) view() policyView {
+	v := policyView{Policy: h.Name, Keyers: []string{}}
+	for _, k := range h.keyers {
+		v.Keyers = append(v.Keyers, k.ID())
+	}
+	if !h.noKeyDeny {
+		v.Keyers = append(v.Keyers, h.fallback.ID())
+	}
+	for _, t := range h.Tiers {
+		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
+		if !t.Unlimited && !t.Deny {
+			tv.Limits = []limitView{{Capacity: t.limit.Capacity, Refill: t.Refill}}
+			tv.Cost = t.cost
+		}
+		v.Tiers = append(v.Tiers, tv)
+	}
+	switch s := h.store.(type) {
+	case *LocalStore:
+		v.Store, v.Keys = "local", s.buckets.len()
+	case *RedisStore:
+		v.Store, v.Breaker = "redis", s.conn.breaker.state(s.conn.now())
+		if h.local != nil && h.local.buckets != nil {
+			v.Keys = h.local.buckets.len()
+		}
+		if s.leases != nil {
+			v.Leases = s.leases.held()
+		}
+	}
+	return v
+}
+
+func (a *Admin) serveTop(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s: use GET", r.Method)}
+	}
+	q := r.URL.Query()
+	policy := q.Get("policy")
+	if policy == "" {
+		policy = "default"
+	}
+	h := latestHandler(policy)
+	if h == nil {
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("policy %q: no such policy in the running config", policy)}
+	}
+	n := 10
+	if s := q.Get("n"); s != "" {
+		var err error
+		if n, err = strconv.Atoi(s); err != nil || n < 1 || n > topEntries {
+			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("n %q: want a whole number from 1 to %d", s, topEntries)}
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(h.denials.top(time.Now(), n))
 }
 
 // Interface guard

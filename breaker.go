@@ -77,5 +77,18 @@ func (b *breaker) notify(open bool) {
 	}
 }
 
+// state is the breaker as the admin API shows it: closed, open, or
+// half-open once the cool-down is over and a probe may go.
+func (b *breaker) state(now int64) string {
+	switch until := b.openUntil.Load(); {
+	case until == 0:
+		return "closed"
+	case now < until:
+		return "open"
+	default:
+		return "half-open"
+	}
+}
+
 // open reports whether the breaker is failing calls.
 func (b *breaker) open() bool { return b.openUntil.Load() != 0 }

@@ -209,3 +209,7 @@ func skipUnderShort(t *testing.T, kind string) {
 		t.Skipf("%s test: skipped under -short", kind)
 	}
 }
+
+// raceEnabled is false in a build without -race (hostile_norace_test.go),
+// where floods run at full size.
+var raceEnabled = true

@@ -356,6 +356,22 @@ func (t *leaseTable) reset(key []byte) {
 	sh.mu.Unlock()
 }
 
+// held is how many buckets this node holds leased tokens of.
+func (t *leaseTable) held() int {
+	n := 0
+	for i := range t.shards {
+		sh := &t.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.tokens > 0 {
+				n++
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return n
+}
+
 // giveBack is unused leased tokens on their way back to a shared bucket.
 type giveBack struct {
 	key    string

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -119,6 +120,10 @@ type Handler struct {
 	noKeyDeny bool
 	// counted is CountStatus as a set; nil counts every response.
 	counted *statusSet
+	// denials is the policy's record of its denials on this node.
+	denials *denials
+	events  *caddyevents.App
+	ctx     caddy.Context
 }
 
 // CaddyModule returns the Caddy module information.
@@ -167,6 +172,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionStore(ctx); err != nil {
 		return err
 	}
+	h.denials = denialsFor(h.Name)
+	// The http app loads the events app before its handlers; outside a
+	// server (tests that provision a handler alone) there is none.
+	if events, err := ctx.AppIfConfigured("events"); err == nil {
+		h.events = events.(*caddyevents.App)
+	}
+	h.ctx = ctx
 	registerHandler(h)
 	return nil
 }
@@ -449,6 +461,9 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		d.decide(o)
 		if res.Banned {
 			bansTotal.WithLabelValues(h.Name, d.tier.Name).Inc()
+		}
+		if !h.DryRun {
+			h.noteDenial(d)
 		}
 		if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
