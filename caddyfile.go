@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -235,7 +236,7 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 		case "refill":
 			err = oneArg(d, &t.Refill)
 		case "cost":
-			t.Cost, err = intArg(d)
+			err = parseCost(d, t)
 		case "keyer":
 			err = oneArg(d, &t.Keyer)
 		case "unlimited":
@@ -286,6 +287,24 @@ func once(d *caddyfile.Dispenser, seen map[string]bool, single ...string) error 
 			seen[sub] = true
 		}
 	}
+	return nil
+}
+
+// parseCost reads `cost <n>` or `cost <placeholder>`.
+func parseCost(d *caddyfile.Dispenser, t *Tier) error {
+	var s string
+	if err := oneArg(d, &s); err != nil {
+		return err
+	}
+	if strings.Contains(s, "{") {
+		t.CostPlaceholder = s
+		return nil
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return d.Errf("cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", s)
+	}
+	t.Cost = n
 	return nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -24,6 +25,8 @@ type decision struct {
 	outcome outcome
 	// took is the store the tokens came from, for count_status.
 	took Store
+	// cost is what this request takes: the tier's, or its placeholder's.
+	cost int64
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The response's header values, rendered once into text.
@@ -216,4 +219,23 @@ func errorID() string {
 		n >>= 5
 	}
 	return string(id[:])
+}
+
+// errBadCost is the error behind the 400 for a cost placeholder whose value
+// is not a cost. The value is the client's, so it is not repeated.
+var errBadCost = errors.New("the request's cost is not a whole number from 0 to the capacity")
+
+// readCost reads the request's cost from the tier's cost placeholder.
+func (d *decision) readCost(r *http.Request) error {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if repl == nil {
+		repl = caddy.NewReplacer()
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(repl.ReplaceAll(d.tier.CostPlaceholder, "")), 10, 64)
+	if err != nil || n < 0 || n > d.tier.limit.Capacity {
+		d.decide(outcomeDenied)
+		return rejection(http.StatusBadRequest, errBadCost)
+	}
+	d.cost = n
+	return nil
 }

@@ -9,6 +9,7 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -413,8 +414,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.refuseNoKey(w, r, next, d)
 	}
 
+	if d.cost = tier.cost; tier.CostPlaceholder != "" {
+		if err := d.readCost(r); err != nil {
+			return err
+		}
+	}
 	began := time.Now()
-	res, err := h.store.Take(r.Context(), &d.bucket, tier.limit, tier.cost)
+	res, err := h.take(r.Context(), d)
 	h.storeTime.Observe(time.Since(began).Seconds())
 	d.took = h.store
 	if err != nil {
@@ -440,6 +446,17 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 		return next.ServeHTTP(w, r)
 	}
 	return rejection(http.StatusBadRequest, errNoKey)
+}
+
+// take applies the request to its bucket. A cost of 0 takes nothing and
+// is always allowed; the bucket is only read, for the headers.
+func (h *Handler) take(ctx context.Context, d *decision) (Result, error) {
+	if d.cost == 0 {
+		res, err := h.store.Peek(ctx, &d.bucket, d.tier.limit)
+		res.Allowed, res.RetryAfter = true, 0
+		return res, err
+	}
+	return h.store.Take(ctx, &d.bucket, d.tier.limit, d.cost)
 }
 
 // finish sets the headers for the store's answer and passes the request on,
@@ -496,7 +513,7 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		w.Header()["Retry-After"] = []string{"1"}
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
-	res, _ := h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.tier.cost)
+	res, _ := h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)
 	d.took = h.local
 	return h.finish(w, r, next, d, res)
 }

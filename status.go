@@ -82,7 +82,7 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 		return err
 	}
 	// The client may be gone; the give-back still belongs to its bucket.
-	if gbErr := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, d.tier.cost); gbErr != nil {
+	if gbErr := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, d.cost); gbErr != nil {
 		h.storeLog.Warn("rate limit store: giving back the tokens of an uncounted response failed", zap.String("policy", h.Name), zap.Int("status", status), zap.Error(gbErr))
 	}
 	return err

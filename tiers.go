@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -22,6 +23,11 @@ type Tier struct {
 	Refill string `json:"refill,omitempty"`
 	// Cost is how many tokens one request takes. Default 1.
 	Cost int64 `json:"cost,omitempty"`
+	// CostPlaceholder, instead of Cost, reads each request's cost from a
+	// placeholder, such as {http.request.header.X-Batch}: a whole number
+	// from 0 to the capacity. Any other value is answered 400 and takes
+	// nothing.
+	CostPlaceholder string `json:"cost_placeholder,omitempty"`
 
 	// MatcherSetsRaw holds request matchers; the tier applies only to
 	// requests that some set matches.
@@ -88,6 +94,14 @@ func (t *Tier) validate() error {
 	t.cost = t.Cost
 	if t.cost == 0 {
 		t.cost = 1
+	}
+	if t.CostPlaceholder != "" {
+		if t.Cost != 0 {
+			return fmt.Errorf("tier %q: give cost as a number or a placeholder, not both", t.Name)
+		}
+		if !strings.Contains(t.CostPlaceholder, "{") {
+			return fmt.Errorf("tier %q: cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", t.Name, t.CostPlaceholder)
+		}
 	}
 	t.limit = Limit{Capacity: t.Capacity, Rate: rate, Ban: t.ban}
 	if err := t.limit.Validate(t.cost); err != nil {
