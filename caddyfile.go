@@ -49,7 +49,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    tier <name> [<capacity> <refill>] {
 //	        capacity <n>
 //	        refill <amount>/<duration>
-//	        cost <n>
+//	        cost <n> | <placeholder>
+//	        limit <capacity> <refill>
 //	        match { <request matchers> }
 //	        claim <claim> <value...>
 //	        keyer ip|header|cookie|jwt|form|json|placeholder
@@ -64,6 +65,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    dry_run
 //	    key_secret <secret>
 //	    no_key ip|deny
+//	    limit <capacity> <refill>
 //	    count_status <code|class...>
 //	    ban <duration>
 //	}
@@ -128,6 +130,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "jwt":
 			err = parseJWT(h, d)
+		case "limit":
+			if catchAll == nil {
+				catchAll = &Tier{Name: "default"}
+			}
+			err = parseLimit(d, &catchAll.Limits)
 		default:
 			return d.Errf("rate_limit: unknown subdirective %q", sub)
 		}
@@ -237,6 +244,8 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			err = oneArg(d, &t.Refill)
 		case "cost":
 			err = parseCost(d, t)
+		case "limit":
+			err = parseLimit(d, &t.Limits)
 		case "keyer":
 			err = oneArg(d, &t.Keyer)
 		case "unlimited":
@@ -287,6 +296,23 @@ func once(d *caddyfile.Dispenser, seen map[string]bool, single ...string) error 
 			seen[sub] = true
 		}
 	}
+	return nil
+}
+
+// parseLimit reads `limit <capacity> <refill>` onto limits.
+func parseLimit(d *caddyfile.Dispenser, limits *[]TierLimit) error {
+	args := d.RemainingArgs()
+	if len(args) != 2 {
+		return d.Err("limit: want <capacity> <refill>, such as `limit 10000 10000/24h`")
+	}
+	var t Tier
+	if err := parseShape(d, &t, args); err != nil {
+		return err
+	}
+	if t.Capacity < 1 {
+		return d.Errf("limit: capacity %d: must be at least 1", t.Capacity)
+	}
+	*limits = append(*limits, TierLimit{Capacity: t.Capacity, Refill: t.Refill})
 	return nil
 }
 

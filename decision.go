@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"math/rand/v2"
 	"net/http"
@@ -27,6 +28,10 @@ type decision struct {
 	took Store
 	// cost is what this request takes: the tier's, or its placeholder's.
 	cost int64
+	// limits holds each limit's result, for tiers of several limits, and
+	// binding the one the X- headers report.
+	limits  *[maxLimits]Result
+	binding int
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The response's header values, rendered once into text.
@@ -97,11 +102,7 @@ func (h *Handler) render(d *decision) {
 	}
 	at[2] = len(buf)
 	if h.ietfHeaders {
-		buf = append(buf, d.tier.quotedName...)
-		buf = append(buf, ";r="...)
-		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
-		buf = append(buf, ";t="...)
-		buf = strconv.AppendInt(buf, secondsUp(d.result.ResetAfter), 10)
+		buf = d.appendIETF(buf)
 	}
 	// The strings share the decision's memory, which nothing writes again,
 	// and which the strings keep alive.
@@ -109,6 +110,9 @@ func (h *Handler) render(d *decision) {
 	v := &d.resp
 	if h.xHeaders {
 		v.limit[0] = d.tier.limitText
+		if d.limits != nil {
+			v.limit[0] = d.tier.limitTexts[d.binding]
+		}
 		v.remaining[0] = text[:at[0]]
 		v.reset[0] = text[at[0]:at[1]]
 	}
@@ -238,4 +242,50 @@ func (d *decision) readCost(r *http.Request) error {
 	}
 	d.cost = n
 	return nil
+}
+
+// takeAll applies the request to every limit of its tier, in one step of
+// store. The result is the binding limit's, the one the X- headers report:
+// the one with the least remaining, or, when denied, the one that makes
+// the client wait longest; its RetryAfter is the wait until all allow.
+func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
+	ls := d.tier.limits
+	d.limits = new([maxLimits]Result)
+	out := d.limits[:len(ls)]
+	allowed, err := store.TakeAll(ctx, &d.bucket, ls, d.cost, out)
+	if err != nil {
+		return Result{}, err
+	}
+	j := 0
+	for i, r := range out {
+		if allowed && r.Remaining < out[j].Remaining || !allowed && r.RetryAfter > out[j].RetryAfter {
+			j = i
+		}
+	}
+	d.binding = j
+	res := out[j]
+	res.Allowed = allowed
+	return res, nil
+}
+
+// appendIETF appends the RateLimit field: one item per limit.
+func (d *decision) appendIETF(buf []byte) []byte {
+	if d.limits == nil {
+		return appendIETFItem(buf, d.tier.quotedName, d.result)
+	}
+	for i := range d.tier.limits {
+		if i > 0 {
+			buf = append(buf, ", "...)
+		}
+		buf = appendIETFItem(buf, d.tier.itemName(i), d.limits[i])
+	}
+	return buf
+}
+
+func appendIETFItem(buf []byte, name string, r Result) []byte {
+	buf = append(buf, name...)
+	buf = append(buf, ";r="...)
+	buf = strconv.AppendInt(buf, r.Remaining, 10)
+	buf = append(buf, ";t="...)
+	return strconv.AppendInt(buf, secondsUp(r.ResetAfter), 10)
 }

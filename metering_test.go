@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 )
 
@@ -50,5 +51,101 @@ func TestCostFromAPlaceholder(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A request must fit every limit of its tier and takes from all or none,
+// whichever order the limits come in: a denial by one limit leaves the
+// others as they were. Local and Redis alike.
+func TestSeveralLimitsTakeFromAllOrNone(t *testing.T) {
+	srv := startRedis(t)
+	for _, store := range []struct{ name, block string }{
+		{"local", ""},
+		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
+	} {
+		for _, order := range []struct{ name, limits, want string }{
+			{"small first", "limit 3 1/h\n limit 10 1/h", `"default";r=0;t=10800, "default-2";r=7;t=10800`},
+			{"big first", "limit 10 1/h\n limit 3 1/h", `"default";r=7;t=10800, "default-2";r=0;t=10800`},
+		} {
+			t.Run(store.name+"/"+order.name, func(t *testing.T) {
+				useFakeClock(t)
+				srv.do("FLUSHALL")
+				s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		%s
+		headers both
+		%s
+	}
+	respond "ok"`, order.limits, store.block))
+				var statuses []int
+				var last response
+				for range 6 {
+					last = s.from("127.0.0.2", "/")
+					statuses = append(statuses, last.status)
+				}
+				if fmt.Sprint(statuses) != "[200 200 200 429 429 429]" {
+					t.Errorf("statuses %v, want three allowed by the smaller limit", statuses)
+				}
+				// The denials took nothing from the larger limit.
+				if got := last.header.Get("RateLimit"); got != order.want {
+					t.Errorf("RateLimit %q, want %q", got, order.want)
+				}
+				if got := last.header.Get("X-RateLimit-Limit"); got != "3" {
+					t.Errorf("X-RateLimit-Limit %q, want 3, the limit that binds", got)
+				}
+			})
+		}
+	}
+}
+
+// A tier of four limits: the least of them binds, the IETF fields list
+// all four by name, and with Redis each request is one script call.
+func TestFourLimitTier(t *testing.T) {
+	srv := startRedis(t)
+	s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier api {
+			limit 4 4/s
+			limit 6 1/m
+			limit 100 100/h
+			limit 1000 1000/24h
+		}
+		headers both
+		store redis {
+			address %s
+			timeout 2s
+		}
+	}
+	respond "ok"`, srv.url()))
+	calls := func() int64 {
+		var n int64
+		fmt.Sscanf(srv.info("commandstats", "cmdstat_evalsha"), "calls=%d", &n)
+		return n
+	}
+	before := calls()
+	r := s.from("127.0.0.2", "/")
+	if r.status != 200 || r.header.Get("X-RateLimit-Limit") != "4" || r.header.Get("X-RateLimit-Remaining") != "3" {
+		t.Fatalf("first request: %d, limit %q, remaining %q; want 200, 4, 3", r.status, r.header.Get("X-RateLimit-Limit"), r.header.Get("X-RateLimit-Remaining"))
+	}
+	if got, want := r.header.Get("RateLimit-Policy"), `"api";q=4;w=1, "api-2";q=6;w=360, "api-3";q=100;w=3600, "api-4";q=1000;w=86400`; got != want {
+		t.Errorf("RateLimit-Policy %q, want %q", got, want)
+	}
+	if got := calls() - before; got != 1 {
+		t.Errorf("one request made %d script calls, want 1", got)
+	}
+}
+
+func TestSeveralLimitsMistakes(t *testing.T) {
+	for _, tt := range []struct{ block, want string }{
+		{"limit 0 1/s", "limit: capacity 0"},
+		{"limit 5", "limit: want <capacity> <refill>"},
+		{"limit 5 fast", `refill "fast"`},
+		{"limit 5 1/s\n limit 9 1/m\n count_status 401", "count_status and ban work with one limit per tier"},
+		{"limit 5 1/s\n limit 9 1/m\n store redis {\n lease 10%\n }", "several limits need every decision in Redis"},
+	} {
+		_, err := adaptSite("rate_limit {\n " + tt.block + "\n }")
+		if err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%q: error %v, want one containing %q", tt.block, err, tt.want)
+		}
 	}
 }

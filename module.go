@@ -270,6 +270,9 @@ func (h *Handler) validate() error {
 	if err := h.validateLogin(); err != nil {
 		return err
 	}
+	if err := h.validateLeaseUse(); err != nil {
+		return err
+	}
 	switch h.Headers {
 	case "x", "ietf", "both", "none":
 	default:
@@ -320,6 +323,26 @@ func (h *Handler) provisionKeySecret() error {
 		return fmt.Errorf("key_secret: %s is %d bytes long; want at least %d", shown, len(secret), minKeySecret)
 	}
 	h.keySecret = []byte(secret)
+	return nil
+}
+
+// validateLeaseUse refuses what leases do not support: a tier of several
+// limits, whose requests take from all or none in one Redis call.
+func (h *Handler) validateLeaseUse() error {
+	var store struct {
+		Lease string `json:"lease"`
+	}
+	if h.StoreRaw == nil || json.Unmarshal(h.StoreRaw, &store) != nil {
+		return nil
+	}
+	if size, err := parseLeaseSize(store.Lease); err != nil || size.strict() {
+		return nil
+	}
+	for _, t := range h.Tiers {
+		if t.limitCount() > 1 {
+			return fmt.Errorf("tier %q: several limits need every decision in Redis: leave lease out of the store (strict mode), or give the tier one limit", t.Name)
+		}
+	}
 	return nil
 }
 
@@ -451,6 +474,9 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 // take applies the request to its bucket. A cost of 0 takes nothing and
 // is always allowed; the bucket is only read, for the headers.
 func (h *Handler) take(ctx context.Context, d *decision) (Result, error) {
+	if len(d.tier.limits) > 1 {
+		return d.takeAll(ctx, h.store)
+	}
 	if d.cost == 0 {
 		res, err := h.store.Peek(ctx, &d.bucket, d.tier.limit)
 		res.Allowed, res.RetryAfter = true, 0
@@ -513,7 +539,12 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		w.Header()["Retry-After"] = []string{"1"}
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
-	res, _ := h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)
+	var res Result
+	if len(d.tier.limits) > 1 {
+		res, _ = d.takeAll(r.Context(), h.local)
+	} else {
+		res, _ = h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)
+	}
 	d.took = h.local
 	return h.finish(w, r, next, d, res)
 }

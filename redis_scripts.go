@@ -162,3 +162,79 @@ var (
 	leaseBucketScript    = redis.NewScript(leaseScript)
 	giveBackBucketScript = redis.NewScript(giveBackScript)
 )
+
+// takeAllScript is the local store's takeAll: one request against several
+// limits of one bucket, all or none. KEYS[1] is a hash whose field i holds
+// limit i's "<fullAt> <slack>"; the key expires when every limit is full.
+//
+// ARGV: the number of limits n, the cost, microseconds to add to TIME
+// (tests only; 0 otherwise), then for each limit its capacity, rate tokens
+// and rate interval.
+//
+// It returns, for each limit, {allowed (0|1), remaining, retry after,
+// reset after}, as Take would for that limit alone, but taking only when
+// all allow; then the server's time.
+const takeAllScript = `
+if redis.replicate_commands then redis.replicate_commands() end
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  local r = a - q * b
+  if r < 0 then q = q - 1 elseif r >= b then q = q + 1 end
+  return q
+end
+local function ceildiv(a, b) return idiv(a + b - 1, b) end
+
+local n = tonumber(ARGV[1])
+local cost = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[3])
+local fields = redis.call('HMGET', KEYS[1], unpack((function()
+  local f = {}
+  for i = 1, n do f[i] = tostring(i) end
+  return f
+end)()))
+
+local out, levels, deficits, allowed = {}, {}, {}, true
+for i = 1, n do
+  local capacity, tokens, interval = tonumber(ARGV[1 + 3 * i]), tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
+  local units = capacity * interval
+  local deficit = 0
+  if fields[i] then
+    local a, b = string.match(fields[i], '^(%d+) (%d+)$')
+    if not a then
+      return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
+    end
+    local full_at, slack = tonumber(a), tonumber(b)
+    if now < full_at then
+      deficit = (full_at - now) * tokens - slack
+      if deficit > units or deficit < 0 then deficit = units end
+    end
+  end
+  deficits[i], levels[i] = deficit, units - deficit
+  if levels[i] < cost * interval then allowed = false end
+end
+
+local ttl = 0
+for i = 1, n do
+  local tokens, interval = tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
+  local need = cost * interval
+  local level, deficit = levels[i], deficits[i]
+  if allowed then
+    deficit = deficit + need
+    local refill = ceildiv(deficit, tokens)
+    redis.call('HSET', KEYS[1], tostring(i), string.format('%d %d', now + refill, refill * tokens - deficit))
+    if refill > ttl then ttl = refill end
+    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, idiv(level - need, interval), 0, refill
+  else
+    local retry = 0
+    if level < need then retry = ceildiv(need - level, tokens) end
+    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, idiv(level, interval), retry, ceildiv(deficit, tokens)
+  end
+end
+if allowed then redis.call('PEXPIRE', KEYS[1], ceildiv(ttl, 1000) + 1) end
+out[#out + 1] = now
+return out
+`
+
+// takeAllBucketScript runs takeAllScript as bucketScript runs takeScript.
+var takeAllBucketScript = redis.NewScript(takeAllScript)

@@ -26,6 +26,11 @@ type Bucket struct {
 type Store interface {
 	// Take applies a request costing cost tokens to the bucket.
 	Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error)
+	// TakeAll applies a request to the bucket's several limits, atomically:
+	// it takes cost tokens from every one, or, when one is short, from
+	// none. It writes each limit's result into out and reports whether the
+	// request was allowed.
+	TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error)
 	// Peek reports the bucket without changing it.
 	Peek(ctx context.Context, b *Bucket, l Limit) (Result, error)
 	// Reset makes the bucket full again.

@@ -102,6 +102,11 @@ func (s *LocalStore) Reset(_ context.Context, b *Bucket) error {
 	return nil
 }
 
+// TakeAll implements Store.
+func (s *LocalStore) TakeAll(_ context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error) {
+	return s.buckets.takeAll(b, ls, cost, out), nil
+}
+
 // GiveBack implements Store.
 func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l Limit, n int64) error {
 	s.buckets.giveBack(b, l, n)
@@ -222,6 +227,50 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 	return res
 }
 
+// takeAll is take over several limits under one shard lock, all or none.
+// Limit i keeps its state under the bucket's id mixed with i, in the same
+// shard; limit 0's is the bucket's own, as with one limit.
+func (lb *localBuckets) takeAll(b *Bucket, ls []Limit, cost int64, out []Result) bool {
+	sh, id := lb.locate(b)
+	var olds, states [maxLimits]State
+	var found [maxLimits]bool
+	now := lb.now()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	allowed := true
+	for i, l := range ls {
+		olds[i], found[i] = sh.states.get(limitID(id, i))
+		states[i], out[i] = Take(olds[i], now, l, cost)
+		allowed = allowed && out[i].Allowed
+	}
+	for i := range ls {
+		if !allowed && !out[i].Banned {
+			if out[i].Allowed {
+				// This limit had room, but another did not: nothing taken.
+				out[i] = Peek(olds[i], now, ls[i])
+				out[i].Allowed = false
+			}
+			continue
+		}
+		if !found[i] {
+			if lb.count.Load() >= lb.maxKeys.Load() {
+				lb.makeRoom(sh, now, limitID(id, i))
+			}
+			lb.count.Add(1)
+		}
+		sh.states.put(limitID(id, i), states[i])
+	}
+	return allowed
+}
+
+// limitID is the table id of a bucket's limit i.
+func limitID(id uint64, i int) uint64 {
+	if i == 0 {
+		return id
+	}
+	return id ^ uint64(i)*0x9e3779b97f4a7c15
+}
+
 func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
 	sh, id := lb.locate(b)
 	now := lb.now()
@@ -247,7 +296,9 @@ func (lb *localBuckets) reset(b *Bucket) {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
 	before := sh.states.n
-	sh.states.remove(id)
+	for i := range maxLimits {
+		sh.states.remove(limitID(id, i))
+	}
 	lb.count.Add(int64(sh.states.n - before))
 	sh.mu.Unlock()
 }

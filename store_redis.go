@@ -207,6 +207,28 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 	return res, err
 }
 
+// TakeAll implements Store with one script call on one key, a hash with a
+// field per limit (the bucket's key and ":m"). Leases take no part: a tier
+// of several limits is refused with lease, at provision.
+func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error) {
+	args := make([]any, 0, 3+3*len(ls))
+	args = append(args, len(ls), cost, s.clockOffset)
+	for _, l := range ls {
+		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
+	}
+	vals, err := s.call(ctx, takeAllBucketScript, s.key(b)+":m", args, false, 4*len(ls)+1)
+	if err != nil {
+		return false, err
+	}
+	allowed := true
+	for i := range ls {
+		v := vals[4*i:]
+		out[i] = Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3]}
+		allowed = allowed && out[i].Allowed
+	}
+	return allowed, nil
+}
+
 // GiveBack implements Store: into this node's lease when the take came
 // from one, else one script call.
 func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
@@ -246,7 +268,12 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
+	// A tier of several limits keeps them in a hash beside: one DEL each,
+	// as the two may sit in different Cluster slots.
 	err := s.conn.client.Del(ctx, key).Err()
+	if err == nil {
+		err = s.conn.client.Del(ctx, key+":m").Err()
+	}
 	s.record(ctx, probe, err)
 	if err != nil {
 		return fmt.Errorf("redis store: reset: %w", err)
@@ -271,10 +298,10 @@ func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (
 	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3], Banned: len(vals) == 6 && vals[5] == 1}, vals[4], nil
 }
 
-// call runs a script that answers five numbers on one key, within the
-// timeout and through the breaker; batched, through the batcher if there
-// is one.
-func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string, args []any, batched bool) ([]int64, error) {
+// call runs a script on one key, within the timeout and through the
+// breaker; batched, through the batcher if there is one. The script
+// answers five numbers (or six, with a ban), or want[0] when given.
+func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string, args []any, batched bool, want ...int) ([]int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
 		return nil, errBreakerOpen
@@ -288,8 +315,8 @@ func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string,
 	} else {
 		vals, err = script.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
 	}
-	if err == nil && len(vals) != 5 && len(vals) != 6 {
-		err = fmt.Errorf("script answered %d values, want 5 or 6", len(vals))
+	if n := len(vals); err == nil && (len(want) == 0 && n != 5 && n != 6 || len(want) > 0 && n != want[0]) {
+		err = fmt.Errorf("script answered %d values, want %v", n, append(want, 5)[0])
 	}
 	s.record(ctx, probe, err)
 	if err != nil {

@@ -21,6 +21,11 @@ type Tier struct {
 	// Refill is the rate at which tokens come back, as <amount>/<duration>:
 	// 100/s, 0.5/s, 1/10s, 30/m, 1000/h.
 	Refill string `json:"refill,omitempty"`
+	// Limits are more limits the tier's requests must fit, each a bucket of
+	// its own: 100/s and 10,000/day, say. A request takes from all or
+	// none. Capacity and Refill, when given, are the first limit.
+	Limits []TierLimit `json:"limits,omitempty"`
+
 	// Cost is how many tokens one request takes. Default 1.
 	Cost int64 `json:"cost,omitempty"`
 	// CostPlaceholder, instead of Cost, reads each request's cost from a
@@ -47,6 +52,9 @@ type Tier struct {
 
 	matchers caddyhttp.MatcherSets
 	limit    Limit
+	// limits are all the tier's limits, limit first.
+	limits     []Limit
+	limitTexts []string
 	// ban is the handler's ban (µs), which the tier's limit carries.
 	ban  int64
 	cost int64
@@ -76,20 +84,10 @@ func (t *Tier) validate() error {
 		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
 	}
 	if t.Unlimited || t.Deny {
-		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 {
+		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 {
 			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill or cost", t.Name)
 		}
 		return nil
-	}
-	if t.Capacity < 1 {
-		return fmt.Errorf("tier %q: capacity %d: must be at least 1", t.Name, t.Capacity)
-	}
-	if t.Refill == "" {
-		return fmt.Errorf("tier %q: a refill rate is required, such as 10/s", t.Name)
-	}
-	rate, err := ParseRate(t.Refill)
-	if err != nil {
-		return fmt.Errorf("tier %q: %w", t.Name, err)
 	}
 	t.cost = t.Cost
 	if t.cost == 0 {
@@ -103,15 +101,66 @@ func (t *Tier) validate() error {
 			return fmt.Errorf("tier %q: cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", t.Name, t.CostPlaceholder)
 		}
 	}
-	t.limit = Limit{Capacity: t.Capacity, Rate: rate, Ban: t.ban}
-	if err := t.limit.Validate(t.cost); err != nil {
-		return fmt.Errorf("tier %q: %w", t.Name, err)
+	if err := t.validateLimits(); err != nil {
+		return err
 	}
 	switch t.Keyer {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
 	default:
 		return fmt.Errorf("tier %q: keyer %q: want ip, header, cookie, jwt, form, json or placeholder", t.Name, t.Keyer)
 	}
+	return nil
+}
+
+// TierLimit is one limit of a tier: a bucket's capacity and refill.
+type TierLimit struct {
+	// Capacity is the bucket's size in tokens.
+	Capacity int64 `json:"capacity"`
+	// Refill is the rate at which tokens come back, such as 100/s or 10000/24h.
+	Refill string `json:"refill"`
+}
+
+// limitCount is how many limits the tier has, before validation.
+func (t *Tier) limitCount() int {
+	n := len(t.Limits)
+	if t.Capacity != 0 || t.Refill != "" {
+		n++
+	}
+	return n
+}
+
+// maxLimits bounds a tier's limits.
+const maxLimits = 8
+
+// validateLimits computes the tier's limits: Capacity and Refill first,
+// when given, then Limits. Each must hold the cost.
+func (t *Tier) validateLimits() error {
+	shapes := t.Limits
+	if t.Capacity != 0 || t.Refill != "" || len(shapes) == 0 {
+		shapes = append([]TierLimit{{Capacity: t.Capacity, Refill: t.Refill}}, shapes...)
+	}
+	if len(shapes) > maxLimits {
+		return fmt.Errorf("tier %q: %d limits: at most %d", t.Name, len(shapes), maxLimits)
+	}
+	t.limits = t.limits[:0]
+	for _, sh := range shapes {
+		if sh.Capacity < 1 {
+			return fmt.Errorf("tier %q: capacity %d: must be at least 1", t.Name, sh.Capacity)
+		}
+		if sh.Refill == "" {
+			return fmt.Errorf("tier %q: a refill rate is required, such as 10/s", t.Name)
+		}
+		rate, err := ParseRate(sh.Refill)
+		if err != nil {
+			return fmt.Errorf("tier %q: %w", t.Name, err)
+		}
+		l := Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban}
+		if err := l.Validate(t.cost); err != nil {
+			return fmt.Errorf("tier %q: %w", t.Name, err)
+		}
+		t.limits = append(t.limits, l)
+	}
+	t.limit = t.limits[0]
 	return nil
 }
 
@@ -124,6 +173,15 @@ func checkTierName(name string) error {
 		}
 	}
 	return nil
+}
+
+// itemName is limit i's name in the IETF headers: "<tier>", then
+// "<tier>-2", "<tier>-3"...
+func (t *Tier) itemName(i int) string {
+	if i == 0 {
+		return t.quotedName
+	}
+	return strconv.Quote(t.Name + "-" + strconv.Itoa(i+1))
 }
 
 // catchAll reports whether the tier has no conditions.
@@ -147,8 +205,15 @@ func (t *Tier) provision(ctx caddy.Context) error {
 	t.limitText = strconv.FormatInt(t.limit.Capacity, 10)
 	t.quotedName = strconv.Quote(t.Name)
 	if !t.Unlimited && !t.Deny {
-		window := ceilDiv(t.limit.units(), t.limit.Rate.Tokens*1e6)
-		t.policyText = t.quotedName + ";q=" + t.limitText + ";w=" + strconv.FormatInt(window, 10)
+		var items []string
+		t.limitTexts = t.limitTexts[:0]
+		for i, l := range t.limits {
+			text := strconv.FormatInt(l.Capacity, 10)
+			t.limitTexts = append(t.limitTexts, text)
+			window := ceilDiv(l.units(), l.Rate.Tokens*1e6)
+			items = append(items, t.itemName(i)+";q="+text+";w="+strconv.FormatInt(window, 10))
+		}
+		t.policyText = strings.Join(items, ", ")
 	}
 	return nil
 }
