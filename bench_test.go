@@ -173,3 +173,33 @@ func BenchmarkLocalStoreMemoryPerKey(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkServeHTTPLimits is ServeHTTP on a tier of one limit beside one
+// of three, in one run: the three take from all in one step.
+func BenchmarkServeHTTPLimits(b *testing.B) {
+	for _, tt := range []struct{ name, tier string }{
+		{"1-limit", `{"name":"default","capacity":1000000000,"refill":"1000000/s"}`},
+		{"3-limits", `{"name":"default","limits":[{"capacity":1000000000,"refill":"1000000/s"},{"capacity":1000000000,"refill":"1000000/m"},{"capacity":1000000000,"refill":"1000000/h"}]}`},
+	} {
+		b.Run(tt.name, func(b *testing.B) {
+			h, done := provisionedHandler(b, `{"name":"bench-`+tt.name+`","tiers":[`+tt.tier+`]}`)
+			defer done()
+			w := &headerSink{h: make(http.Header)}
+			var batch [1024]*http.Request
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if i%len(batch) == 0 {
+					b.StopTimer()
+					for j := range batch {
+						batch[j] = benchRequest("127.0.0.1")
+					}
+					b.StartTimer()
+				}
+				if err := h.ServeHTTP(w, batch[i%len(batch)], nopHandler); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -175,10 +175,13 @@ func (s State) deficit(now int64, l Limit) int64 {
 		return l.units()
 	}
 	d := gap*l.Rate.Tokens - s.Slack
-	if d > l.units() || d < 0 {
+	if d > l.units() {
 		return l.units()
 	}
-	return d
+	// Below 0 only when a reload changed the rate: Slack, in the old rate's
+	// units, then exceeds the little time left before FullAt, when the
+	// bucket is all but full.
+	return max(d, 0)
 }
 
 // Take applies one request costing cost tokens at time now (microseconds)
@@ -191,6 +194,11 @@ func Take(s State, now int64, l Limit, cost int64) (State, Result) {
 	if level < need {
 		if l.Ban > 0 {
 			return ban(s, now, l, need)
+		}
+		if banned(s, now, l) {
+			// In debt (cost_from_response), or under a ban of an earlier
+			// config: empty until the refill covers what it lacks.
+			return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now}
 		}
 		return s, Result{
 			Remaining:  level / l.Rate.Interval,
@@ -303,4 +311,33 @@ func GiveBack(s State, now int64, l Limit, n int64) State {
 	}
 	refill := ceilDiv(deficit, l.Rate.Tokens)
 	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}
+}
+
+// maxDeficit bounds how far below empty a charge may take a bucket: a
+// debt of up to 1000 capacities, within what the Redis script computes
+// exactly.
+func (l Limit) maxDeficit() int64 {
+	return l.units() + min(l.units()*1000, maxUnits)
+}
+
+// Charge takes n more tokens after the fact, as cost_from_response does:
+// the bucket may go into debt, down to maxDeficit, and a debtor is refused
+// until it has refilled to the cost of a request.
+func Charge(s State, now int64, l Limit, n int64) State {
+	n = min(n, l.maxDeficit()/l.Rate.Interval) // an origin's figure, bounded
+	raw := int64(0)
+	if gap := s.FullAt - now; gap > 0 {
+		if gap > (l.maxDeficit()+s.Slack)/l.Rate.Tokens+1 {
+			raw = l.maxDeficit()
+		} else {
+			raw = max(0, gap*l.Rate.Tokens-s.Slack)
+		}
+	}
+	raw = min(raw, l.maxDeficit())
+	raw = min(raw+n*l.Rate.Interval, l.maxDeficit())
+	if raw <= 0 {
+		return State{}
+	}
+	refill := ceilDiv(raw, l.Rate.Tokens)
+	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - raw}
 }

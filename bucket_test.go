@@ -292,7 +292,10 @@ func refDeficit(s State, now int64, l Limit) int64 {
 	}
 	d := new(big.Int).Mul(big.NewInt(s.FullAt-now), big.NewInt(l.Rate.Tokens))
 	d.Sub(d, big.NewInt(s.Slack))
-	if d.Sign() < 0 || d.Cmp(big.NewInt(l.units())) > 0 {
+	if d.Sign() < 0 {
+		return 0
+	}
+	if d.Cmp(big.NewInt(l.units())) > 0 {
 		return l.units()
 	}
 	return d.Int64()
@@ -344,8 +347,14 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 		if res.Allowed != (level >= cost*next.Rate.Interval) {
 			t.Fatalf("case %d: allowed %v with level %d and cost %d", i, res.Allowed, level, cost)
 		}
-		if maxReset := ceilDiv(next.units(), next.Rate.Tokens); res.ResetAfter < 0 || res.ResetAfter > maxReset || res.RetryAfter < 0 || res.RetryAfter > maxReset {
-			t.Fatalf("case %d: reset after %d, retry after %d; want both in [0, %d]", i, res.ResetAfter, res.RetryAfter, maxReset)
+		if maxReset := ceilDiv(next.units(), next.Rate.Tokens); res.ResetAfter < 0 || res.RetryAfter < 0 || res.Allowed && res.ResetAfter > maxReset {
+			t.Fatalf("case %d: reset after %d, retry after %d; want both at least 0, and reset at most %d when allowed", i, res.ResetAfter, res.RetryAfter, maxReset)
+		}
+		// The retry time is enough: the same request then is allowed.
+		if !res.Allowed {
+			if _, again := Take(st, now+res.RetryAfter, next, cost); !again.Allowed {
+				t.Fatalf("case %d: denied with retry after %d, and denied again then: %+v", i, res.RetryAfter, again)
+			}
 		}
 		if res.Allowed && (nst.FullAt < now || nst.Slack < 0 || nst.Slack >= next.Rate.Tokens) {
 			t.Fatalf("case %d: new state %+v at %d is out of range", i, nst, now)

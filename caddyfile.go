@@ -51,6 +51,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        refill <amount>/<duration>
 //	        cost <n> | <placeholder>
 //	        limit <capacity> <refill>
+//	        cost_from_response <field>
 //	        match { <request matchers> }
 //	        claim <claim> <value...>
 //	        keyer ip|header|cookie|jwt|form|json|placeholder
@@ -233,7 +234,7 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny"); err != nil {
+		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny", "cost_from_response"); err != nil {
 			return err
 		}
 		var err error
@@ -246,6 +247,8 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			err = parseCost(d, t)
 		case "limit":
 			err = parseLimit(d, &t.Limits)
+		case "cost_from_response":
+			err = oneArg(d, &t.CostFromResponse)
 		case "keyer":
 			err = oneArg(d, &t.Keyer)
 		case "unlimited":

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"math/rand/v2"
 	"net/http"
@@ -10,7 +9,6 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -223,49 +221,6 @@ func errorID() string {
 		n >>= 5
 	}
 	return string(id[:])
-}
-
-// errBadCost is the error behind the 400 for a cost placeholder whose value
-// is not a cost. The value is the client's, so it is not repeated.
-var errBadCost = errors.New("the request's cost is not a whole number from 0 to the capacity")
-
-// readCost reads the request's cost from the tier's cost placeholder.
-func (d *decision) readCost(r *http.Request) error {
-	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	if repl == nil {
-		repl = caddy.NewReplacer()
-	}
-	n, err := strconv.ParseInt(strings.TrimSpace(repl.ReplaceAll(d.tier.CostPlaceholder, "")), 10, 64)
-	if err != nil || n < 0 || n > d.tier.limit.Capacity {
-		d.decide(outcomeDenied)
-		return rejection(http.StatusBadRequest, errBadCost)
-	}
-	d.cost = n
-	return nil
-}
-
-// takeAll applies the request to every limit of its tier, in one step of
-// store. The result is the binding limit's, the one the X- headers report:
-// the one with the least remaining, or, when denied, the one that makes
-// the client wait longest; its RetryAfter is the wait until all allow.
-func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
-	ls := d.tier.limits
-	d.limits = new([maxLimits]Result)
-	out := d.limits[:len(ls)]
-	allowed, err := store.TakeAll(ctx, &d.bucket, ls, d.cost, out)
-	if err != nil {
-		return Result{}, err
-	}
-	j := 0
-	for i, r := range out {
-		if allowed && r.Remaining < out[j].Remaining || !allowed && r.RetryAfter > out[j].RetryAfter {
-			j = i
-		}
-	}
-	d.binding = j
-	res := out[j]
-	res.Allowed = allowed
-	return res, nil
 }
 
 // appendIETF appends the RateLimit field: one item per limit.

@@ -2,8 +2,15 @@ package ratelimit
 
 import (
 	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // A per-request cost from a placeholder: a whole number from 0 to the
@@ -142,10 +149,155 @@ func TestSeveralLimitsMistakes(t *testing.T) {
 		{"limit 5 fast", `refill "fast"`},
 		{"limit 5 1/s\n limit 9 1/m\n count_status 401", "count_status and ban work with one limit per tier"},
 		{"limit 5 1/s\n limit 9 1/m\n store redis {\n lease 10%\n }", "several limits need every decision in Redis"},
+		{"tier llm 5 1/s {\n cost_from_response X-Used\n }\n store redis {\n lease 10%\n }", "cost_from_response needs every charge in Redis"},
+		{"tier llm 5 1/s {\n limit 9 1/m\n cost_from_response X-Used\n }", "cost_from_response works with one limit per tier"},
+		{"tier batch 5 1/s {\n cost many\n }", `cost "many"`},
 	} {
 		_, err := adaptSite("rate_limit {\n " + tt.block + "\n }")
 		if err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%q: error %v, want one containing %q", tt.block, err, tt.want)
+		}
+	}
+}
+
+// streamingOrigin answers in chunks and reports the tokens it used in a
+// trailer, as a model server streaming its answer does; with ?header=1 it
+// reports them in a header instead.
+func streamingOrigin(t *testing.T, used string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("header") != "" {
+			w.Header().Set("X-Tokens-Used", used)
+			fmt.Fprint(w, "answer")
+			return
+		}
+		w.Header().Set("Trailer", "X-Tokens-Used")
+		for _, part := range []string{"an", "sw", "er"} {
+			fmt.Fprint(w, part)
+			w.(http.Flusher).Flush()
+		}
+		w.Header().Set("X-Tokens-Used", used)
+	})}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	return ln.Addr().String()
+}
+
+// cost_from_response: a request takes its cost to go on, then what the
+// origin reports, from a trailer of a streamed answer or a header; the
+// bucket goes into debt, and the client is refused until it has refilled
+// to the cost. A malformed report takes nothing more.
+func TestCostFromResponse(t *testing.T) {
+	srv := startRedis(t)
+	for _, store := range []struct{ name, block string }{
+		{"local", ""},
+		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
+	} {
+		for _, via := range []string{"trailer", "header"} {
+			t.Run(store.name+"/"+via, func(t *testing.T) {
+				useFakeClock(t)
+				srv.do("FLUSHALL")
+				origin := streamingOrigin(t, "60")
+				s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier llm 100 1/s {
+			cost_from_response X-Tokens-Used
+		}
+		%s
+	}
+	reverse_proxy %s`, store.block, origin))
+				path := "/"
+				if via == "header" {
+					path = "/?header=1"
+				}
+				for i, want := range []struct {
+					status    int
+					remaining string
+				}{
+					{200, "99"}, // then 60 more: 39 left
+					{200, "38"}, // then 60 more: 22 in debt
+					{429, "0"},
+				} {
+					r := s.from("127.0.0.2", path)
+					if r.status != want.status || r.header.Get("X-RateLimit-Remaining") != want.remaining {
+						t.Fatalf("request %d: %d, remaining %q; want %d, %q", i+1, r.status, r.header.Get("X-RateLimit-Remaining"), want.status, want.remaining)
+					}
+					if i == 0 && want.status == 200 && r.body != "answer" {
+						t.Fatalf("body %q, want the origin's whole answer", r.body)
+					}
+					if i == 2 {
+						// 22 tokens of debt and 1 for the request, at 1/s.
+						if after, _ := strconv.Atoi(r.header.Get("Retry-After")); after < 22 || after > 24 {
+							t.Errorf("Retry-After %q, want about 23 s: the debt, then the cost", r.header.Get("Retry-After"))
+						}
+					}
+				}
+			})
+		}
+	}
+}
+
+// A malformed or missing report takes nothing more than the cost.
+func TestCostFromResponseIgnoresBadReports(t *testing.T) {
+	useFakeClock(t)
+	for _, used := range []string{"", "lots", "-5"} {
+		t.Run(strconv.Quote(used), func(t *testing.T) {
+			origin := streamingOrigin(t, used)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier llm 100 1/s {
+			cost_from_response X-Tokens-Used
+		}
+	}
+	reverse_proxy %s`, origin))
+			s.from("127.0.0.2", "/?header=1")
+			if r := s.from("127.0.0.2", "/?header=1"); r.status != 200 || r.header.Get("X-RateLimit-Remaining") != "98" {
+				t.Errorf("report %q: %d, remaining %q; want 200, 98: only the costs taken", used, r.status, r.header.Get("X-RateLimit-Remaining"))
+			}
+		})
+	}
+}
+
+// The charge script is bucket.go's Charge to the unit, on random traces.
+func TestRedisChargeMatchesTheModel(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	rdb := srv.client()
+	defer rdb.Close()
+	rng := rand.New(rand.NewPCG(16, 11))
+	for i := range 30 {
+		tr := newRandomTrace(rng)
+		l := tr.limit
+		key := s.key(bucketFor("charge-" + strconv.Itoa(i)))
+		var st State
+		for j := range tr.gaps {
+			s.clockOffset += tr.gaps[j]
+			if rng.IntN(2) == 0 {
+				n := rng.Int64N(3 * l.Capacity)
+				vals, err := s.call(bg, chargeBucketScript, key, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset, l.maxDeficit()}, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				st = Charge(st, vals[4], l, n)
+			} else {
+				cost := min(tr.costs[j], l.Capacity)
+				got, now, err := s.run(bg, key, l, cost)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var want Result
+				st, want = Take(st, now, l, cost)
+				if got != want {
+					t.Fatalf("trace %d step %d take: Redis %+v, Take %+v", i, j, got, want)
+				}
+			}
+			if v, err := rdb.Get(bg, key).Result(); err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack) {
+				t.Fatalf("trace %d step %d: stored %q, the model's %+v", i, j, v, st)
+			}
 		}
 	}
 }

@@ -339,6 +339,9 @@ func (h *Handler) validateLeaseUse() error {
 		return nil
 	}
 	for _, t := range h.Tiers {
+		if t.CostFromResponse != "" {
+			return fmt.Errorf("tier %q: cost_from_response needs every charge in Redis: leave lease out of the store (strict mode)", t.Name)
+		}
 		if t.limitCount() > 1 {
 			return fmt.Errorf("tier %q: several limits need every decision in Redis: leave lease out of the store (strict mode), or give the tier one limit", t.Name)
 		}
@@ -521,10 +524,19 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		upstream := d.resp
 		h.setHeaders(r.Header, &upstream)
 	}
-	if h.counted != nil && res.Allowed {
-		return h.serveCounted(w, r, next, d)
+	if !res.Allowed {
+		return next.ServeHTTP(w, r)
 	}
-	return next.ServeHTTP(w, r)
+	var err error
+	if h.counted != nil {
+		err = h.serveCounted(w, r, next, d)
+	} else {
+		err = next.ServeHTTP(w, r)
+	}
+	if d.tier.CostFromResponse != "" {
+		h.chargeFromResponse(w.Header(), r, d)
+	}
+	return err
 }
 
 // storeFailed applies on_store_error.

@@ -49,7 +49,7 @@ end
 local deficit = 0
 if now < full_at then
   deficit = (full_at - now) * tokens - slack
-  if deficit > units or deficit < 0 then deficit = units end
+  if deficit > units then deficit = units elseif deficit < 0 then deficit = 0 end
 end
 local level = units - deficit
 
@@ -110,6 +110,11 @@ local need = count * interval
 if level < need then
   local ban = tonumber(ARGV[6] or '0')
   if ban <= 0 then
+    local gap = full_at - now
+    if gap > 0 and gap > idiv(units + slack, tokens) then
+      -- In debt, or under a ban of an earlier config.
+      return {0, 0, wait_for(need), gap, now}
+    end
     return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
   end
   local started = apply_ban(ban)
@@ -207,7 +212,7 @@ for i = 1, n do
     local full_at, slack = tonumber(a), tonumber(b)
     if now < full_at then
       deficit = (full_at - now) * tokens - slack
-      if deficit > units or deficit < 0 then deficit = units end
+      if deficit > units then deficit = units elseif deficit < 0 then deficit = 0 end
     end
   end
   deficits[i], levels[i] = deficit, units - deficit
@@ -238,3 +243,25 @@ return out
 
 // takeAllBucketScript runs takeAllScript as bucketScript runs takeScript.
 var takeAllBucketScript = redis.NewScript(takeAllScript)
+
+// chargeScript is bucket.go's Charge: the count is the tokens taken after
+// the fact, and ARGV[6] the deepest deficit (units) the bucket may reach.
+//
+// It returns {count, 0, 0, reset after, now}.
+const chargeScript = scriptPrelude + `
+local floor = tonumber(ARGV[6])
+if count > idiv(floor, interval) then count = idiv(floor, interval) end
+local raw = 0
+if now < full_at then
+  raw = (full_at - now) * tokens - slack
+  if raw < 0 then raw = 0 end
+end
+if raw > floor then raw = floor end
+raw = raw + count * interval
+if raw > floor then raw = floor end
+local refill = store(raw)
+return {count, 0, 0, refill, now}
+`
+
+// chargeBucketScript runs chargeScript as bucketScript runs takeScript.
+var chargeBucketScript = redis.NewScript(chargeScript)

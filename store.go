@@ -35,6 +35,9 @@ type Store interface {
 	Peek(ctx context.Context, b *Bucket, l Limit) (Result, error)
 	// Reset makes the bucket full again.
 	Reset(ctx context.Context, b *Bucket) error
+	// Charge takes n more tokens after the fact, for cost_from_response:
+	// the bucket may go into debt.
+	Charge(ctx context.Context, b *Bucket, l Limit, n int64) error
 	// GiveBack returns n tokens that a Take took, up to the capacity: for
 	// count_status, when the response's status is not one that counts.
 	GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error

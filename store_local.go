@@ -107,6 +107,12 @@ func (s *LocalStore) TakeAll(_ context.Context, b *Bucket, ls []Limit, cost int6
 	return s.buckets.takeAll(b, ls, cost, out), nil
 }
 
+// Charge implements Store.
+func (s *LocalStore) Charge(_ context.Context, b *Bucket, l Limit, n int64) error {
+	s.buckets.update(b, func(st State, now int64) State { return Charge(st, now, l, n) }, true)
+	return nil
+}
+
 // GiveBack implements Store.
 func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l Limit, n int64) error {
 	s.buckets.giveBack(b, l, n)
@@ -282,14 +288,28 @@ func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
 }
 
 func (lb *localBuckets) giveBack(b *Bucket, l Limit, n int64) {
+	// A bucket back to full is no bucket; keeping it costs nothing.
+	lb.update(b, func(st State, now int64) State { return GiveBack(st, now, l, n) }, false)
+}
+
+// update applies f to the bucket's state under its shard's lock; a bucket
+// the table lacks is added only when add is set.
+func (lb *localBuckets) update(b *Bucket, f func(st State, now int64) State, add bool) {
 	sh, id := lb.locate(b)
 	now := lb.now()
 	sh.mu.Lock()
-	if st, ok := sh.states.get(id); ok {
-		// A bucket back to full is no bucket; keeping it costs nothing.
-		sh.states.put(id, GiveBack(st, now, l, n))
+	defer sh.mu.Unlock()
+	st, ok := sh.states.get(id)
+	if !ok && !add {
+		return
 	}
-	sh.mu.Unlock()
+	if !ok {
+		if lb.count.Load() >= lb.maxKeys.Load() {
+			lb.makeRoom(sh, now, id)
+		}
+		lb.count.Add(1)
+	}
+	sh.states.put(id, f(st, now))
 }
 
 func (lb *localBuckets) reset(b *Bucket) {

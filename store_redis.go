@@ -229,6 +229,14 @@ func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost in
 	return allowed, nil
 }
 
+// Charge implements Store, in strict mode: lease refuses cost_from_response
+// at provision.
+func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l Limit, n int64) error {
+	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset, l.maxDeficit()}
+	_, err := s.call(context.WithoutCancel(ctx), chargeBucketScript, s.key(b), args, false)
+	return err
+}
+
 // GiveBack implements Store: into this node's lease when the take came
 // from one, else one script call.
 func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {

@@ -33,6 +33,12 @@ type Tier struct {
 	// from 0 to the capacity. Any other value is answered 400 and takes
 	// nothing.
 	CostPlaceholder string `json:"cost_placeholder,omitempty"`
+	// CostFromResponse names a response header, or trailer for streamed
+	// answers, in which the origin reports the work a request did, such as
+	// LLM tokens: after the response, that many tokens are taken as well.
+	// The bucket may go into debt, and its client is refused until it has
+	// refilled to the cost. A missing or malformed value takes nothing more.
+	CostFromResponse string `json:"cost_from_response,omitempty"`
 
 	// MatcherSetsRaw holds request matchers; the tier applies only to
 	// requests that some set matches.
@@ -103,6 +109,9 @@ func (t *Tier) validate() error {
 	}
 	if err := t.validateLimits(); err != nil {
 		return err
+	}
+	if t.CostFromResponse != "" && len(t.limits) > 1 {
+		return fmt.Errorf("tier %q: cost_from_response works with one limit per tier; this tier has several", t.Name)
 	}
 	switch t.Keyer {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":

@@ -1,0 +1,81 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// Metering APIs (DESIGN section 11): several limits per tier, a cost per
+// request from a placeholder, and a cost the origin reports after the fact.
+
+// chargeFromResponse takes, after the response, the work the origin
+// reported in the tier's cost_from_response header, or trailer for a
+// streamed answer. A missing or malformed value takes nothing more.
+func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decision) {
+	field := d.tier.CostFromResponse
+	v := hdr.Get(field)
+	if v == "" {
+		v = hdr.Get(http.TrailerPrefix + field)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+	if err != nil || n < 0 {
+		h.storeLog.Warn("cost_from_response: the response reported no whole number of tokens; nothing more taken",
+			zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("field", field), zap.Bool("present", v != ""))
+		return
+	}
+	if n == 0 {
+		return
+	}
+	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, n); err != nil {
+		h.storeLog.Warn("rate limit store: charging the response's cost failed", zap.String("policy", h.Name), zap.Error(err))
+	}
+}
+
+// errBadCost is the error behind the 400 for a cost placeholder whose value
+// is not a cost. The value is the client's, so it is not repeated.
+var errBadCost = errors.New("the request's cost is not a whole number from 0 to the capacity")
+
+// readCost reads the request's cost from the tier's cost placeholder.
+func (d *decision) readCost(r *http.Request) error {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if repl == nil {
+		repl = caddy.NewReplacer()
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(repl.ReplaceAll(d.tier.CostPlaceholder, "")), 10, 64)
+	if err != nil || n < 0 || n > d.tier.limit.Capacity {
+		d.decide(outcomeDenied)
+		return rejection(http.StatusBadRequest, errBadCost)
+	}
+	d.cost = n
+	return nil
+}
+
+// takeAll applies the request to every limit of its tier, in one step of
+// store. The result is the binding limit's, the one the X- headers report:
+// the one with the least remaining, or, when denied, the one that makes
+// the client wait longest; its RetryAfter is the wait until all allow.
+func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
+	ls := d.tier.limits
+	d.limits = new([maxLimits]Result)
+	out := d.limits[:len(ls)]
+	allowed, err := store.TakeAll(ctx, &d.bucket, ls, d.cost, out)
+	if err != nil {
+		return Result{}, err
+	}
+	j := 0
+	for i, r := range out {
+		if allowed && r.Remaining < out[j].Remaining || !allowed && r.RetryAfter > out[j].RetryAfter {
+			j = i
+		}
+	}
+	d.binding = j
+	res := out[j]
+	res.Allowed = allowed
+	return res, nil
+}
