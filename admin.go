@@ -298,7 +298,9 @@ func (h *Handler) view() policyView {
 	for _, t := range h.Tiers {
 		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
 		if !t.Unlimited && !t.Deny {
-			tv.Limits = []limitView{{Capacity: t.limit.Capacity, Refill: t.Refill}}
+			for _, sh := range t.shapes() {
+				tv.Limits = append(tv.Limits, limitView{Capacity: sh.Capacity, Refill: sh.Refill})
+			}
 			tv.Cost = t.cost
 		}
 		v.Tiers = append(v.Tiers, tv)

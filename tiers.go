@@ -129,6 +129,15 @@ type TierLimit struct {
 	Refill string `json:"refill"`
 }
 
+// shapes are the tier's limits as configured: Capacity and Refill first,
+// when given, then Limits.
+func (t *Tier) shapes() []TierLimit {
+	if t.Capacity != 0 || t.Refill != "" || len(t.Limits) == 0 {
+		return append([]TierLimit{{Capacity: t.Capacity, Refill: t.Refill}}, t.Limits...)
+	}
+	return t.Limits
+}
+
 // limitCount is how many limits the tier has, before validation.
 func (t *Tier) limitCount() int {
 	n := len(t.Limits)
@@ -144,10 +153,7 @@ const maxLimits = 8
 // validateLimits computes the tier's limits: Capacity and Refill first,
 // when given, then Limits. Each must hold the cost.
 func (t *Tier) validateLimits() error {
-	shapes := t.Limits
-	if t.Capacity != 0 || t.Refill != "" || len(shapes) == 0 {
-		shapes = append([]TierLimit{{Capacity: t.Capacity, Refill: t.Refill}}, shapes...)
-	}
+	shapes := t.shapes()
 	if len(shapes) > maxLimits {
 		return fmt.Errorf("tier %q: %d limits: at most %d", t.Name, len(shapes), maxLimits)
 	}
