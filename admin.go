@@ -299,7 +299,7 @@ func (h *Handler) view() policyView {
 		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
 		if !t.Unlimited && !t.Deny {
 			for _, sh := range t.shapes() {
-				tv.Limits = append(tv.Limits, limitView{Capacity: sh.Capacity, Refill: sh.Refill})
+				tv.Limits = append(tv.Limits, limitView(sh))
 			}
 			tv.Cost = t.cost
 		}
