@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -74,6 +75,20 @@ func unregisterHandler(h *Handler) {
 	liveHandlers.byPolicy[h.Name] = hs
 }
 
+// handlerFor finds the running handler of the query's policy ("default"
+// when none is named), or the admin API's 404.
+func handlerFor(q url.Values) (*Handler, error) {
+	policy := q.Get("policy")
+	if policy == "" {
+		policy = "default"
+	}
+	h := latestHandler(policy)
+	if h == nil {
+		return nil, caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("policy %q: no such policy in the running config", policy)}
+	}
+	return h, nil
+}
+
 func latestHandler(policy string) *Handler {
 	liveHandlers.Lock()
 	defer liveHandlers.Unlock()
@@ -112,13 +127,9 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s: use GET or DELETE", r.Method)}
 	}
 	q := r.URL.Query()
-	policy := q.Get("policy")
-	if policy == "" {
-		policy = "default"
-	}
-	h := latestHandler(policy)
-	if h == nil {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("policy %q: no such policy in the running config", policy)}
+	h, err := handlerFor(q)
+	if err != nil {
+		return err
 	}
 	tier, err := h.tierNamed(q.Get("tier"))
 	if err != nil {
@@ -130,7 +141,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	}
 	keyer := h.keyerNamed(keyerName)
 	if keyer == nil {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("keyer %q: policy %q has no such keyer", keyerName, policy)}
+		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("keyer %q: policy %q has no such keyer", keyerName, h.Name)}
 	}
 	value := q.Get("value")
 	if value == "" {
@@ -325,17 +336,12 @@ func (a *Admin) serveTop(w http.ResponseWriter, r *http.Request) error {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s: use GET", r.Method)}
 	}
 	q := r.URL.Query()
-	policy := q.Get("policy")
-	if policy == "" {
-		policy = "default"
-	}
-	h := latestHandler(policy)
-	if h == nil {
-		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("policy %q: no such policy in the running config", policy)}
+	h, err := handlerFor(q)
+	if err != nil {
+		return err
 	}
 	n := 10
 	if s := q.Get("n"); s != "" {
-		var err error
 		if n, err = strconv.Atoi(s); err != nil || n < 1 || n > topEntries {
 			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("n %q: want a whole number from 1 to %d", s, topEntries)}
 		}

@@ -2,6 +2,19 @@ package ratelimit
 
 import "github.com/redis/go-redis/v9"
 
+// luaArithmetic opens every script: effects replication (below), and
+// integer division on doubles, corrected for the rounding of a quotient.
+const luaArithmetic = `
+if redis.replicate_commands then redis.replicate_commands() end
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  local r = a - q * b
+  if r < 0 then q = q - 1 elseif r >= b then q = q + 1 end
+  return q
+end
+local function ceildiv(a, b) return idiv(a + b - 1, b) end
+`
+
 // The scripts apply bucket.go's math to one bucket, atomically, in Lua's
 // doubles: every figure stays below 2^53, so they are exact, and idiv
 // corrects the rounding of a quotient.
@@ -18,15 +31,7 @@ import "github.com/redis/go-redis/v9"
 // script replicates its effects rather than itself: replicate_commands
 // asks for that on 3.2 and 4, and does nothing from 5 on (7 only keeps it
 // for old scripts). Older Redis refuses the write; the error says why.
-const scriptPrelude = `
-if redis.replicate_commands then redis.replicate_commands() end
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
-  if r < 0 then q = q - 1 elseif r >= b then q = q + 1 end
-  return q
-end
-local function ceildiv(a, b) return idiv(a + b - 1, b) end
+const scriptPrelude = luaArithmetic + `
 
 local capacity = tonumber(ARGV[1])
 local tokens = tonumber(ARGV[2])
@@ -179,15 +184,7 @@ var (
 // It returns, for each limit, {allowed (0|1), remaining, retry after,
 // reset after}, as Take would for that limit alone, but taking only when
 // all allow; then the server's time.
-const takeAllScript = `
-if redis.replicate_commands then redis.replicate_commands() end
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
-  if r < 0 then q = q - 1 elseif r >= b then q = q + 1 end
-  return q
-end
-local function ceildiv(a, b) return idiv(a + b - 1, b) end
+const takeAllScript = luaArithmetic + `
 
 local n = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
