@@ -55,6 +55,10 @@ type State struct {
 	// Slack is how many units of the microsecond before FullAt are already
 	// refilled, in [0, Rate.Tokens).
 	Slack int64
+	// Banned marks a state that a ban wrote: until a request is allowed
+	// again, tokens given back are dropped, since the ban emptied the
+	// bucket they were taken from.
+	Banned bool
 }
 
 // Result is what one Take decided.
@@ -184,35 +188,100 @@ func (s State) deficit(now int64, l Limit) int64 {
 	return max(d, 0)
 }
 
+// stateAt is the state of a bucket that lacks deficit units (above 0) at
+// now.
+func stateAt(now, deficit int64, l Limit) State {
+	refill := ceilDiv(deficit, l.Rate.Tokens)
+	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}
+}
+
+// rawDeficit is how many units the bucket lacks at now, unsaturated: more
+// than the capacity for a bucket in debt or under a ban, up to maxDeficit.
+func (s State) rawDeficit(now int64, l Limit) int64 {
+	gap := s.FullAt - now
+	if gap <= 0 {
+		return 0
+	}
+	if gap > (l.maxDeficit()+s.Slack)/l.Rate.Tokens+1 {
+		return l.maxDeficit()
+	}
+	return min(max(0, gap*l.Rate.Tokens-s.Slack), l.maxDeficit())
+}
+
 // Take applies one request costing cost tokens at time now (microseconds)
 // to a bucket in state s. It returns the new state, which equals s when the
-// request is denied.
+// request is denied, unless the denial starts a ban.
 func Take(s State, now int64, l Limit, cost int64) (State, Result) {
+	next, res := take(s, now, l, cost)
+	if !res.Allowed && l.Ban > 0 {
+		return ban(s, now, l, cost*l.Rate.Interval)
+	}
+	return next, res
+}
+
+// take decides a request against one limit as if there were no ban
+// setting: the state after it, and the result.
+func take(s State, now int64, l Limit, cost int64) (State, Result) {
+	if banned(s, now, l) {
+		// In debt (cost_from_response) or under a ban: empty until the
+		// refill covers what it lacks, even for a request of cost 0.
+		return s, Result{RetryAfter: untilLevel(s, now, l, cost*l.Rate.Interval), ResetAfter: s.FullAt - now}
+	}
 	deficit := s.deficit(now, l)
 	level := l.units() - deficit
 	need := cost * l.Rate.Interval
 	if level < need {
-		if l.Ban > 0 {
-			return ban(s, now, l, need)
-		}
-		if banned(s, now, l) {
-			// In debt (cost_from_response), or under a ban of an earlier
-			// config: empty until the refill covers what it lacks.
-			return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now}
-		}
 		return s, Result{
 			Remaining:  level / l.Rate.Interval,
 			RetryAfter: ceilDiv(need-level, l.Rate.Tokens),
 			ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
 		}
 	}
-	deficit += need
-	refill := ceilDiv(deficit, l.Rate.Tokens)
-	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}, Result{
-		Allowed:    true,
-		Remaining:  (level - need) / l.Rate.Interval,
-		ResetAfter: refill,
+	if cost == 0 {
+		// Nothing taken, so nothing written: a ban's mark stays.
+		return s, Result{Allowed: true, Remaining: level / l.Rate.Interval, ResetAfter: ceilDiv(deficit, l.Rate.Tokens)}
 	}
+	next := stateAt(now, deficit+need, l)
+	return next, Result{Allowed: true, Remaining: (level - need) / l.Rate.Interval, ResetAfter: next.FullAt - now}
+}
+
+// MaxLimits bounds the limits of one bucket.
+const MaxLimits = 8
+
+// TakeAll applies one request to every limit of a bucket at once: it takes
+// cost from each, or, when one is short, from none. It updates states in
+// place, writes each limit's result into out, and reports whether the
+// request was allowed. With a ban, a denial empties every limit.
+func TakeAll(states []State, now int64, ls []Limit, cost int64, out []Result) bool {
+	var next [MaxLimits]State
+	allowed := true
+	for i, l := range ls {
+		next[i], out[i] = take(states[i], now, l, cost)
+		allowed = allowed && out[i].Allowed
+	}
+	switch {
+	case allowed:
+		copy(states, next[:len(ls)])
+	case ls[0].Ban > 0:
+		started := false
+		for i, l := range ls {
+			states[i], out[i] = ban(states[i], now, l, cost*l.Rate.Interval)
+			started = started || out[i].Banned
+		}
+		// Every limit's result says whether this request started the ban.
+		for i := range ls {
+			out[i].Banned = started
+		}
+	default:
+		for i, l := range ls {
+			if out[i].Allowed {
+				// This limit had room, but another had not: nothing taken.
+				out[i] = Peek(states[i], now, l)
+				out[i].Allowed = false
+			}
+		}
+	}
+	return allowed
 }
 
 // ban answers a denial under a ban setting: it empties the bucket for
@@ -223,13 +292,17 @@ func ban(s State, now int64, l Limit, need int64) (State, Result) {
 	if started {
 		// Empty at now+Ban exactly, then refilling as usual.
 		refill := ceilDiv(l.units(), l.Rate.Tokens)
-		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.units()}
+		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.units(), Banned: true}
 	}
 	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now, Banned: started}
 }
 
-// banned reports whether s lacks more than the whole bucket at now: only a
-// ban writes such a state.
+// bannedSince reports whether a ban emptied the bucket since a request was
+// last allowed. A bucket full again is no bucket, ban or not.
+func (s State) bannedSince(now int64) bool { return s.Banned && s.FullAt > now }
+
+// banned reports whether s lacks more than the whole bucket at now: a ban,
+// or a debt that cost_from_response ran up.
 func banned(s State, now int64, l Limit) bool {
 	gap := s.FullAt - now
 	return gap > 0 && gap > (l.units()+s.Slack)/l.Rate.Tokens
@@ -240,6 +313,15 @@ func banned(s State, now int64, l Limit) bool {
 // units - x. It holds for a banned bucket too, whose deficit saturates.
 func untilLevel(s State, now int64, l Limit, x int64) int64 {
 	return max(1, s.FullAt-now-(l.units()-x+s.Slack)/l.Rate.Tokens)
+}
+
+// wait is the microseconds until the bucket holds x units: 0 when it does
+// now.
+func wait(s State, now int64, l Limit, x int64) int64 {
+	if !banned(s, now, l) && l.units()-s.deficit(now, l) >= x {
+		return 0
+	}
+	return untilLevel(s, now, l, x)
 }
 
 // Peek reports the bucket as it stands at now, without taking: Allowed says
@@ -256,61 +338,27 @@ func Peek(s State, now int64, l Limit) Result {
 
 func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
 
-// LeaseResult is what one lease call decided for a node.
-type LeaseResult struct {
-	// Granted is the whole tokens the node took; 0 when refused.
-	Granted int64
-	// Remaining is the whole tokens left in the shared bucket.
-	Remaining int64
-	// HoldOff is, when fewer than the tokens asked for were granted, the
-	// microseconds until the shared bucket holds them; 0 otherwise.
-	HoldOff int64
-	// ResetAfter is the microseconds until the shared bucket is full again.
-	ResetAfter int64
-	// Banned says that this refusal started a ban.
-	Banned bool
-}
-
-// Lease takes tokens for a node to spend on its own (DESIGN section 9):
-// when the bucket holds at least cost tokens, min(whole tokens held, want),
-// else none. A partial or refused lease says how long until the bucket
-// holds want, so that the node waits that long before asking again. want
-// must lie in [cost, Capacity].
-func Lease(s State, now int64, l Limit, cost, want int64) (State, LeaseResult) {
-	deficit := s.deficit(now, l)
-	level := l.units() - deficit
-	if level < cost*l.Rate.Interval {
-		if l.Ban > 0 {
-			var res Result
-			s, res = ban(s, now, l, cost*l.Rate.Interval)
-			return s, LeaseResult{HoldOff: untilLevel(s, now, l, want*l.Rate.Interval), ResetAfter: s.FullAt - now, Banned: res.Banned}
-		}
-		return s, LeaseResult{
-			Remaining:  level / l.Rate.Interval,
-			HoldOff:    ceilDiv(want*l.Rate.Interval-level, l.Rate.Tokens),
-			ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
-		}
-	}
-	granted := min(level/l.Rate.Interval, want)
-	deficit += granted * l.Rate.Interval
-	level -= granted * l.Rate.Interval
-	refill := ceilDiv(deficit, l.Rate.Tokens)
-	res := LeaseResult{Granted: granted, Remaining: level / l.Rate.Interval, ResetAfter: refill}
-	if granted < want {
-		res.HoldOff = ceilDiv(want*l.Rate.Interval-level, l.Rate.Tokens)
-	}
-	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}, res
-}
-
-// GiveBack returns n unused leased tokens to the bucket, which never holds
-// more than its capacity.
+// GiveBack returns n tokens that a request took, as count_status does for
+// a response that does not count. It only ever undoes a take: a bucket
+// that a ban emptied since gets nothing back, one in debt gets exactly n
+// off its debt, and the level never passes the capacity of l, whatever
+// limit the tokens were taken under.
 func GiveBack(s State, now int64, l Limit, n int64) State {
-	deficit := s.deficit(now, l) - n*l.Rate.Interval
-	if deficit <= 0 {
+	return giveBack(s, now, l, n, 0)
+}
+
+// giveBack is GiveBack for a bucket that must go on lacking at least floor
+// units: the tokens out on lease (shared.go).
+func giveBack(s State, now int64, l Limit, n, floor int64) State {
+	if n <= 0 || s.bannedSince(now) {
+		return s
+	}
+	raw := s.rawDeficit(now, l)
+	d := max(raw-min(n, l.Capacity)*l.Rate.Interval, min(floor, raw))
+	if d <= 0 {
 		return State{}
 	}
-	refill := ceilDiv(deficit, l.Rate.Tokens)
-	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}
+	return stateAt(now, d, l)
 }
 
 // maxDeficit bounds how far below empty a charge may take a bucket: a
@@ -325,19 +373,11 @@ func (l Limit) maxDeficit() int64 {
 // until it has refilled to the cost of a request.
 func Charge(s State, now int64, l Limit, n int64) State {
 	n = min(n, l.maxDeficit()/l.Rate.Interval) // an origin's figure, bounded
-	raw := int64(0)
-	if gap := s.FullAt - now; gap > 0 {
-		if gap > (l.maxDeficit()+s.Slack)/l.Rate.Tokens+1 {
-			raw = l.maxDeficit()
-		} else {
-			raw = max(0, gap*l.Rate.Tokens-s.Slack)
-		}
-	}
-	raw = min(raw, l.maxDeficit())
-	raw = min(raw+n*l.Rate.Interval, l.maxDeficit())
+	raw := min(s.rawDeficit(now, l)+n*l.Rate.Interval, l.maxDeficit())
 	if raw <= 0 {
 		return State{}
 	}
-	refill := ceilDiv(raw, l.Rate.Tokens)
-	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - raw}
+	next := stateAt(now, raw, l)
+	next.Banned = s.bannedSince(now)
+	return next
 }

@@ -2,9 +2,12 @@ package ratelimit
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/maphash"
+	mathrand "math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,27 +15,28 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
-// Fleet leases (DESIGN section 9): a node takes several tokens of a shared
-// bucket at once, in one script call, and decides the requests they cover
-// in memory. Redis keeps each bucket exactly as in strict mode, so the
-// fleet never admits more than strict mode would: a token is either in the
-// shared bucket, held by one node, or spent.
+// Fleet leases (README: Sharing limits across edge nodes): a node takes
+// several tokens of a shared bucket at once, in one script call, and
+// decides the requests they cover in memory. The shared store counts what
+// is out on lease (shared.go), so the fleet never admits more than one
+// bucket would: a token is in the shared bucket, held by one node, or
+// spent, and the level never refills over what the nodes hold.
 //
 // A node's first lease for a bucket is the request's cost, so a client seen
 // once costs one call, as in strict mode. Each later lease doubles, up to
-// the lease size, when the node spent the last one within lease_ttl (half
-// of it for a prefetch). Once leases are larger than the cost, the next is
-// fetched in the background when the tokens held fall to half. Requests
-// that find no tokens share one call in flight per bucket. A lease that is
-// refused, or partly granted, says how long until the shared bucket covers
-// the node's next lease; until then the node answers from memory and makes
-// no call for that bucket. Tokens unused lease_ttl after they were leased
-// go back to the shared bucket, as do all of them when the config is
-// unloaded.
+// the lease size (at most half the capacity), when the node spent the last
+// one within lease_ttl (half of it for a prefetch). Once leases are larger
+// than the cost, the next is fetched in the background when the tokens held
+// fall to half. Requests that find no tokens share one call in flight per
+// bucket. A lease that is refused, or partly granted, says how long until
+// the shared bucket covers the node's next lease; until then, and a random
+// 0 to 50% more, the node answers from memory and makes no call for that
+// bucket. A node spends a lease for lease_ttl from when it sent the call,
+// then gives what is left back, naming the lease; all of it goes back when
+// the config is unloaded.
 
 // leaseShards spreads the lease table over locks.
 const leaseShards = 64
@@ -40,16 +44,23 @@ const leaseShards = 64
 // leaseRemote is the shared store as leases see it: the Redis store, or
 // a model of it in tests.
 type leaseRemote interface {
-	lease(key string, l Limit, cost, want int64) (LeaseResult, error)
-	giveBack(back []giveBack) (int64, error)
+	lease(key string, l Limit, a LeaseAsk) (LeaseResult, error)
+	giveBack(node string, back []leaseReturn) (int64, error)
 }
 
 // leaseTable is one store's leases, by Redis key.
 type leaseTable struct {
-	store  leaseRemote
-	size   leaseSize
-	ttl    int64 // µs
-	now    func() int64
+	store leaseRemote
+	size  leaseSize
+	ttl   int64 // µs
+	// hold is how long the shared store keeps a lease's record (µs):
+	// lease_ttl plus the store's timeout.
+	hold int64
+	now  func() int64
+	// node names this table's leases in the shared store; seq numbers its
+	// calls.
+	node   string
+	seq    atomic.Int64
 	seed   maphash.Seed
 	shards [leaseShards]leaseShard
 	// perShard bounds each shard's entries.
@@ -71,28 +82,35 @@ type leaseShard struct {
 type lease struct {
 	key   string
 	limit Limit
-	// tokens are the leased tokens not yet spent.
-	tokens int64
+	// tokens are the leased tokens not yet spent, and recorded what the
+	// shared store's record of them says at least: tokens never exceed it.
+	tokens, recorded int64
+	// seq is the number of the last call, which a give-back names.
+	seq int64
 	// size is the size of the last lease asked for, 0 before the first.
-	size     int64
+	size int64
+	// leasedAt is when the call that last granted tokens was sent: they
+	// may be spent until lease_ttl after it.
 	leasedAt int64
 	// level and resetAt are the shared bucket as the last call saw it.
 	level   int64
 	resetAt int64
-	// holdUntil: no call for this bucket before then.
-	holdUntil int64
-	lastUsed  int64
-	call      *leaseCall
+	// retryAt is when the shared bucket holds retryCost, as the last call
+	// saw it; holdUntil: no call for this bucket before then.
+	retryAt, retryCost int64
+	holdUntil          int64
+	lastUsed           int64
+	// banned: a call's refusal started a ban that no request reported yet.
+	banned bool
+	call   *leaseCall
 }
 
 // leaseCall is one lease call in flight, which requests share.
 type leaseCall struct {
 	done chan struct{}
 	err  error
-	// banned: the call's refusal started a ban.
-	banned bool
-	// short: the call got fewer tokens than it asked for, so the shared
-	// bucket is empty for now and strict mode would refuse too.
+	// short: the call got fewer tokens than it asked for, and the shared
+	// bucket is empty for now, so strict mode would refuse too.
 	short bool
 	// joined counts the requests that wait on the call besides its own.
 	joined int
@@ -124,25 +142,28 @@ func parseLeaseSize(s string) (leaseSize, error) {
 	return leaseSize{tokens: n}, nil
 }
 
-// of is the lease size for a bucket of limit l: at least 1, at most the
-// capacity.
+// of is the lease size for a bucket of limit l: at least 1, and at most
+// half the capacity, since the tokens out on lease never pass that.
 func (z leaseSize) of(l Limit) int64 {
+	n := z.tokens
 	if z.percent > 0 {
-		return max(1, int64(float64(l.Capacity)*z.percent/100))
+		n = int64(float64(l.Capacity) * z.percent / 100)
 	}
-	return min(z.tokens, l.Capacity)
+	return max(1, min(n, l.Capacity/2))
 }
 
 // strict reports whether leases never exceed one token, so that every
 // decision asks Redis, as without leases.
 func (z leaseSize) strict() bool { return z.percent == 0 && z.tokens <= 1 }
 
-func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
+func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl, hold time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
 	t := &leaseTable{
 		store:    remote,
 		size:     size,
 		ttl:      ttl.Microseconds(),
+		hold:     hold.Microseconds(),
 		now:      now,
+		node:     newNodeID(),
 		seed:     maphash.MakeSeed(),
 		perShard: max(1, maxEntries/leaseShards),
 		logger:   logger,
@@ -156,8 +177,27 @@ func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl tim
 	return t
 }
 
+// newNodeID is a random name for a lease table: each config a node loads
+// leases apart from the one before it.
+func newNodeID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
 func (t *leaseTable) shard(key []byte) *leaseShard {
 	return &t.shards[maphash.Bytes(t.seed, key)%leaseShards]
+}
+
+// entry finds or adds the entry for key, under its shard's lock.
+func (t *leaseTable) entry(sh *leaseShard, key []byte, l Limit, now int64) *lease {
+	e := sh.m[string(key)]
+	if e == nil {
+		e = t.insert(sh, string(key), l, now)
+	}
+	e.limit, e.lastUsed = l, now
+	t.expire(e, now)
+	return e
 }
 
 // take decides one request from this node's lease on the bucket at key,
@@ -165,15 +205,17 @@ func (t *leaseTable) shard(key []byte) *leaseShard {
 func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) (Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
-	now := t.now()
-	e := sh.m[string(key)]
-	if e == nil {
-		e = t.insert(sh, string(key), l, now)
+	if t.closed.Load() {
+		// A request still in flight through an unloaded config: it starts
+		// no lease, whose tokens no one would give back.
+		sh.mu.Unlock()
+		return Result{}, errLeasesClosed
 	}
-	e.limit, e.lastUsed = l, now
-	waited, banned := false, false
+	now := t.now()
+	e := t.entry(sh, key, l, now)
+	waited := false
 	for {
-		if e.tokens >= cost {
+		if e.tokens >= cost && now-e.leasedAt < t.ttl {
 			e.tokens -= cost
 			if e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil {
 				t.fetch(e, cost, now, true)
@@ -184,13 +226,12 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		}
 		if now < e.holdUntil || waited {
 			res := e.result(now, false, cost)
-			res.Banned = banned
 			sh.mu.Unlock()
 			return res, nil
 		}
-		c, mine := e.call, false
+		c := e.call
 		if c == nil {
-			c, mine = t.fetch(e, cost, now, false), true
+			c = t.fetch(e, cost, now, false)
 		} else {
 			c.joined++
 		}
@@ -203,32 +244,40 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		if c.err != nil {
 			return Result{}, c.err
 		}
-		banned = mine && c.banned
 		sh.mu.Lock()
+		if t.closed.Load() {
+			sh.mu.Unlock()
+			return Result{}, errLeasesClosed
+		}
 		// A short lease means the shared bucket is empty: the requests it
 		// did not cover are refused, with no second round trip. A full one
 		// that others spent first (a small early lease) leaves the shared
-		// bucket holding more: ask again, as strict mode would.
+		// bucket holding more: ask again, as strict mode would. An entry
+		// evicted meanwhile gave its tokens back: start again on a new one.
 		now, waited = t.now(), c.short
-		if sh.m[string(key)] != e {
-			// Evicted meanwhile: its tokens went back.
-			sh.mu.Unlock()
-			return Result{RetryAfter: 1}, nil
-		}
+		e = t.entry(sh, key, l, now)
 	}
 }
 
-// result is the answer for a request decided from e at now.
+// result is the answer for a request decided from e at now. A refused
+// request is told to retry when the shared bucket holds its cost, as the
+// last call saw it, or, past that, when this node calls again.
 func (e *lease) result(now int64, allowed bool, cost int64) Result {
-	res := Result{Allowed: allowed, Remaining: e.tokens + e.level, ResetAfter: max(0, e.resetAt-now)}
-	if !allowed {
-		res.Remaining = e.tokens
+	res := Result{Allowed: allowed, Remaining: e.tokens + e.level, ResetAfter: max(0, e.resetAt-now), Banned: e.banned}
+	e.banned = false
+	if allowed {
+		return res
+	}
+	res.Remaining = e.tokens
+	l := e.limit
+	res.RetryAfter = e.retryAt - now + ceilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens)
+	if res.RetryAfter <= 0 {
 		res.RetryAfter = e.holdUntil - now
-		if res.RetryAfter <= 0 {
-			// The call in flight gave too little for every request that
-			// waited on it: the shared bucket is empty for now.
-			res.RetryAfter = ceilDiv(cost*e.limit.Rate.Interval, e.limit.Rate.Tokens)
-		}
+	}
+	if res.RetryAfter <= 0 {
+		// The call in flight gave too little for every request that
+		// waited on it: the shared bucket is empty for now.
+		res.RetryAfter = ceilDiv(cost*l.Rate.Interval, l.Rate.Tokens)
 	}
 	return res
 }
@@ -259,10 +308,27 @@ func (t *leaseTable) evict(sh *leaseShard, now int64) {
 		return
 	}
 	delete(sh.m, victim.key)
-	if victim.tokens > 0 {
-		t.giveBackLater([]giveBack{{victim.key, victim.limit, victim.tokens}})
+	if back := victim.takeBack(); back.tokens > 0 {
+		t.giveBackLater([]leaseReturn{back})
 	}
 	leaseEvictions.Inc()
+}
+
+// expire gives back the tokens of a lease whose lease_ttl has passed: the
+// shared store counts them as spent soon after, and they may not be spent
+// here any more. With a call in flight they stay, unspendable, until it
+// says whether they were leased anew.
+func (t *leaseTable) expire(e *lease, now int64) {
+	if e.tokens > 0 && now-e.leasedAt >= t.ttl && e.call == nil {
+		t.giveBackLater([]leaseReturn{e.takeBack()})
+	}
+}
+
+// takeBack empties the entry into a give-back that names its last call.
+func (e *lease) takeBack() leaseReturn {
+	back := leaseReturn{key: e.key, limit: e.limit, tokens: e.tokens, seq: e.seq}
+	e.tokens, e.recorded = 0, 0
+	return back
 }
 
 // fetch starts a lease call for e, which the caller holds the shard's
@@ -280,45 +346,58 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
-	if t.closed.Load() {
-		// A request still in flight through an unloaded config.
-		c.err = errLeasesClosed
-		close(c.done)
-		return c
-	}
 	e.call = c
+	e.seq = t.seq.Add(1)
+	ask := LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold}
 	t.calls.Add(1)
 	go func(key string, l Limit) {
 		defer t.calls.Done()
-		lr, err := t.store.lease(key, l, cost, want)
+		lr, err := t.store.lease(key, l, ask)
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
-		now := t.now()
 		if err == nil {
-			t.apply(e, lr, want, now)
+			t.apply(e, lr, ask, now)
 		}
 		e.call = nil
-		c.err, c.banned, c.short = err, lr.Banned, lr.Granted < want
+		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost
 		sh.mu.Unlock()
 		close(c.done)
 	}(e.key, e.limit)
 	return c
 }
 
-// apply records a lease call's answer in e.
-func (t *leaseTable) apply(e *lease, lr LeaseResult, want, now int64) {
-	e.size = want
-	e.level, e.resetAt = lr.Remaining, now+lr.ResetAfter
-	e.holdUntil = 0
-	if lr.HoldOff > 0 {
-		e.holdUntil = now + lr.HoldOff
+// apply records in e the answer to the lease call ask, sent at sent.
+func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
+	e.size = ask.Want
+	if lr.Drop {
+		// A ban started since the last call: what the node holds is void,
+		// and after the ban it starts again from one request's cost.
+		e.tokens, e.recorded, e.size = 0, 0, 0
+	} else {
+		e.tokens, e.recorded = min(e.tokens, ask.Held), min(e.recorded, ask.Held)
 	}
 	if lr.Granted > 0 {
 		e.tokens += lr.Granted
-		e.leasedAt = now
-		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, want)).Inc()
+		e.recorded += lr.Granted
+		e.leasedAt = sent
+		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
 	} else {
 		leasesTotal.WithLabelValues("refused").Inc()
+	}
+	e.banned = e.banned || lr.Banned
+	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
+	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
+	e.holdUntil = 0
+	if lr.HoldOff > 0 {
+		// From when the call was sent, so that nodes far from the store
+		// are not always last to the refilled tokens, with jitter; but
+		// never past when the requests refused meanwhile were told to
+		// retry.
+		until := sent + lr.HoldOff + mathrand.Int64N(lr.HoldOff/2+1)
+		if lr.RetryAfter > 0 {
+			until = min(until, sent+secondsUp(lr.RetryAfter)*1_000_000)
+		}
+		e.holdUntil = until
 	}
 }
 
@@ -329,18 +408,21 @@ func leaseOutcome(granted, want int64) string {
 	return "granted"
 }
 
-// giveBackHeld returns n tokens to this node's lease on the bucket at key,
-// if it holds one: they were taken from it.
-func (t *leaseTable) giveBackHeld(key []byte, n int64) bool {
+// giveBackHeld returns n tokens that a request took to this node's lease on
+// the bucket at key, if it holds one, up to what the shared store's record
+// counts. It reports how many it could not take, which go to the shared
+// bucket instead.
+func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	e := sh.m[string(key)]
-	if e == nil {
-		return false
+	if e == nil || t.closed.Load() || t.now()-e.leasedAt >= t.ttl {
+		return n
 	}
-	e.tokens += n
-	return true
+	put := min(n, e.recorded-e.tokens)
+	e.tokens += put
+	return n - put
 }
 
 // reset drops this node's lease on the bucket at key: its tokens are not
@@ -351,7 +433,7 @@ func (t *leaseTable) reset(key []byte) {
 	if e := sh.m[string(key)]; e != nil && e.call == nil {
 		delete(sh.m, e.key)
 	} else if e != nil {
-		e.tokens, e.holdUntil = 0, 0
+		e.tokens, e.recorded, e.holdUntil, e.retryAt = 0, 0, 0, 0
 	}
 	sh.mu.Unlock()
 }
@@ -372,11 +454,13 @@ func (t *leaseTable) held() int {
 	return n
 }
 
-// giveBack is unused leased tokens on their way back to a shared bucket.
-type giveBack struct {
+// leaseReturn is unused leased tokens on their way back to a shared bucket,
+// naming the call that wrote the lease's record.
+type leaseReturn struct {
 	key    string
 	limit  Limit
 	tokens int64
+	seq    int64
 }
 
 // sweepEvery gives back the tokens that went unused for lease_ttl, and
@@ -399,8 +483,8 @@ func (t *leaseTable) sweepEvery(every time.Duration) {
 
 // sweep takes the tokens to give back: those leased lease_ttl ago or more,
 // or, with all, every one. It forgets entries idle for lease_ttl.
-func (t *leaseTable) sweep(now int64, all bool) []giveBack {
-	var back []giveBack
+func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
+	var back []leaseReturn
 	for i := range t.shards {
 		sh := &t.shards[i]
 		sh.mu.Lock()
@@ -409,8 +493,7 @@ func (t *leaseTable) sweep(now int64, all bool) []giveBack {
 				continue
 			}
 			if e.tokens > 0 && (all || now-e.leasedAt >= t.ttl) {
-				back = append(back, giveBack{key, e.limit, e.tokens})
-				e.tokens = 0
+				back = append(back, e.takeBack())
 			}
 			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
 				delete(sh.m, key)
@@ -422,7 +505,7 @@ func (t *leaseTable) sweep(now int64, all bool) []giveBack {
 }
 
 // giveBackLater gives tokens back in the background.
-func (t *leaseTable) giveBackLater(back []giveBack) {
+func (t *leaseTable) giveBackLater(back []leaseReturn) {
 	t.calls.Add(1)
 	go func() {
 		defer t.calls.Done()
@@ -432,8 +515,8 @@ func (t *leaseTable) giveBackLater(back []giveBack) {
 
 // giveBackNow returns tokens to their shared buckets, in one pipeline. A
 // give-back that fails loses its tokens, which only ever admits less.
-func (t *leaseTable) giveBackNow(back []giveBack) {
-	n, err := t.store.giveBack(back)
+func (t *leaseTable) giveBackNow(back []leaseReturn) {
+	n, err := t.store.giveBack(t.node, back)
 	leaseTokensReturned.Add(float64(n))
 	if err != nil {
 		t.logger.Warn("redis store: giving leased tokens back failed; they are lost until the buckets refill", zap.Int("buckets", len(back)), zap.Error(err))
@@ -447,8 +530,9 @@ var errLeasesClosed = errors.New("redis store: the config's leases were given ba
 // close stops the table and gives every token it holds back.
 func (t *leaseTable) close() {
 	t.closed.Store(true)
-	// A fetch starts under its shard's lock: once every lock has been held
-	// since closed was set, none can start, so the waits below see them all.
+	// A fetch or an eviction starts under its shard's lock: once every
+	// lock has been held since closed was set, none can start, so the
+	// waits below see them all.
 	for i := range t.shards {
 		t.shards[i].mu.Lock()
 		//lint:ignore SA2001 the empty critical section is the point: it waits out fetches starting
@@ -477,57 +561,3 @@ var (
 		Help: "Lease entries dropped to keep this node's lease table within its bound.",
 	})
 )
-
-// lease takes a lease of want tokens on the bucket at key, for a request
-// costing cost, within the timeout and through the breaker.
-func (s *RedisStore) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
-	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want, l.Ban}
-	vals, err := s.call(context.Background(), leaseBucketScript, key, args, false)
-	if err != nil {
-		return LeaseResult{}, err
-	}
-	return LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3], Banned: len(vals) == 6 && vals[5] == 1}, nil
-}
-
-// giveBack returns unused leased tokens to their buckets in one pipeline,
-// and reports how many went back.
-func (s *RedisStore) giveBack(back []giveBack) (int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return 0, errBreakerOpen
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-	defer cancel()
-	run := func(pipe redis.Pipeliner, g giveBack) *redis.Cmd {
-		return giveBackBucketScript.EvalSha(ctx, pipe, []string{g.key}, g.limit.Capacity, g.limit.Rate.Tokens, g.limit.Rate.Interval, g.tokens, s.clockOffset)
-	}
-	cmds := make([]*redis.Cmd, len(back))
-	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
-		for i, g := range back {
-			cmds[i] = run(pipe, g)
-		}
-		return nil
-	})
-	var returned int64
-	var failed error
-	for i, cmd := range cmds {
-		err := cmd.Err()
-		if redis.HasErrorPrefix(err, "NOSCRIPT") {
-			// Redis lost its scripts (a restart, a failover): EVAL loads it.
-			err = giveBackBucketScript.Run(ctx, s.conn.client, []string{back[i].key}, back[i].limit.Capacity, back[i].limit.Rate.Tokens, back[i].limit.Rate.Interval, back[i].tokens, s.clockOffset).Err()
-		}
-		if err == nil {
-			returned += back[i].tokens
-		} else if failed == nil {
-			failed = err
-		}
-	}
-	if failed == nil && err != nil && !redis.HasErrorPrefix(err, "NOSCRIPT") {
-		failed = err
-	}
-	s.record(ctx, probe, failed)
-	if failed != nil {
-		return returned, s.wrap(failed)
-	}
-	return returned, nil
-}

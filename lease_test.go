@@ -14,19 +14,33 @@ import (
 	"go.uber.org/zap"
 )
 
-// sharedModel is the shared store as a plain model: bucket.go's Lease and
-// GiveBack on one state per key, on an injected clock. It counts its calls.
+// sharedModel is the shared store as a plain model: shared.go's Shared on
+// one bucket per key, on an injected clock. It counts its calls.
 type sharedModel struct {
 	mu     sync.Mutex
 	now    func() int64
-	states map[string]State
+	states map[string]*Shared
 	calls  int
 	down   bool
 	// gate, when set, holds every lease call until it is closed.
 	gate chan struct{}
+	// mutate, when set, breaks the store after each lease call, so that a
+	// property test can show it would catch the defect.
+	mutate func(sh *Shared, res *LeaseResult)
+	// onLease, when set, sees each lease call's outcome, under the lock.
+	onLease func(key string, sh *Shared, res LeaseResult)
 }
 
-func (m *sharedModel) lease(key string, l Limit, cost, want int64) (LeaseResult, error) {
+func (m *sharedModel) bucket(key string, n int) *Shared {
+	sh := m.states[key]
+	if sh == nil {
+		sh = &Shared{Levels: make([]State, n)}
+		m.states[key] = sh
+	}
+	return sh
+}
+
+func (m *sharedModel) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error) {
 	if m.gate != nil {
 		<-m.gate
 	}
@@ -36,12 +50,18 @@ func (m *sharedModel) lease(key string, l Limit, cost, want int64) (LeaseResult,
 	if m.down {
 		return LeaseResult{}, errBreakerOpen
 	}
-	st, res := Lease(m.states[key], m.now(), l, cost, want)
-	m.states[key] = st
+	sh := m.bucket(key, 1)
+	res := sh.Lease(m.now(), []Limit{l}, a)
+	if m.mutate != nil {
+		m.mutate(sh, &res)
+	}
+	if m.onLease != nil {
+		m.onLease(key, sh, res)
+	}
 	return res, nil
 }
 
-func (m *sharedModel) giveBack(back []giveBack) (int64, error) {
+func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.down {
@@ -49,16 +69,24 @@ func (m *sharedModel) giveBack(back []giveBack) (int64, error) {
 	}
 	var n int64
 	for _, g := range back {
-		m.states[g.key] = GiveBack(m.states[g.key], m.now(), g.limit, g.tokens)
-		n += g.tokens
+		n += m.bucket(g.key, 1).Return(m.now(), []Limit{g.limit}, node, g.seq, g.tokens)
 	}
 	return n, nil
+}
+
+// level is the shared bucket's whole tokens at now.
+func (m *sharedModel) level(key string, l Limit) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out [1]Result
+	m.bucket(key, 1).Peek(m.now(), []Limit{l}, out[:])
+	return out[0].Remaining
 }
 
 // newModelTable is a lease table on the model, whose calls finish before
 // the test goes on: tableSync waits for them.
 func newModelTable(m *sharedModel, size leaseSize, ttl time.Duration) *leaseTable {
-	return newLeaseTable(m, m.now, size, ttl, 1000, zap.NewNop())
+	return newLeaseTable(m, m.now, size, ttl, ttl+100*time.Millisecond, 1000, zap.NewNop())
 }
 
 func tableSync(t *leaseTable) { t.calls.Wait() }
@@ -77,7 +105,7 @@ func TestLeasesNeverAdmitMoreThanTheBound(t *testing.T) {
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
 		start := clock.now()
-		m := &sharedModel{now: clock.now, states: map[string]State{}}
+		m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
 		rate := Rate{Tokens: 1 + rng.Int64N(20), Interval: 1_000_000}
 		l := Limit{Capacity: 1 + rng.Int64N(200), Rate: rate}
 		size := leaseSize{percent: []float64{5, 10, 50, 100}[rng.IntN(4)]}
@@ -134,7 +162,7 @@ func TestLeasesNeverAdmitMoreThanTheBound(t *testing.T) {
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
 	l := Limit{Capacity: 1000, Rate: Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -165,7 +193,7 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
 	l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 	node := newModelTable(m, leaseSize{tokens: 5}, time.Minute)
 	defer node.close()
@@ -200,11 +228,9 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
 	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
-	level := func() int64 {
-		return Peek(m.states["k"], clock.now(), l).Remaining
-	}
+	level := func() int64 { return m.level("k", l) }
 	node := newModelTable(m, leaseSize{tokens: 40}, time.Second)
 	for range 20 {
 		node.take(bg, []byte("k"), l, 1)
@@ -237,8 +263,8 @@ func TestLeaseSizes(t *testing.T) {
 		capacity int64
 		want     int64
 	}{
-		{"", 100, 1}, {"1", 100, 1}, {"20", 100, 20}, {"500", 100, 100},
-		{"10%", 200, 20}, {"10%", 5, 1}, {"100%", 7, 7}, {"2.5%", 1000, 25},
+		{"", 100, 1}, {"1", 100, 1}, {"20", 100, 20}, {"500", 100, 50},
+		{"10%", 200, 20}, {"10%", 5, 1}, {"100%", 7, 3}, {"2.5%", 1000, 25}, {"50%", 1, 1},
 	} {
 		z, err := parseLeaseSize(tt.setting)
 		if err != nil {
@@ -251,50 +277,6 @@ func TestLeaseSizes(t *testing.T) {
 	for _, bad := range []string{"0", "-3", "0%", "101%", "ten", "%"} {
 		if _, err := parseLeaseSize(bad); err == nil || !strings.Contains(err.Error(), strconv.Quote(bad)) {
 			t.Errorf("lease %q: error %v, want one naming the value", bad, err)
-		}
-	}
-}
-
-// The lease and give-back scripts apply bucket.go's Lease and GiveBack to
-// the unit, on random traces against a real redis-server.
-func TestRedisLeaseScriptsMatchTheModel(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	rdb := srv.client()
-	defer rdb.Close()
-	rng := rand.New(rand.NewPCG(3, 14))
-	for i := range 30 {
-		tr := newRandomTrace(rng)
-		l := tr.limit
-		key := s.key(bucketFor("lease-" + strconv.Itoa(i)))
-		var st State
-		for j := range tr.gaps {
-			s.clockOffset += tr.gaps[j]
-			cost := min(tr.costs[j], l.Capacity)
-			if rng.IntN(4) == 0 {
-				n := 1 + rng.Int64N(l.Capacity)
-				vals, err := s.call(bg, giveBackBucketScript, key, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset}, false)
-				if err != nil {
-					t.Fatal(err)
-				}
-				st = GiveBack(st, vals[4], l, n)
-			} else {
-				want := cost + rng.Int64N(l.Capacity-cost+1)
-				vals, err := s.call(bg, leaseBucketScript, key, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost, s.clockOffset, want}, false)
-				if err != nil {
-					t.Fatal(err)
-				}
-				var res LeaseResult
-				st, res = Lease(st, vals[4], l, cost, want)
-				got := LeaseResult{Granted: vals[0], Remaining: vals[1], HoldOff: vals[2], ResetAfter: vals[3]}
-				if got != res {
-					t.Fatalf("trace %d step %d (limit %+v, cost %d, want %d): Redis %+v, Lease %+v", i, j, l, cost, want, got, res)
-				}
-			}
-			v, err := rdb.Get(bg, key).Result()
-			if err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack) {
-				t.Fatalf("trace %d step %d: stored %q, the model's state %+v", i, j, v, st)
-			}
 		}
 	}
 }
@@ -339,7 +321,7 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 	var nodes [2]*RedisStore
 	for i := range nodes {
 		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "10%"})
-		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{percent: 10}, time.Hour, 1000, zap.NewNop())
+		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{percent: 10}, time.Hour, time.Hour+5*time.Second, 1000, zap.NewNop())
 	}
 	b := bucketFor("shared")
 	var mu sync.Mutex
@@ -465,7 +447,7 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 // back, and the store decides it in strict mode.
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
-	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
 	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
 	node.close()
 	_, err := node.take(bg, []byte("k"), Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 1_000_000}}, 1)
@@ -482,7 +464,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
-	m := &sharedModel{now: clock.now, states: map[string]State{}}
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
 	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
@@ -522,7 +504,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]State{}, gate: make(chan struct{})}
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}, gate: make(chan struct{})}
 	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
 	defer node.close()

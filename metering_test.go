@@ -2,15 +2,11 @@ package ratelimit
 
 import (
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // A per-request cost from a placeholder: a whole number from 0 to the
@@ -259,45 +255,5 @@ func TestCostFromResponseIgnoresBadReports(t *testing.T) {
 				t.Errorf("report %q: %d, remaining %q; want 200, 98: only the costs taken", used, r.status, r.header.Get("X-RateLimit-Remaining"))
 			}
 		})
-	}
-}
-
-// The charge script is bucket.go's Charge to the unit, on random traces.
-func TestRedisChargeMatchesTheModel(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	rdb := srv.client()
-	defer rdb.Close()
-	rng := rand.New(rand.NewPCG(16, 11))
-	for i := range 30 {
-		tr := newRandomTrace(rng)
-		l := tr.limit
-		key := s.key(bucketFor("charge-" + strconv.Itoa(i)))
-		var st State
-		for j := range tr.gaps {
-			s.clockOffset += tr.gaps[j]
-			if rng.IntN(2) == 0 {
-				n := rng.Int64N(3 * l.Capacity)
-				vals, err := s.call(bg, chargeBucketScript, key, []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset, l.maxDeficit()}, false)
-				if err != nil {
-					t.Fatal(err)
-				}
-				st = Charge(st, vals[4], l, n)
-			} else {
-				cost := min(tr.costs[j], l.Capacity)
-				got, now, err := s.run(bg, key, l, cost)
-				if err != nil {
-					t.Fatal(err)
-				}
-				var want Result
-				st, want = Take(st, now, l, cost)
-				if got != want {
-					t.Fatalf("trace %d step %d take: Redis %+v, Take %+v", i, j, got, want)
-				}
-			}
-			if v, err := rdb.Get(bg, key).Result(); err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack) {
-				t.Fatalf("trace %d step %d: stored %q, the model's %+v", i, j, v, st)
-			}
-		}
 	}
 }

@@ -440,9 +440,7 @@ func newRedisConn(cfg *redisSettings, logger *zap.Logger) *redisConn {
 	// down is no error here: decisions will say so.
 	go func() {
 		defer cancel()
-		for _, script := range []*redis.Script{bucketScript, leaseBucketScript, giveBackBucketScript} {
-			_ = script.Load(ctx, c.client).Err()
-		}
+		_ = bucketScript.Load(ctx, c.client).Err()
 	}()
 	return c
 }

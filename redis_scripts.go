@@ -2,9 +2,41 @@ package ratelimit
 
 import "github.com/redis/go-redis/v9"
 
-// luaArithmetic opens every script: effects replication (below), and
-// integer division on doubles, corrected for the rounding of a quotient.
-const luaArithmetic = `
+// bucketLua applies bucket.go's and shared.go's steps to one bucket,
+// atomically: a request's take over every limit of its tier, a peek, a
+// lease, the give-back of a lease, a give-back outside leases
+// (count_status), and a charge after the fact (cost_from_response). It
+// computes in Lua's doubles: every figure stays below 2^53, so they are
+// exact, and idiv corrects the rounding of a quotient.
+//
+// KEYS[1] is the bucket, a hash: field "<i>" holds limit i's state as
+// "<fullAt> <slack>", with " b" after it when a ban wrote it (fullAt in
+// microseconds of the server's TIME); field "l:<node>" holds what a node
+// holds on lease, as "<tokens> <expires> <seq> <void>". A limit that is full
+// has no field, and a bucket that is full with nothing on lease has no key:
+// it expires when every limit is full and every lease has expired. A string
+// at KEYS[1] is a bucket as versions before the hash kept it: limit 1's
+// state, which the script carries over.
+//
+// ARGV: the operation (take, peek, lease, return, giveback or charge); the
+// number of limits n; a count of tokens (the cost, or the tokens given back
+// or charged); microseconds to add to TIME, which only tests set; the ban
+// (µs, 0 for none); then for each limit its capacity, rate tokens and rate
+// interval (µs); then, for lease, the node, the call's seq, the tokens the
+// node still holds, the tokens it wants and how long the record lives
+// (µs); for return, the node and the seq of its lease.
+//
+// It answers:
+//   - take, peek: {allowed, banned (a ban started), now, then for each
+//     limit {allowed, remaining, retry after, reset after}}
+//   - lease: {granted, remaining, retry after, hold-off, reset after,
+//     banned, drop, now}
+//   - return, giveback, charge: {tokens, now}
+//
+// It reads TIME and then writes, which Redis before 5 refuses unless the
+// script replicates its effects rather than itself: replicate_commands asks
+// for that on 3.2 and 4, and does nothing from 5 on.
+const bucketLua = `
 if redis.replicate_commands then redis.replicate_commands() end
 local function idiv(a, b)
   local q = math.floor(a / b)
@@ -13,252 +45,384 @@ local function idiv(a, b)
   return q
 end
 local function ceildiv(a, b) return idiv(a + b - 1, b) end
-`
 
-// The scripts apply bucket.go's math to one bucket, atomically, in Lua's
-// doubles: every figure stays below 2^53, so they are exact, and idiv
-// corrects the rounding of a quotient.
-//
-// KEYS[1] is the bucket, stored as "<fullAt> <slack>" (microseconds of the
-// server's TIME) and expiring when the bucket is full again, when it is the
-// same as no bucket.
-//
-// Every script's ARGV starts alike: capacity, rate tokens, rate interval
-// (µs), a count of tokens (what each script does with it, below), and
-// optionally microseconds to add to TIME, which only tests pass.
-//
-// They read TIME and then write, which Redis before 5 refuses unless the
-// script replicates its effects rather than itself: replicate_commands
-// asks for that on 3.2 and 4, and does nothing from 5 on (7 only keeps it
-// for old scripts). Older Redis refuses the write; the error says why.
-const scriptPrelude = luaArithmetic + `
-
-local capacity = tonumber(ARGV[1])
-local tokens = tonumber(ARGV[2])
-local interval = tonumber(ARGV[3])
-local count = tonumber(ARGV[4])
+local op = ARGV[1]
+local n = tonumber(ARGV[2])
+local count = tonumber(ARGV[3])
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[5] or '0')
-local units = capacity * interval
-
-local full_at, slack = 0, 0
-local v = redis.call('GET', KEYS[1])
-if v then
-  local a, b = string.match(v, '^(%d+) (%d+)$')
-  if not a then
-    return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
-  end
-  full_at, slack = tonumber(a), tonumber(b)
-end
-
-local deficit = 0
-if now < full_at then
-  deficit = (full_at - now) * tokens - slack
-  if deficit > units then deficit = units elseif deficit < 0 then deficit = 0 end
-end
-local level = units - deficit
-
--- store keeps a bucket that lacks deficit units, until it is full again;
--- a full bucket is no bucket. It returns the microseconds until full.
-local function store(deficit)
-  if deficit <= 0 then
-    redis.call('DEL', KEYS[1])
-    return 0
-  end
-  local refill = ceildiv(deficit, tokens)
-  local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', now + refill, refill * tokens - deficit),
-    'PX', ceildiv(refill, 1000) + 1)
-  if type(ok) == 'table' and ok.err then
-    error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
-  end
-  return refill
-end
-
--- apply_ban empties the bucket for ban µs from now, unless a ban, which
--- leaves it lacking more than the whole bucket, holds it already. It
--- returns 1 when it started a ban, else 0.
-local function apply_ban(ban)
-  local gap = full_at - now
-  if gap > 0 and gap > idiv(units + slack, tokens) then return 0 end
-  local refill = ceildiv(units, tokens)
-  full_at, slack = now + ban + refill, refill * tokens - units
-  local ok = redis.pcall('SET', KEYS[1], string.format('%d %d', full_at, slack), 'PX', ceildiv(full_at - now, 1000) + 1)
-  if type(ok) == 'table' and ok.err then
-    error('rate_limit: Redis refused to write the bucket: ' .. ok.err)
-  end
-  return 1
-end
-
--- wait_for is the µs until the bucket holds x units, at least 1; it holds
--- for a banned bucket too.
-local function wait_for(x)
-  local wait = full_at - now - idiv(units - x + slack, tokens)
-  if wait < 1 then wait = 1 end
-  return wait
-end
-`
-
-// takeScript applies one request: bucket.go's Take, or Peek when the count
-// (the request's cost) is 0. ARGV[6], when given and above 0, is the ban
-// (µs): a denial then empties the bucket for that long, unless a ban holds
-// it already. Any other denial writes nothing.
-//
-// It returns {allowed (0|1), remaining, retry after, reset after, now},
-// and a sixth value, 1, when the denial started a ban.
-const takeScript = scriptPrelude + `
-if count == 0 then
-  local allowed = 0
-  if level >= interval then allowed = 1 end
-  return {allowed, idiv(level, interval), 0, ceildiv(deficit, tokens), now}
-end
-local need = count * interval
-if level < need then
-  local ban = tonumber(ARGV[6] or '0')
-  if ban <= 0 then
-    local gap = full_at - now
-    if gap > 0 and gap > idiv(units + slack, tokens) then
-      -- In debt, or under a ban of an earlier config.
-      return {0, 0, wait_for(need), gap, now}
-    end
-    return {0, idiv(level, interval), ceildiv(need - level, tokens), ceildiv(deficit, tokens), now}
-  end
-  local started = apply_ban(ban)
-  return {0, 0, wait_for(need), full_at - now, now, started}
-end
-local refill = store(deficit + need)
-return {1, idiv(level - need, interval), 0, refill, now}
-`
-
-// leaseScript is bucket.go's Lease: the count is the request's cost,
-// ARGV[6] is the tokens the node wants (ARGV[5] must then be given), and
-// ARGV[7] the ban (µs, 0 for none), applied when the lease is refused.
-//
-// It returns {granted, remaining, hold-off, reset after, now}, and a sixth
-// value, 1, when the refusal started a ban.
-const leaseScript = scriptPrelude + `
-local want = tonumber(ARGV[6])
-local ban = tonumber(ARGV[7] or '0')
-if level < count * interval then
-  if ban > 0 then
-    local started = apply_ban(ban)
-    return {0, 0, wait_for(want * interval), full_at - now, now, started}
-  end
-  return {0, idiv(level, interval), ceildiv(want * interval - level, tokens), ceildiv(deficit, tokens), now}
-end
-local granted = math.min(idiv(level, interval), want)
-level = level - granted * interval
-local refill = store(deficit + granted * interval)
-local hold = 0
-if granted < want then hold = ceildiv(want * interval - level, tokens) end
-return {granted, idiv(level, interval), hold, refill, now}
-`
-
-// giveBackScript is bucket.go's GiveBack: the count is the unused leased
-// tokens that go back, up to the capacity.
-//
-// It returns {count, 0, 0, reset after, now}.
-const giveBackScript = scriptPrelude + `
-local refill = store(deficit - count * interval)
-return {count, 0, 0, refill, now}
-`
-
-// bucketScript runs takeScript by EVALSHA, and by EVAL when Redis answers
-// NOSCRIPT (a restart, a failover, SCRIPT FLUSH), which loads it again.
-var bucketScript = redis.NewScript(takeScript)
-
-// leaseBucketScript and giveBackBucketScript run the lease scripts as
-// bucketScript runs takeScript.
-var (
-	leaseBucketScript    = redis.NewScript(leaseScript)
-	giveBackBucketScript = redis.NewScript(giveBackScript)
-)
-
-// takeAllScript is the local store's takeAll: one request against several
-// limits of one bucket, all or none. KEYS[1] is a hash whose field i holds
-// limit i's "<fullAt> <slack>"; the key expires when every limit is full.
-//
-// ARGV: the number of limits n, the cost, microseconds to add to TIME
-// (tests only; 0 otherwise), then for each limit its capacity, rate tokens
-// and rate interval.
-//
-// It returns, for each limit, {allowed (0|1), remaining, retry after,
-// reset after}, as Take would for that limit alone, but taking only when
-// all allow; then the server's time.
-const takeAllScript = luaArithmetic + `
-
-local n = tonumber(ARGV[1])
-local cost = tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[3])
-local fields = redis.call('HMGET', KEYS[1], unpack((function()
-  local f = {}
-  for i = 1, n do f[i] = tostring(i) end
-  return f
-end)()))
-
-local out, levels, deficits, allowed = {}, {}, {}, true
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[4])
+local ban = tonumber(ARGV[5])
+local L = {}
 for i = 1, n do
-  local capacity, tokens, interval = tonumber(ARGV[1 + 3 * i]), tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
-  local units = capacity * interval
-  local deficit = 0
-  if fields[i] then
-    local a, b = string.match(fields[i], '^(%d+) (%d+)$')
-    if not a then
-      return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
-    end
-    local full_at, slack = tonumber(a), tonumber(b)
-    if now < full_at then
-      deficit = (full_at - now) * tokens - slack
-      if deficit > units then deficit = units elseif deficit < 0 then deficit = 0 end
-    end
-  end
-  deficits[i], levels[i] = deficit, units - deficit
-  if levels[i] < cost * interval then allowed = false end
+  local c, k, iv = tonumber(ARGV[3 + 3 * i]), tonumber(ARGV[4 + 3 * i]), tonumber(ARGV[5 + 3 * i])
+  local units = c * iv
+  L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496)}
+end
+local x = 6 + 3 * n
+
+local function bad()
+  return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
 end
 
-local ttl = 0
-for i = 1, n do
-  local tokens, interval = tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
-  local need = cost * interval
-  local level, deficit = levels[i], deficits[i]
-  if allowed then
-    deficit = deficit + need
-    local refill = ceildiv(deficit, tokens)
-    redis.call('HSET', KEYS[1], tostring(i), string.format('%d %d', now + refill, refill * tokens - deficit))
-    if refill > ttl then ttl = refill end
-    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 1, idiv(level - need, interval), 0, refill
+-- Read the bucket: S[i] is limit i's state, H the leases.
+-- Limits past the n of this call (a reload dropped them, or a call names
+-- fewer) keep their fields, and the key lives as long as they need: later
+-- is the latest moment one of them is full.
+local S, H, old, later = {}, {}, {}, 0
+for i = 1, n do S[i] = {full = 0, slack = 0, banned = false} end
+local migrated = false
+local fields = redis.pcall('HGETALL', KEYS[1])
+if type(fields) == 'table' and fields.err then
+  fields = {'1', redis.call('GET', KEYS[1])}
+  migrated = true
+end
+for j = 1, #fields, 2 do
+  local f, v = fields[j], fields[j + 1]
+  old[f] = v
+  local node = string.match(f, '^l:(.+)$')
+  if node then
+    local a, e, s, vd = string.match(v, '^(%d+) (%d+) (%d+) ([01])$')
+    if not a then return bad() end
+    H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(s), void = vd == '1'}
   else
-    local retry = 0
-    if level < need then retry = ceildiv(need - level, tokens) end
-    out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = 0, idiv(level, interval), retry, ceildiv(deficit, tokens)
+    local i = tonumber(f)
+    local a, b, mark = string.match(v, '^(%d+) (%d+)( ?b?)$')
+    if not a or not i then return bad() end
+    if S[i] then
+      S[i] = {full = tonumber(a), slack = tonumber(b), banned = mark == ' b'}
+    else
+      later = math.max(later, tonumber(a))
+    end
   end
 end
-if allowed then redis.call('PEXPIRE', KEYS[1], ceildiv(ttl, 1000) + 1) end
-out[#out + 1] = now
-return out
-`
 
-// takeAllBucketScript runs takeAllScript as bucketScript runs takeScript.
-var takeAllBucketScript = redis.NewScript(takeAllScript)
-
-// chargeScript is bucket.go's Charge: the count is the tokens taken after
-// the fact, and ARGV[6] the deepest deficit (units) the bucket may reach.
-//
-// It returns {count, 0, 0, reset after, now}.
-const chargeScript = scriptPrelude + `
-local floor = tonumber(ARGV[6])
-if count > idiv(floor, interval) then count = idiv(floor, interval) end
-local raw = 0
-if now < full_at then
-  raw = (full_at - now) * tokens - slack
-  if raw < 0 then raw = 0 end
+local function deficit(i, at)
+  local s, l = S[i], L[i]
+  if at >= s.full then return 0 end
+  local gap = s.full - at
+  if gap > idiv(l.units + s.slack, l.tok) + 1 then return l.units end
+  local d = gap * l.tok - s.slack
+  if d > l.units then return l.units end
+  if d < 0 then return 0 end
+  return d
 end
-if raw > floor then raw = floor end
-raw = raw + count * interval
-if raw > floor then raw = floor end
-local refill = store(raw)
-return {count, 0, 0, refill, now}
+local function raw_deficit(i)
+  local s, l = S[i], L[i]
+  local gap = s.full - now
+  if gap <= 0 then return 0 end
+  if gap > idiv(l.maxd + s.slack, l.tok) + 1 then return l.maxd end
+  return math.min(math.max(0, gap * l.tok - s.slack), l.maxd)
+end
+local function banned(i)
+  local s, l = S[i], L[i]
+  local gap = s.full - now
+  return gap > 0 and gap > idiv(l.units + s.slack, l.tok)
+end
+local function until_level(i, need)
+  local s, l = S[i], L[i]
+  return math.max(1, s.full - now - idiv(l.units - need + s.slack, l.tok))
+end
+local function wait(i, need)
+  if not banned(i) and L[i].units - deficit(i, now) >= need then return 0 end
+  return until_level(i, need)
+end
+local function state_at(at, d, l)
+  local refill = ceildiv(d, l.tok)
+  return {full = at + refill, slack = refill * l.tok - d, banned = false}
+end
+local function out()
+  local o = 0
+  for _, h in ipairs(H) do o = o + h.tokens end
+  return o
+end
+local function floor(i) return math.min(out(), L[i].cap) * L[i].iv end
+
+-- settle: leases that expired count as spent, and each level refills up
+-- to its capacity less the tokens then out, across the expiries in order.
+local function cap_at(at)
+  if out() == 0 then return end
+  for i = 1, n do
+    local f = floor(i)
+    if deficit(i, at) < f then
+      local b = S[i].banned and S[i].full > at
+      S[i] = state_at(at, f, L[i])
+      S[i].banned = b
+    end
+  end
+end
+while true do
+  local j = nil
+  for k, h in ipairs(H) do
+    if h.expires <= now and (j == nil or h.expires < H[j].expires) then j = k end
+  end
+  if j == nil then break end
+  cap_at(H[j].expires)
+  table.remove(H, j)
+end
+cap_at(now)
+
+local function take_one(i, cost)
+  local l = L[i]
+  local need = cost * l.iv
+  if banned(i) then
+    return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now}
+  end
+  local d = deficit(i, now)
+  local level = l.units - d
+  if level < need then
+    return {ok = false, rem = idiv(level, l.iv), retry = ceildiv(need - level, l.tok), reset = ceildiv(d, l.tok)}
+  end
+  if cost == 0 then
+    return {ok = true, rem = idiv(level, l.iv), retry = 0, reset = ceildiv(d, l.tok), state = S[i]}
+  end
+  local st = state_at(now, d + need, l)
+  return {ok = true, rem = idiv(level - need, l.iv), retry = 0, reset = st.full - now, state = st}
+end
+local function peek(i)
+  local l = L[i]
+  local d = deficit(i, now)
+  local level = l.units - d
+  local ok = level >= l.iv
+  return {ok = ok, rem = idiv(level, l.iv), retry = 0, reset = ceildiv(d, l.tok)}
+end
+-- ban_one empties limit i for the ban from now, unless a ban holds it;
+-- it answers as a denial and says whether it started one.
+local function ban_one(i, need)
+  local l = L[i]
+  local started = not banned(i)
+  if started then
+    local refill = ceildiv(l.units, l.tok)
+    S[i] = {full = now + ban + refill, slack = refill * l.tok - l.units, banned = true}
+  end
+  return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now, started = started}
+end
+local function void_all()
+  for _, h in ipairs(H) do h.void = true end
+end
+local function any_banned()
+  for i = 1, n do if S[i].banned and S[i].full > now then return true end end
+  return false
+end
+local function give_back(i, k, f)
+  local l = L[i]
+  if k <= 0 or (S[i].banned and S[i].full > now) then return end
+  local raw = raw_deficit(i)
+  local d = math.max(raw - math.min(k, l.cap) * l.iv, math.min(f, raw))
+  if d <= 0 then S[i] = {full = 0, slack = 0, banned = false} else S[i] = state_at(now, d, l) end
+end
+local function find(node)
+  for k, h in ipairs(H) do if h.node == node then return k end end
+  return nil
+end
+
+-- save writes what changed: a limit's field while it is not full, a lease's
+-- while it has not expired, the key while either is left.
+local function save()
+  local new, ttl = {}, math.max(0, later - now)
+  if migrated then
+    redis.call('DEL', KEYS[1])
+    old = {}
+  end
+  for i = 1, n do
+    local s = S[i]
+    if s.full > now then
+      local v = string.format('%d %d', s.full, s.slack)
+      if s.banned then v = v .. ' b' end
+      new[tostring(i)] = v
+      ttl = math.max(ttl, s.full - now)
+    end
+  end
+  for _, h in ipairs(H) do
+    local vd = 0
+    if h.void then vd = 1 end
+    new['l:' .. h.node] = string.format('%d %d %d %d', h.tokens, h.expires, h.seq, vd)
+    ttl = math.max(ttl, h.expires - now)
+  end
+  local set, del, any = {}, {}, false
+  for f, v in pairs(new) do
+    any = true
+    if old[f] ~= v then set[#set + 1] = f; set[#set + 1] = v end
+  end
+  for f in pairs(old) do
+    local i = tonumber(f)
+    if not new[f] and not (i and i > n) then del[#del + 1] = f end
+    if i and i > n then any = true end
+  end
+  if #set == 0 and #del == 0 then return end
+  if not any then
+    redis.call('DEL', KEYS[1])
+    return
+  end
+  if #del > 0 then redis.call('HDEL', KEYS[1], unpack(del)) end
+  if #set > 0 then
+    local ok = redis.pcall('HSET', KEYS[1], unpack(set))
+    if type(ok) == 'table' and ok.err then
+      error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
+    end
+  end
+  redis.call('PEXPIRE', KEYS[1], ceildiv(ttl, 1000) + 1)
+end
+
+local function answer(allowed, started, res)
+  local r = {0, 0, now}
+  if allowed then r[1] = 1 end
+  if started then r[2] = 1 end
+  for i = 1, n do
+    local a = 0
+    if res[i].ok then a = 1 end
+    r[#r + 1], r[#r + 2], r[#r + 3], r[#r + 4] = a, res[i].rem, res[i].retry, res[i].reset
+  end
+  return r
+end
+
+if op == 'peek' then
+  local res, allowed = {}, true
+  for i = 1, n do res[i] = peek(i); allowed = allowed and res[i].ok end
+  if migrated then save() end
+  return answer(allowed, false, res)
+end
+
+if op == 'take' then
+  local res, allowed, started = {}, true, false
+  for i = 1, n do
+    res[i] = take_one(i, count)
+    allowed = allowed and res[i].ok
+  end
+  if allowed then
+    for i = 1, n do S[i] = res[i].state end
+  elseif ban > 0 then
+    for i = 1, n do
+      res[i] = ban_one(i, count * L[i].iv)
+      started = started or res[i].started
+    end
+    if started then void_all() end
+  else
+    for i = 1, n do
+      if res[i].ok then res[i] = peek(i); res[i].ok = false end
+    end
+  end
+  save()
+  return answer(allowed, started, res)
+end
+
+-- report: the least level and the latest reset, for a lease's answer.
+local function report()
+  local rem, reset = nil, 0
+  for i = 1, n do
+    local r = peek(i)
+    if banned(i) then r.rem, r.reset = 0, S[i].full - now end
+    if rem == nil or r.rem < rem then rem = r.rem end
+    reset = math.max(reset, r.reset)
+  end
+  return rem, reset
+end
+local function wait_all(k)
+  local w = 0
+  for i = 1, n do w = math.max(w, wait(i, k * L[i].iv)) end
+  return w
+end
+
+if op == 'lease' then
+  local node, seq, held, want, hold = ARGV[x], tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
+  local drop, started = false, false
+  local mine = find(node)
+  if mine then
+    if H[mine].void then
+      drop = true
+      H[mine].tokens = 0
+    else
+      H[mine].tokens = math.min(H[mine].tokens, math.max(held, 0))
+    end
+  end
+  local allowed = true
+  for i = 1, n do allowed = allowed and take_one(i, count).ok end
+  if not allowed then
+    local w = want
+    if ban > 0 then
+      for i = 1, n do
+        if ban_one(i, count * L[i].iv).started then started = true end
+      end
+      if started then void_all() end
+      drop, w = true, count
+      if mine then H[mine].tokens = 0 end
+    end
+    if mine and H[mine].tokens == 0 then table.remove(H, mine) end
+    local retry = wait_all(count)
+    local hold_off = math.max(retry, wait_all(w))
+    local rem, reset = report()
+    save()
+    local b, d = 0, 0
+    if started then b = 1 end
+    if drop then d = 1 end
+    return {0, rem, retry, hold_off, reset, b, d, now}
+  end
+  local mincap = L[1].cap
+  for i = 2, n do mincap = math.min(mincap, L[i].cap) end
+  local grant = math.min(want, idiv(mincap, 2) - out())
+  for i = 1, n do grant = math.min(grant, idiv(L[i].units - deficit(i, now), L[i].iv)) end
+  grant = math.max(grant, count)
+  for i = 1, n do S[i] = state_at(now, deficit(i, now) + grant * L[i].iv, L[i]) end
+  if not mine then
+    H[#H + 1] = {node = node, tokens = 0}
+    mine = #H
+  end
+  local h = H[mine]
+  h.tokens, h.expires, h.seq, h.void = h.tokens + grant, now + hold, seq, false
+  local hold_off = 0
+  if grant < want then hold_off = wait_all(want) end
+  local retry = wait_all(count)
+  local rem, reset = report()
+  save()
+  local d = 0
+  if drop then d = 1 end
+  return {grant, rem, retry, hold_off, reset, 0, d, now}
+end
+
+if op == 'return' then
+  local node, seq = ARGV[x], tonumber(ARGV[x + 1])
+  local j = find(node)
+  local back = 0
+  if j and H[j].seq == seq then
+    local h = table.remove(H, j)
+    back = math.min(count, h.tokens)
+    if h.void or back <= 0 or any_banned() then
+      back = 0
+    else
+      for i = 1, n do give_back(i, back, floor(i)) end
+    end
+  end
+  save()
+  return {back, now}
+end
+
+if op == 'giveback' then
+  if not any_banned() then
+    for i = 1, n do give_back(i, count, floor(i)) end
+  end
+  save()
+  return {count, now}
+end
+
+if op == 'charge' then
+  for i = 1, n do
+    local l = L[i]
+    local k = math.min(count, idiv(l.maxd, l.iv))
+    local raw = math.min(raw_deficit(i) + k * l.iv, l.maxd)
+    if raw <= 0 then
+      S[i] = {full = 0, slack = 0, banned = false}
+    else
+      local b = S[i].banned and S[i].full > now
+      S[i] = state_at(now, raw, l)
+      S[i].banned = b
+    end
+  end
+  save()
+  return {count, now}
+end
+
+return redis.error_reply('rate_limit: unknown operation ' .. tostring(op))
 `
 
-// chargeBucketScript runs chargeScript as bucketScript runs takeScript.
-var chargeBucketScript = redis.NewScript(chargeScript)
+// bucketScript runs bucketLua by EVALSHA, and by EVAL when Redis answers
+// NOSCRIPT (a restart, a failover, SCRIPT FLUSH), which loads it again.
+var bucketScript = redis.NewScript(bucketLua)

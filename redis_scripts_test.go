@@ -13,11 +13,11 @@ import (
 // no older Redis is at hand, so this reads the source.
 func TestRedisScriptReplicatesEffectsBeforeItReadsTime(t *testing.T) {
 	const want = "if redis.replicate_commands then redis.replicate_commands() end"
-	first, _, _ := strings.Cut(strings.TrimSpace(takeScript), "\n")
+	first, _, _ := strings.Cut(strings.TrimSpace(bucketLua), "\n")
 	if first != want {
 		t.Fatalf("the script opens with %q, want %q", first, want)
 	}
-	if strings.Index(takeScript, want) > strings.Index(takeScript, "redis.call('TIME')") {
+	if strings.Index(bucketLua, want) > strings.Index(bucketLua, "redis.call('TIME')") {
 		t.Fatal("the script reads TIME before it asks for effects replication")
 	}
 }

@@ -591,7 +591,7 @@ func TestRedisStoreUsesRedisTime(t *testing.T) {
 // redisBucketState reads a bucket's "<fullAt> <slack>" from Redis.
 func redisBucketState(t *testing.T, srv *redisServer, key string) (int64, int64) {
 	t.Helper()
-	v, _ := srv.do("GET", key).(string)
+	v, _ := srv.do("HGET", key, "1").(string)
 	a, b, ok := strings.Cut(v, " ")
 	fullAt, err1 := strconv.ParseInt(a, 10, 64)
 	slack, err2 := strconv.ParseInt(b, 10, 64)

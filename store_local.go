@@ -220,7 +220,7 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 	sh.mu.Lock()
 	old, ok := sh.states.get(id)
 	st, res := Take(old, now, l, cost)
-	if res.Allowed || res.Banned {
+	if st != old {
 		if !ok {
 			if lb.count.Load() >= lb.maxKeys.Load() {
 				lb.makeRoom(sh, now, id)
@@ -235,27 +235,22 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 
 // takeAll is take over several limits under one shard lock, all or none.
 // Limit i keeps its state under the bucket's id mixed with i, in the same
-// shard; limit 0's is the bucket's own, as with one limit.
+// shard; limit 0's is the bucket's own, as with one limit. A request of
+// cost 0 only reads.
 func (lb *localBuckets) takeAll(b *Bucket, ls []Limit, cost int64, out []Result) bool {
 	sh, id := lb.locate(b)
-	var olds, states [maxLimits]State
-	var found [maxLimits]bool
+	var states, olds [MaxLimits]State
+	var found [MaxLimits]bool
 	now := lb.now()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	allowed := true
-	for i, l := range ls {
-		olds[i], found[i] = sh.states.get(limitID(id, i))
-		states[i], out[i] = Take(olds[i], now, l, cost)
-		allowed = allowed && out[i].Allowed
-	}
 	for i := range ls {
-		if !allowed && !out[i].Banned {
-			if out[i].Allowed {
-				// This limit had room, but another did not: nothing taken.
-				out[i] = Peek(olds[i], now, ls[i])
-				out[i].Allowed = false
-			}
+		states[i], found[i] = sh.states.get(limitID(id, i))
+	}
+	olds = states
+	allowed := TakeAll(states[:len(ls)], now, ls, cost, out)
+	for i := range ls {
+		if states[i] == olds[i] {
 			continue
 		}
 		if !found[i] {
@@ -316,7 +311,7 @@ func (lb *localBuckets) reset(b *Bucket) {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
 	before := sh.states.n
-	for i := range maxLimits {
+	for i := range MaxLimits {
 		sh.states.remove(limitID(id, i))
 	}
 	lb.count.Add(int64(sh.states.n - before))

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"encoding/hex"
 	"errors"
@@ -140,7 +141,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	s.conn = val.(*redisConn)
 	s.poolKey = cfg.key
 	if !cfg.lease.strict() {
-		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, cfg.denyCapacity, ctx.Logger())
+		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, cfg.leaseTTL+s.timeout, cfg.denyCapacity, ctx.Logger())
 	}
 	return nil
 }
@@ -185,7 +186,9 @@ func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
 	return hex.AppendEncode(buf, sum[:16])
 }
 
-// Take implements Store.
+// Take implements Store: from this node's lease when leases are on and
+// larger than the cost, else by one script call, unless the deny cache
+// already knows the answer.
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
 	if s.leases != nil && s.leases.size.of(l) > cost {
 		var buf [192]byte
@@ -200,61 +203,135 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 	if ok {
 		return res, nil
 	}
-	res, _, err := s.run(ctx, key, l, cost)
+	var out [1]Result
+	_, _, err := s.takeAll(ctx, key, []Limit{l}, cost, out[:], true)
+	res = out[0]
 	if err == nil && !res.Allowed {
 		s.conn.denied.put(key, epoch, l, cost, start, res)
 	}
 	return res, err
 }
 
-// TakeAll implements Store with one script call on one key, a hash with a
-// field per limit (the bucket's key and ":m"). Leases take no part: a tier
-// of several limits is refused with lease, at provision.
+// TakeAll implements Store with one script call on the bucket's key, whose
+// hash holds every limit. Leases take no part: a tier of several limits is
+// refused with lease, at provision.
 func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error) {
-	args := make([]any, 0, 3+3*len(ls))
-	args = append(args, len(ls), cost, s.clockOffset)
+	allowed, _, err := s.takeAll(ctx, s.key(b), ls, cost, out, false)
+	return allowed, err
+}
+
+// takeAll runs the take script on key (peek with cost 0), and also returns
+// the server's time of the decision. A single limit's take goes through
+// the batcher.
+func (s *RedisStore) takeAll(ctx context.Context, key string, ls []Limit, cost int64, out []Result, batched bool) (bool, int64, error) {
+	op := "take"
+	if cost == 0 {
+		op = "peek"
+	}
+	vals, err := s.call(ctx, key, s.args(op, ls, cost), batched, 3+4*len(ls))
+	if err != nil {
+		return false, 0, err
+	}
+	banned := vals[1] == 1
+	for i := range ls {
+		v := vals[3+4*i:]
+		out[i] = Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3], Banned: banned}
+	}
+	return vals[0] == 1, vals[2], nil
+}
+
+// args are the script's arguments for op on limits ls, and then extra.
+func (s *RedisStore) args(op string, ls []Limit, count int64, extra ...any) []any {
+	args := make([]any, 0, 5+3*len(ls)+len(extra))
+	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban)
 	for _, l := range ls {
 		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
 	}
-	vals, err := s.call(ctx, takeAllBucketScript, s.key(b)+":m", args, false, 4*len(ls)+1)
-	if err != nil {
-		return false, err
-	}
-	allowed := true
-	for i := range ls {
-		v := vals[4*i:]
-		out[i] = Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3]}
-		allowed = allowed && out[i].Allowed
-	}
-	return allowed, nil
+	return append(args, extra...)
 }
 
-// Charge implements Store, in strict mode: lease refuses cost_from_response
-// at provision.
+// Charge implements Store: one script call takes n more tokens, into debt
+// if need be. Leases take no part: lease refuses cost_from_response at
+// provision.
 func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l Limit, n int64) error {
-	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset, l.maxDeficit()}
-	_, err := s.call(context.WithoutCancel(ctx), chargeBucketScript, s.key(b), args, false)
+	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("charge", []Limit{l}, n), false, 2)
 	return err
 }
 
-// GiveBack implements Store: into this node's lease when the take came
-// from one, else one script call.
+// GiveBack implements Store: into this node's lease when it holds one for
+// the bucket, up to what the lease's record counts, and the rest by one
+// script call.
 func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
-	if s.leases != nil && s.leases.size.of(l) > n {
+	if n <= 0 {
+		return nil
+	}
+	if s.leases != nil {
 		var buf [192]byte
-		if s.leases.giveBackHeld(s.appendKey(buf[:0], b), n) {
+		if n = s.leases.giveBackHeld(s.appendKey(buf[:0], b), n); n == 0 {
 			return nil
 		}
 	}
-	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, n, s.clockOffset}
-	_, err := s.call(context.WithoutCancel(ctx), giveBackBucketScript, s.key(b), args, false)
+	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("giveback", []Limit{l}, n), false, 2)
 	return err
 }
 
 // Peek implements Store.
 func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, error) {
-	res, _, err := s.run(ctx, s.key(b), l, 0)
-	return res, err
+	var out [1]Result
+	_, _, err := s.takeAll(ctx, s.key(b), []Limit{l}, 0, out[:], false)
+	return out[0], err
+}
+
+// lease is a lease call on the bucket at key, within the timeout and
+// through the breaker.
+func (s *RedisStore) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error) {
+	args := s.args("lease", []Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold)
+	v, err := s.call(context.Background(), key, args, false, 8)
+	if err != nil {
+		return LeaseResult{}, err
+	}
+	return LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}, nil
+}
+
+// giveBack returns the unused tokens of node's leases to their buckets in
+// one pipeline, and reports how many went back.
+func (s *RedisStore) giveBack(node string, back []leaseReturn) (int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return 0, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	args := func(g leaseReturn) []any { return s.args("return", []Limit{g.limit}, g.tokens, node, g.seq) }
+	cmds := make([]*redis.Cmd, len(back))
+	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+		for i, g := range back {
+			cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
+		}
+		return nil
+	})
+	var returned int64
+	var failed error
+	for i, cmd := range cmds {
+		if isNoScript(cmd.Err()) {
+			// Redis lost its scripts (a restart, a failover): EVAL loads it.
+			cmd = bucketScript.Run(ctx, s.conn.client, []string{back[i].key}, args(back[i])...)
+		}
+		vals, err := cmd.Int64Slice()
+		if err == nil && len(vals) == 2 {
+			returned += vals[0]
+		} else if failed == nil {
+			failed = cmp.Or(err, fmt.Errorf("script answered %d values, want 2", len(vals)))
+		}
+	}
+	if failed == nil && err != nil && !isNoScript(err) {
+		failed = err
+	}
+	s.record(ctx, probe, failed)
+	if failed != nil {
+		return returned, s.wrap(failed)
+	}
+	return returned, nil
 }
 
 // Reset implements Store. It forgets the bucket's denial on this node
@@ -276,12 +353,7 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	// A tier of several limits keeps them in a hash beside: one DEL each,
-	// as the two may sit in different Cluster slots.
 	err := s.conn.client.Del(ctx, key).Err()
-	if err == nil {
-		err = s.conn.client.Del(ctx, key+":m").Err()
-	}
 	s.record(ctx, probe, err)
 	if err != nil {
 		return fmt.Errorf("redis store: reset: %w", err)
@@ -289,27 +361,10 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 	return nil
 }
 
-// run makes one decision in Redis, within the timeout and through the
-// breaker. It also returns the server's time of the decision.
-func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
-	args := []any{l.Capacity, l.Rate.Tokens, l.Rate.Interval, cost}
-	if s.clockOffset != 0 || l.Ban > 0 {
-		args = append(args, s.clockOffset)
-	}
-	if l.Ban > 0 {
-		args = append(args, l.Ban)
-	}
-	vals, err := s.call(ctx, bucketScript, key, args, true)
-	if err != nil {
-		return Result{}, 0, err
-	}
-	return Result{Allowed: vals[0] == 1, Remaining: vals[1], RetryAfter: vals[2], ResetAfter: vals[3], Banned: len(vals) == 6 && vals[5] == 1}, vals[4], nil
-}
-
-// call runs a script on one key, within the timeout and through the
-// breaker; batched, through the batcher if there is one. The script
-// answers five numbers (or six, with a ban), or want[0] when given.
-func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string, args []any, batched bool, want ...int) ([]int64, error) {
+// call runs the bucket script on one key, within the timeout and through
+// the breaker; batched, through the batcher if there is one. The script
+// must answer want values.
+func (s *RedisStore) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
 		return nil, errBreakerOpen
@@ -321,10 +376,10 @@ func (s *RedisStore) call(ctx context.Context, script *redis.Script, key string,
 	if batched && s.conn.batcher != nil {
 		vals, err = s.conn.batcher.take(ctx, []string{key}, args)
 	} else {
-		vals, err = script.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
+		vals, err = bucketScript.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
 	}
-	if n := len(vals); err == nil && (len(want) == 0 && n != 5 && n != 6 || len(want) > 0 && n != want[0]) {
-		err = fmt.Errorf("script answered %d values, want %v", n, append(want, 5)[0])
+	if err == nil && len(vals) != want {
+		err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
 	}
 	s.record(ctx, probe, err)
 	if err != nil {

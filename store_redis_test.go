@@ -60,7 +60,7 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 			// until the bucket is full: it may be gone only once the time
 			// since the decision, plus the millisecond rounding, has
 			// refilled the bucket.
-			v, err := rdb.Get(bg, key).Result()
+			v, err := rdb.HGet(bg, key, "1").Result()
 			elapsed := time.Since(sent).Microseconds()
 			switch {
 			case err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack):
@@ -90,7 +90,7 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 	if pttl < 3900 || pttl > 4001 {
 		t.Fatalf("PTTL %d ms after taking 4 of 10 at 1/s, want about 4000", pttl)
 	}
-	value := srv.do("GET", key)
+	value := srv.do("HGET", key, "1")
 
 	// A denial writes nothing: neither the state nor the expiry.
 	for range 6 {
@@ -103,11 +103,11 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 		t.Fatalf("11th take: %+v, %v; want denied", denied, err)
 	}
 	s.conn.denied.remove(key) // so that the next take reaches Redis
-	before := srv.do("GET", key)
+	before := srv.do("HGET", key, "1")
 	if res, err := s.Take(bg, b, l, 1); err != nil || res.Allowed {
 		t.Fatalf("take from the empty bucket, through Redis: %+v, %v", res, err)
 	}
-	if after := srv.do("GET", key); after != before {
+	if after := srv.do("HGET", key, "1"); after != before {
 		t.Fatalf("a denial changed the bucket from %q to %q", before, after)
 	}
 	if value == before {

@@ -47,11 +47,15 @@ func (t *stateTable) get(id uint64) (State, bool) {
 	if !ok {
 		return State{}, false
 	}
-	return State{FullAt: t.fullAt[i], Slack: int64(t.slack[i])}, true
+	return State{FullAt: t.fullAt[i], Slack: int64(t.slack[i] &^ bannedBit), Banned: t.slack[i]&bannedBit != 0}, true
 }
 
-// put stores the state for id. Slack must fit in 32 bits, which
-// Limit.Validate ensures by bounding Rate.Tokens.
+// bannedBit marks, in a slot's slack, a state that a ban wrote. Slack is
+// below Rate.Tokens, which Limit.Validate bounds to 31 bits, so the top bit
+// is free.
+const bannedBit = 1 << 31
+
+// put stores the state for id.
 func (t *stateTable) put(id uint64, st State) {
 	key := tableKey(id)
 	i, ok := t.find(key)
@@ -65,6 +69,9 @@ func (t *stateTable) put(id uint64, st State) {
 	}
 	t.fullAt[i] = st.FullAt
 	t.slack[i] = uint32(st.Slack)
+	if st.Banned {
+		t.slack[i] |= bannedBit
+	}
 }
 
 // remove deletes id's state, if any.

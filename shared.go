@@ -1,0 +1,326 @@
+package ratelimit
+
+import "slices"
+
+// A shared bucket: the bucket of a store that a fleet of nodes shares and
+// leases from (README: Sharing limits across edge nodes). It is the plain
+// bucket of bucket.go, one State per limit, plus the tokens each node holds
+// on lease. The Redis scripts apply these same steps, and the tests hold
+// the two to each other.
+//
+// Tokens a node holds are out of the shared level but not spent yet. Were
+// the level free to refill to the capacity meanwhile, the holders could
+// spend the capacity plus what they hold in one instant, which a single
+// bucket never allows. So the level never exceeds the capacity minus the
+// tokens out on lease: the refill while it sits at that cap is lost, as it
+// is when a bucket is full. A lease's record expires a while after the node
+// stopped spending it (lease_ttl + timeout); its tokens then count as spent.
+// A give-back names the lease it returns and only ever returns tokens that
+// lease took, never into a bucket that a ban emptied since.
+
+// Shared is a shared bucket.
+type Shared struct {
+	// Levels is each limit's state, as a single bucket keeps it.
+	Levels []State
+	// Held is what each node holds on lease, at most one record a node.
+	Held []Held
+}
+
+// Held is what one node holds of a shared bucket.
+type Held struct {
+	Node string
+	// Tokens are the tokens out: leased, and not given back or reported
+	// spent.
+	Tokens int64
+	// Expires is when the tokens count as spent (µs).
+	Expires int64
+	// Seq is the node's number for the lease call that wrote the record;
+	// a give-back must name it.
+	Seq int64
+	// Void is set when a ban starts: the tokens stay out until they expire
+	// or the node reports them spent, but a give-back returns nothing.
+	Void bool
+}
+
+// LeaseAsk is one node's lease call.
+type LeaseAsk struct {
+	Node string
+	Seq  int64
+	// Held is what the node still holds of its earlier leases.
+	Held int64
+	// Cost is the cost of the request that needs the lease; Want the
+	// tokens the node asks for, at least Cost.
+	Cost, Want int64
+	// Hold is how long the record lives (µs): lease_ttl plus timeout, so
+	// that a give-back sent at lease_ttl arrives before it expires.
+	Hold int64
+}
+
+// LeaseResult is what one lease call decided for a node.
+type LeaseResult struct {
+	// Granted is the whole tokens the node took; 0 when refused.
+	Granted int64
+	// Remaining is the whole tokens left in the shared bucket (the least
+	// of its limits).
+	Remaining int64
+	// RetryAfter is the microseconds until the shared bucket holds the
+	// cost; 0 when it does.
+	RetryAfter int64
+	// HoldOff is, when fewer than the tokens asked for were granted, the
+	// microseconds until the shared bucket holds them (after a ban: the
+	// cost); 0 otherwise.
+	HoldOff int64
+	// ResetAfter is the microseconds until the shared bucket is full again.
+	ResetAfter int64
+	// Banned says that this refusal started a ban.
+	Banned bool
+	// Drop says that a ban started since the node's last call: it must
+	// drop what it holds.
+	Drop bool
+}
+
+// out is the tokens out on lease.
+func (sh *Shared) out() int64 {
+	var n int64
+	for _, h := range sh.Held {
+		n += h.Tokens
+	}
+	return n
+}
+
+// find is the index of node's record, or -1.
+func (sh *Shared) find(node string) int {
+	return slices.IndexFunc(sh.Held, func(h Held) bool { return h.Node == node })
+}
+
+// settle brings the bucket to now: records that expired since count as
+// spent, and each level refills, up to its capacity less the tokens then
+// out, across those expiries in order.
+func (sh *Shared) settle(now int64, ls []Limit) {
+	for {
+		j := -1
+		for i, h := range sh.Held {
+			if h.Expires <= now && (j < 0 || h.Expires < sh.Held[j].Expires) {
+				j = i
+			}
+		}
+		if j < 0 {
+			break
+		}
+		sh.capAt(sh.Held[j].Expires, ls)
+		sh.Held = slices.Delete(sh.Held, j, j+1)
+	}
+	sh.capAt(now, ls)
+}
+
+// capAt holds every level at or under its capacity less the tokens out, at
+// time t.
+func (sh *Shared) capAt(t int64, ls []Limit) {
+	out := sh.out()
+	if out == 0 {
+		return
+	}
+	for i, l := range ls {
+		floor := min(out, l.Capacity) * l.Rate.Interval
+		if sh.Levels[i].deficit(t, l) < floor {
+			banned := sh.Levels[i].bannedSince(t)
+			sh.Levels[i] = stateAt(t, floor, l)
+			sh.Levels[i].Banned = banned
+		}
+	}
+}
+
+// floors is, for each limit, the units it must lack: the tokens out.
+func (sh *Shared) floor(l Limit) int64 {
+	return min(sh.out(), l.Capacity) * l.Rate.Interval
+}
+
+// voidAll marks every record: a ban started.
+func (sh *Shared) voidAll() {
+	for i := range sh.Held {
+		sh.Held[i].Void = true
+	}
+}
+
+// banned reports whether a ban emptied the bucket since a request was last
+// allowed.
+func (sh *Shared) banned(now int64) bool {
+	return slices.ContainsFunc(sh.Levels, func(s State) bool { return s.bannedSince(now) })
+}
+
+// Take applies a request of one node that holds no lease for it: TakeAll on
+// the levels. A ban that it starts voids every lease's give-back.
+func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
+	sh.settle(now, ls)
+	allowed := TakeAll(sh.Levels, now, ls, cost, out)
+	if slices.ContainsFunc(out[:len(ls)], func(r Result) bool { return r.Banned }) {
+		sh.voidAll()
+	}
+	return allowed
+}
+
+// Peek reports each limit as it stands at now, changing nothing stored.
+func (sh Shared) Peek(now int64, ls []Limit, out []Result) {
+	sh.Levels = slices.Clone(sh.Levels)
+	sh.Held = slices.Clone(sh.Held)
+	sh.settle(now, ls)
+	for i, l := range ls {
+		out[i] = Peek(sh.Levels[i], now, l)
+	}
+}
+
+// Lease takes tokens for a node to spend on its own. The node first says
+// what it still holds of its earlier leases, so that the record tracks
+// what is really out. When every limit holds the cost, the node gets
+// min(want, the least level), but never so many that the tokens out pass
+// half the smallest capacity (tokens idle on some nodes must not starve a
+// client under its limit on another), and never fewer than the cost. When
+// a limit is short, nothing is granted, and with a ban the bucket is
+// emptied for it. A short or refused lease says how long until the
+// bucket holds what was asked.
+func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
+	sh.settle(now, ls)
+	var res LeaseResult
+	mine := sh.find(a.Node)
+	if mine >= 0 {
+		h := &sh.Held[mine]
+		if h.Void {
+			res.Drop, h.Tokens = true, 0
+		} else {
+			h.Tokens = min(h.Tokens, max(a.Held, 0))
+		}
+	}
+	allowed := true
+	for i, l := range ls {
+		_, r := take(sh.Levels[i], now, l, a.Cost)
+		allowed = allowed && r.Allowed
+	}
+	if !allowed {
+		want := a.Want
+		if ls[0].Ban > 0 {
+			for i, l := range ls {
+				var r Result
+				sh.Levels[i], r = ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
+				res.Banned = res.Banned || r.Banned
+			}
+			if res.Banned {
+				sh.voidAll()
+			}
+			// The node drops what it holds, and starts again after the
+			// ban from one request's cost.
+			res.Drop, want = true, a.Cost
+			if mine >= 0 {
+				sh.Held[mine].Tokens = 0
+			}
+		}
+		if mine >= 0 && sh.Held[mine].Tokens == 0 {
+			sh.Held = slices.Delete(sh.Held, mine, mine+1)
+		}
+		res.RetryAfter = sh.wait(now, ls, a.Cost)
+		res.HoldOff = max(res.RetryAfter, sh.wait(now, ls, want))
+		sh.report(now, ls, &res)
+		return res
+	}
+	grant := min(a.Want, sh.room(ls)-sh.out())
+	for i, l := range ls {
+		grant = min(grant, (l.units()-sh.Levels[i].deficit(now, l))/l.Rate.Interval)
+	}
+	grant = max(grant, a.Cost)
+	for i, l := range ls {
+		sh.Levels[i] = stateAt(now, sh.Levels[i].deficit(now, l)+grant*l.Rate.Interval, l)
+	}
+	if mine < 0 {
+		sh.Held = append(sh.Held, Held{Node: a.Node})
+		mine = len(sh.Held) - 1
+	}
+	h := &sh.Held[mine]
+	h.Tokens += grant
+	h.Expires, h.Seq, h.Void = now+a.Hold, a.Seq, false
+	res.Granted = grant
+	if grant < a.Want {
+		res.HoldOff = sh.wait(now, ls, a.Want)
+	}
+	res.RetryAfter = sh.wait(now, ls, a.Cost)
+	sh.report(now, ls, &res)
+	return res
+}
+
+// room is the most tokens that may be out on lease at once: half the
+// smallest capacity.
+func (sh *Shared) room(ls []Limit) int64 {
+	c := ls[0].Capacity
+	for _, l := range ls[1:] {
+		c = min(c, l.Capacity)
+	}
+	return c / 2
+}
+
+// wait is the microseconds until every limit holds x tokens: 0 when they
+// do now. The cap that leases put on the level may make it longer; a node
+// that asks too early is answered with a new wait.
+func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
+	var w int64
+	for i, l := range ls {
+		w = max(w, wait(sh.Levels[i], now, l, x*l.Rate.Interval))
+	}
+	return w
+}
+
+// report fills in the levels a lease result tells the node: the least
+// remaining and the latest reset.
+func (sh *Shared) report(now int64, ls []Limit, res *LeaseResult) {
+	for i, l := range ls {
+		r := Peek(sh.Levels[i], now, l)
+		if banned(sh.Levels[i], now, l) {
+			r.Remaining, r.ResetAfter = 0, sh.Levels[i].FullAt-now
+		}
+		if i == 0 || r.Remaining < res.Remaining {
+			res.Remaining = r.Remaining
+		}
+		res.ResetAfter = max(res.ResetAfter, r.ResetAfter)
+	}
+}
+
+// Return is a node's give-back of the unused tokens of its lease: the lease
+// call seq wrote its record. The record goes; up to n of its tokens go back
+// to the levels, unless a ban started since. A record that a later call
+// rewrote, or that expired, returns nothing: those tokens are lost, which
+// only ever admits less. It reports the tokens returned.
+func (sh *Shared) Return(now int64, ls []Limit, node string, seq, n int64) int64 {
+	sh.settle(now, ls)
+	j := sh.find(node)
+	if j < 0 || sh.Held[j].Seq != seq {
+		return 0
+	}
+	h := sh.Held[j]
+	sh.Held = slices.Delete(sh.Held, j, j+1)
+	n = min(n, h.Tokens)
+	if h.Void || n <= 0 || sh.banned(now) {
+		return 0
+	}
+	for i, l := range ls {
+		sh.Levels[i] = giveBack(sh.Levels[i], now, l, n, sh.floor(l))
+	}
+	return n
+}
+
+// GiveBack returns n tokens a request took outside any lease (count_status),
+// as GiveBack does, and never past the cap that the tokens out set.
+func (sh *Shared) GiveBack(now int64, ls []Limit, n int64) {
+	sh.settle(now, ls)
+	if sh.banned(now) {
+		return
+	}
+	for i, l := range ls {
+		sh.Levels[i] = giveBack(sh.Levels[i], now, l, n, sh.floor(l))
+	}
+}
+
+// Charge takes n more tokens from every limit after the fact, as Charge
+// does.
+func (sh *Shared) Charge(now int64, ls []Limit, n int64) {
+	sh.settle(now, ls)
+	for i, l := range ls {
+		sh.Levels[i] = Charge(sh.Levels[i], now, l, n)
+	}
+}

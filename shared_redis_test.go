@@ -1,0 +1,201 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// run makes one single-limit decision in Redis (a peek with cost 0), and
+// also returns the server's time of the decision.
+func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
+	var out [1]Result
+	_, now, err := s.takeAll(ctx, key, []Limit{l}, cost, out[:], true)
+	return out[0], now, err
+}
+
+// encodeShared is what the bucket script keeps of sh at now, field by
+// field: the hash's fields as the script writes them.
+func encodeShared(sh *Shared, now int64) map[string]string {
+	m := map[string]string{}
+	for i, s := range sh.Levels {
+		if s.FullAt > now {
+			v := fmt.Sprintf("%d %d", s.FullAt, s.Slack)
+			if s.Banned {
+				v += " b"
+			}
+			m[strconv.Itoa(i+1)] = v
+		}
+	}
+	for _, h := range sh.Held {
+		void := 0
+		if h.Void {
+			void = 1
+		}
+		m["l:"+h.Node] = fmt.Sprintf("%d %d %d %d", h.Tokens, h.Expires, h.Seq, void)
+	}
+	return m
+}
+
+// The bucket script is shared.go's Shared, step for step and to the unit:
+// random traces of takes (with and without a ban), peeks, leases of several
+// nodes, their give-backs, give-backs outside leases and charges, on one to
+// three limits, against a real redis-server. After each step the answers
+// match and the hash holds the model's bucket field for field.
+func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	rdb := srv.client()
+	defer rdb.Close()
+	rng := rand.New(rand.NewPCG(20, 26))
+	traces := 60
+	if testing.Short() {
+		traces = 15
+	}
+	for i := range traces {
+		tr := newRandomTrace(rng)
+		ls := []Limit{tr.limit}
+		for range rng.IntN(3) {
+			ls = append(ls, newRandomTrace(rng).limit)
+		}
+		if rng.IntN(3) == 0 {
+			ban := 1 + rng.Int64N(3*ls[0].units()/ls[0].Rate.Tokens)
+			for j := range ls {
+				ls[j].Ban = ban
+			}
+		}
+		minCap := ls[0].Capacity
+		for _, l := range ls {
+			minCap = min(minCap, l.Capacity)
+		}
+		key := s.key(bucketFor("shared-" + strconv.Itoa(i)))
+		sh := &Shared{Levels: make([]State, len(ls))}
+		nodes := []string{"a1", "b2", "c3"}
+		seq := map[string]int64{}
+		for j := range tr.gaps {
+			s.clockOffset += tr.gaps[j]
+			cost := 1 + rng.Int64N(minCap)
+			if rng.IntN(4) == 0 {
+				cost = 1
+			}
+			step := fmt.Sprintf("trace %d step %d (limits %+v)", i, j, ls)
+			var now int64
+			op := rng.IntN(10)
+			step += fmt.Sprintf(" op %d", op)
+			switch {
+			case op < 3:
+				out := make([]Result, len(ls))
+				allowed, at, err := s.takeAll(bg, key, ls, cost, out, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now = at
+				want := make([]Result, len(ls))
+				if wantAllowed := sh.Take(now, ls, cost, want); allowed != wantAllowed || !slices.Equal(out, want) {
+					t.Fatalf("%s take %d: Redis %v %+v, model %v %+v", step, cost, allowed, out, wantAllowed, want)
+				}
+			case op < 4:
+				out := make([]Result, len(ls))
+				_, at, err := s.takeAll(bg, key, ls, 0, out, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now = at
+				want := make([]Result, len(ls))
+				sh.Peek(now, ls, want)
+				if !slices.Equal(out, want) {
+					t.Fatalf("%s peek: Redis %+v, model %+v", step, out, want)
+				}
+			case op < 7:
+				node := nodes[rng.IntN(len(nodes))]
+				seq[node]++
+				a := LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * ls[0].units() / ls[0].Rate.Tokens)}
+				v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold), false, 8)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now = v[7]
+				got := LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}
+				if want := sh.Lease(now, ls, a); got != want {
+					t.Fatalf("%s lease %+v: Redis %+v, model %+v", step, a, got, want)
+				}
+			case op < 8:
+				node := nodes[rng.IntN(len(nodes))]
+				n, at := 1+rng.Int64N(minCap), seq[node]-rng.Int64N(2)
+				v, err := s.call(bg, key, s.args("return", ls, n, node, at), false, 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now = v[1]
+				if want := sh.Return(now, ls, node, at, n); v[0] != want {
+					t.Fatalf("%s return %d of %s seq %d: Redis %d, model %d", step, n, node, at, v[0], want)
+				}
+			case op < 9:
+				n := 1 + rng.Int64N(minCap)
+				v, err := s.call(bg, key, s.args("giveback", ls, n), false, 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now = v[1]
+				sh.GiveBack(now, ls, n)
+			default:
+				n := rng.Int64N(3 * minCap)
+				v, err := s.call(bg, key, s.args("charge", ls, n), false, 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				now = v[1]
+				sh.Charge(now, ls, n)
+			}
+			stored, err := rdb.HGetAll(bg, key).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A peek writes nothing: a limit it found full may keep its
+			// field, which means the same as none.
+			maps.DeleteFunc(stored, func(f, v string) bool {
+				at, _, _ := strings.Cut(v, " ")
+				full, err := strconv.ParseInt(at, 10, 64)
+				return !strings.HasPrefix(f, "l:") && err == nil && full <= now
+			})
+			if want := encodeShared(sh, now); !maps.Equal(stored, want) {
+				t.Fatalf("%s: Redis holds %v, the model %v", step, stored, want)
+			}
+		}
+	}
+}
+
+// A bucket that an older version kept as a string is read as the first
+// limit's state and kept as a hash from then on; nothing refills.
+func TestRedisScriptCarriesOverAStringBucket(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	l := slowLimit(10)
+	b := bucketFor("old")
+	key := s.key(b)
+	res, now, err := s.run(bg, key, l, 0)
+	if err != nil || res.Remaining != 10 {
+		t.Fatalf("peek of no bucket: %+v, %v", res, err)
+	}
+	// Seven tokens taken, as an older version wrote it.
+	srv.do("SET", key, fmt.Sprintf("%d 0", now+7*l.Rate.Interval), "PX", "3600000")
+	res, err = s.Peek(bg, b, l)
+	if err != nil || res.Remaining != 3 {
+		t.Fatalf("peek of the old bucket: %+v, %v; want 3 left", res, err)
+	}
+	if typ := srv.do("TYPE", key); typ != "hash" {
+		t.Fatalf("after a peek the key is a %v, want a hash", typ)
+	}
+	res, err = s.Take(bg, b, l, 1)
+	if err != nil || !res.Allowed || res.Remaining != 2 {
+		t.Fatalf("take: %+v, %v; want allowed with 2 left", res, err)
+	}
+}
