@@ -253,6 +253,14 @@ const MaxLimits = 8
 // place, writes each limit's result into out, and reports whether the
 // request was allowed. With a ban, a denial empties every limit.
 func TakeAll(states []State, now int64, ls []Limit, cost int64, out []Result) bool {
+	return takeAll(states, now, ls, cost, out, 0)
+}
+
+// takeAll is TakeAll for a shared bucket of which nodes hold tokens on
+// lease: a denial starts a ban only when a limit lacks the cost even with
+// those tokens counted, so that only a request one bucket would deny
+// starts one.
+func takeAll(states []State, now int64, ls []Limit, cost int64, out []Result, held int64) bool {
 	var next [MaxLimits]State
 	allowed := true
 	for i, l := range ls {
@@ -262,7 +270,7 @@ func TakeAll(states []State, now int64, ls []Limit, cost int64, out []Result) bo
 	switch {
 	case allowed:
 		copy(states, next[:len(ls)])
-	case ls[0].Ban > 0:
+	case ls[0].Ban > 0 && short(states, now, ls, cost, held):
 		started := false
 		for i, l := range ls {
 			states[i], out[i] = ban(states[i], now, l, cost*l.Rate.Interval)
@@ -282,6 +290,18 @@ func TakeAll(states []State, now int64, ls []Limit, cost int64, out []Result) bo
 		}
 	}
 	return allowed
+}
+
+// short reports whether some limit lacks cost tokens at now even with held
+// more: banned or in debt, or its level and held short of the cost.
+func short(states []State, now int64, ls []Limit, cost, held int64) bool {
+	for i, l := range ls {
+		level := l.units() - states[i].deficit(now, l)
+		if banned(states[i], now, l) || level+min(held, l.Capacity)*l.Rate.Interval < cost*l.Rate.Interval {
+			return true
+		}
+	}
+	return false
 }
 
 // ban answers a denial under a ban setting: it empties the bucket for

@@ -53,8 +53,9 @@ type leaseTable struct {
 	store leaseRemote
 	size  leaseSize
 	ttl   int64 // µs
-	// hold is how long the shared store keeps a lease's record (µs):
-	// lease_ttl plus the store's timeout.
+	// hold is how long the shared store keeps a lease's record (µs): past
+	// lease_ttl, one sweep period and the store's timeout, so that the
+	// give-back of what is left, sent by the next sweep, arrives first.
 	hold int64
 	now  func() int64
 	// node names this table's leases in the shared store; seq numbers its
@@ -66,6 +67,8 @@ type leaseTable struct {
 	// perShard bounds each shard's entries.
 	perShard int
 	logger   *zap.Logger
+	// jitter draws the random part of a hold-off, from 0 to n-1.
+	jitter func(n int64) int64
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -99,6 +102,9 @@ type lease struct {
 	// saw it; holdUntil: no call for this bucket before then.
 	retryAt, retryCost int64
 	holdUntil          int64
+	// banUntil is when a ban the last call found ends (and the cost is
+	// back): until then every request is refused here, with no call.
+	banUntil int64
 	lastUsed           int64
 	// banned: a call's refusal started a ban that no request reported yet.
 	banned bool
@@ -110,8 +116,12 @@ type leaseCall struct {
 	done chan struct{}
 	err  error
 	// short: the call got fewer tokens than it asked for, and the shared
-	// bucket is empty for now, so strict mode would refuse too.
+	// bucket is empty for now, so strict mode would refuse too; or none,
+	// and the shared store refused the requests that waited on it.
 	short bool
+	// spent: the call took the cost of the request that made it, which
+	// is allowed without taking from what the node holds.
+	spent bool
 	// joined counts the requests that wait on the call besides its own.
 	joined int
 }
@@ -156,26 +166,34 @@ func (z leaseSize) of(l Limit) int64 {
 // decision asks Redis, as without leases.
 func (z leaseSize) strict() bool { return z.percent == 0 && z.tokens <= 1 }
 
-func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl, hold time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
+// newLeaseTable makes the lease table of a store whose calls take up to
+// timeout.
+func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl, timeout time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
+	every := sweepPeriod(ttl)
 	t := &leaseTable{
 		store:    remote,
 		size:     size,
 		ttl:      ttl.Microseconds(),
-		hold:     hold.Microseconds(),
+		hold:     (ttl + every + timeout).Microseconds(),
 		now:      now,
 		node:     newNodeID(),
 		seed:     maphash.MakeSeed(),
 		perShard: max(1, maxEntries/leaseShards),
 		logger:   logger,
+		jitter:   mathrand.Int64N,
 		stop:     make(chan struct{}),
 	}
 	for i := range t.shards {
 		t.shards[i].m = make(map[string]*lease)
 	}
 	t.janitor.Add(1)
-	go t.sweepEvery(max(ttl/4, 10*time.Millisecond))
+	go t.sweepEvery(every)
 	return t
 }
+
+// sweepPeriod is how often a table gives back what went unused for
+// lease_ttl.
+func sweepPeriod(ttl time.Duration) time.Duration { return max(ttl/4, 10*time.Millisecond) }
 
 // newNodeID is a random name for a lease table: each config a node loads
 // leases apart from the one before it.
@@ -224,13 +242,16 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 			sh.mu.Unlock()
 			return res, nil
 		}
-		if now < e.holdUntil || waited {
+		// Under a ban setting, a request the node cannot cover asks the
+		// shared store, unless a ban is known to hold: one bucket would
+		// start the ban at this refusal, and so must the shared one.
+		if waited || now < e.banUntil || l.Ban == 0 && now < e.holdUntil {
 			res := e.result(now, false, cost)
 			sh.mu.Unlock()
 			return res, nil
 		}
-		c := e.call
-		if c == nil {
+		c, mine := e.call, e.call == nil
+		if mine {
 			c = t.fetch(e, cost, now, false)
 		} else {
 			c.joined++
@@ -245,6 +266,11 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 			return Result{}, c.err
 		}
 		sh.mu.Lock()
+		if mine && c.spent {
+			res := e.result(t.now(), true, cost)
+			sh.mu.Unlock()
+			return res, nil
+		}
 		if t.closed.Load() {
 			sh.mu.Unlock()
 			return Result{}, errLeasesClosed
@@ -272,7 +298,7 @@ func (e *lease) result(now int64, allowed bool, cost int64) Result {
 	l := e.limit
 	res.RetryAfter = e.retryAt - now + ceilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens)
 	if res.RetryAfter <= 0 {
-		res.RetryAfter = e.holdUntil - now
+		res.RetryAfter = max(e.holdUntil, e.banUntil) - now
 	}
 	if res.RetryAfter <= 0 {
 		// The call in flight gave too little for every request that
@@ -349,6 +375,11 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	e.call = c
 	e.seq = t.seq.Add(1)
 	ask := LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold}
+	if !prefetch {
+		// The request that makes the call spends its cost from the grant
+		// at once, so the shared store need not count it as held.
+		ask.Spend = cost
+	}
 	t.calls.Add(1)
 	go func(key string, l Limit) {
 		defer t.calls.Done()
@@ -359,7 +390,8 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			t.apply(e, lr, ask, now)
 		}
 		e.call = nil
-		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost
+		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0
+		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
 		sh.mu.Unlock()
 		close(c.done)
 	}(e.key, e.limit)
@@ -377,8 +409,8 @@ func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
 		e.tokens, e.recorded = min(e.tokens, ask.Held), min(e.recorded, ask.Held)
 	}
 	if lr.Granted > 0 {
-		e.tokens += lr.Granted
-		e.recorded += lr.Granted
+		e.tokens += lr.Granted - ask.Spend
+		e.recorded += lr.Granted - ask.Spend
 		e.leasedAt = sent
 		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
 	} else {
@@ -387,13 +419,16 @@ func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
 	e.banned = e.banned || lr.Banned
 	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
 	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
-	e.holdUntil = 0
+	e.holdUntil, e.banUntil = 0, 0
+	if lr.Drop && lr.Granted == 0 {
+		e.banUntil = sent + lr.RetryAfter
+	}
 	if lr.HoldOff > 0 {
 		// From when the call was sent, so that nodes far from the store
 		// are not always last to the refilled tokens, with jitter; but
 		// never past when the requests refused meanwhile were told to
 		// retry.
-		until := sent + lr.HoldOff + mathrand.Int64N(lr.HoldOff/2+1)
+		until := sent + lr.HoldOff + t.jitter(lr.HoldOff/2+1)
 		if lr.RetryAfter > 0 {
 			until = min(until, sent+secondsUp(lr.RetryAfter)*1_000_000)
 		}
@@ -433,7 +468,7 @@ func (t *leaseTable) reset(key []byte) {
 	if e := sh.m[string(key)]; e != nil && e.call == nil {
 		delete(sh.m, e.key)
 	} else if e != nil {
-		e.tokens, e.recorded, e.holdUntil, e.retryAt = 0, 0, 0, 0
+		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil = 0, 0, 0, 0, 0
 	}
 	sh.mu.Unlock()
 }

@@ -474,16 +474,11 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 	return rejection(http.StatusBadRequest, errNoKey)
 }
 
-// take applies the request to its bucket. A cost of 0 takes nothing and
-// is always allowed; the bucket is only read, for the headers.
+// take applies the request to its bucket. A cost of 0 takes nothing, and
+// is allowed unless the bucket is banned or in debt.
 func (h *Handler) take(ctx context.Context, d *decision) (Result, error) {
 	if len(d.tier.limits) > 1 {
 		return d.takeAll(ctx, h.store)
-	}
-	if d.cost == 0 {
-		res, err := h.store.Peek(ctx, &d.bucket, d.tier.limit)
-		res.Allowed, res.RetryAfter = true, 0
-		return res, err
 	}
 	return h.store.Take(ctx, &d.bucket, d.tier.limit, d.cost)
 }

@@ -23,8 +23,9 @@ import "github.com/redis/go-redis/v9"
 // or charged); microseconds to add to TIME, which only tests set; the ban
 // (µs, 0 for none); then for each limit its capacity, rate tokens and rate
 // interval (µs); then, for lease, the node, the call's seq, the tokens the
-// node still holds, the tokens it wants and how long the record lives
-// (µs); for return, the node and the seq of its lease.
+// node still holds, the tokens it wants, how long the record lives (µs)
+// and the tokens it spends at once; for return, the node and the seq of
+// its lease.
 //
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
@@ -196,6 +197,16 @@ local function ban_one(i, need)
   end
   return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now, started = started}
 end
+-- short: some limit lacks cost tokens even with the tokens out on lease,
+-- so one bucket would refuse too; only then does a denial ban.
+local function short(cost)
+  local o = out()
+  for i = 1, n do
+    local l = L[i]
+    if banned(i) or l.units - deficit(i, now) + math.min(o, l.cap) * l.iv < cost * l.iv then return true end
+  end
+  return false
+end
 local function void_all()
   for _, h in ipairs(H) do h.void = true end
 end
@@ -290,7 +301,7 @@ if op == 'take' then
   end
   if allowed then
     for i = 1, n do S[i] = res[i].state end
-  elseif ban > 0 then
+  elseif ban > 0 and short(count) then
     for i = 1, n do
       res[i] = ban_one(i, count * L[i].iv)
       started = started or res[i].started
@@ -324,6 +335,7 @@ end
 
 if op == 'lease' then
   local node, seq, held, want, hold = ARGV[x], tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
+  local spend = tonumber(ARGV[x + 5])
   local drop, started = false, false
   local mine = find(node)
   if mine then
@@ -338,7 +350,7 @@ if op == 'lease' then
   for i = 1, n do allowed = allowed and take_one(i, count).ok end
   if not allowed then
     local w = want
-    if ban > 0 then
+    if ban > 0 and short(count) then
       for i = 1, n do
         if ban_one(i, count * L[i].iv).started then started = true end
       end
@@ -367,7 +379,7 @@ if op == 'lease' then
     mine = #H
   end
   local h = H[mine]
-  h.tokens, h.expires, h.seq, h.void = h.tokens + grant, now + hold, seq, false
+  h.tokens, h.expires, h.seq, h.void = h.tokens + grant - math.min(spend, grant), now + hold, seq, false
   local hold_off = 0
   if grant < want then hold_off = wait_all(want) end
   local retry = wait_all(count)

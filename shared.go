@@ -51,6 +51,10 @@ type LeaseAsk struct {
 	// Cost is the cost of the request that needs the lease; Want the
 	// tokens the node asks for, at least Cost.
 	Cost, Want int64
+	// Spend is what the node spends of the grant at once, and so does not
+	// hold: the cost of the request waiting on the call, 0 for a
+	// prefetch.
+	Spend int64
 	// Hold is how long the record lives (µs): lease_ttl plus timeout, so
 	// that a give-back sent at lease_ttl arrives before it expires.
 	Hold int64
@@ -149,10 +153,12 @@ func (sh *Shared) banned(now int64) bool {
 }
 
 // Take applies a request of one node that holds no lease for it: TakeAll on
-// the levels. A ban that it starts voids every lease's give-back.
+// the levels. It starts a ban only when the bucket lacks the cost even
+// with the tokens out on lease, as one bucket would then deny too; a ban
+// voids every lease's give-back.
 func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
 	sh.settle(now, ls)
-	allowed := TakeAll(sh.Levels, now, ls, cost, out)
+	allowed := takeAll(sh.Levels, now, ls, cost, out, sh.out())
 	if slices.ContainsFunc(out[:len(ls)], func(r Result) bool { return r.Banned }) {
 		sh.voidAll()
 	}
@@ -175,8 +181,10 @@ func (sh Shared) Peek(now int64, ls []Limit, out []Result) {
 // min(want, the least level), but never so many that the tokens out pass
 // half the smallest capacity (tokens idle on some nodes must not starve a
 // client under its limit on another), and never fewer than the cost. When
-// a limit is short, nothing is granted, and with a ban the bucket is
-// emptied for it. A short or refused lease says how long until the
+// a limit is short, nothing is granted; with a ban, the bucket is emptied
+// for it when it lacks the cost even with the tokens out counted, since
+// one bucket would then refuse the request too (otherwise the nodes still
+// hold tokens, and a client under its limit would be banned). A short or refused lease says how long until the
 // bucket holds what was asked.
 func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	sh.settle(now, ls)
@@ -197,7 +205,7 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	}
 	if !allowed {
 		want := a.Want
-		if ls[0].Ban > 0 {
+		if ls[0].Ban > 0 && short(sh.Levels, now, ls, a.Cost, sh.out()) {
 			for i, l := range ls {
 				var r Result
 				sh.Levels[i], r = ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
@@ -234,7 +242,7 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 		mine = len(sh.Held) - 1
 	}
 	h := &sh.Held[mine]
-	h.Tokens += grant
+	h.Tokens += grant - min(a.Spend, grant)
 	h.Expires, h.Seq, h.Void = now+a.Hold, a.Seq, false
 	res.Granted = grant
 	if grant < a.Want {

@@ -17,8 +17,12 @@ import (
 // run makes one single-limit decision in Redis (a peek with cost 0), and
 // also returns the server's time of the decision.
 func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
+	op := "take"
+	if cost == 0 {
+		op = "peek"
+	}
 	var out [1]Result
-	_, now, err := s.takeAll(ctx, key, []Limit{l}, cost, out[:], true)
+	_, now, err := s.takeAll(ctx, op, key, []Limit{l}, cost, out[:], true)
 	return out[0], now, err
 }
 
@@ -93,7 +97,10 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			switch {
 			case op < 3:
 				out := make([]Result, len(ls))
-				allowed, at, err := s.takeAll(bg, key, ls, cost, out, false)
+				if rng.IntN(5) == 0 {
+					cost = 0
+				}
+				allowed, at, err := s.takeAll(bg, "take", key, ls, cost, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -104,7 +111,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				}
 			case op < 4:
 				out := make([]Result, len(ls))
-				_, at, err := s.takeAll(bg, key, ls, 0, out, false)
+				_, at, err := s.takeAll(bg, "peek", key, ls, 0, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -118,7 +125,10 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				node := nodes[rng.IntN(len(nodes))]
 				seq[node]++
 				a := LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * ls[0].units() / ls[0].Rate.Tokens)}
-				v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold), false, 8)
+				if rng.IntN(2) == 0 {
+					a.Spend = cost
+				}
+				v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, 8)
 				if err != nil {
 					t.Fatal(err)
 				}

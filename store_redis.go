@@ -141,7 +141,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	s.conn = val.(*redisConn)
 	s.poolKey = cfg.key
 	if !cfg.lease.strict() {
-		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, cfg.leaseTTL+s.timeout, cfg.denyCapacity, ctx.Logger())
+		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, s.timeout, cfg.denyCapacity, ctx.Logger())
 	}
 	return nil
 }
@@ -190,7 +190,7 @@ func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
 // larger than the cost, else by one script call, unless the deny cache
 // already knows the answer.
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
-	if s.leases != nil && s.leases.size.of(l) > cost {
+	if s.leases != nil && s.leases.size.of(l) > cost && cost > 0 {
 		var buf [192]byte
 		res, err := s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
 		if !errors.Is(err, errLeasesClosed) {
@@ -204,7 +204,7 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 		return res, nil
 	}
 	var out [1]Result
-	_, _, err := s.takeAll(ctx, key, []Limit{l}, cost, out[:], true)
+	_, _, err := s.takeAll(ctx, "take", key, []Limit{l}, cost, out[:], true)
 	res = out[0]
 	if err == nil && !res.Allowed {
 		s.conn.denied.put(key, epoch, l, cost, start, res)
@@ -216,18 +216,13 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 // hash holds every limit. Leases take no part: a tier of several limits is
 // refused with lease, at provision.
 func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error) {
-	allowed, _, err := s.takeAll(ctx, s.key(b), ls, cost, out, false)
+	allowed, _, err := s.takeAll(ctx, "take", s.key(b), ls, cost, out, false)
 	return allowed, err
 }
 
-// takeAll runs the take script on key (peek with cost 0), and also returns
-// the server's time of the decision. A single limit's take goes through
-// the batcher.
-func (s *RedisStore) takeAll(ctx context.Context, key string, ls []Limit, cost int64, out []Result, batched bool) (bool, int64, error) {
-	op := "take"
-	if cost == 0 {
-		op = "peek"
-	}
+// takeAll runs op, take or peek, on key, and also returns the server's
+// time of the decision. A single limit's take goes through the batcher.
+func (s *RedisStore) takeAll(ctx context.Context, op, key string, ls []Limit, cost int64, out []Result, batched bool) (bool, int64, error) {
 	vals, err := s.call(ctx, key, s.args(op, ls, cost), batched, 3+4*len(ls))
 	if err != nil {
 		return false, 0, err
@@ -278,14 +273,14 @@ func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) 
 // Peek implements Store.
 func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, error) {
 	var out [1]Result
-	_, _, err := s.takeAll(ctx, s.key(b), []Limit{l}, 0, out[:], false)
+	_, _, err := s.takeAll(ctx, "peek", s.key(b), []Limit{l}, 0, out[:], false)
 	return out[0], err
 }
 
 // lease is a lease call on the bucket at key, within the timeout and
 // through the breaker.
 func (s *RedisStore) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error) {
-	args := s.args("lease", []Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold)
+	args := s.args("lease", []Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend)
 	v, err := s.call(context.Background(), key, args, false, 8)
 	if err != nil {
 		return LeaseResult{}, err

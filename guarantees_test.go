@@ -1,0 +1,371 @@
+package ratelimit
+
+import (
+	"math/rand/v2"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// Regression tests for the guarantees that review found broken: a
+// give-back never lifts a ban or forgives a debt, never creates tokens
+// under an older limit, a request of cost 0 waits out a ban or a debt, and
+// leases never admit more than one bucket.
+
+const second = int64(1_000_000)
+
+// A ban holds: tokens given back during it (count_status, a lease's
+// give-back, an eviction) are dropped, since the ban emptied the bucket
+// they came from. Found on the README's login setup: a right password
+// admitted before the ban, finishing after it, ended a one-hour ban.
+func TestGiveBackNeverLiftsABan(t *testing.T) {
+	l := Limit{Capacity: 3, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 3600 * second}
+	var st State
+	now := 10 * second
+	for range 3 {
+		st, _ = Take(st, now, l, 1)
+	}
+	st, res := Take(st, now, l, 1)
+	if !res.Banned {
+		t.Fatalf("the fourth attempt: %+v, want it to start a ban", res)
+	}
+	banned := st
+	st = GiveBack(st, now+400_000, l, 1)
+	if st != banned {
+		t.Fatalf("a give-back 0.4 s into the ban changed the bucket: %+v, then %+v", banned, st)
+	}
+	if _, r := Take(st, now+400_000, l, 1); r.Allowed || r.RetryAfter < 3600*second {
+		t.Fatalf("0.4 s into the ban, after a give-back: %+v, want denied for the rest of the ban", r)
+	}
+	// The mark goes with the next allowed request: a give-back of what
+	// that request took counts again.
+	after := now + l.Ban + l.Rate.Interval
+	st, r := Take(st, after, l, 1)
+	if !r.Allowed {
+		t.Fatalf("after the ban and one refill: %+v", r)
+	}
+	st = GiveBack(st, after, l, 1)
+	if got := Peek(st, after, l).Remaining; got != 1 {
+		t.Fatalf("after the ban, a give-back of the token just taken leaves %d, want 1", got)
+	}
+}
+
+// A debt is paid: a give-back takes exactly what it returns off the debt.
+// It used to subtract from a deficit capped at one bucket, so one token
+// back cut a 9,900 s wait to nothing.
+func TestGiveBackTakesOnlyItsTokensOffADebt(t *testing.T) {
+	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: second}}
+	now := 5 * second
+	st, _ := Take(State{}, now, l, 1)
+	st = Charge(st, now, l, 9_999) // 10,000 taken of a bucket of 100
+	_, before := Take(st, now, l, 1)
+	if before.Allowed || before.RetryAfter != 9_901*second {
+		t.Fatalf("in debt: %+v, want denied for 9,901 s", before)
+	}
+	st = GiveBack(st, now, l, 1)
+	_, after := Take(st, now, l, 1)
+	if after.Allowed || after.RetryAfter != 9_900*second {
+		t.Fatalf("after one token back: %+v, want denied for 9,900 s, one token's refill less", after)
+	}
+}
+
+// A give-back computed under an older, smaller limit (a request that
+// finishes after a reload, a node of the previous deploy) returns only its
+// tokens: a bucket of 100 with 20 left, given one token back under a
+// capacity of 10, holds 21, not 91.
+func TestGiveBackUnderAnOlderLimitCreatesNoTokens(t *testing.T) {
+	rate := Rate{Tokens: 1, Interval: second}
+	now := 10 * second
+	l := Limit{Capacity: 100, Rate: rate}
+	st, _ := Take(State{}, now, l, 80)
+	st = GiveBack(st, now, Limit{Capacity: 10, Rate: rate}, 1)
+	if got := Peek(st, now, l).Remaining; got != 21 {
+		t.Fatalf("after one token back under capacity 10: %d left of 100, want 21", got)
+	}
+	// And never past the current capacity, under a larger old one.
+	st, _ = Take(State{}, now, Limit{Capacity: 10, Rate: rate}, 2)
+	st = GiveBack(st, now, Limit{Capacity: 1000, Rate: rate}, 500)
+	if got := Peek(st, now, Limit{Capacity: 10, Rate: rate}).Remaining; got != 10 {
+		t.Fatalf("after 500 back under capacity 1000: %d, want the capacity, 10", got)
+	}
+}
+
+// A request of cost 0 (a placeholder cost) takes nothing, but it is not a
+// way around a ban or a debt: it waits as any request does.
+func TestCostZeroWaitsOutABanAndADebt(t *testing.T) {
+	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: second}, Ban: 60 * second}
+	now := 10 * second
+	st, _ := Take(State{}, now, l, 2)
+	st, _ = Take(st, now, l, 1) // bans
+	if next, r := Take(st, now+second, l, 0); r.Allowed || next != st {
+		t.Fatalf("cost 0 during a ban: %+v; want denied, the bucket unchanged", r)
+	}
+	debt := Charge(State{}, now, Limit{Capacity: 2, Rate: l.Rate}, 10)
+	if _, r := Take(debt, now, Limit{Capacity: 2, Rate: l.Rate}, 0); r.Allowed {
+		t.Fatalf("cost 0 in debt: %+v; want denied", r)
+	}
+	if next, r := Take(State{}, now, l, 0); !r.Allowed || next != (State{}) {
+		t.Fatalf("cost 0 on a full bucket: %+v, %+v; want allowed, nothing written", r, next)
+	}
+}
+
+// The README's setup, `rate_limit 200 50/s` with `lease 10%` and
+// `lease_ttl 1s` on 4 nodes: 4 requests on each, a 0.8 s pause, then a
+// burst from all. The tokens the nodes hold stay out of the refill, so the
+// burst gets at most the capacity, and the fleet no more than one bucket
+// on the same arrivals (it admitted 212 in the burst, 228 in all, against
+// 216).
+func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: second}}
+	var fleet [4]*leaseTable
+	for i := range fleet {
+		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
+		defer fleet[i].close()
+	}
+	var one State
+	var fleetAdmitted, oneAdmitted int64
+	request := func(node int) (admitted bool) {
+		res, err := fleet[node].take(bg, []byte("k"), l, 1)
+		tableSync(fleet[node])
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r Result
+		if one, r = Take(one, clock.now(), l, 1); r.Allowed {
+			oneAdmitted++
+		}
+		if res.Allowed {
+			fleetAdmitted++
+		}
+		return res.Allowed
+	}
+	for node := range fleet {
+		for range 4 {
+			request(node)
+			clock.advance(time.Millisecond)
+		}
+	}
+	clock.advance(800 * time.Millisecond)
+	burst := 0
+	for i := range 400 {
+		if request(i % 4) {
+			burst++
+		}
+	}
+	if burst > 200 {
+		t.Errorf("the burst after the refill got %d, more than the capacity 200", burst)
+	}
+	if fleetAdmitted > oneAdmitted {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleetAdmitted, oneAdmitted)
+	}
+	if burst < 190 {
+		t.Errorf("the burst got %d, want near the capacity, 200", burst)
+	}
+	t.Logf("burst %d, in all %d; one bucket %d", burst, fleetAdmitted, oneAdmitted)
+}
+
+// DESIGN's ban with leases, on 4 nodes: 100 at 1/s, ban 10m, lease 10%, 10
+// requests a second for 60 s. The ban starts in the shared store on the
+// first refusal, other nodes spend at most what they hold, and their
+// give-backs do not end it: the fleet admits no more than one bucket on
+// the same arrivals (111; it admitted 157), and one request reports the
+// ban that started, for bans_total, even when a prefetch started it.
+func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
+	var fleet [4]*leaseTable
+	for i := range fleet {
+		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
+		defer fleet[i].close()
+	}
+	var one State
+	var fleetAdmitted, oneAdmitted, bans int
+	for i := range 600 {
+		node := fleet[i%4]
+		res, err := node.take(bg, []byte("k"), l, 1)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed {
+			fleetAdmitted++
+		}
+		if res.Banned {
+			bans++
+		}
+		var r Result
+		if one, r = Take(one, clock.now(), l, 1); r.Allowed {
+			oneAdmitted++
+		}
+		clock.advance(100 * time.Millisecond)
+		if i%2 == 0 { // the sweep, every 250 ms with lease_ttl 1s
+			for _, n := range fleet {
+				if back := n.sweep(clock.now(), false); len(back) > 0 {
+					n.giveBackNow(back)
+				}
+			}
+		}
+	}
+	if fleetAdmitted > oneAdmitted {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleetAdmitted, oneAdmitted)
+	}
+	if bans != 1 {
+		t.Errorf("%d requests reported a ban that started, want 1", bans)
+	}
+	t.Logf("fleet %d, one bucket %d", fleetAdmitted, oneAdmitted)
+}
+
+// A refused request is told when the shared bucket holds its cost, not the
+// node's next lease, and the node calls again by then: lease 10% of 100 at
+// 1/s is a lease of 10 tokens, 10 s of refill, but one request waits 1 s.
+// With a ban, it waits the ban and one request's refill, as the README
+// says.
+func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
+	for _, ban := range []int64{0, 60 * second} {
+		clock := new(fakeClock)
+		clock.micros.Store(1_000_000)
+		m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+		l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: second}, Ban: ban}
+		node := newModelTable(m, leaseSize{percent: 10}, time.Hour)
+		var res Result
+		for range 200 {
+			var err error
+			if res, err = node.take(bg, []byte("k"), l, 1); err != nil {
+				t.Fatal(err)
+			}
+			tableSync(node)
+			if !res.Allowed {
+				break
+			}
+		}
+		if res.Allowed {
+			t.Fatalf("ban %d: 200 requests at once from a bucket of 100 all allowed", ban)
+		}
+		want := ban + second
+		if res.RetryAfter > want || res.RetryAfter < want-second/10 {
+			t.Errorf("ban %d s: Retry-After %d µs, want about %d: the request's own wait", ban/second, res.RetryAfter, want)
+		}
+		clock.advance(time.Duration(secondsUp(res.RetryAfter)) * time.Second)
+		if again, _ := node.take(bg, []byte("k"), l, 1); !again.Allowed {
+			t.Errorf("ban %d s: at Retry-After: %+v, want allowed", ban/second, again)
+		}
+		tableSync(node)
+		node.close()
+	}
+}
+
+// A request that a refused prefetch banned reports the ban, so that
+// bans_total counts it: the prefetch runs in the background, for no
+// request.
+func TestABanThatAPrefetchStartsIsReported(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+	l := Limit{Capacity: 40, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+	node := newModelTable(m, leaseSize{tokens: 20}, time.Hour)
+	defer node.close()
+	key := []byte("k")
+	for range 2 { // leases of 1 and 2 tokens: one is left
+		if res, _ := node.take(bg, key, l, 1); !res.Allowed {
+			t.Fatal("denied from a full bucket")
+		}
+		tableSync(node)
+	}
+	// Another node empties the shared bucket.
+	left := m.level("k", l)
+	m.mu.Lock()
+	var out [1]Result
+	if !m.bucket("k", 1).Take(clock.now(), []Limit{l}, left, out[:]) {
+		t.Fatalf("another node's take of the %d left: %+v", left, out[0])
+	}
+	m.mu.Unlock()
+	// The last token held is spent, and the prefetch that follows finds
+	// the bucket empty: it starts the ban.
+	if res, _ := node.take(bg, key, l, 1); !res.Allowed || res.Banned {
+		t.Fatalf("the request on the last token held: %+v", res)
+	}
+	tableSync(node)
+	if res, _ := node.take(bg, key, l, 1); res.Allowed || !res.Banned {
+		t.Fatalf("the next request: %+v, want refused, reporting the ban the prefetch started", res)
+	}
+}
+
+// A lease table under eviction pressure never refuses a request that the
+// shared bucket covers: a request whose entry was evicted while it waited
+// on a call starts again on a new one. It used to be refused, with
+// Retry-After 1.
+func TestEvictedWaiterIsNotRefused(t *testing.T) {
+	m := &sharedModel{now: monotonicMicros, states: map[string]*Shared{}}
+	l := Limit{Capacity: 1 << 30, Rate: Rate{Tokens: 1 << 20, Interval: 1}}
+	node := newLeaseTable(m, m.now, leaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
+	defer node.close()
+	done := make(chan int, 8)
+	for g := range 8 {
+		go func() {
+			refused := 0
+			rng := rand.New(rand.NewPCG(uint64(g), 1))
+			for range 2000 {
+				key := []byte{byte('a' + rng.IntN(26)), byte('a' + rng.IntN(26))}
+				if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+					refused++
+				}
+			}
+			done <- refused
+		}()
+	}
+	for range 8 {
+		if n := <-done; n > 0 {
+			t.Errorf("%d requests refused while every shared bucket held plenty", n)
+		}
+	}
+}
+
+// A table closed by a reload while requests still run through it starts no
+// eviction, give-back or lease after close returns (it used to call
+// WaitGroup.Add beside Wait and give back on a closed client), and a
+// count_status give-back that reaches it goes to the shared bucket.
+func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
+	m := &sharedModel{now: monotonicMicros, states: map[string]*Shared{}}
+	l := Limit{Capacity: 1 << 30, Rate: Rate{Tokens: 1 << 20, Interval: 1}}
+	for range 20 {
+		node := newLeaseTable(m, m.now, leaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
+		var takes atomic.Int64
+		stop := make(chan struct{})
+		finished := make(chan struct{})
+		go func() {
+			defer close(finished)
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				node.take(bg, []byte{byte(i), byte(i >> 8)}, l, 1)
+				takes.Add(1)
+			}
+		}()
+		waitFor(t, 5*time.Second, "requests through the table", func() bool { return takes.Load() > 100 })
+		node.close()
+		m.mu.Lock()
+		calls := m.calls
+		m.mu.Unlock()
+		closedAt := takes.Load()
+		waitFor(t, 5*time.Second, "requests after close", func() bool { return takes.Load() > closedAt+100 })
+		close(stop)
+		<-finished
+		m.mu.Lock()
+		after := m.calls
+		m.mu.Unlock()
+		if after != calls {
+			t.Fatalf("%d lease calls after close returned", after-calls)
+		}
+		if rest := node.giveBackHeld([]byte{0, 0}, 3); rest != 3 {
+			t.Fatalf("a give-back to a closed table kept %d of 3, want none: they go to the shared bucket", 3-rest)
+		}
+	}
+}
