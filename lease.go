@@ -105,7 +105,7 @@ type lease struct {
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
 	banUntil int64
-	lastUsed           int64
+	lastUsed int64
 	// banned: a call's refusal started a ban that no request reported yet.
 	banned bool
 	call   *leaseCall
