@@ -1,10 +1,16 @@
 package ratelimit
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Regression tests for the guarantees that review found broken: a
@@ -367,5 +373,118 @@ func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
 		if rest := node.giveBackHeld([]byte{0, 0}, 3); rest != 3 {
 			t.Fatalf("a give-back to a closed table kept %d of 3, want none: they go to the shared bucket", 3-rest)
 		}
+	}
+}
+
+// The README's login setup, in every store mode: a right password admitted
+// before the ban and answered after it (a 200, which does not count) gives
+// its token back into a banned bucket, which keeps the ban; the next wrong
+// password is refused. The give-back used to end the ban, and a fourth
+// wrong password reached the origin 0.4 s into a one-hour ban.
+func TestSlowRightPasswordDoesNotLiftTheBan(t *testing.T) {
+	srv := startRedis(t)
+	release := make(chan struct{})
+	arrived := make(chan struct{}, 1)
+	origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("X-Password") != "right" {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		arrived <- struct{}{}
+		<-release
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer origin.Close()
+	for _, tt := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
+		{"redis lease 50%", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 50%\n }"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			srv.do("FLUSHALL")
+			release = make(chan struct{})
+			s := serve(t, fmt.Sprintf(`rate_limit 10 1/h {
+				key header X-User
+				count_status 401
+				ban 1h
+				%s
+			}
+			reverse_proxy %s`, tt.store, strings.TrimPrefix(origin.URL, "http://")))
+			right, wrong := []string{"X-User: ann", "X-Password: right"}, []string{"X-User: ann", "X-Password: wrong"}
+			done := make(chan response, 1)
+			go func() { done <- s.get("/", right...) }()
+			<-arrived
+			for i := range 9 {
+				if r := s.get("/", wrong...); r.status != 401 {
+					t.Fatalf("wrong password %d: %d, want 401", i+1, r.status)
+				}
+			}
+			if r := s.get("/", wrong...); r.status != 429 {
+				t.Fatalf("the wrong password that bans: %d, want 429", r.status)
+			}
+			close(release)
+			if r := <-done; r.status != 200 {
+				t.Fatalf("the right password: %d, want 200", r.status)
+			}
+			if r := s.get("/", wrong...); r.status != 429 {
+				t.Fatalf("a wrong password after the right one came back: %d, want 429: the ban holds", r.status)
+			}
+		})
+	}
+}
+
+// A tier that goes from one limit to several keeps its first limit's
+// bucket in Redis: the key does not move, so a reload refills no client.
+func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	b := bucketFor("switch")
+	l := slowLimit(10)
+	for range 4 {
+		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+			t.Fatalf("take: %+v, %v", res, err)
+		}
+	}
+	out := make([]Result, 2)
+	allowed, err := s.TakeAll(bg, b, []Limit{l, slowLimit(100)}, 1, out)
+	if err != nil || !allowed {
+		t.Fatalf("take on two limits: %v, %v", allowed, err)
+	}
+	if out[0].Remaining != 5 || out[1].Remaining != 99 {
+		t.Fatalf("after a reload to two limits: %+v, want 5 left of the first (it kept its 4) and 99 of the new", out)
+	}
+	res, err := s.Take(bg, b, l, 1)
+	if err != nil || res.Remaining != 4 {
+		t.Fatalf("back to one limit: %+v, %v; want 4 left", res, err)
+	}
+}
+
+// A count_status give-back that reaches a node after a reload closed its
+// lease table goes to the shared bucket instead of being lost.
+func TestGiveBackAfterAReloadReachesTheSharedBucket(t *testing.T) {
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "20%"})
+	l := slowLimit(100)
+	b := bucketFor("reloaded")
+	for range 10 {
+		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+			t.Fatalf("take: %+v, %v", res, err)
+		}
+	}
+	s.leases.close() // the reload: what is held goes back
+	level := func() int64 {
+		res, err := s.Peek(bg, b, l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Remaining
+	}
+	before := level()
+	if err := s.GiveBack(bg, b, l, 1); err != nil {
+		t.Fatal(err)
+	}
+	if after := level(); after != before+1 {
+		t.Fatalf("the shared bucket holds %d after a give-back through a closed table, want %d", after, before+1)
 	}
 }

@@ -564,7 +564,9 @@ var errLeasesClosed = errors.New("redis store: the config's leases were given ba
 
 // close stops the table and gives every token it holds back.
 func (t *leaseTable) close() {
-	t.closed.Store(true)
+	if t.closed.Swap(true) {
+		return
+	}
 	// A fetch or an eviction starts under its shard's lock: once every
 	// lock has been held since closed was set, none can start, so the
 	// waits below see them all.
