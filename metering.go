@@ -39,16 +39,18 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 
 // errBadCost is the error behind the 400 for a cost placeholder whose value
 // is not a cost. The value is the client's, so it is not repeated.
-var errBadCost = errors.New("the request's cost is not a whole number from 0 to the capacity")
+var errBadCost = errors.New("the request's cost is not a whole number from 0 to the smallest capacity of its tier")
 
-// readCost reads the request's cost from the tier's cost placeholder.
+// readCost reads the request's cost from the tier's cost placeholder. A
+// cost above the smallest limit could never be allowed, so it is refused
+// at once rather than answered with a Retry-After that never comes true.
 func (d *decision) readCost(r *http.Request) error {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if repl == nil {
 		repl = caddy.NewReplacer()
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(repl.ReplaceAll(d.tier.CostPlaceholder, "")), 10, 64)
-	if err != nil || n < 0 || n > d.tier.limit.Capacity {
+	if err != nil || n < 0 || n > d.tier.maxCost {
 		d.decide(outcomeDenied)
 		return rejection(http.StatusBadRequest, errBadCost)
 	}

@@ -257,3 +257,48 @@ func TestCostFromResponseIgnoresBadReports(t *testing.T) {
 		})
 	}
 }
+
+// A cost placeholder is checked against the smallest capacity of the
+// tier's limits, not only the first: a cost no limit could ever hold is
+// answered 400 and takes nothing, instead of 429 with a Retry-After that
+// never comes true (or, for a huge cost, an overflow).
+func TestCostPlaceholderFitsEveryLimit(t *testing.T) {
+	type costStep struct {
+		cost      string
+		status    int
+		remaining string
+	}
+	for _, tt := range []struct {
+		name, limits string
+		steps        []costStep
+	}{
+		{"small limit second", "limit 100 10/s\n limit 20 20/h", []costStep{
+			{"50", 400, ""},
+			{"21", 400, ""},
+			{"20", 200, "0"}, // nothing was taken by the 400s
+			{"1", 429, "0"},
+		}},
+		{"a cost that would overflow", "limit 1000000 1000/s\n limit 10 1/365d", []costStep{
+			{"1000000", 400, ""},
+			{"10", 200, "0"},
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier api {
+			%s
+			cost {http.request.header.X-Cost}
+		}
+	}
+	respond "ok"`, tt.limits))
+			for i, st := range tt.steps {
+				r := s.from("127.0.0.2", "/", "X-Cost: "+st.cost)
+				if r.status != st.status || r.header.Get("X-RateLimit-Remaining") != st.remaining {
+					t.Errorf("step %d, X-Cost %s: %d, remaining %q; want %d, %q", i+1, st.cost, r.status, r.header.Get("X-RateLimit-Remaining"), st.status, st.remaining)
+				}
+			}
+		})
+	}
+}
