@@ -18,9 +18,11 @@ import (
 // reported in the tier's cost_from_response header, or trailer for a
 // streamed answer. A missing or malformed value takes nothing more.
 func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decision) {
-	field := d.tier.CostFromResponse
+	field := d.tier.costField
 	v := hdr.Get(field)
 	if v == "" {
+		// A trailer the origin did not announce is kept under this prefix,
+		// where Get cannot canonicalize the name: it must be canonical here.
 		v = hdr.Get(http.TrailerPrefix + field)
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)

@@ -158,7 +158,8 @@ func TestSeveralLimitsMistakes(t *testing.T) {
 
 // streamingOrigin answers in chunks and reports the tokens it used in a
 // trailer, as a model server streaming its answer does; with ?header=1 it
-// reports them in a header instead.
+// reports them in a header instead, and with ?unannounced=1 in a trailer it
+// did not announce before the body.
 func streamingOrigin(t *testing.T, used string) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -171,10 +172,17 @@ func streamingOrigin(t *testing.T, used string) string {
 			fmt.Fprint(w, "answer")
 			return
 		}
-		w.Header().Set("Trailer", "X-Tokens-Used")
+		unannounced := r.URL.Query().Get("unannounced") != ""
+		if !unannounced {
+			w.Header().Set("Trailer", "X-Tokens-Used")
+		}
 		for _, part := range []string{"an", "sw", "er"} {
 			fmt.Fprint(w, part)
 			w.(http.Flusher).Flush()
+		}
+		if unannounced {
+			w.Header().Set(http.TrailerPrefix+"X-Tokens-Used", used)
+			return
 		}
 		w.Header().Set("X-Tokens-Used", used)
 	})}
@@ -300,5 +308,32 @@ func TestCostPlaceholderFitsEveryLimit(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// The field cost_from_response names is a header name, so its case does not
+// matter: a trailer the origin did not announce, which reaches the handler
+// under http.TrailerPrefix, is found whatever case the Caddyfile wrote.
+func TestCostFromResponseFieldIgnoresCase(t *testing.T) {
+	origin := streamingOrigin(t, "60")
+	for _, field := range []string{"x-tokens-used", "X-TOKENS-USED", "X-Tokens-Used"} {
+		for _, path := range []string{"/", "/?unannounced=1", "/?header=1"} {
+			t.Run(field+path, func(t *testing.T) {
+				useFakeClock(t)
+				s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier llm 100 1/s {
+			cost_from_response %s
+		}
+	}
+	reverse_proxy %s`, field, origin))
+				if r := s.from("127.0.0.2", path); r.status != 200 || r.body != "answer" {
+					t.Fatalf("first request: %d %q, want 200 and the whole answer", r.status, r.body)
+				}
+				if r := s.from("127.0.0.2", path); r.header.Get("X-RateLimit-Remaining") != "38" {
+					t.Errorf("second request: remaining %q, want 38: the first took 1 and then the 60 reported", r.header.Get("X-RateLimit-Remaining"))
+				}
+			})
+		}
 	}
 }

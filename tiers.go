@@ -61,6 +61,9 @@ type Tier struct {
 	// limits are all the tier's limits, limit first.
 	limits     []Limit
 	limitTexts []string
+	// costField is CostFromResponse in canonical form, as the response's
+	// header map keys its fields and trailers.
+	costField string
 	// maxCost is the smallest capacity of the limits: the largest cost a
 	// request can ever fit.
 	maxCost int64
@@ -116,6 +119,7 @@ func (t *Tier) validate() error {
 	if t.CostFromResponse != "" && len(t.limits) > 1 {
 		return fmt.Errorf("tier %q: cost_from_response works with one limit per tier; this tier has several", t.Name)
 	}
+	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
 	switch t.Keyer {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
 	default:
