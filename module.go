@@ -519,19 +519,10 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		upstream := d.resp
 		h.setHeaders(r.Header, &upstream)
 	}
-	if !res.Allowed {
+	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" {
 		return next.ServeHTTP(w, r)
 	}
-	var err error
-	if h.counted != nil {
-		err = h.serveCounted(w, r, next, d)
-	} else {
-		err = next.ServeHTTP(w, r)
-	}
-	if d.tier.CostFromResponse != "" {
-		h.chargeFromResponse(w.Header(), r, d)
-	}
-	return err
+	return h.serveAndSettle(w, r, next, d)
 }
 
 // storeFailed applies on_store_error.

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
 )
 
@@ -255,5 +257,48 @@ http://127.0.0.1:%d {
 	}
 	if r := attempt(0, "right"); r.StatusCode != 429 {
 		t.Fatalf("right password on node 0 during the ban node 1 started: %d, want 429", r.StatusCode)
+	}
+}
+
+// A client that hangs up mid-stream makes reverse_proxy panic with
+// http.ErrAbortHandler once the headers are out. The steps after the
+// response still run, and the panic goes on to net/http: count_status
+// gives back the tokens of a response that does not count, and
+// cost_from_response charges what the origin reported.
+func TestAfterResponseStepsRunWhenTheStreamAborts(t *testing.T) {
+	for _, tt := range []struct {
+		name, tier, extra string
+		remaining         string
+	}{
+		{"count_status gives back", `"capacity":3,"refill":"1/h"`, `,"count_status":["401"]`, "2"},
+		{"cost_from_response charges", `"capacity":100,"refill":"1/s","cost_from_response":"X-Tokens-Used"`, "", "38"},
+		{"both", `"capacity":100,"refill":"1/s","cost_from_response":"X-Tokens-Used"`, `,"count_status":["401"]`, "39"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			h, done := provisionedHandler(t, `{"name":"abort `+tt.name+`","tiers":[{"name":"default",`+tt.tier+`}]`+tt.extra+`}`)
+			defer done()
+			aborting := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.Header().Set("X-Tokens-Used", "60")
+				w.WriteHeader(http.StatusOK)
+				_, _ = w.Write([]byte("part of the ans"))
+				panic(http.ErrAbortHandler)
+			})
+			func() {
+				defer func() {
+					if v := recover(); v != http.ErrAbortHandler {
+						t.Errorf("recovered %v, want the handler's own http.ErrAbortHandler to go on", v)
+					}
+				}()
+				_ = h.ServeHTTP(httptest.NewRecorder(), benchRequest("127.0.0.2"), aborting)
+			}()
+			w := httptest.NewRecorder()
+			if err := h.ServeHTTP(w, benchRequest("127.0.0.2"), nopHandler); err != nil {
+				t.Fatal(err)
+			}
+			if got := w.Header().Get("X-RateLimit-Remaining"); got != tt.remaining {
+				t.Errorf("after the aborted response: remaining %s, want %s", got, tt.remaining)
+			}
+		})
 	}
 }
