@@ -113,9 +113,10 @@ func finalStatus(written int, err error, panicked bool) int {
 }
 
 // giveBackUncounted gives the request's tokens back unless status is one
-// that counts.
+// that counts. A request of cost 0 took none: asking the store to give back
+// nothing would cost a call, and would write to a banned or indebted bucket.
 func (h *Handler) giveBackUncounted(r *http.Request, d *decision, status int) {
-	if status < len(h.counted) && h.counted[status] {
+	if d.cost == 0 || status < len(h.counted) && h.counted[status] {
 		return
 	}
 	// The client may be gone; the give-back still belongs to its bucket.

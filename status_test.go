@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
 )
@@ -300,5 +302,53 @@ func TestAfterResponseStepsRunWhenTheStreamAborts(t *testing.T) {
 				t.Errorf("after the aborted response: remaining %s, want %s", got, tt.remaining)
 			}
 		})
+	}
+}
+
+// givebackCounter is a local store that counts the give-backs it is asked
+// for, by the tokens they return.
+type givebackCounter struct{ *LocalStore }
+
+var givebacks = struct {
+	sync.Mutex
+	byTokens map[int64]int
+}{byTokens: map[int64]int{}}
+
+func (*givebackCounter) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "http.handlers.rate_limit.stores.test_giveback_counter", New: func() caddy.Module { return &givebackCounter{new(LocalStore)} }}
+}
+
+func (s *givebackCounter) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
+	givebacks.Lock()
+	givebacks.byTokens[n]++
+	givebacks.Unlock()
+	return s.LocalStore.GiveBack(ctx, b, l, n)
+}
+
+func init() { caddy.RegisterModule(new(givebackCounter)) }
+
+// A request whose placeholder cost is 0 took nothing, so an uncounted
+// response has nothing to give back: the store is not asked to, since a
+// give-back is never free (a Redis call, and a write to a banned or
+// indebted bucket).
+func TestZeroCostGivesNothingBack(t *testing.T) {
+	useFakeClock(t)
+	h, done := provisionedHandler(t, `{"name":"zero giveback","count_status":["401"],"store":{"store":"test_giveback_counter"},
+		"tiers":[{"name":"default","capacity":5,"refill":"1/h","cost_placeholder":"{test.cost}"}]}`)
+	defer done()
+	givebacks.Lock()
+	clear(givebacks.byTokens)
+	givebacks.Unlock()
+	for _, cost := range []string{"0", "2", "0"} {
+		r := benchRequest("127.0.0.2")
+		r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer).Set("test.cost", cost)
+		if err := h.ServeHTTP(httptest.NewRecorder(), r, nopHandler); err != nil {
+			t.Fatalf("cost %s: %v", cost, err)
+		}
+	}
+	givebacks.Lock()
+	defer givebacks.Unlock()
+	if fmt.Sprint(givebacks.byTokens) != "map[2:1]" {
+		t.Errorf("give-backs by tokens: %v, want one of 2 and none of 0", givebacks.byTokens)
 	}
 }
