@@ -337,3 +337,22 @@ func TestCostFromResponseFieldIgnoresCase(t *testing.T) {
 		}
 	}
 }
+
+// {http.rate_limit.limit} is the capacity of the limit the X- headers
+// report: the binding one, wherever it stands in the tier.
+func TestLimitPlaceholderShowsTheBindingLimit(t *testing.T) {
+	for _, limits := range []string{"limit 10 1/h\n limit 3 1/h", "limit 3 1/h\n limit 10 1/h", "limit 3 1/h"} {
+		t.Run(limits, func(t *testing.T) {
+			useFakeClock(t)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		%s
+	}
+	respond "{http.rate_limit.limit}"`, limits))
+			r := s.from("127.0.0.2", "/")
+			if r.body != "3" || r.header.Get("X-RateLimit-Limit") != "3" {
+				t.Errorf("placeholder %q, X-RateLimit-Limit %q; want both 3, the binding limit's capacity", r.body, r.header.Get("X-RateLimit-Limit"))
+			}
+		})
+	}
+}
