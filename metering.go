@@ -61,9 +61,8 @@ func (d *decision) readCost(r *http.Request) error {
 }
 
 // takeAll applies the request to every limit of its tier, in one step of
-// store. The result is the binding limit's, the one the X- headers report:
-// the one with the least remaining, or, when denied, the one that makes
-// the client wait longest; its RetryAfter is the wait until all allow.
+// store. The result is the binding limit's, the one the X- headers report;
+// its RetryAfter is the wait until all allow.
 func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
 	ls := d.tier.limits
 	d.limits = new([maxLimits]Result)
@@ -72,14 +71,21 @@ func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
+	d.binding = bindingLimit(out, allowed)
+	res := out[d.binding]
+	res.Allowed = allowed
+	return res, nil
+}
+
+// bindingLimit is the limit whose result the X- headers report: the one
+// with the least remaining or, when denied, the one that makes the client
+// wait longest; the first of equals.
+func bindingLimit(out []Result, allowed bool) int {
 	j := 0
 	for i, r := range out {
 		if allowed && r.Remaining < out[j].Remaining || !allowed && r.RetryAfter > out[j].RetryAfter {
 			j = i
 		}
 	}
-	d.binding = j
-	res := out[j]
-	res.Allowed = allowed
-	return res, nil
+	return j
 }
