@@ -121,8 +121,10 @@ type Handler struct {
 	noKeyDeny bool
 	// counted is CountStatus as a set; nil counts every response.
 	counted *statusSet
-	// denials is the policy's record of its denials on this node.
+	// denials is the policy's record of its denials on this node, which
+	// notes feeds off the request path.
 	denials *denials
+	notes   *denialNotes
 	events  *caddyevents.App
 	ctx     caddy.Context
 }
@@ -180,6 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.events = events.(*caddyevents.App)
 	}
 	h.ctx = ctx
+	h.startNoting()
 	registerHandler(h)
 	return nil
 }
@@ -388,6 +391,7 @@ func (h *Handler) validateNoKey() error {
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	unregisterHandler(h)
+	h.stopNoting()
 	if h.local != nil {
 		return h.local.Cleanup()
 	}
