@@ -11,8 +11,9 @@ import (
 	"go.uber.org/zap"
 )
 
-// Metering APIs (DESIGN section 11): several limits per tier, a cost per
-// request from a placeholder, and a cost the origin reports after the fact.
+// Metering APIs (README: Metering an API): several limits per tier, a cost
+// per request from a placeholder, and a cost the origin reports after the
+// fact.
 
 // chargeFromResponse takes, after the response, the work the origin
 // reported in the tier's cost_from_response header, or trailer for a

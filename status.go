@@ -12,9 +12,10 @@ import (
 	"go.uber.org/zap"
 )
 
-// Protecting logins (DESIGN section 10): count_status keeps the tokens of
-// the responses that count, such as 401, and gives the others back; ban
-// holds a denied client off for a while (the bucket math is in bucket.go).
+// Protecting logins (README: count_status and ban): count_status keeps the
+// tokens of the responses that count, such as 401, and gives the others
+// back; ban holds a denied client off for a while (the bucket math is in
+// bucket.go).
 
 // statusSet is a set of response statuses, 100 to 599.
 type statusSet [600]bool
