@@ -101,10 +101,26 @@ func latestHandler(policy string) *Handler {
 
 // bucketState is the admin API's view of a bucket.
 type bucketState struct {
-	Policy   string `json:"policy"`
-	Tier     string `json:"tier"`
-	Keyer    string `json:"keyer"`
-	KeyID    string `json:"key_id"`
+	Policy string `json:"policy"`
+	Tier   string `json:"tier"`
+	Keyer  string `json:"keyer"`
+	KeyID  string `json:"key_id"`
+	// limitState is the limit with the least remaining, the one the X-
+	// headers report.
+	limitState
+	// Limits, for a tier of several limits, shows each, in the tier's order.
+	Limits []limitState `json:"limits,omitempty"`
+	// Deleted is set when DELETE refilled the bucket in every layer.
+	Deleted bool `json:"deleted,omitempty"`
+	// LayersReset names the layers DELETE reset: deny_cache and redis, or
+	// local; and local_fallback (on_store_error local).
+	LayersReset []string `json:"layers_reset,omitempty"`
+	// LayersFailed gives, by layer, why DELETE could not reset it.
+	LayersFailed map[string]string `json:"layers_failed,omitempty"`
+}
+
+// limitState is one limit of a bucket, as the admin API shows it.
+type limitState struct {
 	Capacity int64  `json:"capacity"`
 	Refill   string `json:"refill"`
 	// Remaining is the whole tokens in the bucket now.
@@ -113,13 +129,6 @@ type bucketState struct {
 	Reset int64 `json:"reset"`
 	// ResetAfter is the seconds until then.
 	ResetAfter int64 `json:"reset_after"`
-	// Deleted is set when DELETE refilled the bucket in every layer.
-	Deleted bool `json:"deleted,omitempty"`
-	// LayersReset names the layers DELETE reset: deny_cache and redis, or
-	// local; and local_fallback (on_store_error local).
-	LayersReset []string `json:"layers_reset,omitempty"`
-	// LayersFailed gives, by layer, why DELETE could not reset it.
-	LayersFailed map[string]string `json:"layers_failed,omitempty"`
 }
 
 func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
@@ -157,8 +166,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	}
 	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: raw, secret: h.keySecret}
 
-	state := bucketState{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Capacity: tier.limit.Capacity, Refill: tier.Refill}
-	state.KeyID = keyID(b)
+	state := bucketState{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), KeyID: keyID(b)}
 	w.Header().Set("Content-Type", "application/json")
 	if r.Method == http.MethodDelete {
 		state.LayersReset, state.LayersFailed = h.resetBucket(r.Context(), b)
@@ -169,14 +177,47 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 		}
 		state.Deleted = true
 	}
-	res, err := h.store.Peek(r.Context(), b, tier.limit)
-	if err != nil {
+	if err := h.readBucket(r.Context(), b, tier, &state); err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("reading the bucket: %v", err)}
 	}
-	state.Remaining = res.Remaining
-	state.ResetAfter = secondsUp(res.ResetAfter)
-	state.Reset = secondsUp(time.Now().UnixMicro() + res.ResetAfter)
 	return json.NewEncoder(w).Encode(state)
+}
+
+// readBucket fills state with the bucket's limits, read where requests
+// take from them, without changing them: a tier of several limits keeps
+// them apart from a tier of one (in Redis, under another key), so it is
+// read by a take of cost 0.
+func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
+	shapes := tier.shapes()
+	now := time.Now().UnixMicro()
+	if len(tier.limits) == 1 {
+		res, err := h.store.Peek(ctx, b, tier.limit)
+		if err != nil {
+			return err
+		}
+		state.limitState = newLimitState(shapes[0], res, now)
+		return nil
+	}
+	out := make([]Result, len(tier.limits))
+	allowed, err := h.store.TakeAll(ctx, b, tier.limits, 0, out)
+	if err != nil {
+		return err
+	}
+	for i, res := range out {
+		state.Limits = append(state.Limits, newLimitState(shapes[i], res, now))
+	}
+	state.limitState = state.Limits[bindingLimit(out, allowed)]
+	return nil
+}
+
+func newLimitState(shape TierLimit, res Result, now int64) limitState {
+	return limitState{
+		Capacity:   shape.Capacity,
+		Refill:     shape.Refill,
+		Remaining:  res.Remaining,
+		ResetAfter: secondsUp(res.ResetAfter),
+		Reset:      secondsUp(now + res.ResetAfter),
+	}
 }
 
 // resetBucket resets the bucket in every layer this node holds, whether or
@@ -268,6 +309,8 @@ type tierView struct {
 	Name   string      `json:"name"`
 	Limits []limitView `json:"limits,omitempty"`
 	Cost   int64       `json:"cost,omitempty"`
+	// CostPlaceholder, instead of Cost, is where each request's cost is read.
+	CostPlaceholder string `json:"cost_placeholder,omitempty"`
 	// Unlimited or Deny mark allow- and block-list tiers.
 	Unlimited bool `json:"unlimited,omitempty"`
 	Deny      bool `json:"deny,omitempty"`
@@ -312,7 +355,9 @@ func (h *Handler) view() policyView {
 			for _, sh := range t.shapes() {
 				tv.Limits = append(tv.Limits, limitView(sh))
 			}
-			tv.Cost = t.cost
+			if tv.CostPlaceholder = t.CostPlaceholder; tv.CostPlaceholder == "" {
+				tv.Cost = t.cost
+			}
 		}
 		v.Tiers = append(v.Tiers, tv)
 	}

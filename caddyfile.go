@@ -333,6 +333,11 @@ func parseCost(d *caddyfile.Dispenser, t *Tier) error {
 	if err != nil {
 		return d.Errf("cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", s)
 	}
+	// In the JSON, cost 0 is no cost given, which means 1: a 0 written here
+	// must not silently become 1.
+	if n < 1 {
+		return d.Errf("cost %d: must be at least 1; use a placeholder for per-request costs, which may be 0", n)
+	}
 	t.Cost = n
 	return nil
 }

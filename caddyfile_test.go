@@ -120,6 +120,16 @@ func TestCaddyfileMistakesFailAtAdapt(t *testing.T) {
 		{"refill fast", `rate_limit 10 fast`, []string{`refill "fast"`, "Caddyfile:2"}},
 		{"negative refill", `rate_limit 10 -1/s`, []string{`refill "-1/s"`}},
 		{"refill with a bad unit", `rate_limit 10 5/fortnight`, []string{`"5/fortnight"`}},
+		{"cost 0", `rate_limit {
+			tier free 5 1/s {
+				cost 0
+			}
+		}`, []string{"cost 0", "at least 1", "placeholder", "Caddyfile:4"}},
+		{"negative cost", `rate_limit {
+			tier free 5 1/s {
+				cost -2
+			}
+		}`, []string{"cost -2", "at least 1"}},
 		{"cost above capacity", `rate_limit 10 1/s {
 			tier heavy 5 1/s {
 				cost 6

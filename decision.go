@@ -157,6 +157,10 @@ func (d *decision) placeholder(key string) (any, bool) {
 	}
 	switch name {
 	case "limit":
+		// The limit the X- headers report: with several, the binding one.
+		if d.limits != nil {
+			return d.tier.limits[d.binding].Capacity, true
+		}
 		return d.tier.limit.Capacity, true
 	case "remaining":
 		return d.result.Remaining, true

@@ -11,16 +11,19 @@ import (
 	"go.uber.org/zap"
 )
 
-// Metering APIs (DESIGN section 11): several limits per tier, a cost per
-// request from a placeholder, and a cost the origin reports after the fact.
+// Metering APIs (README: Metering an API): several limits per tier, a cost
+// per request from a placeholder, and a cost the origin reports after the
+// fact.
 
 // chargeFromResponse takes, after the response, the work the origin
 // reported in the tier's cost_from_response header, or trailer for a
 // streamed answer. A missing or malformed value takes nothing more.
 func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decision) {
-	field := d.tier.CostFromResponse
+	field := d.tier.costField
 	v := hdr.Get(field)
 	if v == "" {
+		// A trailer the origin did not announce is kept under this prefix,
+		// where Get cannot canonicalize the name: it must be canonical here.
 		v = hdr.Get(http.TrailerPrefix + field)
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
@@ -39,16 +42,18 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 
 // errBadCost is the error behind the 400 for a cost placeholder whose value
 // is not a cost. The value is the client's, so it is not repeated.
-var errBadCost = errors.New("the request's cost is not a whole number from 0 to the capacity")
+var errBadCost = errors.New("the request's cost is not a whole number from 0 to the smallest capacity of its tier")
 
-// readCost reads the request's cost from the tier's cost placeholder.
+// readCost reads the request's cost from the tier's cost placeholder. A
+// cost above the smallest limit could never be allowed, so it is refused
+// at once rather than answered with a Retry-After that never comes true.
 func (d *decision) readCost(r *http.Request) error {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if repl == nil {
 		repl = caddy.NewReplacer()
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(repl.ReplaceAll(d.tier.CostPlaceholder, "")), 10, 64)
-	if err != nil || n < 0 || n > d.tier.limit.Capacity {
+	if err != nil || n < 0 || n > d.tier.maxCost {
 		d.decide(outcomeDenied)
 		return rejection(http.StatusBadRequest, errBadCost)
 	}
@@ -57,9 +62,8 @@ func (d *decision) readCost(r *http.Request) error {
 }
 
 // takeAll applies the request to every limit of its tier, in one step of
-// store. The result is the binding limit's, the one the X- headers report:
-// the one with the least remaining, or, when denied, the one that makes
-// the client wait longest; its RetryAfter is the wait until all allow.
+// store. The result is the binding limit's, the one the X- headers report;
+// its RetryAfter is the wait until all allow.
 func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
 	ls := d.tier.limits
 	d.limits = new([maxLimits]Result)
@@ -68,14 +72,21 @@ func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
+	d.binding = bindingLimit(out, allowed)
+	res := out[d.binding]
+	res.Allowed = allowed
+	return res, nil
+}
+
+// bindingLimit is the limit whose result the X- headers report: the one
+// with the least remaining or, when denied, the one that makes the client
+// wait longest; the first of equals.
+func bindingLimit(out []Result, allowed bool) int {
 	j := 0
 	for i, r := range out {
 		if allowed && r.Remaining < out[j].Remaining || !allowed && r.RetryAfter > out[j].RetryAfter {
 			j = i
 		}
 	}
-	d.binding = j
-	res := out[j]
-	res.Allowed = allowed
-	return res, nil
+	return j
 }

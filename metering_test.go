@@ -158,7 +158,8 @@ func TestSeveralLimitsMistakes(t *testing.T) {
 
 // streamingOrigin answers in chunks and reports the tokens it used in a
 // trailer, as a model server streaming its answer does; with ?header=1 it
-// reports them in a header instead.
+// reports them in a header instead, and with ?unannounced=1 in a trailer it
+// did not announce before the body.
 func streamingOrigin(t *testing.T, used string) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -171,10 +172,17 @@ func streamingOrigin(t *testing.T, used string) string {
 			fmt.Fprint(w, "answer")
 			return
 		}
-		w.Header().Set("Trailer", "X-Tokens-Used")
+		unannounced := r.URL.Query().Get("unannounced") != ""
+		if !unannounced {
+			w.Header().Set("Trailer", "X-Tokens-Used")
+		}
 		for _, part := range []string{"an", "sw", "er"} {
 			fmt.Fprint(w, part)
 			w.(http.Flusher).Flush()
+		}
+		if unannounced {
+			w.Header().Set(http.TrailerPrefix+"X-Tokens-Used", used)
+			return
 		}
 		w.Header().Set("X-Tokens-Used", used)
 	})}
@@ -253,6 +261,97 @@ func TestCostFromResponseIgnoresBadReports(t *testing.T) {
 			s.from("127.0.0.2", "/?header=1")
 			if r := s.from("127.0.0.2", "/?header=1"); r.status != 200 || r.header.Get("X-RateLimit-Remaining") != "98" {
 				t.Errorf("report %q: %d, remaining %q; want 200, 98: only the costs taken", used, r.status, r.header.Get("X-RateLimit-Remaining"))
+			}
+		})
+	}
+}
+
+// A cost placeholder is checked against the smallest capacity of the
+// tier's limits, not only the first: a cost no limit could ever hold is
+// answered 400 and takes nothing, instead of 429 with a Retry-After that
+// never comes true (or, for a huge cost, an overflow).
+func TestCostPlaceholderFitsEveryLimit(t *testing.T) {
+	type costStep struct {
+		cost      string
+		status    int
+		remaining string
+	}
+	for _, tt := range []struct {
+		name, limits string
+		steps        []costStep
+	}{
+		{"small limit second", "limit 100 10/s\n limit 20 20/h", []costStep{
+			{"50", 400, ""},
+			{"21", 400, ""},
+			{"20", 200, "0"}, // nothing was taken by the 400s
+			{"1", 429, "0"},
+		}},
+		{"a cost that would overflow", "limit 1000000 1000/s\n limit 10 1/365d", []costStep{
+			{"1000000", 400, ""},
+			{"10", 200, "0"},
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier api {
+			%s
+			cost {http.request.header.X-Cost}
+		}
+	}
+	respond "ok"`, tt.limits))
+			for i, st := range tt.steps {
+				r := s.from("127.0.0.2", "/", "X-Cost: "+st.cost)
+				if r.status != st.status || r.header.Get("X-RateLimit-Remaining") != st.remaining {
+					t.Errorf("step %d, X-Cost %s: %d, remaining %q; want %d, %q", i+1, st.cost, r.status, r.header.Get("X-RateLimit-Remaining"), st.status, st.remaining)
+				}
+			}
+		})
+	}
+}
+
+// The field cost_from_response names is a header name, so its case does not
+// matter: a trailer the origin did not announce, which reaches the handler
+// under http.TrailerPrefix, is found whatever case the Caddyfile wrote.
+func TestCostFromResponseFieldIgnoresCase(t *testing.T) {
+	origin := streamingOrigin(t, "60")
+	for _, field := range []string{"x-tokens-used", "X-TOKENS-USED", "X-Tokens-Used"} {
+		for _, path := range []string{"/", "/?unannounced=1", "/?header=1"} {
+			t.Run(field+path, func(t *testing.T) {
+				useFakeClock(t)
+				s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier llm 100 1/s {
+			cost_from_response %s
+		}
+	}
+	reverse_proxy %s`, field, origin))
+				if r := s.from("127.0.0.2", path); r.status != 200 || r.body != "answer" {
+					t.Fatalf("first request: %d %q, want 200 and the whole answer", r.status, r.body)
+				}
+				if r := s.from("127.0.0.2", path); r.header.Get("X-RateLimit-Remaining") != "38" {
+					t.Errorf("second request: remaining %q, want 38: the first took 1 and then the 60 reported", r.header.Get("X-RateLimit-Remaining"))
+				}
+			})
+		}
+	}
+}
+
+// {http.rate_limit.limit} is the capacity of the limit the X- headers
+// report: the binding one, wherever it stands in the tier.
+func TestLimitPlaceholderShowsTheBindingLimit(t *testing.T) {
+	for _, limits := range []string{"limit 10 1/h\n limit 3 1/h", "limit 3 1/h\n limit 10 1/h", "limit 3 1/h"} {
+		t.Run(limits, func(t *testing.T) {
+			useFakeClock(t)
+			s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		%s
+	}
+	respond "{http.rate_limit.limit}"`, limits))
+			r := s.from("127.0.0.2", "/")
+			if r.body != "3" || r.header.Get("X-RateLimit-Limit") != "3" {
+				t.Errorf("placeholder %q, X-RateLimit-Limit %q; want both 3, the binding limit's capacity", r.body, r.header.Get("X-RateLimit-Limit"))
 			}
 		})
 	}

@@ -121,8 +121,10 @@ type Handler struct {
 	noKeyDeny bool
 	// counted is CountStatus as a set; nil counts every response.
 	counted *statusSet
-	// denials is the policy's record of its denials on this node.
+	// denials is the policy's record of its denials on this node, which
+	// notes feeds off the request path.
 	denials *denials
+	notes   *denialNotes
 	events  *caddyevents.App
 	ctx     caddy.Context
 }
@@ -180,6 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.events = events.(*caddyevents.App)
 	}
 	h.ctx = ctx
+	h.startNoting()
 	registerHandler(h)
 	return nil
 }
@@ -388,6 +391,7 @@ func (h *Handler) validateNoKey() error {
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	unregisterHandler(h)
+	h.stopNoting()
 	if h.local != nil {
 		return h.local.Cleanup()
 	}
@@ -519,19 +523,10 @@ func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		upstream := d.resp
 		h.setHeaders(r.Header, &upstream)
 	}
-	if !res.Allowed {
+	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" {
 		return next.ServeHTTP(w, r)
 	}
-	var err error
-	if h.counted != nil {
-		err = h.serveCounted(w, r, next, d)
-	} else {
-		err = next.ServeHTTP(w, r)
-	}
-	if d.tier.CostFromResponse != "" {
-		h.chargeFromResponse(w.Header(), r, d)
-	}
-	return err
+	return h.serveAndSettle(w, r, next, d)
 }
 
 // storeFailed applies on_store_error.

@@ -12,9 +12,10 @@ import (
 	"go.uber.org/zap"
 )
 
-// Protecting logins (DESIGN section 10): count_status keeps the tokens of
-// the responses that count, such as 401, and gives the others back; ban
-// holds a denied client off for a while (the bucket math is in bucket.go).
+// Protecting logins (README: count_status and ban): count_status keeps the
+// tokens of the responses that count, such as 401, and gives the others
+// back; ban holds a denied client off for a while (the bucket math is in
+// bucket.go).
 
 // statusSet is a set of response statuses, 100 to 599.
 type statusSet [600]bool
@@ -64,31 +65,65 @@ func (h *Handler) validateLogin() error {
 	return nil
 }
 
-// serveCounted passes the request on and gives its tokens back unless the
-// status the client gets is one that counts. An error from a later handler
-// counts with its status code, or 500 when it has none.
-func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
-	rec := &statusRecorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
-	err := next.ServeHTTP(rec, r)
-	status := rec.status
-	if err != nil && status == 0 {
-		status = http.StatusInternalServerError
+// serveAndSettle passes the request on, then settles its tokens with what
+// the response said: count_status gives them back when the status does not
+// count, and cost_from_response charges what the origin reported. Both run
+// in a defer, so that a later handler's panic does not skip them:
+// reverse_proxy panics with http.ErrAbortHandler when the client hangs up
+// mid-stream, after the origin has done the work. The panic goes on.
+func (h *Handler) serveAndSettle(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) (err error) {
+	var rec *statusRecorder
+	if h.counted != nil {
+		rec = &statusRecorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	}
+	returned := false
+	defer func() {
+		if rec != nil {
+			h.giveBackUncounted(r, d, finalStatus(rec.status, err, !returned))
+		}
+		if d.tier.CostFromResponse != "" {
+			h.chargeFromResponse(w.Header(), r, d)
+		}
+	}()
+	if rec != nil {
+		err = next.ServeHTTP(rec, r)
+	} else {
+		err = next.ServeHTTP(w, r)
+	}
+	returned = true
+	return err
+}
+
+// finalStatus is the status the client gets: the one written, or an error's
+// status code, 500 when it has none; a handler that panicked before writing
+// one fails the request as an error does.
+func finalStatus(written int, err error, panicked bool) int {
+	switch {
+	case written != 0:
+		return written
+	case err != nil:
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode != 0 {
-			status = he.StatusCode
+			return he.StatusCode
 		}
+		return http.StatusInternalServerError
+	case panicked:
+		return http.StatusInternalServerError
 	}
-	if status == 0 {
-		status = http.StatusOK
-	}
-	if status < len(h.counted) && h.counted[status] {
-		return err
+	return http.StatusOK
+}
+
+// giveBackUncounted gives the request's tokens back unless status is one
+// that counts. A request of cost 0 took none: asking the store to give back
+// nothing would cost a call, and would write to a banned or indebted bucket.
+func (h *Handler) giveBackUncounted(r *http.Request, d *decision, status int) {
+	if d.cost == 0 || status < len(h.counted) && h.counted[status] {
+		return
 	}
 	// The client may be gone; the give-back still belongs to its bucket.
-	if gbErr := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, d.cost); gbErr != nil {
-		h.storeLog.Warn("rate limit store: giving back the tokens of an uncounted response failed", zap.String("policy", h.Name), zap.Int("status", status), zap.Error(gbErr))
+	if err := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, d.cost); err != nil {
+		h.storeLog.Warn("rate limit store: giving back the tokens of an uncounted response failed", zap.String("policy", h.Name), zap.Int("status", status), zap.Error(err))
 	}
-	return err
 }
 
 // statusRecorder notes the final status a response is sent with.

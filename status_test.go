@@ -1,8 +1,10 @@
 package ratelimit
 
 import (
+	"context"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -10,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
 )
 
@@ -255,5 +259,96 @@ http://127.0.0.1:%d {
 	}
 	if r := attempt(0, "right"); r.StatusCode != 429 {
 		t.Fatalf("right password on node 0 during the ban node 1 started: %d, want 429", r.StatusCode)
+	}
+}
+
+// A client that hangs up mid-stream makes reverse_proxy panic with
+// http.ErrAbortHandler once the headers are out. The steps after the
+// response still run, and the panic goes on to net/http: count_status
+// gives back the tokens of a response that does not count, and
+// cost_from_response charges what the origin reported.
+func TestAfterResponseStepsRunWhenTheStreamAborts(t *testing.T) {
+	for _, tt := range []struct {
+		name, tier, extra string
+		remaining         string
+	}{
+		{"count_status gives back", `"capacity":3,"refill":"1/h"`, `,"count_status":["401"]`, "2"},
+		{"cost_from_response charges", `"capacity":100,"refill":"1/s","cost_from_response":"X-Tokens-Used"`, "", "38"},
+		{"both", `"capacity":100,"refill":"1/s","cost_from_response":"X-Tokens-Used"`, `,"count_status":["401"]`, "39"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			h, done := provisionedHandler(t, `{"name":"abort `+tt.name+`","tiers":[{"name":"default",`+tt.tier+`}]`+tt.extra+`}`)
+			defer done()
+			aborting := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.Header().Set("X-Tokens-Used", "60")
+				w.WriteHeader(http.StatusOK)
+				_, _ = w.Write([]byte("part of the ans"))
+				panic(http.ErrAbortHandler)
+			})
+			func() {
+				defer func() {
+					if v := recover(); v != http.ErrAbortHandler {
+						t.Errorf("recovered %v, want the handler's own http.ErrAbortHandler to go on", v)
+					}
+				}()
+				_ = h.ServeHTTP(httptest.NewRecorder(), benchRequest("127.0.0.2"), aborting)
+			}()
+			w := httptest.NewRecorder()
+			if err := h.ServeHTTP(w, benchRequest("127.0.0.2"), nopHandler); err != nil {
+				t.Fatal(err)
+			}
+			if got := w.Header().Get("X-RateLimit-Remaining"); got != tt.remaining {
+				t.Errorf("after the aborted response: remaining %s, want %s", got, tt.remaining)
+			}
+		})
+	}
+}
+
+// givebackCounter is a local store that counts the give-backs it is asked
+// for, by the tokens they return.
+type givebackCounter struct{ *LocalStore }
+
+var givebacks = struct {
+	sync.Mutex
+	byTokens map[int64]int
+}{byTokens: map[int64]int{}}
+
+func (*givebackCounter) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "http.handlers.rate_limit.stores.test_giveback_counter", New: func() caddy.Module { return &givebackCounter{new(LocalStore)} }}
+}
+
+func (s *givebackCounter) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
+	givebacks.Lock()
+	givebacks.byTokens[n]++
+	givebacks.Unlock()
+	return s.LocalStore.GiveBack(ctx, b, l, n)
+}
+
+func init() { caddy.RegisterModule(new(givebackCounter)) }
+
+// A request whose placeholder cost is 0 took nothing, so an uncounted
+// response has nothing to give back: the store is not asked to, since a
+// give-back is never free (a Redis call, and a write to a banned or
+// indebted bucket).
+func TestZeroCostGivesNothingBack(t *testing.T) {
+	useFakeClock(t)
+	h, done := provisionedHandler(t, `{"name":"zero giveback","count_status":["401"],"store":{"store":"test_giveback_counter"},
+		"tiers":[{"name":"default","capacity":5,"refill":"1/h","cost_placeholder":"{test.cost}"}]}`)
+	defer done()
+	givebacks.Lock()
+	clear(givebacks.byTokens)
+	givebacks.Unlock()
+	for _, cost := range []string{"0", "2", "0"} {
+		r := benchRequest("127.0.0.2")
+		r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer).Set("test.cost", cost)
+		if err := h.ServeHTTP(httptest.NewRecorder(), r, nopHandler); err != nil {
+			t.Fatalf("cost %s: %v", cost, err)
+		}
+	}
+	givebacks.Lock()
+	defer givebacks.Unlock()
+	if fmt.Sprint(givebacks.byTokens) != "map[2:1]" {
+		t.Errorf("give-backs by tokens: %v, want one of 2 and none of 0", givebacks.byTokens)
 	}
 }

@@ -30,8 +30,8 @@ type Tier struct {
 	Cost int64 `json:"cost,omitempty"`
 	// CostPlaceholder, instead of Cost, reads each request's cost from a
 	// placeholder, such as {http.request.header.X-Batch}: a whole number
-	// from 0 to the capacity. Any other value is answered 400 and takes
-	// nothing.
+	// from 0 to the smallest capacity of the tier's limits. Any other value
+	// is answered 400 and takes nothing.
 	CostPlaceholder string `json:"cost_placeholder,omitempty"`
 	// CostFromResponse names a response header, or trailer for streamed
 	// answers, in which the origin reports the work a request did, such as
@@ -61,6 +61,12 @@ type Tier struct {
 	// limits are all the tier's limits, limit first.
 	limits     []Limit
 	limitTexts []string
+	// costField is CostFromResponse in canonical form, as the response's
+	// header map keys its fields and trailers.
+	costField string
+	// maxCost is the smallest capacity of the limits: the largest cost a
+	// request can ever fit.
+	maxCost int64
 	// ban is the handler's ban (µs), which the tier's limit carries.
 	ban  int64
 	cost int64
@@ -113,6 +119,7 @@ func (t *Tier) validate() error {
 	if t.CostFromResponse != "" && len(t.limits) > 1 {
 		return fmt.Errorf("tier %q: cost_from_response works with one limit per tier; this tier has several", t.Name)
 	}
+	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
 	switch t.Keyer {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
 	default:
@@ -176,6 +183,10 @@ func (t *Tier) validateLimits() error {
 		t.limits = append(t.limits, l)
 	}
 	t.limit = t.limits[0]
+	t.maxCost = t.limit.Capacity
+	for _, l := range t.limits[1:] {
+		t.maxCost = min(t.maxCost, l.Capacity)
+	}
 	return nil
 }
 
