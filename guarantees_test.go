@@ -383,27 +383,22 @@ func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
 // wrong password reached the origin 0.4 s into a one-hour ban.
 func TestSlowRightPasswordDoesNotLiftTheBan(t *testing.T) {
 	srv := startRedis(t)
-	release := make(chan struct{})
-	arrived := make(chan struct{}, 1)
-	origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Header.Get("X-Password") != "right" {
-			w.WriteHeader(http.StatusUnauthorized)
-			return
-		}
-		arrived <- struct{}{}
-		<-release
-		w.WriteHeader(http.StatusOK)
-	}))
-	defer origin.Close()
-	for _, tt := range []struct{ name, store string }{
-		{"local", ""},
-		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
-		{"redis lease 50%", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 50%\n }"},
-	} {
+	for _, tt := range storeModes(srv) {
 		t.Run(tt.name, func(t *testing.T) {
 			useFakeClock(t)
 			srv.do("FLUSHALL")
-			release = make(chan struct{})
+			release := make(chan struct{})
+			arrived := make(chan struct{}, 1)
+			origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Header.Get("X-Password") != "right" {
+					w.WriteHeader(http.StatusUnauthorized)
+					return
+				}
+				arrived <- struct{}{}
+				<-release
+				w.WriteHeader(http.StatusOK)
+			}))
+			defer origin.Close()
 			s := serve(t, fmt.Sprintf(`rate_limit 10 1/h {
 				key header X-User
 				count_status 401

@@ -28,15 +28,24 @@ const loginDirectives = `
 	respond @wrong "wrong password" 401
 	respond "welcome"`
 
+// storeMode is a store block to test a feature in, by name.
+type storeMode struct{ name, store string }
+
+// storeModes are the local store, Redis strict and Redis with leases, on
+// srv.
+func storeModes(srv *redisServer) []storeMode {
+	return []storeMode{
+		{"local", ""},
+		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
+		{"redis lease 50%", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 50%\n }"},
+	}
+}
+
 // In every store mode: successes cost nothing, failures spend the bucket,
 // and the ban that ends them holds even the right password off.
 func TestCountStatusAndBanInEveryStoreMode(t *testing.T) {
 	srv := startRedis(t)
-	for _, tt := range []struct{ name, store string }{
-		{"local", ""},
-		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
-		{"redis lease 50%", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 50%\n }"},
-	} {
+	for _, tt := range storeModes(srv) {
 		t.Run(tt.name, func(t *testing.T) {
 			useFakeClock(t)
 			srv.do("FLUSHALL")
