@@ -49,6 +49,19 @@ func encodeShared(sh *Shared, now int64) map[string]string {
 	return m
 }
 
+// lastNeeded is how long after now the latest of sh's limits is full or its
+// leases expire: how long its key must live.
+func lastNeeded(sh *Shared, now int64) int64 {
+	var last int64
+	for _, s := range sh.Levels {
+		last = max(last, s.FullAt-now)
+	}
+	for _, h := range sh.Held {
+		last = max(last, h.Expires-now)
+	}
+	return last
+}
+
 // The bucket script is shared.go's Shared, step for step and to the unit:
 // random traces of takes (with and without a ban), peeks, leases of several
 // nodes, their give-backs, give-backs outside leases and charges, on one to
@@ -92,6 +105,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			}
 			step := fmt.Sprintf("trace %d step %d (limits %+v)", i, j, ls)
 			var now int64
+			sent := time.Now()
 			op := rng.IntN(10)
 			step += fmt.Sprintf(" op %d", op)
 			switch {
@@ -176,7 +190,14 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				full, err := strconv.ParseInt(at, 10, 64)
 				return !strings.HasPrefix(f, "l:") && err == nil && full <= now
 			})
-			if want := encodeShared(sh, now); !maps.Equal(stored, want) {
+			want := encodeShared(sh, now)
+			// The key's expiry runs on Redis's real clock, not on the
+			// offset one: a key may be gone once the real time since the
+			// step covers all the model still keeps.
+			if len(stored) == 0 && len(want) > 0 && lastNeeded(sh, now) <= time.Since(sent).Microseconds() {
+				continue
+			}
+			if !maps.Equal(stored, want) {
 				t.Fatalf("%s: Redis holds %v, the model %v", step, stored, want)
 			}
 		}
