@@ -89,6 +89,24 @@ func handlerFor(q url.Values) (*Handler, error) {
 	return h, nil
 }
 
+// liveLimit is the running config's limit for a bucket of policy and tier
+// that a request or a lease took under l: what a give-back or a charge
+// computed under an older config is counted in. It is l when the policy is
+// not running (a shutdown), and false when the tier is gone or no longer
+// limits.
+func liveLimit(policy, tier string, l Limit) (Limit, bool) {
+	h := latestHandler(policy)
+	if h == nil {
+		return l, true
+	}
+	for _, t := range h.Tiers {
+		if t.Name == tier {
+			return t.limit, !t.Unlimited && !t.Deny
+		}
+	}
+	return Limit{}, false
+}
+
 func latestHandler(policy string) *Handler {
 	liveHandlers.Lock()
 	defer liveHandlers.Unlock()

@@ -382,10 +382,27 @@ func giveBack(s State, now int64, l Limit, n, floor int64) State {
 }
 
 // maxDeficit bounds how far below empty a charge may take a bucket: a
-// debt of up to 1000 capacities, within what the Redis script computes
+// debt of up to 1000 capacities, and never past maxUnits in all, so that
+// the Redis script's doubles hold every figure, a full time included,
 // exactly.
 func (l Limit) maxDeficit() int64 {
-	return l.units() + min(l.units()*1000, maxUnits)
+	return l.units() + min(l.units()*1000, maxUnits-l.units())
+}
+
+// Converted is n tokens taken under the limit from, as tokens of l, for a
+// give-back that a request or a lease computed under an older config: no
+// more than n, and no more than their refill time under from buys under l,
+// so that a reload between a take and its give-back never creates tokens.
+func (l Limit) Converted(n int64, from Limit) int64 {
+	if from.Rate == l.Rate || n <= 0 {
+		return n
+	}
+	// n * min(1, rate(l) / rate(from)), rounded down, in exact arithmetic:
+	// the products pass 64 bits.
+	num := new(big.Int).Mul(big.NewInt(n), big.NewInt(l.Rate.Tokens))
+	num.Mul(num, big.NewInt(from.Rate.Interval))
+	den := new(big.Int).Mul(big.NewInt(l.Rate.Interval), big.NewInt(from.Rate.Tokens))
+	return min(n, num.Quo(num, den).Int64())
 }
 
 // Charge takes n more tokens after the fact, as cost_from_response does:

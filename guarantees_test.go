@@ -5,7 +5,9 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -265,10 +267,10 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	}
 }
 
-// A request that a refused prefetch banned reports the ban, so that
-// bans_total counts it: the prefetch runs in the background, for no
-// request.
-func TestABanThatAPrefetchStartsIsReported(t *testing.T) {
+// A ban starts at a refused request, not at a refused prefetch, which
+// refuses nobody; the request that starts it reports it, so that
+// bans_total counts it once.
+func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
@@ -291,13 +293,16 @@ func TestABanThatAPrefetchStartsIsReported(t *testing.T) {
 	}
 	m.mu.Unlock()
 	// The last token held is spent, and the prefetch that follows finds
-	// the bucket empty: it starts the ban.
+	// the bucket empty: refused, with no ban.
 	if res, _ := node.take(bg, key, l, 1); !res.Allowed || res.Banned {
 		t.Fatalf("the request on the last token held: %+v", res)
 	}
 	tableSync(node)
+	if sh := m.states["k"]; sh.banned(clock.now()) {
+		t.Fatal("a refused prefetch started a ban")
+	}
 	if res, _ := node.take(bg, key, l, 1); res.Allowed || !res.Banned {
-		t.Fatalf("the next request: %+v, want refused, reporting the ban the prefetch started", res)
+		t.Fatalf("the next request: %+v, want refused, reporting the ban it started", res)
 	}
 }
 
@@ -481,5 +486,105 @@ func TestGiveBackAfterAReloadReachesTheSharedBucket(t *testing.T) {
 	}
 	if after := level(); after != before+1 {
 		t.Fatalf("the shared bucket holds %d after a give-back through a closed table, want %d", after, before+1)
+	}
+}
+
+// A request admitted under one config and answered after a reload gives
+// its tokens back as the running config counts them: `rate_limit 10 1/h`
+// becomes `rate_limit 1000 100/h`, and the right password (a 200, which
+// does not count) gives back one token, not the 100 that an hour of the
+// old refill is worth under the new one.
+func TestGiveBackAfterAReloadCountsInTheRunningLimit(t *testing.T) {
+	srv := startRedis(t)
+	for _, tt := range storeModes(srv) {
+		t.Run(tt.name, func(t *testing.T) {
+			useFakeClock(t)
+			srv.do("FLUSHALL")
+			release := make(chan struct{})
+			var released sync.Once
+			free := func() { released.Do(func() { close(release) }) }
+			defer free() // so that Caddy can stop when the test fails early
+			arrived := make(chan struct{}, 1)
+			origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Header.Get("X-Password") != "right" {
+					w.WriteHeader(http.StatusUnauthorized)
+					return
+				}
+				arrived <- struct{}{}
+				<-release
+			}))
+			defer origin.Close()
+			port := freePort(t)
+			site := func(limit string) string {
+				return fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+}
+http://127.0.0.1:%d {
+	rate_limit %s {
+		name reload
+		key header X-User
+		count_status 401
+		%s
+	}
+	reverse_proxy %s
+}
+`, port, limit, tt.store, strings.TrimPrefix(origin.URL, "http://"))
+			}
+			s := serveCaddyfile(t, port, site("10 1/h"))
+			// A connection of its own for the held request, and none kept
+			// across the reload for the others.
+			held := *s
+			held.client = &http.Client{Timeout: time.Minute}
+			s.client = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+			done := make(chan response, 1)
+			go func() { done <- held.get("/", "X-User: ann", "X-Password: right") }()
+			<-arrived
+			cfg, err := adaptCaddyfile(site("1000 100/h"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The reload returns once the old server has drained, which
+			// waits for the request held at the origin.
+			loaded := make(chan error, 1)
+			go func() { loaded <- caddy.Load(cfg, true) }()
+			var last response
+			waitFor(t, 10*time.Second, "the new config", func() bool {
+				// A connection that meets the old server as it closes
+				// fails; the next one reaches the new.
+				req, _ := http.NewRequest(http.MethodGet, s.base+"/", nil)
+				req.Header.Set("X-User", "probe")
+				resp, err := s.client.Do(req)
+				if err != nil {
+					return false
+				}
+				resp.Body.Close()
+				return resp.Header.Get("X-RateLimit-Limit") == "1000"
+			})
+			// The old config's token is an hour of refill: 100 under the
+			// new one. 100 failures leave 800. (Per hour, so that Redis's
+			// real clock refills nothing to speak of meanwhile.)
+			for range 100 {
+				if last = s.get("/", "X-User: ann", "X-Password: wrong"); last.status != 401 {
+					t.Fatalf("a wrong password under the new config: %d", last.status)
+				}
+			}
+			if got := last.header.Get("X-RateLimit-Remaining"); got != "800" {
+				t.Fatalf("after the reload and 100 failures: %s left, want 800", got)
+			}
+			free()
+			if r := <-done; r.status != 200 {
+				t.Fatalf("the right password: %d", r.status)
+			}
+			if err := <-loaded; err != nil {
+				t.Fatal(err)
+			}
+			// With leases the header is this node's view, which may lag;
+			// it must still show no token created.
+			got, _ := strconv.Atoi(s.get("/", "X-User: ann", "X-Password: wrong").header.Get("X-RateLimit-Remaining"))
+			if got > 800 || got != 800 && !strings.Contains(tt.store, "lease") {
+				t.Errorf("after the old config's request gave its token back and one more failure: %d left, want 800 (801 - 1)", got)
+			}
+		})
 	}
 }

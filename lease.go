@@ -69,6 +69,10 @@ type leaseTable struct {
 	logger   *zap.Logger
 	// jitter draws the random part of a hold-off, from 0 to n-1.
 	jitter func(n int64) int64
+	// current, when set, says what the running config's limit is for the
+	// bucket at key, whose lease was taken under l; false when the bucket's
+	// tier is gone. A table closed by a reload gives back under it.
+	current func(key string, l Limit) (Limit, bool)
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -79,6 +83,9 @@ type leaseTable struct {
 type leaseShard struct {
 	mu sync.Mutex
 	m  map[string]*lease
+	// returning holds, by key, the give-backs of evicted entries still in
+	// flight, so that a new entry's first call waits for them too.
+	returning map[string]chan struct{}
 }
 
 // lease is what this node holds of one shared bucket.
@@ -106,9 +113,11 @@ type lease struct {
 	// back): until then every request is refused here, with no call.
 	banUntil int64
 	lastUsed int64
-	// banned: a call's refusal started a ban that no request reported yet.
-	banned bool
-	call   *leaseCall
+	call     *leaseCall
+	// returning is closed once the last give-back naming this lease has
+	// been answered: the next lease call waits for it, so that it cannot
+	// overtake the give-back and leave it naming a lease no longer there.
+	returning chan struct{}
 }
 
 // leaseCall is one lease call in flight, which requests share.
@@ -122,6 +131,9 @@ type leaseCall struct {
 	// spent: the call took the cost of the request that made it, which
 	// is allowed without taking from what the node holds.
 	spent bool
+	// banned: the call's refusal started a ban, which the request that
+	// made it reports.
+	banned bool
 	// joined counts the requests that wait on the call besides its own.
 	joined int
 }
@@ -185,6 +197,7 @@ func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl, ti
 	}
 	for i := range t.shards {
 		t.shards[i].m = make(map[string]*lease)
+		t.shards[i].returning = make(map[string]chan struct{})
 	}
 	t.janitor.Add(1)
 	go t.sweepEvery(every)
@@ -235,8 +248,14 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 	for {
 		if e.tokens >= cost && now-e.leasedAt < t.ttl {
 			e.tokens -= cost
-			if e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil {
+			switch {
+			case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil:
 				t.fetch(e, cost, now, true)
+			case e.tokens == 0 && e.recorded > 0 && l.Ban > 0 && e.call == nil:
+				// Spent: say so now, so that a refusal on another node
+				// does not take these tokens for held, and bans when one
+				// bucket would.
+				t.giveBackLater([]leaseReturn{e.takeBack()})
 			}
 			res := e.result(now, true, cost)
 			sh.mu.Unlock()
@@ -271,6 +290,12 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 			sh.mu.Unlock()
 			return res, nil
 		}
+		if mine && c.banned {
+			res := e.result(t.now(), false, cost)
+			res.Banned = true
+			sh.mu.Unlock()
+			return res, nil
+		}
 		if t.closed.Load() {
 			sh.mu.Unlock()
 			return Result{}, errLeasesClosed
@@ -281,7 +306,9 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		// bucket holding more: ask again, as strict mode would. An entry
 		// evicted meanwhile gave its tokens back: start again on a new one.
 		now, waited = t.now(), c.short
-		e = t.entry(sh, key, l, now)
+		if next := t.entry(sh, key, l, now); next != e {
+			e, waited = next, false
+		}
 	}
 }
 
@@ -289,16 +316,17 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 // request is told to retry when the shared bucket holds its cost, as the
 // last call saw it, or, past that, when this node calls again.
 func (e *lease) result(now int64, allowed bool, cost int64) Result {
-	res := Result{Allowed: allowed, Remaining: e.tokens + e.level, ResetAfter: max(0, e.resetAt-now), Banned: e.banned}
-	e.banned = false
+	res := Result{Allowed: allowed, Remaining: e.tokens + e.level, ResetAfter: max(0, e.resetAt-now)}
 	if allowed {
 		return res
 	}
 	res.Remaining = e.tokens
 	l := e.limit
-	res.RetryAfter = e.retryAt - now + ceilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens)
-	if res.RetryAfter <= 0 {
-		res.RetryAfter = max(e.holdUntil, e.banUntil) - now
+	res.RetryAfter = max(e.retryAt-now+ceilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens), e.banUntil-now)
+	if l.Ban == 0 {
+		// No call before the hold-off ends: a retry before then would
+		// be refused again.
+		res.RetryAfter = max(res.RetryAfter, e.holdUntil-now)
 	}
 	if res.RetryAfter <= 0 {
 		// The call in flight gave too little for every request that
@@ -314,6 +342,10 @@ func (t *leaseTable) insert(sh *leaseShard, key string, l Limit, now int64) *lea
 		t.evict(sh, now)
 	}
 	e := &lease{key: key, limit: l}
+	if done, ok := sh.returning[key]; ok {
+		e.returning = done
+		delete(sh.returning, key)
+	}
 	sh.m[key] = e
 	return e
 }
@@ -334,7 +366,9 @@ func (t *leaseTable) evict(sh *leaseShard, now int64) {
 		return
 	}
 	delete(sh.m, victim.key)
-	if back := victim.takeBack(); back.tokens > 0 {
+	if victim.tokens > 0 || victim.recorded > 0 {
+		back := victim.takeBack()
+		sh.returning[victim.key] = back.done
 		t.giveBackLater([]leaseReturn{back})
 	}
 	leaseEvictions.Inc()
@@ -350,10 +384,11 @@ func (t *leaseTable) expire(e *lease, now int64) {
 	}
 }
 
-// takeBack empties the entry into a give-back that names its last call.
+// takeBack empties the entry into a give-back that names its last call,
+// which the caller sends.
 func (e *lease) takeBack() leaseReturn {
-	back := leaseReturn{key: e.key, limit: e.limit, tokens: e.tokens, seq: e.seq}
-	e.tokens, e.recorded = 0, 0
+	back := leaseReturn{key: e.key, limit: e.limit, tokens: e.tokens, seq: e.seq, done: make(chan struct{})}
+	e.tokens, e.recorded, e.returning = 0, 0, back.done
 	return back
 }
 
@@ -374,15 +409,19 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	c := &leaseCall{done: make(chan struct{})}
 	e.call = c
 	e.seq = t.seq.Add(1)
-	ask := LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold}
+	ask := LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold, Prefetch: prefetch}
 	if !prefetch {
 		// The request that makes the call spends its cost from the grant
 		// at once, so the shared store need not count it as held.
 		ask.Spend = cost
 	}
 	t.calls.Add(1)
+	returning := e.returning
 	go func(key string, l Limit) {
 		defer t.calls.Done()
+		if returning != nil {
+			<-returning
+		}
 		lr, err := t.store.lease(key, l, ask)
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
@@ -392,6 +431,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		e.call = nil
 		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0
 		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
+		c.banned = lr.Banned
 		sh.mu.Unlock()
 		close(c.done)
 	}(e.key, e.limit)
@@ -416,7 +456,6 @@ func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
 	} else {
 		leasesTotal.WithLabelValues("refused").Inc()
 	}
-	e.banned = e.banned || lr.Banned
 	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
 	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
 	e.holdUntil, e.banUntil = 0, 0
@@ -496,6 +535,8 @@ type leaseReturn struct {
 	limit  Limit
 	tokens int64
 	seq    int64
+	// done is closed once the shared store has answered.
+	done chan struct{}
 }
 
 // sweepEvery gives back the tokens that went unused for lease_ttl, and
@@ -534,6 +575,13 @@ func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 				delete(sh.m, key)
 			}
 		}
+		for key, done := range sh.returning {
+			select {
+			case <-done:
+				delete(sh.returning, key)
+			default:
+			}
+		}
 		sh.mu.Unlock()
 	}
 	return back
@@ -551,6 +599,11 @@ func (t *leaseTable) giveBackLater(back []leaseReturn) {
 // giveBackNow returns tokens to their shared buckets, in one pipeline. A
 // give-back that fails loses its tokens, which only ever admits less.
 func (t *leaseTable) giveBackNow(back []leaseReturn) {
+	defer func() {
+		for _, b := range back {
+			close(b.done)
+		}
+	}()
 	n, err := t.store.giveBack(t.node, back)
 	leaseTokensReturned.Add(float64(n))
 	if err != nil {
@@ -578,7 +631,22 @@ func (t *leaseTable) close() {
 	close(t.stop)
 	t.janitor.Wait()
 	t.calls.Wait()
-	if back := t.sweep(t.now(), true); len(back) > 0 {
+	back := t.sweep(t.now(), true)
+	if t.current != nil {
+		// A reload: what was leased under the old config goes back as
+		// the new one counts it, or not at all if its tier is gone.
+		kept := back[:0]
+		for _, b := range back {
+			if cur, ok := t.current(b.key, b.limit); ok {
+				b.tokens, b.limit = cur.Converted(b.tokens, b.limit), cur
+				kept = append(kept, b)
+			} else {
+				close(b.done)
+			}
+		}
+		back = kept
+	}
+	if len(back) > 0 {
 		t.giveBackNow(back)
 	}
 }

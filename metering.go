@@ -35,7 +35,13 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 	if n == 0 {
 		return
 	}
-	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, n); err != nil {
+	// A reload since the take: the origin's figure is in the running
+	// config's tokens.
+	l := d.tier.limit
+	if cur, ok := liveLimit(h.Name, d.tier.Name, l); ok {
+		l = cur
+	}
+	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {
 		h.storeLog.Warn("rate limit store: charging the response's cost failed", zap.String("policy", h.Name), zap.Error(err))
 	}
 }

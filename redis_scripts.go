@@ -23,9 +23,9 @@ import "github.com/redis/go-redis/v9"
 // or charged); microseconds to add to TIME, which only tests set; the ban
 // (µs, 0 for none); then for each limit its capacity, rate tokens and rate
 // interval (µs); then, for lease, the node, the call's seq, the tokens the
-// node still holds, the tokens it wants, how long the record lives (µs)
-// and the tokens it spends at once; for return, the node and the seq of
-// its lease.
+// node still holds, the tokens it wants, how long the record lives (µs),
+// the tokens it spends at once, and 1 for a prefetch (0 otherwise); for
+// return, the node and the seq of its lease.
 //
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
@@ -57,7 +57,7 @@ local L = {}
 for i = 1, n do
   local c, k, iv = tonumber(ARGV[3 + 3 * i]), tonumber(ARGV[4 + 3 * i]), tonumber(ARGV[5 + 3 * i])
   local units = c * iv
-  L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496)}
+  L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496 - units)}
 end
 local x = 6 + 3 * n
 
@@ -151,16 +151,36 @@ local function cap_at(at)
     end
   end
 end
-while true do
-  local j = nil
-  for k, h in ipairs(H) do
-    if h.expires <= now and (j == nil or h.expires < H[j].expires) then j = k end
+local function settle_to(at)
+  while true do
+    local j = nil
+    for k, h in ipairs(H) do
+      if h.expires <= at and (j == nil or h.expires < H[j].expires) then j = k end
+    end
+    if j == nil then break end
+    cap_at(H[j].expires)
+    table.remove(H, j)
   end
-  if j == nil then break end
-  cap_at(H[j].expires)
-  table.remove(H, j)
+  cap_at(at)
 end
-cap_at(now)
+settle_to(now)
+
+-- life is how long the bucket must be kept: until every lease has expired
+-- and every limit is full again, refilling from the cap each expiry
+-- leaves (shared.go's Life).
+local function life()
+  local s0, h0, last = S, H, now
+  S, H = {}, {}
+  for i = 1, n do S[i] = {full = s0[i].full, slack = s0[i].slack, banned = s0[i].banned} end
+  for k, h in ipairs(h0) do
+    H[k] = {node = h.node, tokens = h.tokens, expires = h.expires, seq = h.seq, void = h.void}
+    last = math.max(last, h.expires)
+  end
+  settle_to(last)
+  for i = 1, n do last = math.max(last, S[i].full) end
+  S, H = s0, h0
+  return last - now
+end
 
 local function take_one(i, cost)
   local l = L[i]
@@ -229,7 +249,7 @@ end
 -- save writes what changed: a limit's field while it is not full, a lease's
 -- while it has not expired, the key while either is left.
 local function save()
-  local new, ttl = {}, math.max(0, later - now)
+  local new, ttl = {}, math.max(0, later - now, life())
   if migrated then
     redis.call('DEL', KEYS[1])
     old = {}
@@ -240,14 +260,12 @@ local function save()
       local v = string.format('%d %d', s.full, s.slack)
       if s.banned then v = v .. ' b' end
       new[tostring(i)] = v
-      ttl = math.max(ttl, s.full - now)
     end
   end
   for _, h in ipairs(H) do
     local vd = 0
     if h.void then vd = 1 end
     new['l:' .. h.node] = string.format('%d %d %d %d', h.tokens, h.expires, h.seq, vd)
-    ttl = math.max(ttl, h.expires - now)
   end
   local set, del, any = {}, {}, false
   for f, v in pairs(new) do
@@ -336,6 +354,7 @@ end
 if op == 'lease' then
   local node, seq, held, want, hold = ARGV[x], tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
   local spend = tonumber(ARGV[x + 5])
+  local prefetch = ARGV[x + 6] == '1'
   local drop, started = false, false
   local mine = find(node)
   if mine then
@@ -350,7 +369,7 @@ if op == 'lease' then
   for i = 1, n do allowed = allowed and take_one(i, count).ok end
   if not allowed then
     local w = want
-    if ban > 0 and short(count) then
+    if ban > 0 and not prefetch and short(count) then
       for i = 1, n do
         if ban_one(i, count * L[i].iv).started then started = true end
       end
@@ -380,6 +399,7 @@ if op == 'lease' then
   end
   local h = H[mine]
   h.tokens, h.expires, h.seq, h.void = h.tokens + grant - math.min(spend, grant), now + hold, seq, false
+  if h.tokens == 0 then table.remove(H, mine) end
   local hold_off = 0
   if grant < want then hold_off = wait_all(want) end
   local retry = wait_all(count)

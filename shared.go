@@ -55,6 +55,9 @@ type LeaseAsk struct {
 	// hold: the cost of the request waiting on the call, 0 for a
 	// prefetch.
 	Spend int64
+	// Prefetch marks a call made in the background, for no request: its
+	// refusal refuses nobody, so it starts no ban.
+	Prefetch bool
 	// Hold is how long the record lives (µs): lease_ttl plus timeout, so
 	// that a give-back sent at lease_ttl arrives before it expires.
 	Hold int64
@@ -134,7 +137,24 @@ func (sh *Shared) capAt(t int64, ls []Limit) {
 	}
 }
 
-// floors is, for each limit, the units it must lack: the tokens out.
+// Life is how long after now the bucket must be kept: until every lease
+// has expired and every limit is full again, refilling from the cap each
+// expiry leaves. Past it, no bucket is the same as this one.
+func (sh Shared) Life(now int64, ls []Limit) int64 {
+	sh.Levels = slices.Clone(sh.Levels)
+	sh.Held = slices.Clone(sh.Held)
+	var last int64
+	for _, h := range sh.Held {
+		last = max(last, h.Expires)
+	}
+	sh.settle(max(now, last), ls)
+	for _, s := range sh.Levels {
+		last = max(last, s.FullAt)
+	}
+	return max(0, last-now)
+}
+
+// floor is, for a limit, the units it must lack: the tokens out.
 func (sh *Shared) floor(l Limit) int64 {
 	return min(sh.out(), l.Capacity) * l.Rate.Interval
 }
@@ -205,7 +225,7 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	}
 	if !allowed {
 		want := a.Want
-		if ls[0].Ban > 0 && short(sh.Levels, now, ls, a.Cost, sh.out()) {
+		if ls[0].Ban > 0 && !a.Prefetch && short(sh.Levels, now, ls, a.Cost, sh.out()) {
 			for i, l := range ls {
 				var r Result
 				sh.Levels[i], r = ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
@@ -244,6 +264,10 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	h := &sh.Held[mine]
 	h.Tokens += grant - min(a.Spend, grant)
 	h.Expires, h.Seq, h.Void = now+a.Hold, a.Seq, false
+	if h.Tokens == 0 {
+		// All spent at once: nothing is out.
+		sh.Held = slices.Delete(sh.Held, mine, mine+1)
+	}
 	res.Granted = grant
 	if grant < a.Want {
 		res.HoldOff = sh.wait(now, ls, a.Want)

@@ -49,19 +49,6 @@ func encodeShared(sh *Shared, now int64) map[string]string {
 	return m
 }
 
-// lastNeeded is how long after now the latest of sh's limits is full or its
-// leases expire: how long its key must live.
-func lastNeeded(sh *Shared, now int64) int64 {
-	var last int64
-	for _, s := range sh.Levels {
-		last = max(last, s.FullAt-now)
-	}
-	for _, h := range sh.Held {
-		last = max(last, h.Expires-now)
-	}
-	return last
-}
-
 // The bucket script is shared.go's Shared, step for step and to the unit:
 // random traces of takes (with and without a ban), peeks, leases of several
 // nodes, their give-backs, give-backs outside leases and charges, on one to
@@ -139,10 +126,13 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				node := nodes[rng.IntN(len(nodes))]
 				seq[node]++
 				a := LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * ls[0].units() / ls[0].Rate.Tokens)}
+				prefetch := 0
 				if rng.IntN(2) == 0 {
 					a.Spend = cost
+				} else if rng.IntN(2) == 0 {
+					a.Prefetch, prefetch = true, 1
 				}
-				v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, 8)
+				v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch), false, 8)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -194,11 +184,22 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			// The key's expiry runs on Redis's real clock, not on the
 			// offset one: a key may be gone once the real time since the
 			// step covers all the model still keeps.
-			if len(stored) == 0 && len(want) > 0 && lastNeeded(sh, now) <= time.Since(sent).Microseconds() {
+			if len(stored) == 0 && len(want) > 0 && sh.Life(now, ls) <= time.Since(sent).Microseconds() {
 				continue
 			}
 			if !maps.Equal(stored, want) {
 				t.Fatalf("%s: Redis holds %v, the model %v", step, stored, want)
+			}
+			// The key lives as long as the model needs the bucket: until
+			// every lease expired and every limit refilled from the cap.
+			if len(want) > 0 {
+				pttl, err := rdb.PTTL(bg, key).Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if life := sh.Life(now, ls); pttl.Microseconds()+time.Since(sent).Microseconds()+1000 < life {
+					t.Fatalf("%s: the key expires in %s, the bucket is needed for %d µs", step, pttl, life)
+				}
 			}
 		}
 	}

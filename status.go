@@ -120,8 +120,19 @@ func (h *Handler) giveBackUncounted(r *http.Request, d *decision, status int) {
 	if d.cost == 0 || status < len(h.counted) && h.counted[status] {
 		return
 	}
+	// A reload since the take: give back as the running config counts, so
+	// that a changed refill creates no tokens, or not at all.
+	l, n := d.tier.limit, d.cost
+	if cur, ok := liveLimit(h.Name, d.tier.Name, l); !ok {
+		return
+	} else if cur != l {
+		l, n = cur, cur.Converted(n, l)
+	}
+	if n == 0 {
+		return
+	}
 	// The client may be gone; the give-back still belongs to its bucket.
-	if err := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, d.tier.limit, d.cost); err != nil {
+	if err := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {
 		h.storeLog.Warn("rate limit store: giving back the tokens of an uncounted response failed", zap.String("policy", h.Name), zap.Int("status", status), zap.Error(err))
 	}
 }

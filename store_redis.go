@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -142,6 +143,13 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	s.poolKey = cfg.key
 	if !cfg.lease.strict() {
 		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, s.timeout, cfg.denyCapacity, ctx.Logger())
+		s.leases.current = func(key string, l Limit) (Limit, bool) {
+			policy, tier, ok := s.splitKey(key)
+			if !ok {
+				return l, true
+			}
+			return liveLimit(policy, tier, l)
+		}
 	}
 	return nil
 }
@@ -184,6 +192,21 @@ func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
 		buf = append(buf, ':')
 	}
 	return hex.AppendEncode(buf, sum[:16])
+}
+
+// splitKey reads the policy and the tier back from a bucket's key.
+func (s *RedisStore) splitKey(key string) (policy, tier string, ok bool) {
+	rest, ok := strings.CutPrefix(key, s.prefix)
+	var parts [2]string
+	for i := range parts {
+		size, after, found := strings.Cut(rest, ":")
+		n, err := strconv.Atoi(size)
+		if !ok || !found || err != nil || n < 0 || n+1 > len(after) {
+			return "", "", false
+		}
+		parts[i], rest = after[:n], after[n+1:]
+	}
+	return parts[0], parts[1], true
 }
 
 // Take implements Store: from this node's lease when leases are on and
@@ -280,7 +303,11 @@ func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, erro
 // lease is a lease call on the bucket at key, within the timeout and
 // through the breaker.
 func (s *RedisStore) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error) {
-	args := s.args("lease", []Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend)
+	prefetch := 0
+	if a.Prefetch {
+		prefetch = 1
+	}
+	args := s.args("lease", []Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
 	v, err := s.call(context.Background(), key, args, false, 8)
 	if err != nil {
 		return LeaseResult{}, err
