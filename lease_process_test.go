@@ -31,6 +31,7 @@ type fleetPolicy struct {
 	lease    string // "10%" or "20"; "" is strict mode
 	timeout  string // per decision
 	more     string // more lines for the store block
+	ban      string // the ban setting, "" for none
 }
 
 // refillPerSecond is the policy's refill as a rate.
@@ -46,15 +47,20 @@ func (p fleetPolicy) refillPerSecond(t *testing.T) float64 {
 
 // leaseFleet is Caddy processes serving one policy on one Redis.
 type leaseFleet struct {
-	t         *testing.T
-	redis     *redisServer
+	t     *testing.T
+	redis *redisServer
+	// proxy is the first node's way to Redis; nodes at the same delay
+	// share one.
 	proxy     *faultProxy
 	nodes     []fleetNode
 	transport *http.Transport
 	client    *http.Client
 }
 
-type fleetNode struct{ port, admin int }
+type fleetNode struct {
+	port, admin int
+	proxy       *faultProxy // the node's way to Redis
+}
 
 func (n fleetNode) base() string      { return fmt.Sprintf("http://127.0.0.1:%d", n.port) }
 func (n fleetNode) adminBase() string { return fmt.Sprintf("http://127.0.0.1:%d", n.admin) }
@@ -63,16 +69,31 @@ func (n fleetNode) adminBase() string { return fmt.Sprintf("http://127.0.0.1:%d"
 // each way, and n Caddy processes serving p through the proxy.
 func startLeaseFleet(t *testing.T, n int, delay time.Duration, p fleetPolicy) *leaseFleet {
 	t.Helper()
+	delays := make([]time.Duration, n)
+	for i := range delays {
+		delays[i] = delay
+	}
+	return startLeaseFleetAt(t, delays, p)
+}
+
+// startLeaseFleetAt is startLeaseFleet with a node for each delay: nodes
+// at different distances from Redis, one proxy for each distance.
+func startLeaseFleetAt(t *testing.T, delays []time.Duration, p fleetPolicy) *leaseFleet {
+	t.Helper()
 	f := &leaseFleet{t: t, redis: startRedis(t)}
-	f.proxy = startFaultProxy(t, f.redis.addr(), delay)
 	f.transport = &http.Transport{MaxIdleConnsPerHost: 128}
 	f.client = &http.Client{Transport: f.transport, Timeout: 10 * time.Second}
 	t.Cleanup(f.transport.CloseIdleConnections)
-	for range n {
-		node := fleetNode{port: freePort(t), admin: freePort(t)}
+	proxies := map[time.Duration]*faultProxy{}
+	for _, delay := range delays {
+		if proxies[delay] == nil {
+			proxies[delay] = startFaultProxy(t, f.redis.addr(), delay)
+		}
+		node := fleetNode{port: freePort(t), admin: freePort(t), proxy: proxies[delay]}
 		f.nodes = append(f.nodes, node)
 		startCaddyProcess(t, node.port, f.caddyfile(node, p))
 	}
+	f.proxy = f.nodes[0].proxy
 	return f
 }
 
@@ -82,6 +103,10 @@ func (f *leaseFleet) caddyfile(node fleetNode, p fleetPolicy) string {
 	lease := ""
 	if p.lease != "" {
 		lease = "lease " + p.lease + "\n\t\t\tlease_ttl 1s"
+	}
+	ban := ""
+	if p.ban != "" {
+		ban = "ban " + p.ban
 	}
 	return fmt.Sprintf(`{
 	admin 127.0.0.1:%d
@@ -102,29 +127,37 @@ http://127.0.0.1:%d {
 			%s
 		}
 		on_store_error deny
+		%s
 	}
 	respond "ok"
 }
-`, node.admin, node.port, p.capacity, p.refill, f.proxy.addr(), p.timeout, lease, p.more)
+`, node.admin, node.port, p.capacity, p.refill, node.proxy.addr(), p.timeout, lease, p.more, ban)
 }
 
 // reload loads p on every node through its admin API, forcing a reload
 // even when the config is unchanged.
 func (f *leaseFleet) reload(p fleetPolicy) {
 	f.t.Helper()
-	for _, node := range f.nodes {
-		req, _ := http.NewRequest(http.MethodPost, node.adminBase()+"/load", strings.NewReader(f.caddyfile(node, p)))
-		req.Header.Set("Content-Type", "text/caddyfile")
-		req.Header.Set("Cache-Control", "must-revalidate")
-		resp, err := f.client.Do(req)
-		if err != nil {
-			f.t.Fatalf("reloading node %d: %v", node.port, err)
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 200 {
-			f.t.Fatalf("reloading node %d: %d %s", node.port, resp.StatusCode, body)
-		}
+	for i := range f.nodes {
+		f.reloadNode(i, p)
+	}
+}
+
+// reloadNode loads p on node i.
+func (f *leaseFleet) reloadNode(i int, p fleetPolicy) {
+	f.t.Helper()
+	node := f.nodes[i]
+	req, _ := http.NewRequest(http.MethodPost, node.adminBase()+"/load", strings.NewReader(f.caddyfile(node, p)))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	req.Header.Set("Cache-Control", "must-revalidate")
+	resp, err := f.client.Do(req)
+	if err != nil {
+		f.t.Fatalf("reloading node %d: %v", node.port, err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		f.t.Fatalf("reloading node %d: %d %s", node.port, resp.StatusCode, body)
 	}
 }
 
@@ -134,6 +167,8 @@ type answer struct {
 	sent   time.Time
 	done   time.Time
 	status int // 0: a transport error
+	// retryAfter is the Retry-After header in seconds, 0 when absent.
+	retryAfter int
 }
 
 func (o answer) took() time.Duration { return o.done.Sub(o.sent) }
@@ -148,6 +183,7 @@ func (f *leaseFleet) get(i int, key string) answer {
 		_, _ = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
 		o.status = resp.StatusCode
+		o.retryAfter, _ = strconv.Atoi(resp.Header.Get("Retry-After"))
 	}
 	o.done = time.Now()
 	return o
@@ -157,13 +193,23 @@ func (f *leaseFleet) get(i int, key string) answer {
 // the nodes, each on its own goroutine, so that a slow answer does not
 // hold back the next request. It returns them in the order sent.
 func (f *leaseFleet) paced(key string, rate float64, d time.Duration) []answer {
+	return f.pacedOn(nil, key, rate, d)
+}
+
+// pacedOn is paced over the nodes numbered in nodes, or all for nil.
+func (f *leaseFleet) pacedOn(nodes []int, key string, rate float64, d time.Duration) []answer {
+	if nodes == nil {
+		for i := range f.nodes {
+			nodes = append(nodes, i)
+		}
+	}
 	n := int(rate * d.Seconds())
 	out := make([]answer, n)
 	var wg sync.WaitGroup
 	start := time.Now()
 	for i := range n {
 		time.Sleep(time.Until(start.Add(time.Duration(float64(i) / rate * float64(time.Second)))))
-		wg.Go(func() { out[i] = f.get(i%len(f.nodes), key) })
+		wg.Go(func() { out[i] = f.get(nodes[i%len(nodes)], key) })
 	}
 	wg.Wait()
 	return out
@@ -189,18 +235,26 @@ func (f *leaseFleet) scriptCalls() int { return scriptCalls(f.redis) }
 func (f *leaseFleet) metric(name, label string) float64 {
 	f.t.Helper()
 	var sum float64
-	for _, node := range f.nodes {
-		text := f.adminGet(node, "/metrics")
-		for line := range strings.SplitSeq(text, "\n") {
-			rest, ok := strings.CutPrefix(line, name)
-			if !ok || (rest != "" && rest[0] != '{' && rest[0] != ' ') || !strings.Contains(rest, label) {
-				continue
-			}
-			fields := strings.Fields(rest)
-			v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
-			if err == nil {
-				sum += v
-			}
+	for i := range f.nodes {
+		sum += f.nodeMetric(i, name, label)
+	}
+	return sum
+}
+
+// nodeMetric is metric on node i alone.
+func (f *leaseFleet) nodeMetric(i int, name, label string) float64 {
+	f.t.Helper()
+	var sum float64
+	text := f.adminGet(f.nodes[i], "/metrics")
+	for line := range strings.SplitSeq(text, "\n") {
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || (rest != "" && rest[0] != '{' && rest[0] != ' ') || !strings.Contains(rest, label) {
+			continue
+		}
+		fields := strings.Fields(rest)
+		v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+		if err == nil {
+			sum += v
 		}
 	}
 	return sum
