@@ -2,10 +2,12 @@ package ratelimit
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -640,5 +642,159 @@ func reloadsLeaveNoGoroutines(t *testing.T, f *leaseFleet, p fleetPolicy) {
 		if now > before[i]+slack {
 			t.Errorf("node %d: %d goroutines after %d reloads, %d before: a leak", node.port, now, reloads, before[i])
 		}
+	}
+}
+
+// limit is the policy's bucket, for the bucket math.
+func (p fleetPolicy) limit(t *testing.T) Limit {
+	t.Helper()
+	rate, err := ParseRate(p.refill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := Limit{Capacity: int64(p.capacity), Rate: rate}
+	if p.ban != "" {
+		d, err := time.ParseDuration(p.ban)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Ban = d.Microseconds()
+	}
+	return l
+}
+
+// strictAdmits is what one bucket of limit l, full at the start, admits of
+// the requests in out, each a unit of cost arriving when it was sent.
+func strictAdmits(l Limit, out []answer) int {
+	sent := make([]time.Time, len(out))
+	for i, o := range out {
+		sent[i] = o.sent
+	}
+	slices.SortFunc(sent, func(a, b time.Time) int { return a.Compare(b) })
+	var s State
+	admitted := 0
+	for _, at := range sent {
+		var r Result
+		if s, r = Take(s, at.Sub(sent[0]).Microseconds(), l, 1); r.Allowed {
+			admitted++
+		}
+	}
+	return admitted
+}
+
+// openConns leaves n open connections to each node in the client's pool,
+// so that a burst does not wait on dialing.
+func (f *leaseFleet) openConns(n int) {
+	var wg sync.WaitGroup
+	for _, node := range f.nodes {
+		for range n {
+			wg.Go(func() {
+				resp, err := f.client.Get(node.base() + "/ready")
+				if err == nil {
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			})
+		}
+	}
+	wg.Wait()
+}
+
+// burst sends perNode requests for key to every node, all at once.
+func (f *leaseFleet) burst(key string, perNode int) []answer {
+	out := make([]answer, perNode*len(f.nodes))
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range out {
+		wg.Go(func() {
+			<-start
+			out[i] = f.get(i%len(f.nodes), key)
+		})
+	}
+	close(start)
+	wg.Wait()
+	return out
+}
+
+// sharedLevel is the whole tokens left in key's shared bucket, as node i
+// reads it from Redis through the admin API.
+func (f *leaseFleet) sharedLevel(i int, key string) int64 {
+	f.t.Helper()
+	var b bucketState
+	text := f.adminGet(f.nodes[i], "/rate_limit/buckets?policy=fleet&keyer=header&value="+url.QueryEscape(key))
+	if err := json.Unmarshal([]byte(text), &b); err != nil {
+		f.t.Fatalf("bucket %q: %v in %s", key, err, text)
+	}
+	return b.Remaining
+}
+
+// TestLeaseBurstAfterRefillLeavesOutWhatNodesHold plays the README's
+// policy (200 at 50/s, lease 10%, lease_ttl 1s) on 4 nodes, 20 ms each way
+// from Redis: 4 requests on each node, so that each holds a few leased
+// tokens, a 0.8 s pause in which the shared bucket refills, then 100
+// requests at once on each node. Before the fix the level refilled to the
+// capacity over the tokens the nodes held, and the burst got both (212).
+// Now the level stays below the capacity by what is out on lease, and the
+// burst gets the capacity plus the refill while it is being decided: its
+// lease calls take a few round trips, in which the bucket refills.
+func TestLeaseBurstAfterRefillLeavesOutWhatNodesHold(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
+	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	r := p.refillPerSecond(t)
+	f.warmUp()
+	f.openConns(100)
+	const key = "burst-after-refill"
+
+	first := make([]answer, 4*len(f.nodes))
+	var wg sync.WaitGroup
+	for i := range f.nodes {
+		wg.Go(func() {
+			for j := range 4 {
+				first[4*i+j] = f.get(i, key)
+			}
+		})
+	}
+	wg.Wait()
+	_, lastFirst := span(first)
+	time.Sleep(time.Until(first[0].sent.Add(lastFirst + 700*time.Millisecond)))
+	level := f.sharedLevel(0, key)
+	time.Sleep(time.Until(first[0].sent.Add(lastFirst + 800*time.Millisecond)))
+	burst := f.burst(key, 100)
+	all := append(slices.Clone(first), burst...)
+
+	// Every admission of the burst was decided between its first request
+	// and its last admitted answer.
+	burstStart, decidedBy := burst[0].sent, burst[0].sent
+	for _, o := range burst {
+		if o.sent.Before(burstStart) {
+			burstStart = o.sent
+		}
+		if o.status == 200 && o.done.After(decidedBy) {
+			decidedBy = o.done
+		}
+	}
+	decided := decidedBy.Sub(burstStart)
+	_, sending := span(burst)
+	burstAdmitted, admitted := tally(burst)[200], tally(all)[200]
+	wall, _ := span(all)
+	t.Logf("4 requests on each of %d nodes: statuses %v; shared level 0.1 s before the burst %d (capacity %d); burst of %d sent over %s: statuses %v, admitted ones answered within %s, bound C + floor(r*T) over that %d; in all %d over %s: one bucket on the same arrivals %d, C + floor(r*T) %d; %s",
+		len(f.nodes), tally(first), level, p.capacity, len(burst), sending.Round(time.Millisecond), tally(burst), decided.Round(time.Millisecond), allowance(p, r, decided),
+		admitted, wall.Round(time.Millisecond), strictAdmits(p.limit(t), all), allowance(p, r, wall), f.leaseCounts())
+	if c := tally(first); c[200] != len(first) {
+		t.Errorf("before the pause, statuses %v: want all %d allowed", c, len(first))
+	}
+	// Each node holds at least one token of its last lease.
+	if level > int64(p.capacity-len(f.nodes)) {
+		t.Errorf("the shared level refilled to %d over the tokens the %d nodes hold, want at most %d", level, len(f.nodes), p.capacity-len(f.nodes))
+	}
+	if c := tally(burst); c[200]+c[429] != len(burst) {
+		t.Errorf("burst: statuses %v, want only 200 and 429", c)
+	}
+	if most := allowance(p, r, decided); burstAdmitted > most {
+		t.Errorf("the burst after the refill got %d, more than C + floor(r*T) over the %s it was decided in, %d", burstAdmitted, decided, most)
+	}
+	if most := allowance(p, r, wall); admitted > most {
+		t.Errorf("the fleet admitted %d over %s, more than C + floor(r*T), %d", admitted, wall, most)
 	}
 }
