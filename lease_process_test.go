@@ -798,3 +798,62 @@ func TestLeaseBurstAfterRefillLeavesOutWhatNodesHold(t *testing.T) {
 		t.Errorf("the fleet admitted %d over %s, more than C + floor(r*T), %d", admitted, wall, most)
 	}
 }
+
+// TestLeaseBanHoldsOnEveryNode runs a ban with leases on 4 nodes, 20 ms
+// each way from Redis: 40 at 2/s, ban 10m, lease 10% (4 tokens), 20
+// requests a second round-robin over the nodes for 5 s. The ban starts in
+// Redis once the bucket lacks a request's cost even counting the tokens
+// out on lease, so the fleet admits no more than one bucket with a ban on
+// the same arrivals; once a client has been told of the ban, no node
+// admits anything after lease_ttl; and the fleet counts the ban once in
+// bans_total, whichever node started it.
+func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
+	p := fleetPolicy{capacity: 40, refill: "2/s", lease: "10%", timeout: "1s", ban: "10m"}
+	const leaseTTL = time.Second
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	l := p.limit(t)
+	f.warmUp()
+
+	out := f.paced("banned", 20, 5*time.Second)
+	admitted, strict := tally(out)[200], strictAdmits(l, out)
+	bans := f.metric("caddy_http_rate_limit_bans_total", `policy="fleet"`)
+
+	// The first answer that says the ban: a wait of the ban or more.
+	banAt := -1
+	for i, o := range out {
+		if o.status == 429 && o.retryAfter >= int(l.Ban/second) && (banAt < 0 || o.done.Before(out[banAt].done)) {
+			banAt = i
+		}
+	}
+	if banAt < 0 {
+		t.Fatalf("statuses %v: no 429 with a Retry-After of the ban (%s) or more; admitted %d, one bucket %d", tally(out), p.ban, admitted, strict)
+	}
+	told := out[banAt].done
+	var after, afterTTL []string
+	for _, o := range out {
+		if o.status != 200 || !o.sent.After(told) {
+			continue
+		}
+		at := fmt.Sprintf("node %d at %s", f.nodes[o.node].port, o.sent.Sub(told).Round(time.Millisecond))
+		after = append(after, at)
+		if o.sent.Sub(told) > leaseTTL {
+			afterTTL = append(afterTTL, at)
+		}
+	}
+	t.Logf("%d requests at 20/s over %d nodes: statuses %v; admitted %d, one bucket with the ban on the same arrivals %d; first told of the ban %s in, by node %d (Retry-After %d); admitted after that: %d %v; bans_total over the nodes %.0f; %s",
+		len(out), len(f.nodes), tally(out), admitted, strict, out[banAt].sent.Sub(out[0].sent).Round(time.Millisecond), f.nodes[out[banAt].node].port, out[banAt].retryAfter,
+		len(after), after, bans, f.leaseCounts())
+	if c := tally(out); c[200]+c[429] != len(out) {
+		t.Errorf("statuses %v, want only 200 and 429", c)
+	}
+	if admitted > strict {
+		t.Errorf("the fleet admitted %d, one bucket with the ban %d on the same arrivals", admitted, strict)
+	}
+	if len(afterTTL) > 0 {
+		t.Errorf("admitted more than lease_ttl after a client was told of the ban: %v", afterTTL)
+	}
+	if bans != 1 {
+		t.Errorf("bans_total summed over the nodes is %.0f, want 1", bans)
+	}
+}
