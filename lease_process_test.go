@@ -857,3 +857,113 @@ func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
 		t.Errorf("bans_total summed over the nodes is %.0f, want 1", bans)
 	}
 }
+
+// TestLeaseFarNodesKeepTheirShareAndTheirTokens runs 4 nodes, 2 of them
+// 80 ms each way from Redis and 2 at 160 ms.
+//   - The README's policy (200 at 50/s, lease 10%), a hot key at 4 times
+//     its rate, round-robin: once the first capacity is spent, neither
+//     pair gets less than a quarter of what is admitted. A hold-off
+//     counted from the answer to a refused call, with no jitter, left the
+//     far nodes last to every refill. (On 2 cores a pair's share ranges
+//     from about a third to two thirds, so the bound is loose.)
+//   - A key in waves on a near node whose give-backs land before the next
+//     wave: no token is lost (tokenWaves).
+func TestLeaseFarNodesKeepTheirShareAndTheirTokens(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, Redis 80 and 160 ms away)")
+	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
+	near, far := 80*time.Millisecond, 160*time.Millisecond
+	delays := []time.Duration{near, near, far, far}
+	f := startLeaseFleetAt(t, delays, p)
+	f.warmUp()
+
+	t.Run("hot key", func(t *testing.T) {
+		const drained = 2 * time.Second // the capacity is spent by then
+		r := p.refillPerSecond(t)
+		out := f.paced("far-hot", 4*r, 6*time.Second)
+		byNode := make([]int, len(f.nodes))
+		byDelay := map[time.Duration]int{}
+		steady := 0
+		for _, o := range out {
+			if o.status == 200 && o.sent.Sub(out[0].sent) >= drained {
+				byNode[o.node]++
+				byDelay[delays[o.node]]++
+				steady++
+			}
+		}
+		var shares []string
+		for i, n := range byNode {
+			shares = append(shares, fmt.Sprintf("%s: %d (%.0f%%)", delays[i], n, 100*float64(n)/float64(max(steady, 1))))
+		}
+		wall, _ := span(out)
+		admitted := tally(out)[200]
+		t.Logf("%d requests at %.0f/s: statuses %v, admitted %d over %s (C + floor(r*T) %d); after the first %s, %d admitted, by node %v; near pair %d, far pair %d (far/near %.2f); %s",
+			len(out), 4*r, tally(out), admitted, wall.Round(time.Millisecond), allowance(p, r, wall), drained, steady, shares,
+			byDelay[near], byDelay[far], float64(byDelay[far])/float64(max(byDelay[near], 1)), f.leaseCounts())
+		if c := tally(out); c[200]+c[429] != len(out) {
+			t.Errorf("statuses %v, want only 200 and 429", c)
+		}
+		if most := allowance(p, r, wall); admitted > most {
+			t.Errorf("admitted %d over %s, more than C + floor(r*T), %d", admitted, wall, most)
+		}
+		for _, d := range []time.Duration{near, far} {
+			if 4*byDelay[d] < steady {
+				t.Errorf("after the first %s the nodes %s from Redis got %d of %d admitted, less than a quarter", drained, d, byDelay[d], steady)
+			}
+		}
+	})
+
+	t.Run("key in waves", func(t *testing.T) {
+		f.reloadNode(0, wavesPolicy)
+		f.warmUp()
+		// A wave's last lease call is sent by 0.6 s into it; its leftover
+		// lands by lease_ttl + a sweep period + a handshake and a trip
+		// after that, before the next wave, 2.5 s after the last.
+		tokenWaves(t, f, 0, "far-waves", 2, 1900*time.Millisecond)
+	})
+}
+
+// wavesPolicy is a bucket that refills slowly, so that a key in waves
+// keeps it below its capacity, where a lost token shows.
+var wavesPolicy = fleetPolicy{capacity: 100, refill: "2/s", lease: "10%", timeout: "1s"}
+
+// tokenWaves sends waves of 12 requests at 20/s for key to node i, pause
+// apart, on wavesPolicy. Each wave leases up to 10 tokens at once and
+// leaves some unspent, which go back lease_ttl after its last lease call;
+// the waves take more than the refill, so the bucket never sits full.
+// Every request must be admitted, and once the last wave's leftover is
+// back, the shared level plus what was admitted must account for the
+// capacity and the refill since the first request, within 3%: a
+// give-back that Redis refused lost its tokens.
+func tokenWaves(t *testing.T, f *leaseFleet, i int, key string, waves int, pause time.Duration) {
+	t.Helper()
+	p := wavesPolicy
+	r := p.refillPerSecond(t)
+	returned := f.nodeMetric(i, "caddy_http_rate_limit_lease_tokens_returned_total", "")
+	var out []answer
+	for w := range waves {
+		if w > 0 {
+			time.Sleep(pause)
+		}
+		out = append(out, f.pacedOn([]int{i}, key, 20, 600*time.Millisecond)...)
+	}
+	// lease_ttl, a sweep period, a handshake and a trip, with room.
+	time.Sleep(2 * time.Second)
+	peeked := time.Now()
+	level := int(f.sharedLevel(i, key))
+	returned = f.nodeMetric(i, "caddy_http_rate_limit_lease_tokens_returned_total", "") - returned
+	admitted := tally(out)[200]
+	refill := int(math.Floor(r * peeked.Sub(out[0].sent).Seconds()))
+	should := p.capacity + refill
+	lost := should - admitted - level
+	t.Logf("%d waves of 12 requests at 20/s, %s apart, on a node %s from Redis: statuses %v; tokens given back %.0f; %s after the first request the shared level is %d: admitted + level %d, capacity + refill %d + %d = %d; lost %d (%.1f%%)",
+		waves, pause, f.nodes[i].proxy.delay, tally(out), returned, peeked.Sub(out[0].sent).Round(time.Millisecond), level, admitted+level, p.capacity, refill, should, lost, 100*float64(lost)/float64(should))
+	if c := tally(out); c[200] != len(out) {
+		t.Errorf("statuses %v: want all %d allowed; not allowed: %s", c, len(out), notAllowed(f, out))
+	}
+	if returned == 0 {
+		t.Errorf("no leased token went back: the waves did not test give-backs")
+	}
+	if lost > should*3/100 {
+		t.Errorf("the shared level %d and the %d admitted account for %d of the capacity and refill %d: %d lost, more than 3%%", level, admitted, admitted+level, should, lost)
+	}
+}
