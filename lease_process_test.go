@@ -2,10 +2,12 @@ package ratelimit
 
 import (
 	"bufio"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -31,6 +33,7 @@ type fleetPolicy struct {
 	lease    string // "10%" or "20"; "" is strict mode
 	timeout  string // per decision
 	more     string // more lines for the store block
+	ban      string // the ban setting, "" for none
 }
 
 // refillPerSecond is the policy's refill as a rate.
@@ -46,15 +49,20 @@ func (p fleetPolicy) refillPerSecond(t *testing.T) float64 {
 
 // leaseFleet is Caddy processes serving one policy on one Redis.
 type leaseFleet struct {
-	t         *testing.T
-	redis     *redisServer
+	t     *testing.T
+	redis *redisServer
+	// proxy is the first node's way to Redis; nodes at the same delay
+	// share one.
 	proxy     *faultProxy
 	nodes     []fleetNode
 	transport *http.Transport
 	client    *http.Client
 }
 
-type fleetNode struct{ port, admin int }
+type fleetNode struct {
+	port, admin int
+	proxy       *faultProxy // the node's way to Redis
+}
 
 func (n fleetNode) base() string      { return fmt.Sprintf("http://127.0.0.1:%d", n.port) }
 func (n fleetNode) adminBase() string { return fmt.Sprintf("http://127.0.0.1:%d", n.admin) }
@@ -63,16 +71,31 @@ func (n fleetNode) adminBase() string { return fmt.Sprintf("http://127.0.0.1:%d"
 // each way, and n Caddy processes serving p through the proxy.
 func startLeaseFleet(t *testing.T, n int, delay time.Duration, p fleetPolicy) *leaseFleet {
 	t.Helper()
+	delays := make([]time.Duration, n)
+	for i := range delays {
+		delays[i] = delay
+	}
+	return startLeaseFleetAt(t, delays, p)
+}
+
+// startLeaseFleetAt is startLeaseFleet with a node for each delay: nodes
+// at different distances from Redis, one proxy for each distance.
+func startLeaseFleetAt(t *testing.T, delays []time.Duration, p fleetPolicy) *leaseFleet {
+	t.Helper()
 	f := &leaseFleet{t: t, redis: startRedis(t)}
-	f.proxy = startFaultProxy(t, f.redis.addr(), delay)
 	f.transport = &http.Transport{MaxIdleConnsPerHost: 128}
 	f.client = &http.Client{Transport: f.transport, Timeout: 10 * time.Second}
 	t.Cleanup(f.transport.CloseIdleConnections)
-	for range n {
-		node := fleetNode{port: freePort(t), admin: freePort(t)}
+	proxies := map[time.Duration]*faultProxy{}
+	for _, delay := range delays {
+		if proxies[delay] == nil {
+			proxies[delay] = startFaultProxy(t, f.redis.addr(), delay)
+		}
+		node := fleetNode{port: freePort(t), admin: freePort(t), proxy: proxies[delay]}
 		f.nodes = append(f.nodes, node)
 		startCaddyProcess(t, node.port, f.caddyfile(node, p))
 	}
+	f.proxy = f.nodes[0].proxy
 	return f
 }
 
@@ -82,6 +105,10 @@ func (f *leaseFleet) caddyfile(node fleetNode, p fleetPolicy) string {
 	lease := ""
 	if p.lease != "" {
 		lease = "lease " + p.lease + "\n\t\t\tlease_ttl 1s"
+	}
+	ban := ""
+	if p.ban != "" {
+		ban = "ban " + p.ban
 	}
 	return fmt.Sprintf(`{
 	admin 127.0.0.1:%d
@@ -102,29 +129,37 @@ http://127.0.0.1:%d {
 			%s
 		}
 		on_store_error deny
+		%s
 	}
 	respond "ok"
 }
-`, node.admin, node.port, p.capacity, p.refill, f.proxy.addr(), p.timeout, lease, p.more)
+`, node.admin, node.port, p.capacity, p.refill, node.proxy.addr(), p.timeout, lease, p.more, ban)
 }
 
 // reload loads p on every node through its admin API, forcing a reload
 // even when the config is unchanged.
 func (f *leaseFleet) reload(p fleetPolicy) {
 	f.t.Helper()
-	for _, node := range f.nodes {
-		req, _ := http.NewRequest(http.MethodPost, node.adminBase()+"/load", strings.NewReader(f.caddyfile(node, p)))
-		req.Header.Set("Content-Type", "text/caddyfile")
-		req.Header.Set("Cache-Control", "must-revalidate")
-		resp, err := f.client.Do(req)
-		if err != nil {
-			f.t.Fatalf("reloading node %d: %v", node.port, err)
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 200 {
-			f.t.Fatalf("reloading node %d: %d %s", node.port, resp.StatusCode, body)
-		}
+	for i := range f.nodes {
+		f.reloadNode(i, p)
+	}
+}
+
+// reloadNode loads p on node i.
+func (f *leaseFleet) reloadNode(i int, p fleetPolicy) {
+	f.t.Helper()
+	node := f.nodes[i]
+	req, _ := http.NewRequest(http.MethodPost, node.adminBase()+"/load", strings.NewReader(f.caddyfile(node, p)))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	req.Header.Set("Cache-Control", "must-revalidate")
+	resp, err := f.client.Do(req)
+	if err != nil {
+		f.t.Fatalf("reloading node %d: %v", node.port, err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		f.t.Fatalf("reloading node %d: %d %s", node.port, resp.StatusCode, body)
 	}
 }
 
@@ -134,6 +169,8 @@ type answer struct {
 	sent   time.Time
 	done   time.Time
 	status int // 0: a transport error
+	// retryAfter is the Retry-After header in seconds, 0 when absent.
+	retryAfter int
 }
 
 func (o answer) took() time.Duration { return o.done.Sub(o.sent) }
@@ -148,6 +185,7 @@ func (f *leaseFleet) get(i int, key string) answer {
 		_, _ = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
 		o.status = resp.StatusCode
+		o.retryAfter, _ = strconv.Atoi(resp.Header.Get("Retry-After"))
 	}
 	o.done = time.Now()
 	return o
@@ -157,13 +195,23 @@ func (f *leaseFleet) get(i int, key string) answer {
 // the nodes, each on its own goroutine, so that a slow answer does not
 // hold back the next request. It returns them in the order sent.
 func (f *leaseFleet) paced(key string, rate float64, d time.Duration) []answer {
+	return f.pacedOn(nil, key, rate, d)
+}
+
+// pacedOn is paced over the nodes numbered in nodes, or all for nil.
+func (f *leaseFleet) pacedOn(nodes []int, key string, rate float64, d time.Duration) []answer {
+	if nodes == nil {
+		for i := range f.nodes {
+			nodes = append(nodes, i)
+		}
+	}
 	n := int(rate * d.Seconds())
 	out := make([]answer, n)
 	var wg sync.WaitGroup
 	start := time.Now()
 	for i := range n {
 		time.Sleep(time.Until(start.Add(time.Duration(float64(i) / rate * float64(time.Second)))))
-		wg.Go(func() { out[i] = f.get(i%len(f.nodes), key) })
+		wg.Go(func() { out[i] = f.get(nodes[i%len(nodes)], key) })
 	}
 	wg.Wait()
 	return out
@@ -189,18 +237,26 @@ func (f *leaseFleet) scriptCalls() int { return scriptCalls(f.redis) }
 func (f *leaseFleet) metric(name, label string) float64 {
 	f.t.Helper()
 	var sum float64
-	for _, node := range f.nodes {
-		text := f.adminGet(node, "/metrics")
-		for line := range strings.SplitSeq(text, "\n") {
-			rest, ok := strings.CutPrefix(line, name)
-			if !ok || (rest != "" && rest[0] != '{' && rest[0] != ' ') || !strings.Contains(rest, label) {
-				continue
-			}
-			fields := strings.Fields(rest)
-			v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
-			if err == nil {
-				sum += v
-			}
+	for i := range f.nodes {
+		sum += f.nodeMetric(i, name, label)
+	}
+	return sum
+}
+
+// nodeMetric is metric on node i alone.
+func (f *leaseFleet) nodeMetric(i int, name, label string) float64 {
+	f.t.Helper()
+	var sum float64
+	text := f.adminGet(f.nodes[i], "/metrics")
+	for line := range strings.SplitSeq(text, "\n") {
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || (rest != "" && rest[0] != '{' && rest[0] != ' ') || !strings.Contains(rest, label) {
+			continue
+		}
+		fields := strings.Fields(rest)
+		v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+		if err == nil {
+			sum += v
 		}
 	}
 	return sum
@@ -587,4 +643,343 @@ func reloadsLeaveNoGoroutines(t *testing.T, f *leaseFleet, p fleetPolicy) {
 			t.Errorf("node %d: %d goroutines after %d reloads, %d before: a leak", node.port, now, reloads, before[i])
 		}
 	}
+}
+
+// limit is the policy's bucket, for the bucket math.
+func (p fleetPolicy) limit(t *testing.T) Limit {
+	t.Helper()
+	rate, err := ParseRate(p.refill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := Limit{Capacity: int64(p.capacity), Rate: rate}
+	if p.ban != "" {
+		d, err := time.ParseDuration(p.ban)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Ban = d.Microseconds()
+	}
+	return l
+}
+
+// strictAdmits is what one bucket of limit l, full at the start, admits of
+// the requests in out, each a unit of cost arriving when it was sent.
+func strictAdmits(l Limit, out []answer) int {
+	sent := make([]time.Time, len(out))
+	for i, o := range out {
+		sent[i] = o.sent
+	}
+	slices.SortFunc(sent, func(a, b time.Time) int { return a.Compare(b) })
+	var s State
+	admitted := 0
+	for _, at := range sent {
+		var r Result
+		if s, r = Take(s, at.Sub(sent[0]).Microseconds(), l, 1); r.Allowed {
+			admitted++
+		}
+	}
+	return admitted
+}
+
+// openConns leaves n open connections to each node in the client's pool,
+// so that a burst does not wait on dialing.
+func (f *leaseFleet) openConns(n int) {
+	var wg sync.WaitGroup
+	for _, node := range f.nodes {
+		for range n {
+			wg.Go(func() {
+				resp, err := f.client.Get(node.base() + "/ready")
+				if err == nil {
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			})
+		}
+	}
+	wg.Wait()
+}
+
+// burst sends perNode requests for key to every node, all at once.
+func (f *leaseFleet) burst(key string, perNode int) []answer {
+	out := make([]answer, perNode*len(f.nodes))
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range out {
+		wg.Go(func() {
+			<-start
+			out[i] = f.get(i%len(f.nodes), key)
+		})
+	}
+	close(start)
+	wg.Wait()
+	return out
+}
+
+// sharedLevel is the whole tokens left in key's shared bucket, as node i
+// reads it from Redis through the admin API.
+func (f *leaseFleet) sharedLevel(i int, key string) int64 {
+	f.t.Helper()
+	var b bucketState
+	text := f.adminGet(f.nodes[i], "/rate_limit/buckets?policy=fleet&keyer=header&value="+url.QueryEscape(key))
+	if err := json.Unmarshal([]byte(text), &b); err != nil {
+		f.t.Fatalf("bucket %q: %v in %s", key, err, text)
+	}
+	return b.Remaining
+}
+
+// TestLeaseBurstAfterRefillLeavesOutWhatNodesHold plays the README's
+// policy (200 at 50/s, lease 10%, lease_ttl 1s) on 4 nodes, 20 ms each way
+// from Redis: 4 requests on each node, so that each holds a few leased
+// tokens, a 0.8 s pause in which the shared bucket refills, then 100
+// requests at once on each node. Before the fix the level refilled to the
+// capacity over the tokens the nodes held, and the burst got both (212).
+// Now the level stays below the capacity by what is out on lease, and the
+// burst gets the capacity plus the refill while it is being decided: its
+// lease calls take a few round trips, in which the bucket refills.
+func TestLeaseBurstAfterRefillLeavesOutWhatNodesHold(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
+	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	r := p.refillPerSecond(t)
+	f.warmUp()
+	f.openConns(100)
+	const key = "burst-after-refill"
+
+	first := make([]answer, 4*len(f.nodes))
+	var wg sync.WaitGroup
+	for i := range f.nodes {
+		wg.Go(func() {
+			for j := range 4 {
+				first[4*i+j] = f.get(i, key)
+			}
+		})
+	}
+	wg.Wait()
+	_, lastFirst := span(first)
+	time.Sleep(time.Until(first[0].sent.Add(lastFirst + 700*time.Millisecond)))
+	level := f.sharedLevel(0, key)
+	time.Sleep(time.Until(first[0].sent.Add(lastFirst + 800*time.Millisecond)))
+	burst := f.burst(key, 100)
+	all := append(slices.Clone(first), burst...)
+
+	// Every admission of the burst was decided between its first request
+	// and its last admitted answer.
+	burstStart, decidedBy := burst[0].sent, burst[0].sent
+	for _, o := range burst {
+		if o.sent.Before(burstStart) {
+			burstStart = o.sent
+		}
+		if o.status == 200 && o.done.After(decidedBy) {
+			decidedBy = o.done
+		}
+	}
+	decided := decidedBy.Sub(burstStart)
+	_, sending := span(burst)
+	burstAdmitted, admitted := tally(burst)[200], tally(all)[200]
+	wall, _ := span(all)
+	t.Logf("4 requests on each of %d nodes: statuses %v; shared level 0.1 s before the burst %d (capacity %d); burst of %d sent over %s: statuses %v, admitted ones answered within %s, bound C + floor(r*T) over that %d; in all %d over %s: one bucket on the same arrivals %d, C + floor(r*T) %d; %s",
+		len(f.nodes), tally(first), level, p.capacity, len(burst), sending.Round(time.Millisecond), tally(burst), decided.Round(time.Millisecond), allowance(p, r, decided),
+		admitted, wall.Round(time.Millisecond), strictAdmits(p.limit(t), all), allowance(p, r, wall), f.leaseCounts())
+	if c := tally(first); c[200] != len(first) {
+		t.Errorf("before the pause, statuses %v: want all %d allowed", c, len(first))
+	}
+	// Each node holds at least one token of its last lease.
+	if level > int64(p.capacity-len(f.nodes)) {
+		t.Errorf("the shared level refilled to %d over the tokens the %d nodes hold, want at most %d", level, len(f.nodes), p.capacity-len(f.nodes))
+	}
+	if c := tally(burst); c[200]+c[429] != len(burst) {
+		t.Errorf("burst: statuses %v, want only 200 and 429", c)
+	}
+	if most := allowance(p, r, decided); burstAdmitted > most {
+		t.Errorf("the burst after the refill got %d, more than C + floor(r*T) over the %s it was decided in, %d", burstAdmitted, decided, most)
+	}
+	if most := allowance(p, r, wall); admitted > most {
+		t.Errorf("the fleet admitted %d over %s, more than C + floor(r*T), %d", admitted, wall, most)
+	}
+}
+
+// TestLeaseBanHoldsOnEveryNode runs a ban with leases on 4 nodes, 20 ms
+// each way from Redis: 40 at 2/s, ban 10m, lease 10% (4 tokens), 20
+// requests a second round-robin over the nodes for 5 s. The ban starts in
+// Redis once the bucket lacks a request's cost even counting the tokens
+// out on lease, so the fleet admits no more than one bucket with a ban on
+// the same arrivals; once a client has been told of the ban, no node
+// admits anything after lease_ttl; and the fleet counts the ban once in
+// bans_total, whichever node started it.
+func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
+	p := fleetPolicy{capacity: 40, refill: "2/s", lease: "10%", timeout: "1s", ban: "10m"}
+	const leaseTTL = time.Second
+	f := startLeaseFleet(t, 4, wanDelay, p)
+	l := p.limit(t)
+	f.warmUp()
+
+	out := f.paced("banned", 20, 5*time.Second)
+	admitted, strict := tally(out)[200], strictAdmits(l, out)
+	bans := f.metric("caddy_http_rate_limit_bans_total", `policy="fleet"`)
+
+	// The first answer that says the ban: a wait of the ban or more.
+	banAt := -1
+	for i, o := range out {
+		if o.status == 429 && o.retryAfter >= int(l.Ban/second) && (banAt < 0 || o.done.Before(out[banAt].done)) {
+			banAt = i
+		}
+	}
+	if banAt < 0 {
+		t.Fatalf("statuses %v: no 429 with a Retry-After of the ban (%s) or more; admitted %d, one bucket %d", tally(out), p.ban, admitted, strict)
+	}
+	told := out[banAt].done
+	var after, afterTTL []string
+	for _, o := range out {
+		if o.status != 200 || !o.sent.After(told) {
+			continue
+		}
+		at := fmt.Sprintf("node %d at %s", f.nodes[o.node].port, o.sent.Sub(told).Round(time.Millisecond))
+		after = append(after, at)
+		if o.sent.Sub(told) > leaseTTL {
+			afterTTL = append(afterTTL, at)
+		}
+	}
+	t.Logf("%d requests at 20/s over %d nodes: statuses %v; admitted %d, one bucket with the ban on the same arrivals %d; first told of the ban %s in, by node %d (Retry-After %d); admitted after that: %d %v; bans_total over the nodes %.0f; %s",
+		len(out), len(f.nodes), tally(out), admitted, strict, out[banAt].sent.Sub(out[0].sent).Round(time.Millisecond), f.nodes[out[banAt].node].port, out[banAt].retryAfter,
+		len(after), after, bans, f.leaseCounts())
+	if c := tally(out); c[200]+c[429] != len(out) {
+		t.Errorf("statuses %v, want only 200 and 429", c)
+	}
+	if admitted > strict {
+		t.Errorf("the fleet admitted %d, one bucket with the ban %d on the same arrivals", admitted, strict)
+	}
+	if len(afterTTL) > 0 {
+		t.Errorf("admitted more than lease_ttl after a client was told of the ban: %v", afterTTL)
+	}
+	if bans != 1 {
+		t.Errorf("bans_total summed over the nodes is %.0f, want 1", bans)
+	}
+}
+
+// TestLeaseFarNodesKeepTheirShareAndTheirTokens runs 4 nodes, 2 of them
+// 80 ms each way from Redis and 2 at 160 ms.
+//   - The README's policy (200 at 50/s, lease 10%), a hot key at 4 times
+//     its rate, round-robin: once the first capacity is spent, neither
+//     pair gets less than a quarter of what is admitted. A hold-off
+//     counted from the answer to a refused call, with no jitter, left the
+//     far nodes last to every refill. (On 2 cores a pair's share ranges
+//     from about a third to two thirds, so the bound is loose.)
+//   - A key in waves on a near node whose give-backs land before the next
+//     wave: no token is lost (tokenWaves).
+func TestLeaseFarNodesKeepTheirShareAndTheirTokens(t *testing.T) {
+	skipUnderShort(t, "real-process load (4 Caddy processes, Redis 80 and 160 ms away)")
+	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
+	near, far := 80*time.Millisecond, 160*time.Millisecond
+	delays := []time.Duration{near, near, far, far}
+	f := startLeaseFleetAt(t, delays, p)
+	f.warmUp()
+
+	t.Run("hot key", func(t *testing.T) {
+		const drained = 2 * time.Second // the capacity is spent by then
+		r := p.refillPerSecond(t)
+		out := f.paced("far-hot", 4*r, 6*time.Second)
+		byNode := make([]int, len(f.nodes))
+		byDelay := map[time.Duration]int{}
+		steady := 0
+		for _, o := range out {
+			if o.status == 200 && o.sent.Sub(out[0].sent) >= drained {
+				byNode[o.node]++
+				byDelay[delays[o.node]]++
+				steady++
+			}
+		}
+		var shares []string
+		for i, n := range byNode {
+			shares = append(shares, fmt.Sprintf("%s: %d (%.0f%%)", delays[i], n, 100*float64(n)/float64(max(steady, 1))))
+		}
+		wall, _ := span(out)
+		admitted := tally(out)[200]
+		t.Logf("%d requests at %.0f/s: statuses %v, admitted %d over %s (C + floor(r*T) %d); after the first %s, %d admitted, by node %v; near pair %d, far pair %d (far/near %.2f); %s",
+			len(out), 4*r, tally(out), admitted, wall.Round(time.Millisecond), allowance(p, r, wall), drained, steady, shares,
+			byDelay[near], byDelay[far], float64(byDelay[far])/float64(max(byDelay[near], 1)), f.leaseCounts())
+		if c := tally(out); c[200]+c[429] != len(out) {
+			t.Errorf("statuses %v, want only 200 and 429", c)
+		}
+		if most := allowance(p, r, wall); admitted > most {
+			t.Errorf("admitted %d over %s, more than C + floor(r*T), %d", admitted, wall, most)
+		}
+		for _, d := range []time.Duration{near, far} {
+			if 4*byDelay[d] < steady {
+				t.Errorf("after the first %s the nodes %s from Redis got %d of %d admitted, less than a quarter", drained, d, byDelay[d], steady)
+			}
+		}
+	})
+
+	t.Run("key in waves", func(t *testing.T) {
+		f.reloadNode(0, wavesPolicy)
+		f.warmUp()
+		// A wave's last lease call is sent by 0.6 s into it; its leftover
+		// lands by lease_ttl + a sweep period + a handshake and a trip
+		// after that, before the next wave, 2.5 s after the last.
+		tokenWaves(t, f, 0, "far-waves", 2, 1900*time.Millisecond)
+	})
+}
+
+// wavesPolicy is a bucket that refills slowly, so that a key in waves
+// keeps it below its capacity, where a lost token shows.
+var wavesPolicy = fleetPolicy{capacity: 100, refill: "2/s", lease: "10%", timeout: "1s"}
+
+// tokenWaves sends waves of 12 requests at 20/s for key to node i, pause
+// apart, on wavesPolicy. Each wave leases up to 10 tokens at once and
+// leaves some unspent, which go back lease_ttl after its last lease call;
+// the waves take more than the refill, so the bucket never sits full.
+// Every request must be admitted, and once the last wave's leftover is
+// back, the shared level plus what was admitted must account for the
+// capacity and the refill since the first request, within 3%: a
+// give-back that Redis refused lost its tokens.
+func tokenWaves(t *testing.T, f *leaseFleet, i int, key string, waves int, pause time.Duration) {
+	t.Helper()
+	p := wavesPolicy
+	r := p.refillPerSecond(t)
+	returned := f.nodeMetric(i, "caddy_http_rate_limit_lease_tokens_returned_total", "")
+	var out []answer
+	for w := range waves {
+		if w > 0 {
+			time.Sleep(pause)
+		}
+		out = append(out, f.pacedOn([]int{i}, key, 20, 600*time.Millisecond)...)
+	}
+	// lease_ttl, a sweep period, a handshake and a trip, with room.
+	time.Sleep(2 * time.Second)
+	peeked := time.Now()
+	level := int(f.sharedLevel(i, key))
+	returned = f.nodeMetric(i, "caddy_http_rate_limit_lease_tokens_returned_total", "") - returned
+	admitted := tally(out)[200]
+	refill := int(math.Floor(r * peeked.Sub(out[0].sent).Seconds()))
+	should := p.capacity + refill
+	lost := should - admitted - level
+	t.Logf("%d waves of 12 requests at 20/s, %s apart, on a node %s from Redis: statuses %v; tokens given back %.0f; %s after the first request the shared level is %d: admitted + level %d, capacity + refill %d + %d = %d; lost %d (%.1f%%)",
+		waves, pause, f.nodes[i].proxy.delay, tally(out), returned, peeked.Sub(out[0].sent).Round(time.Millisecond), level, admitted+level, p.capacity, refill, should, lost, 100*float64(lost)/float64(should))
+	if c := tally(out); c[200] != len(out) {
+		t.Errorf("statuses %v: want all %d allowed; not allowed: %s", c, len(out), notAllowed(f, out))
+	}
+	if returned == 0 {
+		t.Errorf("no leased token went back: the waves did not test give-backs")
+	}
+	if lost > should*3/100 {
+		t.Errorf("the shared level %d and the %d admitted account for %d of the capacity and refill %d: %d lost, more than 3%%", level, admitted, admitted+level, should, lost)
+	}
+}
+
+// TestLeaseGiveBackOvertakenByTheNextLeaseIsNotLost runs a key in 2 waves
+// 1.2 s apart on one node 80 ms each way from Redis. The first wave's
+// leftover goes back, pipelined, on a connection the node must open first
+// (go-redis keeps pipelines on connections of their own): a round trip
+// for the handshake. The second wave's first lease call, sent later on an
+// open connection, reaches Redis first: it says the node holds nothing and
+// rewrites the lease's record under a new number, and the give-back,
+// naming the old one, returns nothing. A lease's leftover (13 tokens,
+// 12% of the capacity and refill) is lost, which tokenWaves catches.
+func TestLeaseGiveBackOvertakenByTheNextLeaseIsNotLost(t *testing.T) {
+	skipUnderShort(t, "real-process load (a Caddy process, Redis 80 ms away)")
+	f := startLeaseFleet(t, 1, 80*time.Millisecond, wavesPolicy)
+	f.warmUp()
+	tokenWaves(t, f, 0, "overtaken", 2, 1200*time.Millisecond)
 }
