@@ -365,13 +365,24 @@ func (t *leaseTable) evict(sh *leaseShard, now int64) {
 	if victim == nil {
 		return
 	}
-	delete(sh.m, victim.key)
 	if victim.tokens > 0 || victim.recorded > 0 {
-		back := victim.takeBack()
-		sh.returning[victim.key] = back.done
-		t.giveBackLater([]leaseReturn{back})
+		t.giveBackLater([]leaseReturn{victim.takeBack()})
 	}
+	sh.forget(victim)
 	leaseEvictions.Inc()
+}
+
+// forget drops e from the shard. A give-back of it still in flight is kept
+// by key, for the first call of the next entry to wait for.
+func (sh *leaseShard) forget(e *lease) {
+	delete(sh.m, e.key)
+	if e.returning != nil {
+		select {
+		case <-e.returning:
+		default:
+			sh.returning[e.key] = e.returning
+		}
+	}
 }
 
 // expire gives back the tokens of a lease whose lease_ttl has passed: the
@@ -564,7 +575,7 @@ func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 	for i := range t.shards {
 		sh := &t.shards[i]
 		sh.mu.Lock()
-		for key, e := range sh.m {
+		for _, e := range sh.m {
 			if e.call != nil {
 				continue
 			}
@@ -572,7 +583,7 @@ func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 				back = append(back, e.takeBack())
 			}
 			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
-				delete(sh.m, key)
+				sh.forget(e)
 			}
 		}
 		for key, done := range sh.returning {
