@@ -69,6 +69,9 @@ type leaseTable struct {
 	logger   *zap.Logger
 	// jitter draws the random part of a hold-off, from 0 to n-1.
 	jitter func(n int64) int64
+	// after, when set, runs f in the background after d: the prefetch at
+	// the end of a hold-off. Tests on an injected clock leave it unset.
+	after func(d time.Duration, f func())
 	// current, when set, says what the running config's limit is for the
 	// bucket at key, whose lease was taken under l; false when the bucket's
 	// tier is gone. A table closed by a reload gives back under it.
@@ -109,6 +112,9 @@ type lease struct {
 	// saw it; holdUntil: no call for this bucket before then.
 	retryAt, retryCost int64
 	holdUntil          int64
+	// short: the last call got fewer tokens than it asked for, and the
+	// shared bucket held fewer than that: the fleet oversubscribes it.
+	short bool
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
 	banUntil int64
@@ -264,7 +270,12 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		// Under a ban setting, a request the node cannot cover asks the
 		// shared store, unless a ban is known to hold: one bucket would
 		// start the ban at this refusal, and so must the shared one.
-		if waited || now < e.banUntil || l.Ban == 0 && now < e.holdUntil {
+		// A bucket the fleet oversubscribes (the last call was short)
+		// has its refill shared out by calls: a request that finds them
+		// all spent and a call in flight is refused at once rather than
+		// wait on it. What the call brings stays for the next requests,
+		// so nothing is lost, and allowed requests do not wait.
+		if waited || now < e.banUntil || l.Ban == 0 && (now < e.holdUntil || e.short && e.call != nil) {
 			res := e.result(now, false, cost)
 			sh.mu.Unlock()
 			return res, nil
@@ -470,6 +481,7 @@ func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
 	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
 	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
 	e.holdUntil, e.banUntil = 0, 0
+	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
 	if lr.Drop && lr.Granted == 0 {
 		e.banUntil = sent + lr.RetryAfter
 	}
@@ -483,7 +495,26 @@ func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
 			until = min(until, sent+secondsUp(lr.RetryAfter)*1_000_000)
 		}
 		e.holdUntil = until
+		if t.after != nil && e.banUntil == 0 {
+			t.after(time.Duration(until-t.now())*time.Microsecond, func() { t.prefetchAfterHoldOff(e) })
+		}
 	}
+}
+
+// prefetchAfterHoldOff fetches the next lease of a bucket still in use
+// when its hold-off ends, in the background, so that its requests find
+// tokens rather than wait on a call: an oversubscribed bucket's steady
+// traffic then waits no more than the rest.
+func (t *leaseTable) prefetchAfterHoldOff(e *lease) {
+	sh := t.shard([]byte(e.key))
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	now := t.now()
+	if t.closed.Load() || sh.m[e.key] != e || e.call != nil || now < e.holdUntil || now-e.lastUsed >= t.ttl || e.tokens*2 >= e.size {
+		return
+	}
+	t.expire(e, now)
+	t.fetch(e, max(1, e.retryCost), now, true)
 }
 
 func leaseOutcome(granted, want int64) string {

@@ -143,6 +143,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	s.poolKey = cfg.key
 	if !cfg.lease.strict() {
 		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, s.timeout, cfg.denyCapacity, ctx.Logger())
+		s.leases.after = func(d time.Duration, f func()) { time.AfterFunc(d, f) }
 		s.leases.current = func(key string, l Limit) (Limit, bool) {
 			policy, tier, ok := s.splitKey(key)
 			if !ok {
