@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -94,7 +95,7 @@ func handlerFor(q url.Values) (*Handler, error) {
 // computed under an older config is counted in. It is l when the policy is
 // not running (a shutdown), and false when the tier is gone or no longer
 // limits.
-func liveLimit(policy, tier string, l Limit) (Limit, bool) {
+func liveLimit(policy, tier string, l bucket.Limit) (bucket.Limit, bool) {
 	h := latestHandler(policy)
 	if h == nil {
 		return l, true
@@ -104,7 +105,7 @@ func liveLimit(policy, tier string, l Limit) (Limit, bool) {
 			return t.limit, !t.Unlimited && !t.Deny
 		}
 	}
-	return Limit{}, false
+	return bucket.Limit{}, false
 }
 
 func latestHandler(policy string) *Handler {
@@ -216,7 +217,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		state.limitState = newLimitState(shapes[0], res, now)
 		return nil
 	}
-	out := make([]Result, len(tier.limits))
+	out := make([]bucket.Result, len(tier.limits))
 	allowed, err := h.store.TakeAll(ctx, b, tier.limits, 0, out)
 	if err != nil {
 		return err
@@ -228,7 +229,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	return nil
 }
 
-func newLimitState(shape TierLimit, res Result, now int64) limitState {
+func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {
 	return limitState{
 		Capacity:   shape.Capacity,
 		Refill:     shape.Refill,

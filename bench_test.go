@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net"
 	"net/http"
 	"runtime"
@@ -20,17 +21,17 @@ import (
 
 func BenchmarkLocalTake(b *testing.B) {
 	lb := newLocalBuckets(defaultMaxKeys, monotonicMicros)
-	l := Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1}}
-	bucket := bucketFor("127.0.0.1")
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	bk := bucketFor("127.0.0.1")
 	b.ReportAllocs()
 	for b.Loop() {
-		lb.take(bucket, l, 1)
+		lb.take(bk, l, 1)
 	}
 }
 
 func BenchmarkLocalTakeParallel(b *testing.B) {
 	lb := newLocalBuckets(defaultMaxKeys, monotonicMicros)
-	l := Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1}}
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
 	var goroutines atomic.Int64
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
@@ -154,18 +155,18 @@ func BenchmarkServeHTTPParallel(b *testing.B) {
 func BenchmarkLocalStoreMemoryPerKey(b *testing.B) {
 	for _, n := range []int{1_000_000, 10_000_000} {
 		b.Run(strconv.Itoa(n/1_000_000)+"M", func(b *testing.B) {
-			l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+			l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 			for b.Loop() {
 				var before, after runtime.MemStats
 				runtime.GC()
 				runtime.ReadMemStats(&before)
 				lb := newLocalBuckets(n, monotonicMicros)
-				bucket := &Bucket{Policy: "p", Tier: "default", Keyer: "ip/32/64"}
+				bk := &Bucket{Policy: "p", Tier: "default", Keyer: "ip/32/64"}
 				var buf [8]byte
 				for i := range n {
 					binary.LittleEndian.PutUint64(buf[:], uint64(i))
-					bucket.Value = buf[:]
-					lb.take(bucket, l, 1)
+					bk.Value = buf[:]
+					lb.take(bk, l, 1)
 				}
 				runtime.GC()
 				runtime.ReadMemStats(&after)

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"encoding/json"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"strconv"
 	"strings"
 
@@ -161,7 +162,7 @@ func parseShape(d *caddyfile.Dispenser, t *Tier, args []string) error {
 	}
 	t.Capacity = n
 	t.Refill = args[1]
-	if _, err := ParseRate(t.Refill); err != nil {
+	if _, err := bucket.ParseRate(t.Refill); err != nil {
 		return d.Err(err.Error())
 	}
 	return nil

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"errors"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -20,7 +21,7 @@ type decision struct {
 	tier    *Tier
 	bucket  Bucket
 	claims  requestClaims
-	result  Result
+	result  bucket.Result
 	outcome outcome
 	// took is the store the tokens came from, for count_status.
 	took Store
@@ -28,7 +29,7 @@ type decision struct {
 	cost int64
 	// limits holds each limit's result, for tiers of several limits, and
 	// binding the one the X- headers report.
-	limits  *[maxLimits]Result
+	limits  *[maxLimits]bucket.Result
 	binding int
 	// value holds a short client value without another allocation.
 	value [64]byte
@@ -152,7 +153,7 @@ func (d *decision) placeholder(key string) (any, bool) {
 	case "key_id":
 		return d.keyID(), true
 	}
-	if d.tier.Unlimited || d.tier.Deny || d.outcome == outcomeError && d.result == (Result{}) {
+	if d.tier.Unlimited || d.tier.Deny || d.outcome == outcomeError && d.result == (bucket.Result{}) {
 		return "", true
 	}
 	switch name {
@@ -190,7 +191,7 @@ func (d *decision) retryAfterSeconds() int64 {
 	return max(1, secondsUp(d.result.RetryAfter))
 }
 
-func secondsUp(micros int64) int64 { return ceilDiv(micros, 1e6) }
+func secondsUp(micros int64) int64 { return bucket.CeilDiv(micros, 1e6) }
 
 // errLimited is the error behind a rejection, for Caddy's error handling.
 var errLimited = errors.New("rate limit exceeded")
@@ -241,7 +242,7 @@ func (d *decision) appendIETF(buf []byte) []byte {
 	return buf
 }
 
-func appendIETFItem(buf []byte, name string, r Result) []byte {
+func appendIETFItem(buf []byte, name string, r bucket.Result) []byte {
 	buf = append(buf, name...)
 	buf = append(buf, ";r="...)
 	buf = strconv.AppendInt(buf, r.Remaining, 10)

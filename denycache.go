@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"sync"
 	"sync/atomic"
 )
@@ -28,9 +29,9 @@ type denyShard struct {
 }
 
 type denyEntry struct {
-	limit   Limit
+	limit   bucket.Limit
 	cost    int64
-	result  Result
+	result  bucket.Result
 	until   int64 // monotonic µs at which the client may retry
 	resetAt int64 // monotonic µs at which the bucket is full
 }
@@ -57,14 +58,14 @@ func (c *denyCache) shard(key string) *denyShard {
 // cost on the same limit is denied until the retry time, since tokens
 // refill at a fixed rate and only Reset adds more. Otherwise it returns
 // the epoch to hand to put.
-func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, uint64, bool) {
+func (c *denyCache) get(key string, l bucket.Limit, cost, now int64) (bucket.Result, uint64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	e, ok := sh.entries[key]
 	epoch := sh.epoch
 	sh.mu.Unlock()
 	if !ok || now >= e.until || e.limit != l || e.cost != cost {
-		return Result{}, epoch, false
+		return bucket.Result{}, epoch, false
 	}
 	c.hits.Add(1)
 	denyCacheHitsTotal.Add(1)
@@ -78,7 +79,7 @@ func (c *denyCache) get(key string, l Limit, cost, now int64) (Result, uint64, b
 // get gave epoch. Redis decided at or after start, so start plus its retry
 // time is never later than the moment Redis would allow. A reset since
 // then drops it.
-func (c *denyCache) put(key string, epoch uint64, l Limit, cost, start int64, res Result) {
+func (c *denyCache) put(key string, epoch uint64, l bucket.Limit, cost, start int64, res bucket.Result) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	if sh.epoch != epoch {

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"strconv"
 	"testing"
 )
@@ -9,21 +10,21 @@ func TestDenyCacheIsBounded(t *testing.T) {
 	c := newDenyCache(1000)
 	l := slowLimit(1)
 	for i := range 20000 {
-		c.put("rl:p:t:"+strconv.Itoa(i), 0, l, 1, 1, Result{RetryAfter: 1 << 40})
+		c.put("rl:p:t:"+strconv.Itoa(i), 0, l, 1, 1, bucket.Result{RetryAfter: 1 << 40})
 	}
 	if n := c.len(); n > 1000+denyShards {
 		t.Fatalf("deny cache holds %d entries, bound 1000", n)
 	}
 	// Expired entries go before live ones.
 	c = newDenyCache(denyShards)
-	c.put("old", 0, l, 1, 0, Result{RetryAfter: 10})
+	c.put("old", 0, l, 1, 0, bucket.Result{RetryAfter: 10})
 	sh := c.shard("old")
 	sh.makeRoom(100)
 	if len(sh.entries) != 0 {
 		t.Fatal("an expired entry survived makeRoom")
 	}
 	// Only the same limit and cost are answered.
-	c.put("k", 0, l, 2, 0, Result{RetryAfter: 1000})
+	c.put("k", 0, l, 2, 0, bucket.Result{RetryAfter: 1000})
 	if _, _, ok := c.get("k", l, 1, 10); ok {
 		t.Fatal("a denial at cost 2 answered a take of cost 1")
 	}
@@ -44,7 +45,7 @@ func TestDenyCacheIsBounded(t *testing.T) {
 func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
 	c := newDenyCache(100)
 	l := slowLimit(1)
-	denial := Result{RetryAfter: 1000, ResetAfter: 1000}
+	denial := bucket.Result{RetryAfter: 1000, ResetAfter: 1000}
 	_, before, _ := c.get("k", l, 1, 0)
 	c.remove("k")
 	c.put("k", before, l, 1, 0, denial)

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"strings"
 	"testing"
 )
@@ -8,22 +9,22 @@ import (
 // FuzzParseRate: any string either fails to parse or gives a rate that
 // makes a valid bucket and prints back to the same rate.
 func FuzzParseRate(f *testing.F) {
-	for _, s := range append(traceRates, "fast", "1/0s", "1e9/s", "0.0000001/s", "1/1ns", "5/1m30s", "1/d", "/", "") {
+	for _, s := range append(bucket.TraceRates, "fast", "1/0s", "1e9/s", "0.0000001/s", "1/1ns", "5/1m30s", "1/d", "/", "") {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
-		r, err := ParseRate(s)
+		r, err := bucket.ParseRate(s)
 		if err != nil {
 			return
 		}
 		if r.Tokens < 1 || r.Interval < 1 {
 			t.Fatalf("ParseRate(%q) = %+v: not above 0", s, r)
 		}
-		back, err := ParseRate(r.String())
+		back, err := bucket.ParseRate(r.String())
 		if err != nil || back != r {
 			t.Fatalf("ParseRate(%q) = %+v, prints %q, which parses to %+v, %v", s, r, r.String(), back, err)
 		}
-		if err := (Limit{Capacity: 1, Rate: r}).Validate(1); err != nil {
+		if err := (bucket.Limit{Capacity: 1, Rate: r}).Validate(1); err != nil {
 			t.Fatalf("ParseRate(%q) = %+v: a capacity-1 bucket is invalid: %v", s, r, err)
 		}
 	})

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
@@ -22,101 +23,6 @@ import (
 
 const second = int64(1_000_000)
 
-// A ban holds: tokens given back during it (count_status, a lease's
-// give-back, an eviction) are dropped, since the ban emptied the bucket
-// they came from. Found on the README's login setup: a right password
-// admitted before the ban, finishing after it, ended a one-hour ban.
-func TestGiveBackNeverLiftsABan(t *testing.T) {
-	l := Limit{Capacity: 3, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 3600 * second}
-	var st State
-	now := 10 * second
-	for range 3 {
-		st, _ = Take(st, now, l, 1)
-	}
-	st, res := Take(st, now, l, 1)
-	if !res.Banned {
-		t.Fatalf("the fourth attempt: %+v, want it to start a ban", res)
-	}
-	banned := st
-	st = GiveBack(st, now+400_000, l, 1)
-	if st != banned {
-		t.Fatalf("a give-back 0.4 s into the ban changed the bucket: %+v, then %+v", banned, st)
-	}
-	if _, r := Take(st, now+400_000, l, 1); r.Allowed || r.RetryAfter < 3600*second {
-		t.Fatalf("0.4 s into the ban, after a give-back: %+v, want denied for the rest of the ban", r)
-	}
-	// The mark goes with the next allowed request: a give-back of what
-	// that request took counts again.
-	after := now + l.Ban + l.Rate.Interval
-	st, r := Take(st, after, l, 1)
-	if !r.Allowed {
-		t.Fatalf("after the ban and one refill: %+v", r)
-	}
-	st = GiveBack(st, after, l, 1)
-	if got := Peek(st, after, l).Remaining; got != 1 {
-		t.Fatalf("after the ban, a give-back of the token just taken leaves %d, want 1", got)
-	}
-}
-
-// A debt is paid: a give-back takes exactly what it returns off the debt.
-// It used to subtract from a deficit capped at one bucket, so one token
-// back cut a 9,900 s wait to nothing.
-func TestGiveBackTakesOnlyItsTokensOffADebt(t *testing.T) {
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: second}}
-	now := 5 * second
-	st, _ := Take(State{}, now, l, 1)
-	st = Charge(st, now, l, 9_999) // 10,000 taken of a bucket of 100
-	_, before := Take(st, now, l, 1)
-	if before.Allowed || before.RetryAfter != 9_901*second {
-		t.Fatalf("in debt: %+v, want denied for 9,901 s", before)
-	}
-	st = GiveBack(st, now, l, 1)
-	_, after := Take(st, now, l, 1)
-	if after.Allowed || after.RetryAfter != 9_900*second {
-		t.Fatalf("after one token back: %+v, want denied for 9,900 s, one token's refill less", after)
-	}
-}
-
-// A give-back computed under an older, smaller limit (a request that
-// finishes after a reload, a node of the previous deploy) returns only its
-// tokens: a bucket of 100 with 20 left, given one token back under a
-// capacity of 10, holds 21, not 91.
-func TestGiveBackUnderAnOlderLimitCreatesNoTokens(t *testing.T) {
-	rate := Rate{Tokens: 1, Interval: second}
-	now := 10 * second
-	l := Limit{Capacity: 100, Rate: rate}
-	st, _ := Take(State{}, now, l, 80)
-	st = GiveBack(st, now, Limit{Capacity: 10, Rate: rate}, 1)
-	if got := Peek(st, now, l).Remaining; got != 21 {
-		t.Fatalf("after one token back under capacity 10: %d left of 100, want 21", got)
-	}
-	// And never past the current capacity, under a larger old one.
-	st, _ = Take(State{}, now, Limit{Capacity: 10, Rate: rate}, 2)
-	st = GiveBack(st, now, Limit{Capacity: 1000, Rate: rate}, 500)
-	if got := Peek(st, now, Limit{Capacity: 10, Rate: rate}).Remaining; got != 10 {
-		t.Fatalf("after 500 back under capacity 1000: %d, want the capacity, 10", got)
-	}
-}
-
-// A request of cost 0 (a placeholder cost) takes nothing, but it is not a
-// way around a ban or a debt: it waits as any request does.
-func TestCostZeroWaitsOutABanAndADebt(t *testing.T) {
-	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: second}, Ban: 60 * second}
-	now := 10 * second
-	st, _ := Take(State{}, now, l, 2)
-	st, _ = Take(st, now, l, 1) // bans
-	if next, r := Take(st, now+second, l, 0); r.Allowed || next != st {
-		t.Fatalf("cost 0 during a ban: %+v; want denied, the bucket unchanged", r)
-	}
-	debt := Charge(State{}, now, Limit{Capacity: 2, Rate: l.Rate}, 10)
-	if _, r := Take(debt, now, Limit{Capacity: 2, Rate: l.Rate}, 0); r.Allowed {
-		t.Fatalf("cost 0 in debt: %+v; want denied", r)
-	}
-	if next, r := Take(State{}, now, l, 0); !r.Allowed || next != (State{}) {
-		t.Fatalf("cost 0 on a full bucket: %+v, %+v; want allowed, nothing written", r, next)
-	}
-}
-
 // The README's setup, `rate_limit 200 50/s` with `lease 10%` and
 // `lease_ttl 1s` on 4 nodes: 4 requests on each, a 0.8 s pause, then a
 // burst from all. The tokens the nodes hold stay out of the refill, so the
@@ -126,14 +32,14 @@ func TestCostZeroWaitsOutABanAndADebt(t *testing.T) {
 func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: second}}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}}
 	var fleet [4]*leaseTable
 	for i := range fleet {
 		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
 		defer fleet[i].close()
 	}
-	var one State
+	var one bucket.State
 	var fleetAdmitted, oneAdmitted int64
 	request := func(node int) (admitted bool) {
 		res, err := fleet[node].take(bg, []byte("k"), l, 1)
@@ -141,8 +47,8 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var r Result
-		if one, r = Take(one, clock.now(), l, 1); r.Allowed {
+		var r bucket.Result
+		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
 			oneAdmitted++
 		}
 		if res.Allowed {
@@ -184,14 +90,14 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
 	var fleet [4]*leaseTable
 	for i := range fleet {
 		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
 		defer fleet[i].close()
 	}
-	var one State
+	var one bucket.State
 	var fleetAdmitted, oneAdmitted, bans int
 	for i := range 600 {
 		node := fleet[i%4]
@@ -206,8 +112,8 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 		if res.Banned {
 			bans++
 		}
-		var r Result
-		if one, r = Take(one, clock.now(), l, 1); r.Allowed {
+		var r bucket.Result
+		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
 			oneAdmitted++
 		}
 		clock.advance(100 * time.Millisecond)
@@ -237,10 +143,10 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	for _, ban := range []int64{0, 60 * second} {
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
-		m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-		l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: second}, Ban: ban}
+		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
 		node := newModelTable(m, leaseSize{percent: 10}, time.Hour)
-		var res Result
+		var res bucket.Result
 		for range 200 {
 			var err error
 			if res, err = node.take(bg, []byte("k"), l, 1); err != nil {
@@ -273,8 +179,8 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 40, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	node := newModelTable(m, leaseSize{tokens: 20}, time.Hour)
 	defer node.close()
 	key := []byte("k")
@@ -287,8 +193,8 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	// Another node empties the shared bucket.
 	left := m.level("k", l)
 	m.mu.Lock()
-	var out [1]Result
-	if !m.bucket("k", 1).Take(clock.now(), []Limit{l}, left, out[:]) {
+	var out [1]bucket.Result
+	if !m.bucket("k", 1).Take(clock.now(), []bucket.Limit{l}, left, out[:]) {
 		t.Fatalf("another node's take of the %d left: %+v", left, out[0])
 	}
 	m.mu.Unlock()
@@ -298,7 +204,7 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 		t.Fatalf("the request on the last token held: %+v", res)
 	}
 	tableSync(node)
-	if sh := m.states["k"]; sh.banned(clock.now()) {
+	if sh := m.states["k"]; sh.Banned(clock.now()) {
 		t.Fatal("a refused prefetch started a ban")
 	}
 	if res, _ := node.take(bg, key, l, 1); res.Allowed || !res.Banned {
@@ -311,8 +217,8 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 // on a call starts again on a new one. It used to be refused, with
 // Retry-After 1.
 func TestEvictedWaiterIsNotRefused(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*Shared{}}
-	l := Limit{Capacity: 1 << 30, Rate: Rate{Tokens: 1 << 20, Interval: 1}}
+	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	node := newLeaseTable(m, m.now, leaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
 	defer node.close()
 	done := make(chan int, 8)
@@ -341,8 +247,8 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 // WaitGroup.Add beside Wait and give back on a closed client), and a
 // count_status give-back that reaches it goes to the shared bucket.
 func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*Shared{}}
-	l := Limit{Capacity: 1 << 30, Rate: Rate{Tokens: 1 << 20, Interval: 1}}
+	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	for range 20 {
 		node := newLeaseTable(m, m.now, leaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
 		var takes atomic.Int64
@@ -446,8 +352,8 @@ func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
 			t.Fatalf("take: %+v, %v", res, err)
 		}
 	}
-	out := make([]Result, 2)
-	allowed, err := s.TakeAll(bg, b, []Limit{l, slowLimit(100)}, 1, out)
+	out := make([]bucket.Result, 2)
+	allowed, err := s.TakeAll(bg, b, []bucket.Limit{l, slowLimit(100)}, 1, out)
 	if err != nil || !allowed {
 		t.Fatalf("take on two limits: %v, %v", allowed, err)
 	}

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"runtime"
 	"strconv"
@@ -36,7 +37,7 @@ func TestFloodOfDistinctKeysStaysWithinMaxKeys(t *testing.T) {
 	runtime.ReadMemStats(&before)
 
 	lb := newLocalBuckets(maxKeys, clock.now)
-	l := Limit{Capacity: 5, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	b := &Bucket{Policy: "flood", Tier: "default", Keyer: "header/X-Api-Key"}
 	buf := make([]byte, 0, 32)
 	start := time.Now()

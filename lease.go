@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"hash/maphash"
 	mathrand "math/rand/v2"
 	"strconv"
@@ -44,7 +45,7 @@ const leaseShards = 64
 // leaseRemote is the shared store as leases see it: the Redis store, or
 // a model of it in tests.
 type leaseRemote interface {
-	lease(key string, l Limit, a LeaseAsk) (LeaseResult, error)
+	lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error)
 	giveBack(node string, back []leaseReturn) (int64, error)
 }
 
@@ -75,7 +76,7 @@ type leaseTable struct {
 	// current, when set, says what the running config's limit is for the
 	// bucket at key, whose lease was taken under l; false when the bucket's
 	// tier is gone. A table closed by a reload gives back under it.
-	current func(key string, l Limit) (Limit, bool)
+	current func(key string, l bucket.Limit) (bucket.Limit, bool)
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -94,7 +95,7 @@ type leaseShard struct {
 // lease is what this node holds of one shared bucket.
 type lease struct {
 	key   string
-	limit Limit
+	limit bucket.Limit
 	// tokens are the leased tokens not yet spent, and recorded what the
 	// shared store's record of them says at least: tokens never exceed it.
 	tokens, recorded int64
@@ -172,7 +173,7 @@ func parseLeaseSize(s string) (leaseSize, error) {
 
 // of is the lease size for a bucket of limit l: at least 1, and at most
 // half the capacity, since the tokens out on lease never pass that.
-func (z leaseSize) of(l Limit) int64 {
+func (z leaseSize) of(l bucket.Limit) int64 {
 	n := z.tokens
 	if z.percent > 0 {
 		n = int64(float64(l.Capacity) * z.percent / 100)
@@ -227,7 +228,7 @@ func (t *leaseTable) shard(key []byte) *leaseShard {
 }
 
 // entry finds or adds the entry for key, under its shard's lock.
-func (t *leaseTable) entry(sh *leaseShard, key []byte, l Limit, now int64) *lease {
+func (t *leaseTable) entry(sh *leaseShard, key []byte, l bucket.Limit, now int64) *lease {
 	e := sh.m[string(key)]
 	if e == nil {
 		e = t.insert(sh, string(key), l, now)
@@ -239,14 +240,14 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, l Limit, now int64) *leas
 
 // take decides one request from this node's lease on the bucket at key,
 // fetching a lease when the tokens held do not cover it.
-func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) (Result, error) {
+func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {
 		// A request still in flight through an unloaded config: it starts
 		// no lease, whose tokens no one would give back.
 		sh.mu.Unlock()
-		return Result{}, errLeasesClosed
+		return bucket.Result{}, errLeasesClosed
 	}
 	now := t.now()
 	e := t.entry(sh, key, l, now)
@@ -290,10 +291,10 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		select {
 		case <-c.done:
 		case <-ctx.Done():
-			return Result{}, fmt.Errorf("redis store: lease: %w", ctx.Err())
+			return bucket.Result{}, fmt.Errorf("redis store: lease: %w", ctx.Err())
 		}
 		if c.err != nil {
-			return Result{}, c.err
+			return bucket.Result{}, c.err
 		}
 		sh.mu.Lock()
 		if mine && c.spent {
@@ -309,7 +310,7 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 		}
 		if t.closed.Load() {
 			sh.mu.Unlock()
-			return Result{}, errLeasesClosed
+			return bucket.Result{}, errLeasesClosed
 		}
 		// A short lease means the shared bucket is empty: the requests it
 		// did not cover are refused, with no second round trip. A full one
@@ -326,14 +327,14 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l Limit, cost int64) 
 // result is the answer for a request decided from e at now. A refused
 // request is told to retry when the shared bucket holds its cost, as the
 // last call saw it, or, past that, when this node calls again.
-func (e *lease) result(now int64, allowed bool, cost int64) Result {
-	res := Result{Allowed: allowed, Remaining: e.tokens + e.level, ResetAfter: max(0, e.resetAt-now)}
+func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
+	res := bucket.Result{Allowed: allowed, Remaining: e.tokens + e.level, ResetAfter: max(0, e.resetAt-now)}
 	if allowed {
 		return res
 	}
 	res.Remaining = e.tokens
 	l := e.limit
-	res.RetryAfter = max(e.retryAt-now+ceilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens), e.banUntil-now)
+	res.RetryAfter = max(e.retryAt-now+bucket.CeilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens), e.banUntil-now)
 	if l.Ban == 0 {
 		// No call before the hold-off ends: a retry before then would
 		// be refused again.
@@ -342,13 +343,13 @@ func (e *lease) result(now int64, allowed bool, cost int64) Result {
 	if res.RetryAfter <= 0 {
 		// The call in flight gave too little for every request that
 		// waited on it: the shared bucket is empty for now.
-		res.RetryAfter = ceilDiv(cost*l.Rate.Interval, l.Rate.Tokens)
+		res.RetryAfter = bucket.CeilDiv(cost*l.Rate.Interval, l.Rate.Tokens)
 	}
 	return res
 }
 
 // insert adds an entry for key, first making room in a full shard.
-func (t *leaseTable) insert(sh *leaseShard, key string, l Limit, now int64) *lease {
+func (t *leaseTable) insert(sh *leaseShard, key string, l bucket.Limit, now int64) *lease {
 	if len(sh.m) >= t.perShard {
 		t.evict(sh, now)
 	}
@@ -431,7 +432,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	c := &leaseCall{done: make(chan struct{})}
 	e.call = c
 	e.seq = t.seq.Add(1)
-	ask := LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold, Prefetch: prefetch}
+	ask := bucket.LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold, Prefetch: prefetch}
 	if !prefetch {
 		// The request that makes the call spends its cost from the grant
 		// at once, so the shared store need not count it as held.
@@ -439,7 +440,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	}
 	t.calls.Add(1)
 	returning := e.returning
-	go func(key string, l Limit) {
+	go func(key string, l bucket.Limit) {
 		defer t.calls.Done()
 		if returning != nil {
 			<-returning
@@ -461,7 +462,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 }
 
 // apply records in e the answer to the lease call ask, sent at sent.
-func (t *leaseTable) apply(e *lease, lr LeaseResult, ask LeaseAsk, sent int64) {
+func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, sent int64) {
 	e.size = ask.Want
 	if lr.Drop {
 		// A ban started since the last call: what the node holds is void,
@@ -574,7 +575,7 @@ func (t *leaseTable) held() int {
 // naming the call that wrote the lease's record.
 type leaseReturn struct {
 	key    string
-	limit  Limit
+	limit  bucket.Limit
 	tokens int64
 	seq    int64
 	// done is closed once the shared store has answered.

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -43,24 +44,24 @@ type banStart struct {
 
 // fleetRound is one random trace's settings.
 type fleetRound struct {
-	limit  Limit
+	limit  bucket.Limit
 	size   leaseSize
 	ttl    time.Duration
 	nodes  int
 	steps  int
-	mutate func(sh *Shared, res *LeaseResult)
+	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
 }
 
 func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
-	rate := Rate{Tokens: 1 + rng.Int64N(20), Interval: 1_000_000}
+	rate := bucket.Rate{Tokens: 1 + rng.Int64N(20), Interval: 1_000_000}
 	if rng.IntN(3) == 0 {
 		var err error
-		if rate, err = ParseRate(traceRates[rng.IntN(len(traceRates))]); err != nil {
+		if rate, err = bucket.ParseRate(bucket.TraceRates[rng.IntN(len(bucket.TraceRates))]); err != nil {
 			panic(err)
 		}
 	}
 	r := fleetRound{
-		limit: Limit{Capacity: 4 + rng.Int64N(200), Rate: rate},
+		limit: bucket.Limit{Capacity: 4 + rng.Int64N(200), Rate: rate},
 		size:  leaseSize{percent: []float64{5, 10, 25, 50, 100}[rng.IntN(5)]},
 		ttl:   time.Duration(50+rng.IntN(2000)) * time.Millisecond,
 		nodes: 2 + rng.IntN(4),
@@ -81,24 +82,24 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000 + rng.Int64N(1_000_000_000))
 	l := r.limit
-	ls := []Limit{l}
+	ls := []bucket.Limit{l}
 	key := "bucket"
 	var bans []banStart
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}, mutate: r.mutate}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
 	var adm []admission
-	m.onLease = func(_ string, sh *Shared, res LeaseResult) {
+	m.onLease = func(_ string, sh *bucket.Shared, res bucket.LeaseResult) {
 		if res.Banned {
-			bans = append(bans, banStart{at: clock.now(), out: sh.out(), until: clock.now() + l.Ban, after: len(adm)})
+			bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
 		}
 	}
 	// A random state: part spent, and tokens out on a dead node's lease.
 	now := clock.now()
-	start := &Shared{Levels: []State{{}}}
-	if d := rng.Int64N(l.Capacity+1) * l.Rate.Interval; d > 0 {
-		start.Levels[0] = stateAt(now, d, l)
+	start := &bucket.Shared{Levels: []bucket.State{{}}}
+	if k := rng.Int64N(l.Capacity + 1); k > 0 {
+		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
 	}
 	if rng.IntN(2) == 0 {
-		start.Held = append(start.Held, Held{Node: "dead", Tokens: rng.Int64N(l.Capacity/2 + 1), Expires: now + rng.Int64N(3*int64(r.ttl/time.Microsecond)), Seq: 1})
+		start.Held = append(start.Held, bucket.Held{Node: "dead", Tokens: rng.Int64N(l.Capacity/2 + 1), Expires: now + rng.Int64N(3*int64(r.ttl/time.Microsecond)), Seq: 1})
 	}
 	m.states[key] = start
 
@@ -138,11 +139,11 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			// as large as the lease.
 			cost := 1 + rng.Int64N(l.Capacity)
 			m.mu.Lock()
-			var out [1]Result
+			var out [1]bucket.Result
 			sh := m.bucket(key, 1)
 			allowed := sh.Take(clock.now(), ls, cost, out[:])
 			if out[0].Banned {
-				bans = append(bans, banStart{at: clock.now(), out: sh.out(), until: clock.now() + l.Ban, after: len(adm)})
+				bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
 			}
 			m.mu.Unlock()
 			if allowed {
@@ -199,7 +200,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 // checkFleet checks the bound over every window between two admissions,
 // and each ban's hold. adm holds the admissions and, as negative costs, the
 // give-backs, in the order of their times.
-func checkFleet(adm []admission, bans []banStart, l Limit, ttl time.Duration) error {
+func checkFleet(adm []admission, bans []banStart, l bucket.Limit, ttl time.Duration) error {
 	for i := range adm {
 		if adm[i].cost < 0 {
 			continue
@@ -250,14 +251,14 @@ func TestLeasesNeverAdmitMoreThanOneBucketOverAnyWindow(t *testing.T) {
 func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 	for _, tt := range []struct {
 		name   string
-		mutate func(sh *Shared, res *LeaseResult)
+		mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
 	}{
-		{"one token more", func(_ *Shared, res *LeaseResult) {
+		{"one token more", func(_ *bucket.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
 		}},
-		{"leases not counted", func(sh *Shared, _ *LeaseResult) { sh.Held = nil }},
+		{"leases not counted", func(sh *bucket.Shared, _ *bucket.LeaseResult) { sh.Held = nil }},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(20, 3))

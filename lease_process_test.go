@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"io"
 	"math"
 	"net/http"
@@ -646,13 +647,13 @@ func reloadsLeaveNoGoroutines(t *testing.T, f *leaseFleet, p fleetPolicy) {
 }
 
 // limit is the policy's bucket, for the bucket math.
-func (p fleetPolicy) limit(t *testing.T) Limit {
+func (p fleetPolicy) limit(t *testing.T) bucket.Limit {
 	t.Helper()
-	rate, err := ParseRate(p.refill)
+	rate, err := bucket.ParseRate(p.refill)
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := Limit{Capacity: int64(p.capacity), Rate: rate}
+	l := bucket.Limit{Capacity: int64(p.capacity), Rate: rate}
 	if p.ban != "" {
 		d, err := time.ParseDuration(p.ban)
 		if err != nil {
@@ -665,17 +666,17 @@ func (p fleetPolicy) limit(t *testing.T) Limit {
 
 // strictAdmits is what one bucket of limit l, full at the start, admits of
 // the requests in out, each a unit of cost arriving when it was sent.
-func strictAdmits(l Limit, out []answer) int {
+func strictAdmits(l bucket.Limit, out []answer) int {
 	sent := make([]time.Time, len(out))
 	for i, o := range out {
 		sent[i] = o.sent
 	}
 	slices.SortFunc(sent, func(a, b time.Time) int { return a.Compare(b) })
-	var s State
+	var s bucket.State
 	admitted := 0
 	for _, at := range sent {
-		var r Result
-		if s, r = Take(s, at.Sub(sent[0]).Microseconds(), l, 1); r.Allowed {
+		var r bucket.Result
+		if s, r = bucket.Take(s, at.Sub(sent[0]).Microseconds(), l, 1); r.Allowed {
 			admitted++
 		}
 	}

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,28 +19,28 @@ import (
 type sharedModel struct {
 	mu     sync.Mutex
 	now    func() int64
-	states map[string]*Shared
+	states map[string]*bucket.Shared
 	calls  int
 	down   bool
 	// gate, when set, holds every lease call until it is closed.
 	gate chan struct{}
 	// mutate, when set, breaks the store after each lease call, so that a
 	// property test can show it would catch the defect.
-	mutate func(sh *Shared, res *LeaseResult)
+	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
 	// onLease, when set, sees each lease call's outcome, under the lock.
-	onLease func(key string, sh *Shared, res LeaseResult)
+	onLease func(key string, sh *bucket.Shared, res bucket.LeaseResult)
 }
 
-func (m *sharedModel) bucket(key string, n int) *Shared {
+func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
 	sh := m.states[key]
 	if sh == nil {
-		sh = &Shared{Levels: make([]State, n)}
+		sh = &bucket.Shared{Levels: make([]bucket.State, n)}
 		m.states[key] = sh
 	}
 	return sh
 }
 
-func (m *sharedModel) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error) {
+func (m *sharedModel) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
 	if m.gate != nil {
 		<-m.gate
 	}
@@ -47,10 +48,10 @@ func (m *sharedModel) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error
 	defer m.mu.Unlock()
 	m.calls++
 	if m.down {
-		return LeaseResult{}, errBreakerOpen
+		return bucket.LeaseResult{}, errBreakerOpen
 	}
 	sh := m.bucket(key, 1)
-	res := sh.Lease(m.now(), []Limit{l}, a)
+	res := sh.Lease(m.now(), []bucket.Limit{l}, a)
 	if m.mutate != nil {
 		m.mutate(sh, &res)
 	}
@@ -68,17 +69,17 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	}
 	var n int64
 	for _, g := range back {
-		n += m.bucket(g.key, 1).Return(m.now(), []Limit{g.limit}, node, g.seq, g.tokens)
+		n += m.bucket(g.key, 1).Return(m.now(), []bucket.Limit{g.limit}, node, g.seq, g.tokens)
 	}
 	return n, nil
 }
 
 // level is the shared bucket's whole tokens at now.
-func (m *sharedModel) level(key string, l Limit) int64 {
+func (m *sharedModel) level(key string, l bucket.Limit) int64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var out [1]Result
-	m.bucket(key, 1).Peek(m.now(), []Limit{l}, out[:])
+	var out [1]bucket.Result
+	m.bucket(key, 1).Peek(m.now(), []bucket.Limit{l}, out[:])
 	return out[0].Remaining
 }
 
@@ -96,8 +97,8 @@ func tableSync(t *leaseTable) { t.calls.Wait() }
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 1000, Rate: Rate{Tokens: 100, Interval: 1_000_000}}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
 	defer node.close()
 	var sizes []int64
@@ -127,8 +128,8 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 	node := newModelTable(m, leaseSize{tokens: 5}, time.Minute)
 	defer node.close()
 	key := []byte("k")
@@ -162,8 +163,8 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
 	level := func() int64 { return m.level("k", l) }
 	node := newModelTable(m, leaseSize{tokens: 40}, time.Second)
 	for range 20 {
@@ -204,7 +205,7 @@ func TestLeaseSizes(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%q: %v", tt.setting, err)
 		}
-		if got := z.of(Limit{Capacity: tt.capacity}); got != tt.want {
+		if got := z.of(bucket.Limit{Capacity: tt.capacity}); got != tt.want {
 			t.Errorf("lease %q of capacity %d: %d, want %d", tt.setting, tt.capacity, got, tt.want)
 		}
 	}
@@ -220,7 +221,7 @@ func TestLeaseSizes(t *testing.T) {
 func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "1000000"})
-	l := Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1}}
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
 	b := bucketFor("steady")
 	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
 		t.Fatalf("first request: %+v, %v", res, err)
@@ -251,7 +252,7 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 // token not spent.
 func TestLeasingNodesConserveEveryToken(t *testing.T) {
 	srv := startRedis(t)
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	var nodes [2]*RedisStore
 	for i := range nodes {
 		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "10%"})
@@ -342,7 +343,7 @@ func TestLeaseCaddyfile(t *testing.T) {
 // never hit, beside strict mode in the same run.
 func BenchmarkRedisLeaseTake(b *testing.B) {
 	srv := startRedis(b)
-	l := Limit{Capacity: 1_000_000, Rate: Rate{Tokens: 1_000_000, Interval: 1_000_000}} // never denies
+	l := bucket.Limit{Capacity: 1_000_000, Rate: bucket.Rate{Tokens: 1_000_000, Interval: 1_000_000}} // never denies
 	var buckets [1000]*Bucket
 	for i := range buckets {
 		buckets[i] = bucketFor("client-" + strconv.Itoa(i))
@@ -381,10 +382,10 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 // back, and the store decides it in strict mode.
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
 	node.close()
-	_, err := node.take(bg, []byte("k"), Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 1_000_000}}, 1)
+	_, err := node.take(bg, []byte("k"), bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}, 1)
 	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
 		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
 	}
@@ -398,8 +399,8 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
 	for i := range fleet {
@@ -438,12 +439,12 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}, gate: make(chan struct{})}
-	l := Limit{Capacity: 200, Rate: Rate{Tokens: 50, Interval: 1_000_000}}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, gate: make(chan struct{})}
+	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
 	defer node.close()
 	const waiting = 5
-	results := make(chan Result, waiting)
+	results := make(chan bucket.Result, waiting)
 	for range waiting {
 		go func() {
 			res, _ := node.take(bg, []byte("k"), l, 1)

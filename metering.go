@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"strconv"
 	"strings"
@@ -70,13 +71,13 @@ func (d *decision) readCost(r *http.Request) error {
 // takeAll applies the request to every limit of its tier, in one step of
 // store. The result is the binding limit's, the one the X- headers report;
 // its RetryAfter is the wait until all allow.
-func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
+func (d *decision) takeAll(ctx context.Context, store Store) (bucket.Result, error) {
 	ls := d.tier.limits
-	d.limits = new([maxLimits]Result)
+	d.limits = new([maxLimits]bucket.Result)
 	out := d.limits[:len(ls)]
 	allowed, err := store.TakeAll(ctx, &d.bucket, ls, d.cost, out)
 	if err != nil {
-		return Result{}, err
+		return bucket.Result{}, err
 	}
 	d.binding = bindingLimit(out, allowed)
 	res := out[d.binding]
@@ -87,7 +88,7 @@ func (d *decision) takeAll(ctx context.Context, store Store) (Result, error) {
 // bindingLimit is the limit whose result the X- headers report: the one
 // with the least remaining or, when denied, the one that makes the client
 // wait longest; the first of equals.
-func bindingLimit(out []Result, allowed bool) int {
+func bindingLimit(out []bucket.Result, allowed bool) int {
 	j := 0
 	for i, r := range out {
 		if allowed && r.Remaining < out[j].Remaining || !allowed && r.RetryAfter > out[j].RetryAfter {

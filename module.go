@@ -12,6 +12,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"strconv"
 	"strings"
@@ -480,7 +481,7 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 
 // take applies the request to its bucket. A cost of 0 takes nothing, and
 // is allowed unless the bucket is banned or in debt.
-func (h *Handler) take(ctx context.Context, d *decision) (Result, error) {
+func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) {
 	if len(d.tier.limits) > 1 {
 		return d.takeAll(ctx, h.store)
 	}
@@ -489,7 +490,7 @@ func (h *Handler) take(ctx context.Context, d *decision) (Result, error) {
 
 // finish sets the headers for the store's answer and passes the request on,
 // or rejects it.
-func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res Result) error {
+func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res bucket.Result) error {
 	d.result = res
 	h.render(d)
 	h.setHeaders(w.Header(), &d.resp)
@@ -541,7 +542,7 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		w.Header()["Retry-After"] = []string{"1"}
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
-	var res Result
+	var res bucket.Result
 	if len(d.tier.limits) > 1 {
 		res, _ = d.takeAll(r.Context(), h.local)
 	} else {

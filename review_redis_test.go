@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"maps"
 	"strings"
 	"testing"
@@ -27,21 +28,21 @@ import (
 func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	ls := []Limit{{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 10_000}}} // 100 100/s
+	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}}} // 100 100/s
 	key := s.key(bucketFor("capped"))
-	a := LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 50, Hold: 200_000}
+	a := bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 50, Hold: 200_000}
 	v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, 8)
 	if err != nil {
 		t.Fatal(err)
 	}
 	leasedAt := v[7]
-	sh := &Shared{Levels: make([]State, 1)}
+	sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
 	if want := sh.Lease(leasedAt, ls, a); v[0] != want.Granted || v[0] != 50 {
 		t.Fatalf("lease: Redis granted %d, the model %d; want 50", v[0], want.Granted)
 	}
 	pttl := srv.do("PTTL", key)
 	waitFor(t, 3*time.Second, "the key to expire", func() bool { return srv.do("EXISTS", key) == int64(0) })
-	var out, want [1]Result
+	var out, want [1]bucket.Result
 	_, now, err := s.takeAll(bg, "peek", key, ls, 0, out[:], false)
 	if err != nil {
 		t.Fatal(err)
@@ -85,7 +86,7 @@ func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
 // is real, so no record expires meanwhile.
 func TestReviewRedisSpacedRequestsLoseTheirLeaseAndAreBannedUnderTheLimit(t *testing.T) {
 	srv := startRedis(t)
-	l := Limit{Capacity: 5, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
+	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	for round := range 3 {
 		s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Lease: "50%"})
 		clock := new(fakeClock)
@@ -133,23 +134,23 @@ func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
 	rdb := srv.client()
 	defer rdb.Close()
-	r1, err := ParseRate("3/1.048576s")
+	r1, err := bucket.ParseRate("3/1.048576s")
 	if err != nil {
 		t.Fatal(err)
 	}
-	r2, err := ParseRate("1/365d")
+	r2, err := bucket.ParseRate("1/365d")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for li, l := range []Limit{{Capacity: 1 << 32, Rate: r1}, {Capacity: 100, Rate: r2}} {
+	for li, l := range []bucket.Limit{{Capacity: 1 << 32, Rate: r1}, {Capacity: 100, Rate: r2}} {
 		if err := l.Validate(1); err != nil {
 			t.Fatal(err)
 		}
-		ls := []Limit{l}
+		ls := []bucket.Limit{l}
 		mismatches := 0
 		for k := range 4 {
 			key := s.key(bucketFor(fmt.Sprintf("deep-%d-%d", li, k)))
-			sh := &Shared{Levels: make([]State, 1)}
+			sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
 			for _, o := range []struct {
 				op string
 				n  int64
@@ -172,9 +173,9 @@ func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
 					sh.GiveBack(now, ls, o.n)
 				case "take":
 					now = v[2]
-					var out [1]Result
+					var out [1]bucket.Result
 					sh.Take(now, ls, o.n, out[:])
-					if got := (Result{Allowed: v[3] == 1, Remaining: v[4], RetryAfter: v[5], ResetAfter: v[6]}); got != out[0] {
+					if got := (bucket.Result{Allowed: v[3] == 1, Remaining: v[4], RetryAfter: v[5], ResetAfter: v[6]}); got != out[0] {
 						mismatches++
 						t.Errorf("limit %+v, a request in the deepest debt: Redis %+v, the model %+v", l, got, out[0])
 					}

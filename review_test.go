@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -22,28 +23,28 @@ import (
 // give-back takes one old token's refill time (1 s) off the bucket's time
 // to full, which is 100 tokens of the new limit.
 func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
-	old := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: second}}   // 10 1/s
-	cur := Limit{Capacity: 1000, Rate: Rate{Tokens: 1, Interval: 10_000}} // 1000 100/s
+	old := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: second}}   // 10 1/s
+	cur := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}} // 1000 100/s
 	now := 10 * second
-	st, _ := Take(State{}, now, cur, 200) // 800 left
+	st, _ := bucket.Take(bucket.State{}, now, cur, 200) // 800 left
 	// The handler and a lease table closed by a reload give back in the
 	// running config's limit, converted with Converted; the math never
 	// sees an old limit.
 	t.Run("GiveBack", func(t *testing.T) {
-		got := Peek(GiveBack(st, now, cur, cur.Converted(1, old)), now, cur).Remaining
+		got := bucket.Peek(bucket.GiveBack(st, now, cur, cur.Converted(1, old)), now, cur).Remaining
 		if got != 801 {
 			t.Errorf("800 left of 1000, one token given back under the old limit 10 1/s: %d left, want 801", got)
 		}
 		// A slower refill: one old token is a hundredth of a new one.
-		if got := Peek(GiveBack(st, now, cur, old.Converted(1, cur)), now, old).Remaining; got > Peek(st, now, old).Remaining {
-			t.Errorf("a token of 100/s given back under 1/s added %d", got-Peek(st, now, old).Remaining)
+		if got := bucket.Peek(bucket.GiveBack(st, now, cur, old.Converted(1, cur)), now, old).Remaining; got > bucket.Peek(st, now, old).Remaining {
+			t.Errorf("a token of 100/s given back under 1/s added %d", got-bucket.Peek(st, now, old).Remaining)
 		}
 	})
 	t.Run("Shared.GiveBack", func(t *testing.T) {
-		sh := &Shared{Levels: []State{st}}
-		sh.GiveBack(now, []Limit{cur}, cur.Converted(1, old))
-		var out [1]Result
-		sh.Peek(now, []Limit{cur}, out[:])
+		sh := &bucket.Shared{Levels: []bucket.State{st}}
+		sh.GiveBack(now, []bucket.Limit{cur}, cur.Converted(1, old))
+		var out [1]bucket.Result
+		sh.Peek(now, []bucket.Limit{cur}, out[:])
 		if out[0].Remaining != 801 {
 			t.Errorf("shared bucket, 800 left, one token back under the old limit: %d left, want 801", out[0].Remaining)
 		}
@@ -53,9 +54,9 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		// back when its table closes, 2 s later, as the new config counts.
 		clock := new(fakeClock)
 		clock.micros.Store(now - 2*second)
-		m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 		node := newModelTable(m, leaseSize{tokens: 5}, time.Hour)
-		node.current = func(string, Limit) (Limit, bool) { return cur, true }
+		node.current = func(string, bucket.Limit) (bucket.Limit, bool) { return cur, true }
 		for range 3 { // leases of 1, 2, 4: 3 held
 			if res, _ := node.take(bg, []byte("k"), old, 1); !res.Allowed {
 				t.Fatal("denied from a full bucket")
@@ -64,10 +65,10 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		}
 		clock.micros.Store(now)
 		m.mu.Lock()
-		var out [1]Result
+		var out [1]bucket.Result
 		sh := m.bucket("k", 1)
-		sh.Peek(now, []Limit{cur}, out[:])
-		if !sh.Take(now, []Limit{cur}, out[0].Remaining-800, out[:]) {
+		sh.Peek(now, []bucket.Limit{cur}, out[:])
+		if !sh.Take(now, []bucket.Limit{cur}, out[0].Remaining-800, out[:]) {
 			t.Fatalf("take down to 800: %+v", out[0])
 		}
 		m.mu.Unlock()
@@ -92,13 +93,13 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 20, Rate: Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
 	a := newModelTable(m, leaseSize{tokens: 10}, time.Second)
 	defer a.close()
 	b := newModelTable(m, leaseSize{tokens: 10}, time.Second)
 	defer b.close()
-	var one State
+	var one bucket.State
 	var fleet, single int
 	var fleetBan, singleBan int64 = -1, -1
 	for i := range 2000 { // one request a millisecond for 2 s
@@ -117,8 +118,8 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 		if res.Banned && fleetBan < 0 {
 			fleetBan = clock.now()
 		}
-		var r Result
-		if one, r = Take(one, clock.now(), l, 1); r.Allowed {
+		var r bucket.Result
+		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
 			single++
 		}
 		if r.Banned && singleBan < 0 {
@@ -153,28 +154,28 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 5, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	node := newModelTable(m, leaseSize{percent: 50}, time.Second)
 	defer node.close()
-	var one State
+	var one bucket.State
 	for i := range 5 {
 		res, err := node.take(bg, []byte("k"), l, 1)
 		tableSync(node)
-		var r Result
-		one, r = Take(one, clock.now(), l, 1)
+		var r bucket.Result
+		one, r = bucket.Take(one, clock.now(), l, 1)
 		if err != nil || !res.Allowed || !r.Allowed {
 			t.Fatalf("attempt %d of 5: fleet %+v %v, one bucket %+v", i+1, res, err, r)
 		}
 		clock.advance(100 * time.Millisecond)
 	}
-	if sh := m.states["k"]; sh.banned(clock.now()) {
+	if sh := m.states["k"]; sh.Banned(clock.now()) {
 		t.Errorf("after 5 attempts within the capacity of 5, none refused, the shared bucket is banned: %+v", sh.Levels)
 	}
 	clock.advance(time.Hour)
 	res, _ := node.take(bg, []byte("k"), l, 1)
 	tableSync(node)
-	_, r := Take(one, clock.now(), l, 1)
+	_, r := bucket.Take(one, clock.now(), l, 1)
 	if r.Allowed && !res.Allowed {
 		t.Errorf("an hour later: one bucket allows the 6th attempt, the fleet refuses it: %+v", res)
 	}
@@ -191,17 +192,17 @@ func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	rate, err := ParseRate("5/6s") // a token every 1.2 s
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := Limit{Capacity: 100, Rate: rate}
+	l := bucket.Limit{Capacity: 100, Rate: rate}
 	node := newModelTable(m, leaseSize{tokens: 10}, time.Hour)
 	node.jitter = func(int64) int64 { return 0 }
 	defer node.close()
 	key := []byte("k")
-	var res Result
+	var res bucket.Result
 	for range 200 {
 		res, _ = node.take(bg, key, l, 1)
 		tableSync(node)
@@ -245,7 +246,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 // the test pass, never fail.
 func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 	for attempt := range 5 {
-		m := &sharedModel{now: monotonicMicros, states: map[string]*Shared{}}
+		m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
 		l := slowLimit(100)
 		// 64 entries: one a shard.
 		node := newLeaseTable(m, m.now, leaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
@@ -266,8 +267,8 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 		sh.mu.Unlock()
 		// Other nodes leave 2 in the shared bucket.
 		m.mu.Lock()
-		var out [1]Result
-		if !m.bucket("a", 1).Take(m.now(), []Limit{l}, 97, out[:]) {
+		var out [1]bucket.Result
+		if !m.bucket("a", 1).Take(m.now(), []bucket.Limit{l}, 97, out[:]) {
 			t.Fatalf("another node's take: %+v", out[0])
 		}
 		m.mu.Unlock()
@@ -284,7 +285,7 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 			})
 			return 0
 		}
-		results := make(chan Result, 2)
+		results := make(chan bucket.Result, 2)
 		for range 2 {
 			go func() {
 				res, _ := node.take(bg, a, l, 1)
@@ -321,10 +322,10 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 func TestReviewBanStartedByAPrefetchGoesUncountedWhenTheNextRequestIsAllowed(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 5, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	var started int
-	m.onLease = func(_ string, _ *Shared, res LeaseResult) {
+	m.onLease = func(_ string, _ *bucket.Shared, res bucket.LeaseResult) {
 		if res.Banned {
 			started++
 		}
@@ -332,7 +333,7 @@ func TestReviewBanStartedByAPrefetchGoesUncountedWhenTheNextRequestIsAllowed(t *
 	node := newModelTable(m, leaseSize{percent: 50}, time.Second)
 	defer node.close()
 	counted := 0
-	take := func() Result {
+	take := func() bucket.Result {
 		res, err := node.take(bg, []byte("k"), l, 1)
 		tableSync(node)
 		if err != nil {
@@ -381,7 +382,7 @@ func TestReviewConcurrentFleetKeepsTheWindowBound(t *testing.T) {
 	// records is caught.
 	for round := range 60 {
 		r := randomFleetRound(rng, 0)
-		r.mutate = func(_ *Shared, res *LeaseResult) {
+		r.mutate = func(_ *bucket.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
@@ -398,13 +399,13 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000 + rng.Int64N(1_000_000_000))
 	l := r.limit
-	ls := []Limit{l}
+	ls := []bucket.Limit{l}
 	key := "bucket"
-	m := &sharedModel{now: clock.now, states: map[string]*Shared{}, mutate: r.mutate}
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
 	now := clock.now()
-	start := &Shared{Levels: []State{{}}}
-	if d := rng.Int64N(l.Capacity+1) * l.Rate.Interval; d > 0 {
-		start.Levels[0] = stateAt(now, d, l)
+	start := &bucket.Shared{Levels: []bucket.State{{}}}
+	if k := rng.Int64N(l.Capacity + 1); k > 0 {
+		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
 	}
 	m.states[key] = start
 	timeout := time.Duration(rng.IntN(200)) * time.Millisecond

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"maps"
 	"math/rand/v2"
 	"slices"
@@ -16,19 +17,19 @@ import (
 
 // run makes one single-limit decision in Redis (a peek with cost 0), and
 // also returns the server's time of the decision.
-func (s *RedisStore) run(ctx context.Context, key string, l Limit, cost int64) (Result, int64, error) {
+func (s *RedisStore) run(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, int64, error) {
 	op := "take"
 	if cost == 0 {
 		op = "peek"
 	}
-	var out [1]Result
-	_, now, err := s.takeAll(ctx, op, key, []Limit{l}, cost, out[:], true)
+	var out [1]bucket.Result
+	_, now, err := s.takeAll(ctx, op, key, []bucket.Limit{l}, cost, out[:], true)
 	return out[0], now, err
 }
 
 // encodeShared is what the bucket script keeps of sh at now, field by
 // field: the hash's fields as the script writes them.
-func encodeShared(sh *Shared, now int64) map[string]string {
+func encodeShared(sh *bucket.Shared, now int64) map[string]string {
 	m := map[string]string{}
 	for i, s := range sh.Levels {
 		if s.FullAt > now {
@@ -65,13 +66,13 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 		traces = 15
 	}
 	for i := range traces {
-		tr := newRandomTrace(rng)
-		ls := []Limit{tr.limit}
+		tr := bucket.RandomTrace(rng)
+		ls := []bucket.Limit{tr.Limit}
 		for range rng.IntN(3) {
-			ls = append(ls, newRandomTrace(rng).limit)
+			ls = append(ls, bucket.RandomTrace(rng).Limit)
 		}
 		if rng.IntN(3) == 0 {
-			ban := 1 + rng.Int64N(3*ls[0].units()/ls[0].Rate.Tokens)
+			ban := 1 + rng.Int64N(3*ls[0].Units()/ls[0].Rate.Tokens)
 			for j := range ls {
 				ls[j].Ban = ban
 			}
@@ -81,11 +82,11 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			minCap = min(minCap, l.Capacity)
 		}
 		key := s.key(bucketFor("shared-" + strconv.Itoa(i)))
-		sh := &Shared{Levels: make([]State, len(ls))}
+		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
 		nodes := []string{"a1", "b2", "c3"}
 		seq := map[string]int64{}
-		for j := range tr.gaps {
-			s.clockOffset += tr.gaps[j]
+		for j := range tr.Gaps {
+			s.clockOffset += tr.Gaps[j]
 			cost := 1 + rng.Int64N(minCap)
 			if rng.IntN(4) == 0 {
 				cost = 1
@@ -97,7 +98,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			step += fmt.Sprintf(" op %d", op)
 			switch {
 			case op < 3:
-				out := make([]Result, len(ls))
+				out := make([]bucket.Result, len(ls))
 				if rng.IntN(5) == 0 {
 					cost = 0
 				}
@@ -106,18 +107,18 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 					t.Fatal(err)
 				}
 				now = at
-				want := make([]Result, len(ls))
+				want := make([]bucket.Result, len(ls))
 				if wantAllowed := sh.Take(now, ls, cost, want); allowed != wantAllowed || !slices.Equal(out, want) {
 					t.Fatalf("%s take %d: Redis %v %+v, model %v %+v", step, cost, allowed, out, wantAllowed, want)
 				}
 			case op < 4:
-				out := make([]Result, len(ls))
+				out := make([]bucket.Result, len(ls))
 				_, at, err := s.takeAll(bg, "peek", key, ls, 0, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
 				now = at
-				want := make([]Result, len(ls))
+				want := make([]bucket.Result, len(ls))
 				sh.Peek(now, ls, want)
 				if !slices.Equal(out, want) {
 					t.Fatalf("%s peek: Redis %+v, model %+v", step, out, want)
@@ -125,7 +126,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			case op < 7:
 				node := nodes[rng.IntN(len(nodes))]
 				seq[node]++
-				a := LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * ls[0].units() / ls[0].Rate.Tokens)}
+				a := bucket.LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * ls[0].Units() / ls[0].Rate.Tokens)}
 				prefetch := 0
 				if rng.IntN(2) == 0 {
 					a.Spend = cost
@@ -137,7 +138,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 					t.Fatal(err)
 				}
 				now = v[7]
-				got := LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}
+				got := bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}
 				if want := sh.Lease(now, ls, a); got != want {
 					t.Fatalf("%s lease %+v: Redis %+v, model %+v", step, a, got, want)
 				}

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -327,7 +328,7 @@ func (*givebackCounter) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "http.handlers.rate_limit.stores.test_giveback_counter", New: func() caddy.Module { return &givebackCounter{new(LocalStore)} }}
 }
 
-func (s *givebackCounter) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
+func (s *givebackCounter) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
 	givebacks.Lock()
 	givebacks.byTokens[n]++
 	givebacks.Unlock()

@@ -5,6 +5,7 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"hash"
 	"time"
 )
@@ -25,22 +26,22 @@ type Bucket struct {
 // on one bucket behave as if one came first.
 type Store interface {
 	// Take applies a request costing cost tokens to the bucket.
-	Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error)
+	Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error)
 	// TakeAll applies a request to the bucket's several limits, atomically:
 	// it takes cost tokens from every one, or, when one is short, from
 	// none. It writes each limit's result into out and reports whether the
 	// request was allowed.
-	TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error)
+	TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error)
 	// Peek reports the bucket without changing it.
-	Peek(ctx context.Context, b *Bucket, l Limit) (Result, error)
+	Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error)
 	// Reset makes the bucket full again.
 	Reset(ctx context.Context, b *Bucket) error
 	// Charge takes n more tokens after the fact, for cost_from_response:
 	// the bucket may go into debt.
-	Charge(ctx context.Context, b *Bucket, l Limit, n int64) error
+	Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error
 	// GiveBack returns n tokens that a Take took, up to the capacity: for
 	// count_status, when the response's status is not one that counts.
-	GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error
+	GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error
 }
 
 // policyStore is a store that keeps each policy's buckets apart. The handler

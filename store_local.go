@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"hash/maphash"
 	"math/bits"
 	"sync"
@@ -87,12 +88,12 @@ func (s *LocalStore) Cleanup() error {
 }
 
 // Take implements Store.
-func (s *LocalStore) Take(_ context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
+func (s *LocalStore) Take(_ context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
 	return s.buckets.take(b, l, cost), nil
 }
 
 // Peek implements Store.
-func (s *LocalStore) Peek(_ context.Context, b *Bucket, l Limit) (Result, error) {
+func (s *LocalStore) Peek(_ context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
 	return s.buckets.peek(b, l), nil
 }
 
@@ -103,18 +104,18 @@ func (s *LocalStore) Reset(_ context.Context, b *Bucket) error {
 }
 
 // TakeAll implements Store.
-func (s *LocalStore) TakeAll(_ context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error) {
+func (s *LocalStore) TakeAll(_ context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
 	return s.buckets.takeAll(b, ls, cost, out), nil
 }
 
 // Charge implements Store.
-func (s *LocalStore) Charge(_ context.Context, b *Bucket, l Limit, n int64) error {
-	s.buckets.update(b, func(st State, now int64) State { return Charge(st, now, l, n) }, true)
+func (s *LocalStore) Charge(_ context.Context, b *Bucket, l bucket.Limit, n int64) error {
+	s.buckets.update(b, func(st bucket.State, now int64) bucket.State { return bucket.Charge(st, now, l, n) }, true)
 	return nil
 }
 
 // GiveBack implements Store.
-func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l Limit, n int64) error {
+func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l bucket.Limit, n int64) error {
 	s.buckets.giveBack(b, l, n)
 	return nil
 }
@@ -209,7 +210,7 @@ func (lb *localBuckets) locate(b *Bucket) (*localShard, uint64) {
 	return &lb.shards[sum>>lb.shift], sum
 }
 
-func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
+func (lb *localBuckets) take(b *Bucket, l bucket.Limit, cost int64) bucket.Result {
 	sh, id := lb.locate(b)
 	// The clock is read before the lock, to keep the lock short (a clock
 	// read is a third of a take on some VMs). Another take may then store
@@ -219,7 +220,7 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 	now := lb.now()
 	sh.mu.Lock()
 	old, ok := sh.states.get(id)
-	st, res := Take(old, now, l, cost)
+	st, res := bucket.Take(old, now, l, cost)
 	if st != old {
 		if !ok {
 			if lb.count.Load() >= lb.maxKeys.Load() {
@@ -237,10 +238,10 @@ func (lb *localBuckets) take(b *Bucket, l Limit, cost int64) Result {
 // Limit i keeps its state under the bucket's id mixed with i, in the same
 // shard; limit 0's is the bucket's own, as with one limit. A request of
 // cost 0 only reads.
-func (lb *localBuckets) takeAll(b *Bucket, ls []Limit, cost int64, out []Result) bool {
+func (lb *localBuckets) takeAll(b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) bool {
 	sh, id := lb.locate(b)
-	var states, olds [MaxLimits]State
-	var found [MaxLimits]bool
+	var states, olds [bucket.MaxLimits]bucket.State
+	var found [bucket.MaxLimits]bool
 	now := lb.now()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -248,7 +249,7 @@ func (lb *localBuckets) takeAll(b *Bucket, ls []Limit, cost int64, out []Result)
 		states[i], found[i] = sh.states.get(limitID(id, i))
 	}
 	olds = states
-	allowed := TakeAll(states[:len(ls)], now, ls, cost, out)
+	allowed := bucket.TakeAll(states[:len(ls)], now, ls, cost, out)
 	for i := range ls {
 		if states[i] == olds[i] {
 			continue
@@ -272,24 +273,24 @@ func limitID(id uint64, i int) uint64 {
 	return id ^ uint64(i)*0x9e3779b97f4a7c15
 }
 
-func (lb *localBuckets) peek(b *Bucket, l Limit) Result {
+func (lb *localBuckets) peek(b *Bucket, l bucket.Limit) bucket.Result {
 	sh, id := lb.locate(b)
 	now := lb.now()
 	sh.mu.Lock()
 	st, _ := sh.states.get(id)
-	res := Peek(st, now, l)
+	res := bucket.Peek(st, now, l)
 	sh.mu.Unlock()
 	return res
 }
 
-func (lb *localBuckets) giveBack(b *Bucket, l Limit, n int64) {
+func (lb *localBuckets) giveBack(b *Bucket, l bucket.Limit, n int64) {
 	// A bucket back to full is no bucket; keeping it costs nothing.
-	lb.update(b, func(st State, now int64) State { return GiveBack(st, now, l, n) }, false)
+	lb.update(b, func(st bucket.State, now int64) bucket.State { return bucket.GiveBack(st, now, l, n) }, false)
 }
 
 // update applies f to the bucket's state under its shard's lock; a bucket
 // the table lacks is added only when add is set.
-func (lb *localBuckets) update(b *Bucket, f func(st State, now int64) State, add bool) {
+func (lb *localBuckets) update(b *Bucket, f func(st bucket.State, now int64) bucket.State, add bool) {
 	sh, id := lb.locate(b)
 	now := lb.now()
 	sh.mu.Lock()
@@ -311,7 +312,7 @@ func (lb *localBuckets) reset(b *Bucket) {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
 	before := sh.states.n
-	for i := range MaxLimits {
+	for i := range bucket.MaxLimits {
 		sh.states.remove(limitID(id, i))
 	}
 	lb.count.Add(int64(sh.states.n - before))

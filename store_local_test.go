@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -18,7 +19,7 @@ func TestConcurrentBurstAdmitsCapacityPlusRefillExactly(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	lb := newLocalBuckets(1000, clock.now)
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 100_000}} // 10/s
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}} // 10/s
 	b := bucketFor("127.0.0.1")
 
 	burst := func() int64 {
@@ -50,13 +51,13 @@ func TestLocalStoreMatchesReferenceModel(t *testing.T) {
 	lb := newLocalBuckets(100, clock.now)
 	rng := rand.New(rand.NewPCG(3, 4))
 	for i := range 100 {
-		tr := newRandomTrace(rng)
-		ref := newRefModel(tr.limit)
+		tr := bucket.RandomTrace(rng)
+		ref := bucket.NewReference(tr.Limit)
 		b := bucketFor("client-" + strconv.Itoa(i))
-		for j := range tr.gaps {
-			clock.micros.Add(tr.gaps[j])
-			want := ref.take(clock.now(), tr.costs[j])
-			if got := lb.take(b, tr.limit, tr.costs[j]); got != want {
+		for j := range tr.Gaps {
+			clock.micros.Add(tr.Gaps[j])
+			want := ref.Take(clock.now(), tr.Costs[j])
+			if got := lb.take(b, tr.Limit, tr.Costs[j]); got != want {
 				t.Fatalf("trace %d step %d: got %+v, want %+v", i, j, got, want)
 			}
 		}
@@ -67,7 +68,7 @@ func TestMaxKeysBoundsMemoryUnderAFloodOfKeys(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1)
 	lb := newLocalBuckets(1000, clock.now)
-	l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 1_000_000}}
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
 	for i := range 50_000 {
 		lb.take(bucketFor(strconv.Itoa(i)), l, 1)
 		if n := lb.len(); n > 1000 {
@@ -83,8 +84,8 @@ func TestFullBucketsAreDroppedBeforeLiveOnes(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1)
 	lb := newLocalBuckets(100, clock.now)
-	slow := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}} // 1/h
-	fast := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 1_000}}         // full again within 10 ms
+	slow := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // 1/h
+	fast := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000}}         // full again within 10 ms
 	// Ten live clients that have spent their whole bucket.
 	for i := range 10 {
 		b := bucketFor("live-" + strconv.Itoa(i))
@@ -115,7 +116,7 @@ func TestFullBucketsAreDroppedBeforeLiveOnes(t *testing.T) {
 
 func TestLocalTakeDoesNotAllocate(t *testing.T) {
 	lb := newLocalBuckets(1000, monotonicMicros)
-	l := Limit{Capacity: 1 << 30, Rate: Rate{Tokens: 1, Interval: 1}}
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
 	b := bucketFor("127.0.0.1")
 	lb.take(b, l, 1)
 	if allocs := testing.AllocsPerRun(1000, func() { lb.take(b, l, 1) }); allocs != 0 {
@@ -126,7 +127,7 @@ func TestLocalTakeDoesNotAllocate(t *testing.T) {
 func TestResetRefillsABucket(t *testing.T) {
 	s := new(LocalStore)
 	s.buckets = newLocalBuckets(10, monotonicMicros)
-	l := Limit{Capacity: 1, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	b := bucketFor("127.0.0.1")
 	ctx := context.Background()
 	if res, _ := s.Take(ctx, b, l, 1); !res.Allowed {
@@ -145,7 +146,7 @@ func TestResetRefillsABucket(t *testing.T) {
 
 func TestBucketsOfDifferentTiersAndKeyersAreApart(t *testing.T) {
 	lb := newLocalBuckets(100, monotonicMicros)
-	l := Limit{Capacity: 1, Rate: Rate{Tokens: 1, Interval: 3_600_000_000}}
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	for _, b := range []*Bucket{
 		{Policy: "p", Tier: "a", Keyer: "ip/32/64", Value: []byte("x")},
 		{Policy: "p", Tier: "b", Keyer: "ip/32/64", Value: []byte("x")},

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net"
 	"strconv"
 	"strings"
@@ -144,7 +145,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	if !cfg.lease.strict() {
 		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, s.timeout, cfg.denyCapacity, ctx.Logger())
 		s.leases.after = func(d time.Duration, f func()) { time.AfterFunc(d, f) }
-		s.leases.current = func(key string, l Limit) (Limit, bool) {
+		s.leases.current = func(key string, l bucket.Limit) (bucket.Limit, bool) {
 			policy, tier, ok := s.splitKey(key)
 			if !ok {
 				return l, true
@@ -213,7 +214,7 @@ func (s *RedisStore) splitKey(key string) (policy, tier string, ok bool) {
 // Take implements Store: from this node's lease when leases are on and
 // larger than the cost, else by one script call, unless the deny cache
 // already knows the answer.
-func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (Result, error) {
+func (s *RedisStore) Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
 	if s.leases != nil && s.leases.size.of(l) > cost && cost > 0 {
 		var buf [192]byte
 		res, err := s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
@@ -227,8 +228,8 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 	if ok {
 		return res, nil
 	}
-	var out [1]Result
-	_, _, err := s.takeAll(ctx, "take", key, []Limit{l}, cost, out[:], true)
+	var out [1]bucket.Result
+	_, _, err := s.takeAll(ctx, "take", key, []bucket.Limit{l}, cost, out[:], true)
 	res = out[0]
 	if err == nil && !res.Allowed {
 		s.conn.denied.put(key, epoch, l, cost, start, res)
@@ -239,14 +240,14 @@ func (s *RedisStore) Take(ctx context.Context, b *Bucket, l Limit, cost int64) (
 // TakeAll implements Store with one script call on the bucket's key, whose
 // hash holds every limit. Leases take no part: a tier of several limits is
 // refused with lease, at provision.
-func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []Limit, cost int64, out []Result) (bool, error) {
+func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
 	allowed, _, err := s.takeAll(ctx, "take", s.key(b), ls, cost, out, false)
 	return allowed, err
 }
 
 // takeAll runs op, take or peek, on key, and also returns the server's
 // time of the decision. A single limit's take goes through the batcher.
-func (s *RedisStore) takeAll(ctx context.Context, op, key string, ls []Limit, cost int64, out []Result, batched bool) (bool, int64, error) {
+func (s *RedisStore) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, cost int64, out []bucket.Result, batched bool) (bool, int64, error) {
 	vals, err := s.call(ctx, key, s.args(op, ls, cost), batched, 3+4*len(ls))
 	if err != nil {
 		return false, 0, err
@@ -254,13 +255,13 @@ func (s *RedisStore) takeAll(ctx context.Context, op, key string, ls []Limit, co
 	banned := vals[1] == 1
 	for i := range ls {
 		v := vals[3+4*i:]
-		out[i] = Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3], Banned: banned}
+		out[i] = bucket.Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3], Banned: banned}
 	}
 	return vals[0] == 1, vals[2], nil
 }
 
 // args are the script's arguments for op on limits ls, and then extra.
-func (s *RedisStore) args(op string, ls []Limit, count int64, extra ...any) []any {
+func (s *RedisStore) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
 	args := make([]any, 0, 5+3*len(ls)+len(extra))
 	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban)
 	for _, l := range ls {
@@ -272,15 +273,15 @@ func (s *RedisStore) args(op string, ls []Limit, count int64, extra ...any) []an
 // Charge implements Store: one script call takes n more tokens, into debt
 // if need be. Leases take no part: lease refuses cost_from_response at
 // provision.
-func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l Limit, n int64) error {
-	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("charge", []Limit{l}, n), false, 2)
+func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
+	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("charge", []bucket.Limit{l}, n), false, 2)
 	return err
 }
 
 // GiveBack implements Store: into this node's lease when it holds one for
 // the bucket, up to what the lease's record counts, and the rest by one
 // script call.
-func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) error {
+func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
 	if n <= 0 {
 		return nil
 	}
@@ -290,30 +291,30 @@ func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l Limit, n int64) 
 			return nil
 		}
 	}
-	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("giveback", []Limit{l}, n), false, 2)
+	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("giveback", []bucket.Limit{l}, n), false, 2)
 	return err
 }
 
 // Peek implements Store.
-func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l Limit) (Result, error) {
-	var out [1]Result
-	_, _, err := s.takeAll(ctx, "peek", s.key(b), []Limit{l}, 0, out[:], false)
+func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
+	var out [1]bucket.Result
+	_, _, err := s.takeAll(ctx, "peek", s.key(b), []bucket.Limit{l}, 0, out[:], false)
 	return out[0], err
 }
 
 // lease is a lease call on the bucket at key, within the timeout and
 // through the breaker.
-func (s *RedisStore) lease(key string, l Limit, a LeaseAsk) (LeaseResult, error) {
+func (s *RedisStore) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
 	prefetch := 0
 	if a.Prefetch {
 		prefetch = 1
 	}
-	args := s.args("lease", []Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
+	args := s.args("lease", []bucket.Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
 	v, err := s.call(context.Background(), key, args, false, 8)
 	if err != nil {
-		return LeaseResult{}, err
+		return bucket.LeaseResult{}, err
 	}
-	return LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}, nil
+	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}, nil
 }
 
 // giveBack returns the unused tokens of node's leases to their buckets in
@@ -325,7 +326,7 @@ func (s *RedisStore) giveBack(node string, back []leaseReturn) (int64, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
-	args := func(g leaseReturn) []any { return s.args("return", []Limit{g.limit}, g.tokens, node, g.seq) }
+	args := func(g leaseReturn) []any { return s.args("return", []bucket.Limit{g.limit}, g.tokens, node, g.seq) }
 	cmds := make([]*redis.Cmd, len(back))
 	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
 		for i, g := range back {

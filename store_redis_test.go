@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"net/http"
 	"regexp"
@@ -20,8 +21,8 @@ import (
 var bg = context.Background()
 
 // slowLimit is a bucket that does not refill within a test.
-func slowLimit(capacity int64) Limit {
-	return Limit{Capacity: capacity, Rate: Rate{Tokens: 1, Interval: 3600_000_000}}
+func slowLimit(capacity int64) bucket.Limit {
+	return bucket.Limit{Capacity: capacity, Rate: bucket.Rate{Tokens: 1, Interval: 3600_000_000}}
 }
 
 func TestRedisMatchesReferenceModel(t *testing.T) {
@@ -37,23 +38,23 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 	// expires before the model's bucket is full.
 	rng := rand.New(rand.NewPCG(5, 6))
 	for i := range 40 {
-		tr := newRandomTrace(rng)
-		ref := newRefModel(tr.limit)
+		tr := bucket.RandomTrace(rng)
+		ref := bucket.NewReference(tr.Limit)
 		key := s.key(bucketFor("client-" + strconv.Itoa(i)))
-		var st State
-		for j := range tr.gaps {
-			s.clockOffset += tr.gaps[j]
+		var st bucket.State
+		for j := range tr.Gaps {
+			s.clockOffset += tr.Gaps[j]
 			sent := time.Now()
-			got, now, err := s.run(bg, key, tr.limit, tr.costs[j])
+			got, now, err := s.run(bg, key, tr.Limit, tr.Costs[j])
 			if err != nil {
 				t.Fatal(err)
 			}
-			var want Result
-			st, want = Take(st, now, tr.limit, tr.costs[j])
+			var want bucket.Result
+			st, want = bucket.Take(st, now, tr.Limit, tr.Costs[j])
 			if got != want {
-				t.Fatalf("trace %d (limit %+v) step %d at %dµs cost %d: Redis %+v, Take %+v", i, tr.limit, j, now, tr.costs[j], got, want)
+				t.Fatalf("trace %d (limit %+v) step %d at %dµs cost %d: Redis %+v, Take %+v", i, tr.Limit, j, now, tr.Costs[j], got, want)
 			}
-			if model := ref.take(now, tr.costs[j]); got != model {
+			if model := ref.Take(now, tr.Costs[j]); got != model {
 				t.Fatalf("trace %d step %d: Redis %+v, reference model %+v", i, j, got, model)
 			}
 			// The stored state is Take's, to the unit, and the key lives
@@ -76,7 +77,7 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	b := bucketFor("127.0.0.2")
-	l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 
 	for range 4 {
 		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
@@ -179,7 +180,7 @@ func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	b := bucketFor("198.51.100.1")
-	l := Limit{Capacity: 1, Rate: Rate{Tokens: 1, Interval: 400_000}} // 1 per 400 ms
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 400_000}} // 1 per 400 ms
 
 	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
 		t.Fatalf("first take: %+v, %v", res, err)
@@ -741,8 +742,8 @@ func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
 // bench/redis-benchmark.sh runs it beside redis-benchmark.
 func BenchmarkRedisTake(b *testing.B) {
 	srv := startRedis(b)
-	bucket := bucketFor("bench")
-	l := Limit{Capacity: 1_000_000_000, Rate: Rate{Tokens: 1, Interval: 1}} // never denies
+	bk := bucketFor("bench")
+	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1, Interval: 1}} // never denies
 	for _, batch := range []bool{true, false} {
 		s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Batch: &batch})
 		if (s.conn.batcher != nil) != batch {
@@ -751,7 +752,7 @@ func BenchmarkRedisTake(b *testing.B) {
 		name := map[bool]string{true: "batch-on", false: "batch-off"}[batch]
 		b.Run(name+"/serial", func(b *testing.B) {
 			for b.Loop() {
-				if _, err := s.Take(bg, bucket, l, 1); err != nil {
+				if _, err := s.Take(bg, bk, l, 1); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -761,7 +762,7 @@ func BenchmarkRedisTake(b *testing.B) {
 			b.SetParallelism(16)
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
-					if _, err := s.Take(bg, bucket, l, 1); err != nil {
+					if _, err := s.Take(bg, bk, l, 1); err != nil {
 						b.Error(err)
 						return
 					}
@@ -771,7 +772,7 @@ func BenchmarkRedisTake(b *testing.B) {
 		})
 		if batch {
 			b.Logf("redis-benchmark equivalent: redis-benchmark -p PORT -n 200000 -c 32 -q EVALSHA %s 1 %s %d %d %d 1",
-				bucketScript.Hash(), s.key(bucket), l.Capacity, l.Rate.Tokens, l.Rate.Interval)
+				bucketScript.Hash(), s.key(bk), l.Capacity, l.Rate.Tokens, l.Rate.Interval)
 		}
 	}
 }

@@ -1,5 +1,7 @@
 package ratelimit
 
+import "github.com/bramsley/caddy-ratelimit/internal/bucket"
+
 // stateTable maps a bucket's 64-bit hash to its State, in about 20 bytes a
 // bucket: open addressing with linear probing over three parallel arrays,
 // and no per-entry pointers for the garbage collector to scan. A Go map of
@@ -42,12 +44,12 @@ func (t *stateTable) find(key uint64) (int, bool) {
 }
 
 // get returns the state stored for id, or the zero State (a full bucket).
-func (t *stateTable) get(id uint64) (State, bool) {
+func (t *stateTable) get(id uint64) (bucket.State, bool) {
 	i, ok := t.find(tableKey(id))
 	if !ok {
-		return State{}, false
+		return bucket.State{}, false
 	}
-	return State{FullAt: t.fullAt[i], Slack: int64(t.slack[i] &^ bannedBit), Banned: t.slack[i]&bannedBit != 0}, true
+	return bucket.State{FullAt: t.fullAt[i], Slack: int64(t.slack[i] &^ bannedBit), Banned: t.slack[i]&bannedBit != 0}, true
 }
 
 // bannedBit marks, in a slot's slack, a state that a ban wrote. Slack is
@@ -56,7 +58,7 @@ func (t *stateTable) get(id uint64) (State, bool) {
 const bannedBit = 1 << 31
 
 // put stores the state for id.
-func (t *stateTable) put(id uint64, st State) {
+func (t *stateTable) put(id uint64, st bucket.State) {
 	key := tableKey(id)
 	i, ok := t.find(key)
 	if !ok {

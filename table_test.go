@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"testing"
 )
@@ -12,14 +13,14 @@ func TestStateTableMatchesAMap(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	for round := range 20 {
 		var tab stateTable
-		ref := make(map[uint64]State)
+		ref := make(map[uint64]bucket.State)
 		keyRange := uint64(8 + rng.IntN(2000))
 		for step := range 5000 {
 			// Hashes that share their low bits collide in the table.
 			key := rng.Uint64N(keyRange) << uint(rng.IntN(3)*20)
 			switch op := rng.IntN(10); {
 			case op < 6:
-				st := State{FullAt: rng.Int64N(1000), Slack: rng.Int64N(1 << 31)}
+				st := bucket.State{FullAt: rng.Int64N(1000), Slack: rng.Int64N(1 << 31)}
 				tab.put(key, st)
 				ref[tableKey(key)] = st
 			case op < 9:
@@ -59,7 +60,7 @@ func TestStateTableMatchesAMap(t *testing.T) {
 func TestStateTableSweepStopsAtItsLimit(t *testing.T) {
 	var tab stateTable
 	for i := range uint64(100) {
-		tab.put(i+1, State{FullAt: 5})
+		tab.put(i+1, bucket.State{FullAt: 5})
 	}
 	if got := tab.sweep(17, 10, func(int64) bool { return true }); got != 10 || tab.n != 90 {
 		t.Fatalf("sweep with limit 10 removed %d, left %d; want 10 and 90", got, tab.n)
@@ -68,7 +69,7 @@ func TestStateTableSweepStopsAtItsLimit(t *testing.T) {
 
 func TestHashZeroIsStored(t *testing.T) {
 	var tab stateTable
-	tab.put(0, State{FullAt: 42})
+	tab.put(0, bucket.State{FullAt: 42})
 	if st, ok := tab.get(0); !ok || st.FullAt != 42 {
 		t.Fatalf("get(0) = %+v, %v; want FullAt 42", st, ok)
 	}

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"strconv"
 	"strings"
@@ -57,9 +58,9 @@ type Tier struct {
 	Deny bool `json:"deny,omitempty"`
 
 	matchers caddyhttp.MatcherSets
-	limit    Limit
+	limit    bucket.Limit
 	// limits are all the tier's limits, limit first.
-	limits     []Limit
+	limits     []bucket.Limit
 	limitTexts []string
 	// costField is CostFromResponse in canonical form, as the response's
 	// header map keys its fields and trailers.
@@ -172,11 +173,11 @@ func (t *Tier) validateLimits() error {
 		if sh.Refill == "" {
 			return fmt.Errorf("tier %q: a refill rate is required, such as 10/s", t.Name)
 		}
-		rate, err := ParseRate(sh.Refill)
+		rate, err := bucket.ParseRate(sh.Refill)
 		if err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
-		l := Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban}
+		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban}
 		if err := l.Validate(t.cost); err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
@@ -236,7 +237,7 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		for i, l := range t.limits {
 			text := strconv.FormatInt(l.Capacity, 10)
 			t.limitTexts = append(t.limitTexts, text)
-			window := ceilDiv(l.units(), l.Rate.Tokens*1e6)
+			window := bucket.CeilDiv(l.Units(), l.Rate.Tokens*1e6)
 			items = append(items, t.itemName(i)+";q="+text+";w="+strconv.FormatInt(window, 10))
 		}
 		t.policyText = strings.Join(items, ", ")

@@ -1,4 +1,4 @@
-package ratelimit
+package bucket
 
 import "slices"
 
@@ -86,8 +86,8 @@ type LeaseResult struct {
 	Drop bool
 }
 
-// out is the tokens out on lease.
-func (sh *Shared) out() int64 {
+// Out is the tokens out on lease.
+func (sh *Shared) Out() int64 {
 	var n int64
 	for _, h := range sh.Held {
 		n += h.Tokens
@@ -123,7 +123,7 @@ func (sh *Shared) settle(now int64, ls []Limit) {
 // capAt holds every level at or under its capacity less the tokens out, at
 // time t.
 func (sh *Shared) capAt(t int64, ls []Limit) {
-	out := sh.out()
+	out := sh.Out()
 	if out == 0 {
 		return
 	}
@@ -156,7 +156,7 @@ func (sh Shared) Life(now int64, ls []Limit) int64 {
 
 // floor is, for a limit, the units it must lack: the tokens out.
 func (sh *Shared) floor(l Limit) int64 {
-	return min(sh.out(), l.Capacity) * l.Rate.Interval
+	return min(sh.Out(), l.Capacity) * l.Rate.Interval
 }
 
 // voidAll marks every record: a ban started.
@@ -166,9 +166,9 @@ func (sh *Shared) voidAll() {
 	}
 }
 
-// banned reports whether a ban emptied the bucket since a request was last
+// Banned reports whether a ban emptied the bucket since a request was last
 // allowed.
-func (sh *Shared) banned(now int64) bool {
+func (sh *Shared) Banned(now int64) bool {
 	return slices.ContainsFunc(sh.Levels, func(s State) bool { return s.bannedSince(now) })
 }
 
@@ -178,7 +178,7 @@ func (sh *Shared) banned(now int64) bool {
 // voids every lease's give-back.
 func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
 	sh.settle(now, ls)
-	allowed := takeAll(sh.Levels, now, ls, cost, out, sh.out())
+	allowed := takeAll(sh.Levels, now, ls, cost, out, sh.Out())
 	if slices.ContainsFunc(out[:len(ls)], func(r Result) bool { return r.Banned }) {
 		sh.voidAll()
 	}
@@ -225,7 +225,7 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	}
 	if !allowed {
 		want := a.Want
-		if ls[0].Ban > 0 && !a.Prefetch && short(sh.Levels, now, ls, a.Cost, sh.out()) {
+		if ls[0].Ban > 0 && !a.Prefetch && short(sh.Levels, now, ls, a.Cost, sh.Out()) {
 			for i, l := range ls {
 				var r Result
 				sh.Levels[i], r = ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
@@ -249,9 +249,9 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 		sh.report(now, ls, &res)
 		return res
 	}
-	grant := min(a.Want, sh.room(ls)-sh.out())
+	grant := min(a.Want, sh.room(ls)-sh.Out())
 	for i, l := range ls {
-		grant = min(grant, (l.units()-sh.Levels[i].deficit(now, l))/l.Rate.Interval)
+		grant = min(grant, (l.Units()-sh.Levels[i].deficit(now, l))/l.Rate.Interval)
 	}
 	grant = max(grant, a.Cost)
 	for i, l := range ls {
@@ -327,7 +327,7 @@ func (sh *Shared) Return(now int64, ls []Limit, node string, seq, n int64) int64
 	h := sh.Held[j]
 	sh.Held = slices.Delete(sh.Held, j, j+1)
 	n = min(n, h.Tokens)
-	if h.Void || n <= 0 || sh.banned(now) {
+	if h.Void || n <= 0 || sh.Banned(now) {
 		return 0
 	}
 	for i, l := range ls {
@@ -340,7 +340,7 @@ func (sh *Shared) Return(now int64, ls []Limit, node string, seq, n int64) int64
 // as GiveBack does, and never past the cap that the tokens out set.
 func (sh *Shared) GiveBack(now int64, ls []Limit, n int64) {
 	sh.settle(now, ls)
-	if sh.banned(now) {
+	if sh.Banned(now) {
 		return
 	}
 	for i, l := range ls {

@@ -1,4 +1,4 @@
-package ratelimit
+package bucket
 
 import (
 	"math"
@@ -68,116 +68,20 @@ func TestLimitValidateNamesTheValue(t *testing.T) {
 	}
 }
 
-// refModel is the formula of the design, in exact rational arithmetic:
-//
-//	tokens = min(C, tokens_prev + (t - t_prev) * r)
-//	if tokens >= k: allow; tokens -= k; t_prev = t
-//	else:           deny; the state is left unchanged
-type refModel struct {
-	capacity *big.Rat
-	rate     *big.Rat // tokens per microsecond
-	tokens   *big.Rat
-	last     int64
-	started  bool
-}
-
-func newRefModel(l Limit) *refModel {
-	c := new(big.Rat).SetInt64(l.Capacity)
-	return &refModel{capacity: c, rate: big.NewRat(l.Rate.Tokens, l.Rate.Interval), tokens: new(big.Rat).Set(c)}
-}
-
-func (m *refModel) take(now, cost int64) Result {
-	tokens := new(big.Rat).Set(m.tokens)
-	if m.started {
-		tokens.Add(tokens, new(big.Rat).Mul(new(big.Rat).SetInt64(now-m.last), m.rate))
-		if tokens.Cmp(m.capacity) > 0 {
-			tokens.Set(m.capacity)
-		}
-	}
-	k := new(big.Rat).SetInt64(cost)
-	if tokens.Cmp(k) < 0 {
-		return Result{
-			Remaining:  floorRat(tokens),
-			RetryAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(k, tokens), m.rate)),
-			ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
-		}
-	}
-	tokens.Sub(tokens, k)
-	m.tokens, m.last, m.started = tokens, now, true
-	return Result{
-		Allowed:    true,
-		Remaining:  floorRat(tokens),
-		ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
-	}
-}
-
-func floorRat(r *big.Rat) int64 {
-	return new(big.Int).Quo(r.Num(), r.Denom()).Int64()
-}
-
-func ceilRat(r *big.Rat) int64 {
-	q, m := new(big.Int).QuoRem(r.Num(), r.Denom(), new(big.Int))
-	if m.Sign() > 0 {
-		q.Add(q, big.NewInt(1))
-	}
-	return q.Int64()
-}
-
-var traceRates = []string{"1/s", "3/s", "100/s", "0.5/s", "1/10s", "30/m", "1000/h", "7/250ms", "2.25/s", "1000000/s", "13/7s"}
-
-// randomTrace is one case of the property test: a limit and a series of
-// arrivals with their costs.
-type randomTrace struct {
-	limit Limit
-	gaps  []int64 // microseconds since the previous arrival
-	costs []int64
-}
-
-func newRandomTrace(rng *rand.Rand) randomTrace {
-	rate, err := ParseRate(traceRates[rng.IntN(len(traceRates))])
-	if err != nil {
-		panic(err)
-	}
-	tr := randomTrace{limit: Limit{Capacity: 1 + rng.Int64N(50), Rate: rate}}
-	// Gaps from none at all to several refills of the whole bucket, with
-	// most near the time one token takes, where the edges are.
-	perToken := rate.Interval / rate.Tokens
-	for range 200 {
-		var gap int64
-		switch rng.IntN(4) {
-		case 0:
-			gap = 0
-		case 1:
-			gap = rng.Int64N(perToken + 2)
-		case 2:
-			gap = rng.Int64N(3*perToken + 2)
-		default:
-			gap = rng.Int64N(tr.limit.Capacity*perToken*2 + 2)
-		}
-		cost := int64(1)
-		if rng.IntN(3) == 0 {
-			cost = 1 + rng.Int64N(tr.limit.Capacity)
-		}
-		tr.gaps = append(tr.gaps, gap)
-		tr.costs = append(tr.costs, cost)
-	}
-	return tr
-}
-
 func TestTakeMatchesReferenceModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := range 500 {
-		tr := newRandomTrace(rng)
-		ref := newRefModel(tr.limit)
+		tr := RandomTrace(rng)
+		ref := NewReference(tr.Limit)
 		var st State
 		now := int64(1_000_000)
-		for j := range tr.gaps {
-			now += tr.gaps[j]
-			want := ref.take(now, tr.costs[j])
+		for j := range tr.Gaps {
+			now += tr.Gaps[j]
+			want := ref.Take(now, tr.Costs[j])
 			var got Result
-			st, got = Take(st, now, tr.limit, tr.costs[j])
+			st, got = Take(st, now, tr.Limit, tr.Costs[j])
 			if got != want {
-				t.Fatalf("trace %d (limit %+v), step %d at %dµs cost %d: got %+v, want %+v", i, tr.limit, j, now, tr.costs[j], got, want)
+				t.Fatalf("trace %d (limit %+v), step %d at %dµs cost %d: got %+v, want %+v", i, tr.Limit, j, now, tr.Costs[j], got, want)
 			}
 		}
 	}
@@ -295,8 +199,8 @@ func refDeficit(s State, now int64, l Limit) int64 {
 	if d.Sign() < 0 {
 		return 0
 	}
-	if d.Cmp(big.NewInt(l.units())) > 0 {
-		return l.units()
+	if d.Cmp(big.NewInt(l.Units())) > 0 {
+		return l.Units()
 	}
 	return d.Int64()
 }
@@ -336,7 +240,7 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 		cost := 1 + rng.Int64N(next.Capacity)
 
 		deficit := refDeficit(st, now, next)
-		level := next.units() - deficit
+		level := next.Units() - deficit
 		if got := st.deficit(now, next); got != deficit {
 			t.Fatalf("case %d: state %+v at %d under %+v: deficit %d, want %d", i, st, now, next, got, deficit)
 		}
@@ -347,7 +251,7 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 		if res.Allowed != (level >= cost*next.Rate.Interval) {
 			t.Fatalf("case %d: allowed %v with level %d and cost %d", i, res.Allowed, level, cost)
 		}
-		if maxReset := ceilDiv(next.units(), next.Rate.Tokens); res.ResetAfter < 0 || res.RetryAfter < 0 || res.Allowed && res.ResetAfter > maxReset {
+		if maxReset := CeilDiv(next.Units(), next.Rate.Tokens); res.ResetAfter < 0 || res.RetryAfter < 0 || res.Allowed && res.ResetAfter > maxReset {
 			t.Fatalf("case %d: reset after %d, retry after %d; want both at least 0, and reset at most %d when allowed", i, res.ResetAfter, res.RetryAfter, maxReset)
 		}
 		// The retry time is enough: the same request then is allowed.

@@ -1,12 +1,13 @@
-package ratelimit
+// Package bucket is the token bucket's math: a bucket's state, its limits,
+// and what a request, a lease, a give-back and a charge do to it, on
+// integers and an injected clock, with the reference model every store is
+// held to. It imports nothing but the standard library.
+package bucket
 
 import (
 	"fmt"
 	"math"
 	"math/big"
-	"strconv"
-	"strings"
-	"time"
 )
 
 // The token bucket, lazily refilled.
@@ -30,13 +31,6 @@ import (
 // a float64 as well, with room for a product: the Redis store's Lua script
 // computes with doubles.
 const maxUnits = 1 << 52
-
-// Rate is a refill rate: Tokens tokens every Interval microseconds, reduced
-// to lowest terms.
-type Rate struct {
-	Tokens   int64
-	Interval int64
-}
 
 // Limit is a bucket's shape.
 type Limit struct {
@@ -75,74 +69,6 @@ type Result struct {
 	Banned bool
 }
 
-// ParseRate parses a refill rate written as <amount>/<duration>: "100/s",
-// "0.5/s", "1/10s", "30/m", "1000/h", "5/1m30s". The amount may have up to
-// six decimal places; the duration is a whole number of microseconds.
-func ParseRate(s string) (Rate, error) {
-	amount, per, ok := strings.Cut(s, "/")
-	if !ok {
-		return Rate{}, fmt.Errorf("refill %q: want <amount>/<duration>, such as 100/s or 1/10s", s)
-	}
-	num, den, err := parseDecimal(amount)
-	if err != nil || num <= 0 {
-		return Rate{}, fmt.Errorf("refill %q: amount %q is not a positive number", s, amount)
-	}
-	if per != "" && (per[0] < '0' || per[0] > '9') && per[0] != '.' {
-		per = "1" + per
-	}
-	if strings.HasSuffix(per, "d") {
-		days, err := strconv.ParseInt(strings.TrimSuffix(per, "d"), 10, 64)
-		if err != nil || days <= 0 || days > 365 {
-			return Rate{}, fmt.Errorf("refill %q: duration %q is not a whole number of days", s, per)
-		}
-		per = strconv.FormatInt(days*24, 10) + "h"
-	}
-	d, err := time.ParseDuration(per)
-	if err != nil || d <= 0 {
-		return Rate{}, fmt.Errorf("refill %q: duration %q is not a positive duration such as s, 10s, m or h", s, per)
-	}
-	if d%time.Microsecond != 0 {
-		return Rate{}, fmt.Errorf("refill %q: duration %q is finer than a microsecond", s, per)
-	}
-	interval := new(big.Int).Mul(big.NewInt(d.Microseconds()), big.NewInt(den))
-	tokens := big.NewInt(num)
-	g := new(big.Int).GCD(nil, nil, tokens, interval)
-	tokens.Quo(tokens, g)
-	interval.Quo(interval, g)
-	if !interval.IsInt64() || interval.Int64() > maxUnits || tokens.Int64() > math.MaxInt32 {
-		return Rate{}, fmt.Errorf("refill %q: too fine a rate to compute exactly", s)
-	}
-	return Rate{Tokens: tokens.Int64(), Interval: interval.Int64()}, nil
-}
-
-// parseDecimal reads a non-negative decimal with at most six fractional
-// digits as num/den.
-func parseDecimal(s string) (num, den int64, err error) {
-	whole, frac, _ := strings.Cut(s, ".")
-	if whole == "" && frac == "" || len(frac) > 6 || strings.ContainsAny(s, "+-eE_") {
-		return 0, 0, strconv.ErrSyntax
-	}
-	den = 1
-	for range frac {
-		den *= 10
-	}
-	n, err := strconv.ParseInt(whole+frac, 10, 64)
-	if err != nil || n > math.MaxInt64/1000000 {
-		return 0, 0, strconv.ErrSyntax
-	}
-	return n, den, nil
-}
-
-// String writes the rate back in the refill syntax.
-func (r Rate) String() string {
-	return strconv.FormatInt(r.Tokens, 10) + "/" + (time.Duration(r.Interval) * time.Microsecond).String()
-}
-
-// PerSecond is the rate as a float, for display only.
-func (r Rate) PerSecond() float64 {
-	return float64(r.Tokens) * 1e6 / float64(r.Interval)
-}
-
 // Validate checks that the limit is a bucket the arithmetic can hold, and
 // that a request costing cost tokens can ever be allowed.
 func (l Limit) Validate(cost int64) error {
@@ -162,7 +88,8 @@ func (l Limit) Validate(cost int64) error {
 }
 
 // units is the capacity in units.
-func (l Limit) units() int64 { return l.Capacity * l.Rate.Interval }
+// Units is the capacity in units: Rate.Interval to a token.
+func (l Limit) Units() int64 { return l.Capacity * l.Rate.Interval }
 
 // deficit is how many units the bucket lacks at now, from 0 to units().
 func (s State) deficit(now int64, l Limit) int64 {
@@ -175,12 +102,12 @@ func (s State) deficit(now int64, l Limit) int64 {
 	// to an empty bucket before the product could overflow.
 	// (Slack is below the old limit's Tokens, so the sums stay small.)
 	gap := s.FullAt - now
-	if gap > (l.units()+s.Slack)/l.Rate.Tokens+1 {
-		return l.units()
+	if gap > (l.Units()+s.Slack)/l.Rate.Tokens+1 {
+		return l.Units()
 	}
 	d := gap*l.Rate.Tokens - s.Slack
-	if d > l.units() {
-		return l.units()
+	if d > l.Units() {
+		return l.Units()
 	}
 	// Below 0 only when a reload changed the rate: Slack, in the old rate's
 	// units, then exceeds the little time left before FullAt, when the
@@ -191,7 +118,7 @@ func (s State) deficit(now int64, l Limit) int64 {
 // stateAt is the state of a bucket that lacks deficit units (above 0) at
 // now.
 func stateAt(now, deficit int64, l Limit) State {
-	refill := ceilDiv(deficit, l.Rate.Tokens)
+	refill := CeilDiv(deficit, l.Rate.Tokens)
 	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}
 }
 
@@ -228,18 +155,18 @@ func take(s State, now int64, l Limit, cost int64) (State, Result) {
 		return s, Result{RetryAfter: untilLevel(s, now, l, cost*l.Rate.Interval), ResetAfter: s.FullAt - now}
 	}
 	deficit := s.deficit(now, l)
-	level := l.units() - deficit
+	level := l.Units() - deficit
 	need := cost * l.Rate.Interval
 	if level < need {
 		return s, Result{
 			Remaining:  level / l.Rate.Interval,
-			RetryAfter: ceilDiv(need-level, l.Rate.Tokens),
-			ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
+			RetryAfter: CeilDiv(need-level, l.Rate.Tokens),
+			ResetAfter: CeilDiv(deficit, l.Rate.Tokens),
 		}
 	}
 	if cost == 0 {
 		// Nothing taken, so nothing written: a ban's mark stays.
-		return s, Result{Allowed: true, Remaining: level / l.Rate.Interval, ResetAfter: ceilDiv(deficit, l.Rate.Tokens)}
+		return s, Result{Allowed: true, Remaining: level / l.Rate.Interval, ResetAfter: CeilDiv(deficit, l.Rate.Tokens)}
 	}
 	next := stateAt(now, deficit+need, l)
 	return next, Result{Allowed: true, Remaining: (level - need) / l.Rate.Interval, ResetAfter: next.FullAt - now}
@@ -296,7 +223,7 @@ func takeAll(states []State, now int64, ls []Limit, cost int64, out []Result, he
 // more: banned or in debt, or its level and held short of the cost.
 func short(states []State, now int64, ls []Limit, cost, held int64) bool {
 	for i, l := range ls {
-		level := l.units() - states[i].deficit(now, l)
+		level := l.Units() - states[i].deficit(now, l)
 		if banned(states[i], now, l) || level+min(held, l.Capacity)*l.Rate.Interval < cost*l.Rate.Interval {
 			return true
 		}
@@ -311,8 +238,8 @@ func ban(s State, now int64, l Limit, need int64) (State, Result) {
 	started := !banned(s, now, l)
 	if started {
 		// Empty at now+Ban exactly, then refilling as usual.
-		refill := ceilDiv(l.units(), l.Rate.Tokens)
-		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.units(), Banned: true}
+		refill := CeilDiv(l.Units(), l.Rate.Tokens)
+		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.Units(), Banned: true}
 	}
 	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now, Banned: started}
 }
@@ -325,20 +252,20 @@ func (s State) bannedSince(now int64) bool { return s.Banned && s.FullAt > now }
 // or a debt that cost_from_response ran up.
 func banned(s State, now int64, l Limit) bool {
 	gap := s.FullAt - now
-	return gap > 0 && gap > (l.units()+s.Slack)/l.Rate.Tokens
+	return gap > 0 && gap > (l.Units()+s.Slack)/l.Rate.Tokens
 }
 
 // untilLevel is the microseconds until the bucket in state s holds x
 // units, at least 1: the moment (FullAt-t)*Tokens - Slack falls to
 // units - x. It holds for a banned bucket too, whose deficit saturates.
 func untilLevel(s State, now int64, l Limit, x int64) int64 {
-	return max(1, s.FullAt-now-(l.units()-x+s.Slack)/l.Rate.Tokens)
+	return max(1, s.FullAt-now-(l.Units()-x+s.Slack)/l.Rate.Tokens)
 }
 
 // wait is the microseconds until the bucket holds x units: 0 when it does
 // now.
 func wait(s State, now int64, l Limit, x int64) int64 {
-	if !banned(s, now, l) && l.units()-s.deficit(now, l) >= x {
+	if !banned(s, now, l) && l.Units()-s.deficit(now, l) >= x {
 		return 0
 	}
 	return untilLevel(s, now, l, x)
@@ -348,15 +275,16 @@ func wait(s State, now int64, l Limit, x int64) int64 {
 // whether a unit-cost request would pass.
 func Peek(s State, now int64, l Limit) Result {
 	deficit := s.deficit(now, l)
-	level := l.units() - deficit
+	level := l.Units() - deficit
 	return Result{
 		Allowed:    level >= l.Rate.Interval,
 		Remaining:  level / l.Rate.Interval,
-		ResetAfter: ceilDiv(deficit, l.Rate.Tokens),
+		ResetAfter: CeilDiv(deficit, l.Rate.Tokens),
 	}
 }
 
-func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
+// CeilDiv is a/b rounded up, for a >= 0 and b > 0.
+func CeilDiv(a, b int64) int64 { return (a + b - 1) / b }
 
 // GiveBack returns n tokens that a request took, as count_status does for
 // a response that does not count. It only ever undoes a take: a bucket
@@ -386,7 +314,7 @@ func giveBack(s State, now int64, l Limit, n, floor int64) State {
 // the Redis script's doubles hold every figure, a full time included,
 // exactly.
 func (l Limit) maxDeficit() int64 {
-	return l.units() + min(l.units()*1000, maxUnits-l.units())
+	return l.Units() + min(l.Units()*1000, maxUnits-l.Units())
 }
 
 // Converted is n tokens taken under the limit from, as tokens of l, for a
