@@ -957,7 +957,7 @@ func tokenWaves(t *testing.T, f *leaseFleet, i int, key string, waves int, pause
 	should := p.capacity + refill
 	lost := should - admitted - level
 	t.Logf("%d waves of 12 requests at 20/s, %s apart, on a node %s from Redis: statuses %v; tokens given back %.0f; %s after the first request the shared level is %d: admitted + level %d, capacity + refill %d + %d = %d; lost %d (%.1f%%)",
-		waves, pause, f.nodes[i].proxy.delay, tally(out), returned, peeked.Sub(out[0].sent).Round(time.Millisecond), level, admitted+level, p.capacity, refill, should, lost, 100*float64(lost)/float64(should))
+		waves, pause, f.nodes[i].proxy.Delay(), tally(out), returned, peeked.Sub(out[0].sent).Round(time.Millisecond), level, admitted+level, p.capacity, refill, should, lost, 100*float64(lost)/float64(should))
 	if c := tally(out); c[200] != len(out) {
 		t.Errorf("statuses %v: want all %d allowed; not allowed: %s", c, len(out), notAllowed(f, out))
 	}

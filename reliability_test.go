@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"os"
-	"path/filepath"
 	"reflect"
 	"strconv"
 	"strings"
@@ -382,7 +380,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 	nodes := startCluster(t, 3)
 	master := nodes[0]
 	replica := startRedisOn(t, clusterPort(t), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-	replica.do("CLUSTER", "MEET", "127.0.0.1", master.port)
+	replica.do("CLUSTER", "MEET", "127.0.0.1", master.Port)
 	masterID := master.do("CLUSTER", "MYID").(string)
 	waitFor(t, 15*time.Second, "the new node to join", func() bool {
 		nodesText, _ := replica.do("CLUSTER", "NODES").(string)
@@ -440,7 +438,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, n := range []*redisServer{replica, master} {
-				log, _ := os.ReadFile(filepath.Join(n.dir, "redis.log"))
+				log := n.Log()
 				t.Logf("%s log:\n%s", n.addr(), log[max(0, len(log)-1500):])
 			}
 		}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"math/rand/v2"
 	"net/http"
 	"regexp"
@@ -281,10 +282,10 @@ func TestRedisScriptFlushIsHandled(t *testing.T) {
 }
 
 func TestRedisOverTLS(t *testing.T) {
-	ca := newTestCA(t)
+	ca := redistest.NewCA(t)
 	srv := startTLSRedis(t, ca)
 	url := "rediss://" + srv.addr()
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{url}, TLS: &RedisTLS{CA: ca.caFile}})
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{url}, TLS: &RedisTLS{CA: ca.CAFile}})
 	b := bucketFor("192.0.2.11")
 	for i := range 3 {
 		res, err := s.Take(bg, b, slowLimit(2), 1)

@@ -1,4 +1,4 @@
-package ratelimit
+package redistest
 
 import (
 	"net"
@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// faultProxy stands between a client and a redis-server on loopback, and
+// Proxy stands between a client and a redis-server on loopback, and
 // plays the network between them:
 //   - delay: every byte is forwarded a fixed time after it was read, in
 //     each direction, as a distant Redis would answer. Bytes in flight do
@@ -20,7 +20,7 @@ import (
 //   - cut: every open connection is closed and new ones are closed as soon
 //     as they are accepted, as a Redis that was killed looks to its
 //     clients; restore lets new connections through again.
-type faultProxy struct {
+type Proxy struct {
 	ln     net.Listener
 	target string
 	delay  time.Duration
@@ -31,25 +31,29 @@ type faultProxy struct {
 	conns map[net.Conn]struct{}
 }
 
-func startFaultProxy(t testing.TB, target string, delay time.Duration) *faultProxy {
+func StartProxy(t testing.TB, target string, delay time.Duration) *Proxy {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &faultProxy{ln: ln, target: target, delay: delay, conns: map[net.Conn]struct{}{}}
+	p := &Proxy{ln: ln, target: target, delay: delay, conns: map[net.Conn]struct{}{}}
 	go p.accept()
 	t.Cleanup(p.close)
 	return p
 }
 
-func (p *faultProxy) addr() string { return p.ln.Addr().String() }
+// Addr is where clients reach the proxy.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
 
-// blackhole silences the link; cut closes it; restore undoes either.
-func (p *faultProxy) blackhole() { p.dark.Store(true) }
-func (p *faultProxy) restore()   { p.dark.Store(false); p.down.Store(false) }
+// Delay is the time each byte takes, in each direction.
+func (p *Proxy) Delay() time.Duration { return p.delay }
 
-func (p *faultProxy) cut() {
+// Blackhole silences the link; Cut closes it; Restore undoes either.
+func (p *Proxy) Blackhole() { p.dark.Store(true) }
+func (p *Proxy) Restore()   { p.dark.Store(false); p.down.Store(false) }
+
+func (p *Proxy) Cut() {
 	p.down.Store(true)
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -59,7 +63,7 @@ func (p *faultProxy) cut() {
 	}
 }
 
-func (p *faultProxy) accept() {
+func (p *Proxy) accept() {
 	for {
 		down, err := p.ln.Accept()
 		if err != nil {
@@ -90,7 +94,7 @@ type chunk struct {
 
 // pipe copies src to dst, delayed, dropping what it reads while the proxy
 // is dark.
-func (p *faultProxy) pipe(dst, src net.Conn) {
+func (p *Proxy) pipe(dst, src net.Conn) {
 	defer p.forget(src)
 	queue := make(chan chunk, 4096)
 	go p.send(dst, queue)
@@ -109,7 +113,7 @@ func (p *faultProxy) pipe(dst, src net.Conn) {
 
 // send writes each chunk to dst when it is due, and closes dst after the
 // last one.
-func (p *faultProxy) send(dst net.Conn, queue <-chan chunk) {
+func (p *Proxy) send(dst net.Conn, queue <-chan chunk) {
 	defer p.forget(dst)
 	for c := range queue {
 		time.Sleep(time.Until(c.due))
@@ -121,14 +125,14 @@ func (p *faultProxy) send(dst net.Conn, queue <-chan chunk) {
 	}
 }
 
-func (p *faultProxy) forget(c net.Conn) {
+func (p *Proxy) forget(c net.Conn) {
 	c.Close()
 	p.mu.Lock()
 	delete(p.conns, c)
 	p.mu.Unlock()
 }
 
-func (p *faultProxy) close() {
+func (p *Proxy) close() {
 	p.ln.Close()
 	p.mu.Lock()
 	defer p.mu.Unlock()
