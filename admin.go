@@ -254,16 +254,13 @@ func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, f
 		}
 		failed[layer] = err.Error()
 	}
-	switch s := h.store.(type) {
-	case *RedisStore:
-		// Reset forgets the denial on this node first, whatever Redis does.
-		err := s.Reset(ctx, b)
-		note("deny_cache", nil)
-		note("redis", err)
-	case *LocalStore:
-		note("local", s.Reset(ctx, b))
-	default:
-		note("store", h.store.Reset(ctx, b))
+	if lr, ok := h.store.(LayeredResetter); ok {
+		layers, errs := lr.ResetLayers(ctx, b)
+		for i, layer := range layers {
+			note(layer, errs[i])
+		}
+	} else {
+		note(caddy.GetModuleName(h.store), h.store.Reset(ctx, b))
 	}
 	if h.local != nil {
 		note("local_fallback", h.local.Reset(ctx, b))
@@ -380,17 +377,14 @@ func (h *Handler) view() policyView {
 		}
 		v.Tiers = append(v.Tiers, tv)
 	}
-	switch s := h.store.(type) {
-	case *LocalStore:
-		v.Store, v.Keys = "local", s.buckets.len()
-	case *RedisStore:
-		v.Store, v.Breaker = "redis", s.conn.breaker.state(s.conn.now())
-		if h.local != nil && h.local.buckets != nil {
-			v.Keys = h.local.buckets.len()
-		}
-		if s.leases != nil {
-			v.Leases = s.leases.held()
-		}
+	v.Store = caddy.GetModuleName(h.store)
+	if r, ok := h.store.(StoreReporter); ok {
+		rep := r.Report()
+		v.Keys, v.Breaker, v.Leases = rep.Keys, rep.Breaker, rep.Leases
+	}
+	if h.local != nil && h.local.buckets != nil {
+		// Beside a shared store: the on_store_error local fallback's.
+		v.Keys = h.local.buckets.len()
 	}
 	return v
 }

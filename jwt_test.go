@@ -116,7 +116,7 @@ func claimsAt(sub, plan string) jwt.MapClaims {
 
 // keyIDOf is the {http.rate_limit.key_id} the handler shows for a client.
 func keyIDOf(keyer, value string) string {
-	sum := bucketDigest(&Bucket{Keyer: keyer, Value: []byte(value)})
+	sum := (&Bucket{Keyer: keyer, Value: []byte(value)}).Digest()
 	return hex.EncodeToString(sum[:8])
 }
 

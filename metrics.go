@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"errors"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"strings"
 	"sync/atomic"
 
@@ -33,19 +34,13 @@ var (
 		Help: "Decisions the store failed to make, so that on_store_error decided.",
 	}, []string{"store"})
 
-	// evictionsTotal and denyCacheHitsTotal are added to by the stores.
-	evictionsTotal     atomic.Uint64
-	denyCacheHitsTotal atomic.Uint64
+	// evictionsTotal is added to by the local stores.
+	evictionsTotal atomic.Uint64
 
 	evictionsCounter = prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "evictions_total",
 		Help: "Live buckets the local store dropped to stay within max_keys. Full buckets dropped are not counted: dropping them changes nothing.",
 	}, func() float64 { return float64(evictionsTotal.Load()) })
-
-	denyCacheHitsCounter = prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "deny_cache_hits_total",
-		Help: "Denials answered from the local deny cache without asking the shared store.",
-	}, func() float64 { return float64(denyCacheHitsTotal.Load()) })
 
 	keysGauge = keysCollector{desc: prometheus.NewDesc("caddy_http_rate_limit_keys",
 		"Buckets the local store holds, by policy.", []string{"policy"}, nil)}
@@ -73,7 +68,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, denyCacheHitsCounter, keysGauge, bansTotal, leasesTotal, leaseTokensReturned, leaseEvictions} {
+	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, bansTotal}, redisbucket.Collectors()...) {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"net/http"
 	"strconv"
 	"strings"
@@ -339,7 +340,7 @@ func (h *Handler) validateLeaseUse() error {
 	if h.StoreRaw == nil || json.Unmarshal(h.StoreRaw, &store) != nil {
 		return nil
 	}
-	if size, err := parseLeaseSize(store.Lease); err != nil || size.strict() {
+	if size, err := redisbucket.ParseLeaseSize(store.Lease); err != nil || size.Strict() {
 		return nil
 	}
 	for _, t := range h.Tiers {

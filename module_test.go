@@ -200,7 +200,7 @@ func TestPlaceholdersOnAllowedRequests(t *testing.T) {
 	}
 	respond "{http.rate_limit.policy} {http.rate_limit.tier} {http.rate_limit.decision} {http.rate_limit.limit} {http.rate_limit.remaining} {http.rate_limit.retry_after} {http.rate_limit.key_id}"`)
 	r := s.from("127.0.0.2", "/")
-	sum := bucketDigest(&Bucket{Keyer: "ip/32/64", Value: []byte("127.0.0.2")})
+	sum := (&Bucket{Keyer: "ip/32/64", Value: []byte("127.0.0.2")}).Digest()
 	want := "api default allowed 4 3 0 " + hex.EncodeToString(sum[:8])
 	if r.body != want {
 		t.Fatalf("body %q, want %q", r.body, want)

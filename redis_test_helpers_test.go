@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"testing"
 	"time"
@@ -109,18 +110,29 @@ func newRedisStoreFor(t testing.TB, s *RedisStore) *RedisStore {
 	return s
 }
 
-// newPrivateRedisStore provisions a store with a client of its own, outside
-// the pool: two of them stand for two Caddy nodes.
+// newPrivateRedisStore provisions a store with a connection of its own,
+// outside the pool: two of them stand for two Caddy nodes.
 func newPrivateRedisStore(t testing.TB, s *RedisStore) *RedisStore {
 	t.Helper()
-	cfg, err := s.settings()
+	opts, view, err := s.options()
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.conn = newRedisConn(cfg, zap.NewNop())
-	t.Cleanup(func() { _ = s.conn.Destruct() })
+	plan, err := redisbucket.NewPlan(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(zap.NewNop())
+	s.engine = redisbucket.NewStore(conn, view)
+	t.Cleanup(func() {
+		s.engine.Close()
+		_ = conn.Close()
+	})
 	return s
 }
+
+// keyOf is the bucket's Redis key.
+func (s *RedisStore) keyOf(b *Bucket) string { return string(s.key(nil, b)) }
 
 // serveOnRedis serves a policy of 3 requests an hour on the Redis server,
 // with the given timeout and on_store_error mode, and waits until the store
@@ -138,7 +150,7 @@ func serveOnRedis(t *testing.T, srv *redisServer, timeout time.Duration, mode st
 	}
 	respond "ok"`, srv.url(), timeout, mode))
 	waitFor(t, 5*time.Second, "the script to be loaded", func() bool {
-		v, _ := srv.do("SCRIPT", "EXISTS", bucketScript.Hash()).([]any)
+		v, _ := srv.do("SCRIPT", "EXISTS", redisbucket.ScriptHash()).([]any)
 		return len(v) == 1 && v[0] == int64(1)
 	})
 	return s

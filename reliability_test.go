@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"net/http"
 	"reflect"
 	"strconv"
@@ -218,7 +219,7 @@ func TestSlowRedisTimesOutAndOpensTheBreaker(t *testing.T) {
 	}
 	respond "ok"`, srv.url(), timeout))
 			waitFor(t, 5*time.Second, "the script to be loaded", func() bool {
-				v, _ := srv.do("SCRIPT", "EXISTS", bucketScript.Hash()).([]any)
+				v, _ := srv.do("SCRIPT", "EXISTS", redisbucket.ScriptHash()).([]any)
 				return len(v) == 1 && v[0] == int64(1)
 			})
 			if r := s.from("127.0.6.1", "/"); r.status != 200 {
@@ -254,8 +255,8 @@ func TestSlowRedisTimesOutAndOpensTheBreaker(t *testing.T) {
 			last := took[len(took)-1]
 			t.Logf("%d requests during the slowdown: %d waited for the timeout, the rest took at most %s each (last %s)",
 				len(took), slow, fastest(took, timeout), last)
-			if slow < defaultBreakerFailures || slow > defaultBreakerFailures+1 {
-				t.Fatalf("%d requests waited for the timeout, want the breaker's threshold %d (+1 probe at most)", slow, defaultBreakerFailures)
+			if slow < redisbucket.DefaultBreakerFailures || slow > redisbucket.DefaultBreakerFailures+1 {
+				t.Fatalf("%d requests waited for the timeout, want the breaker's threshold %d (+1 probe at most)", slow, redisbucket.DefaultBreakerFailures)
 			}
 			if len(took) < slow+10 || last > timeout/2 {
 				t.Fatalf("%d requests, the last took %s: the breaker did not make them fast", len(took), last)
@@ -427,7 +428,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 				t.Fatalf("take %d: %+v", n+1, res)
 			}
 		}
-		if holdsKey(master, s.key(b)) {
+		if holdsKey(master, s.keyOf(b)) {
 			onMaster = append(onMaster, b)
 		}
 	}
@@ -458,7 +459,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 		if err != nil || res.Allowed {
 			t.Fatalf("client %d, emptied before the failover: %+v, %v; want denied", i, res, err)
 		}
-		if !holdsKey(replica, s.key(b)) {
+		if !holdsKey(replica, s.keyOf(b)) {
 			t.Fatalf("client %d's bucket is not on the new master", i)
 		}
 	}
@@ -479,7 +480,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 		if allowed != 3 {
 			t.Fatalf("client after-%d: %d allowed, want 3", i, allowed)
 		}
-		if holdsKey(replica, s.key(b)) {
+		if holdsKey(replica, s.keyOf(b)) {
 			fresh++
 		}
 	}
@@ -525,76 +526,4 @@ func TestLocalStoreReadsOnlyTheMonotonicClock(t *testing.T) {
 		}
 		prev = now
 	}
-}
-
-// TestRedisStoreUsesRedisTime shows that Redis buckets are kept in the
-// Redis server's TIME: the script's state for a bucket is full at exactly
-// the server time of the decision plus the refill, and that server time
-// lies between two TIME readings taken around it. Two stores (two nodes)
-// send no time of their own, so their clocks cannot disagree about a
-// bucket: the second node's decision on the first node's bucket is exact.
-func TestRedisStoreUsesRedisTime(t *testing.T) {
-	srv := startRedis(t)
-	one := newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	two := newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	redisTime := func() int64 {
-		v := srv.do("TIME").([]any)
-		sec, _ := strconv.ParseInt(v[0].(string), 10, 64)
-		usec, _ := strconv.ParseInt(v[1].(string), 10, 64)
-		return sec*1_000_000 + usec
-	}
-	l := slowLimit(5) // one token an hour
-	b := bucketFor("clock")
-	key := one.key(b)
-	if key != two.key(b) {
-		t.Fatal("two nodes name one bucket differently")
-	}
-
-	lo := redisTime()
-	res, now, err := one.run(bg, key, l, 1)
-	hi := redisTime()
-	if err != nil || !res.Allowed {
-		t.Fatalf("take: %+v, %v", res, err)
-	}
-	if now < lo || now > hi {
-		t.Fatalf("the script decided at %d, outside the Redis TIME readings %d..%d around it", now, lo, hi)
-	}
-	fullAt, slack := redisBucketState(t, srv, key)
-	if fullAt != now+res.ResetAfter || res.ResetAfter != l.Rate.Interval || slack != 0 {
-		t.Fatalf("state %d %d after one token at Redis time %d: want full at %d (one interval later), slack 0", fullAt, slack, now, now+l.Rate.Interval)
-	}
-
-	// The second node takes the rest and is then denied, with the retry
-	// time counted from the same Redis clock.
-	for i := range 4 {
-		res, now2, err := two.run(bg, key, l, 1)
-		if err != nil || !res.Allowed {
-			t.Fatalf("node two, take %d: %+v, %v", i+2, res, err)
-		}
-		fullAt, _ = redisBucketState(t, srv, key)
-		if fullAt != now2+res.ResetAfter {
-			t.Fatalf("node two, take %d: full at %d, want Redis time %d + %d", i+2, fullAt, now2, res.ResetAfter)
-		}
-	}
-	res, now3, err := two.run(bg, key, l, 1)
-	if err != nil || res.Allowed {
-		t.Fatalf("sixth take: %+v, %v; want denied", res, err)
-	}
-	// The first token comes back one interval after the first take.
-	if want := now + l.Rate.Interval - now3; res.RetryAfter != want {
-		t.Fatalf("retry after %d µs, want %d: one interval after the first take, in Redis time", res.RetryAfter, want)
-	}
-}
-
-// redisBucketState reads a bucket's "<fullAt> <slack>" from Redis.
-func redisBucketState(t *testing.T, srv *redisServer, key string) (int64, int64) {
-	t.Helper()
-	v, _ := srv.do("HGET", key, "1").(string)
-	a, b, ok := strings.Cut(v, " ")
-	fullAt, err1 := strconv.ParseInt(a, 10, 64)
-	slack, err2 := strconv.ParseInt(b, 10, 64)
-	if !ok || err1 != nil || err2 != nil {
-		t.Fatalf("key %s holds %q, not a bucket", key, v)
-	}
-	return fullAt, slack
 }

@@ -44,6 +44,30 @@ type Store interface {
 	GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error
 }
 
+// StoreReporter is a store that says how it stands, for GET
+// /rate_limit/policies. A store that is not one is shown by name alone.
+type StoreReporter interface {
+	Report() StoreReport
+}
+
+// StoreReport is how a store stands on this node.
+type StoreReport struct {
+	// Keys is the buckets it holds in this process's memory.
+	Keys int
+	// Breaker is closed, open or half-open, for a store with one.
+	Breaker string
+	// Leases is the buckets this node holds leased tokens of.
+	Leases int
+}
+
+// LayeredResetter is a store whose Reset clears several layers, some on
+// this node whatever becomes of the others (a deny cache before Redis): it
+// resets each, and names them with each one's error, for DELETE
+// /rate_limit/buckets.
+type LayeredResetter interface {
+	ResetLayers(ctx context.Context, b *Bucket) (layers []string, errs []error)
+}
+
 // policyStore is a store that keeps each policy's buckets apart. The handler
 // binds it to its policy once it has loaded it.
 type policyStore interface {
@@ -60,15 +84,15 @@ func monotonicMicros() int64 { return time.Since(processStart).Microseconds() + 
 // keyID is a fingerprint of a bucket's client, for logs, the admin API and
 // the {http.rate_limit.key_id} placeholder: the first 8 bytes of its digest.
 func keyID(b *Bucket) string {
-	sum := bucketDigest(b)
+	sum := b.Digest()
 	return hex.EncodeToString(sum[:8])
 }
 
-// bucketDigest hashes the client part of a bucket's name: the keyer and the
+// Digest hashes the client part of a bucket's name: the keyer and the
 // value, with HMAC-SHA256 under key_secret when there is one, else plain
 // SHA-256. It is stable across processes, for stores shared by several
 // nodes.
-func bucketDigest(b *Bucket) [sha256.Size]byte {
+func (b *Bucket) Digest() [sha256.Size]byte {
 	if len(b.secret) == 0 && len(b.Keyer)+1+len(b.Value) <= 256 {
 		// Most keys are short: hashed from the stack, with no allocation.
 		var buf [256]byte

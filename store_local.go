@@ -120,6 +120,9 @@ func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l bucket.Limit, n in
 	return nil
 }
 
+// Report implements StoreReporter.
+func (s *LocalStore) Report() StoreReport { return StoreReport{Keys: s.buckets.len()} }
+
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
 //
 //	store local {
@@ -342,6 +345,7 @@ func (lb *localBuckets) len() int { return int(lb.count.Load()) }
 // Interface guards
 var (
 	_ policyStore           = (*LocalStore)(nil)
+	_ StoreReporter         = (*LocalStore)(nil)
 	_ caddy.Validator       = (*LocalStore)(nil)
 	_ caddy.CleanerUpper    = (*LocalStore)(nil)
 	_ caddyfile.Unmarshaler = (*LocalStore)(nil)

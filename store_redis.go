@@ -1,20 +1,15 @@
 package ratelimit
 
 import (
-	"cmp"
 	"context"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"net"
-	"strconv"
-	"strings"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/redis/go-redis/v9"
 )
 
 func init() {
@@ -100,23 +95,37 @@ type RedisStore struct {
 	// Lease is how many tokens of a shared bucket this node takes at once,
 	// to decide the requests they cover without calling Redis: a number,
 	// or a share of each tier's capacity such as "10%" (at least 1). The
-	// fleet still admits no more than with one call per decision (DESIGN
-	// section 9). Default 1: every decision asks Redis.
+	// fleet still admits no more than one bucket would (README: Sharing
+	// limits across edge nodes). Default 1: every decision asks Redis.
 	Lease string `json:"lease,omitempty"`
 
 	// LeaseTTL is how long leased tokens may stay unused on this node
 	// before they go back to the shared bucket. Default 1s.
 	LeaseTTL caddy.Duration `json:"lease_ttl,omitempty"`
 
-	conn    *redisConn
-	leases  *leaseTable // nil in strict mode
+	engine  *redisbucket.Store
 	poolKey string
-	prefix  string
-	timeout time.Duration
+}
 
-	// clockOffset is added to the Redis server's TIME. Only tests set it,
-	// to replay traces faster than real time; it is always 0 otherwise.
-	clockOffset int64
+// RedisSentinel names the master that Sentinel watches and the Sentinels.
+type RedisSentinel struct {
+	// Master is the master's name in the Sentinels' configuration.
+	Master string `json:"master,omitempty"`
+	// Addresses are the Sentinels, as host:port.
+	Addresses []string `json:"addresses,omitempty"`
+}
+
+// RedisTLS sets up TLS to Redis.
+type RedisTLS struct {
+	// CA is a PEM file of the certificate authorities that may sign the
+	// server's certificate. Default: the system's roots.
+	CA string `json:"ca,omitempty"`
+	// Cert and Key are PEM files of a client certificate and its key, for
+	// servers that verify clients.
+	Cert string `json:"cert,omitempty"`
+	Key  string `json:"key,omitempty"`
+	// InsecureSkipVerify accepts any server certificate. For tests only.
+	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
 }
 
 // CaddyModule returns the Caddy module information.
@@ -127,318 +136,176 @@ func (RedisStore) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision checks the settings and takes, or makes, the client for them.
-// It never talks to Redis, so that a config loads while Redis is down.
+// redisPool holds the connections, by their settings, across reloads.
+var redisPool = caddy.NewUsagePool()
+
+// redisConn is a pooled connection, closed when no config uses it.
+type redisConn struct{ *redisbucket.Conn }
+
+// Destruct implements caddy.Destructor.
+func (c redisConn) Destruct() error { return c.Close() }
+
+// Provision checks the settings and takes, or makes, the connection for
+// them. It never talks to Redis, so that a config loads while Redis is
+// down.
 func (s *RedisStore) Provision(ctx caddy.Context) error {
-	cfg, err := s.settings()
+	opts, store, err := s.options()
 	if err != nil {
 		return err
 	}
-	val, _, err := redisPool.LoadOrNew(cfg.key, func() (caddy.Destructor, error) {
-		return newRedisConn(cfg, ctx.Logger()), nil
+	plan, err := redisbucket.NewPlan(opts)
+	if err != nil {
+		return err
+	}
+	val, _, err := redisPool.LoadOrNew(plan.Key, func() (caddy.Destructor, error) {
+		return redisConn{plan.Connect(ctx.Logger())}, nil
 	})
 	if err != nil {
 		return err
 	}
-	s.conn = val.(*redisConn)
-	s.poolKey = cfg.key
-	if !cfg.lease.strict() {
-		s.leases = newLeaseTable(s, s.conn.now, cfg.lease, cfg.leaseTTL, s.timeout, cfg.denyCapacity, ctx.Logger())
-		s.leases.after = func(d time.Duration, f func()) { time.AfterFunc(d, f) }
-		s.leases.current = func(key string, l bucket.Limit) (bucket.Limit, bool) {
-			policy, tier, ok := s.splitKey(key)
-			if !ok {
-				return l, true
-			}
-			return liveLimit(policy, tier, l)
+	s.poolKey = plan.Key
+	store.Logger = ctx.Logger()
+	store.Current = func(key string, l bucket.Limit) (bucket.Limit, bool) {
+		policy, tier, ok := s.engine.SplitKey(key)
+		if !ok {
+			return l, true
 		}
+		return liveLimit(policy, tier, l)
 	}
+	s.engine = redisbucket.NewStore(val.(redisConn).Conn, store)
 	return nil
 }
 
-// Cleanup releases this config's hold on the client; the last config to
-// let go closes it.
+// Cleanup gives back what this config holds on lease and releases its
+// hold on the connection; the last config to let go closes it.
 func (s *RedisStore) Cleanup() error {
 	if s.poolKey == "" {
 		return nil
 	}
-	if s.leases != nil {
-		s.leases.close()
-	}
+	s.engine.Close()
 	_, err := redisPool.Delete(s.poolKey)
 	s.poolKey = ""
 	return err
 }
 
-// key is the bucket's Redis key: the prefix, then the policy and the tier,
-// each after its length in bytes, then a hash of the keyer and the value,
-// so that client values never reach Redis:
-//
-//	rl:<len>:<policy>:<len>:<tier>:<32 hex digits>
-//
-// The lengths keep names apart that hold ":" (policy "a:b" with tier "c"
-// and policy "a" with tier "b:c"). It is one key per bucket, with no hash
-// tag of its own, so a Cluster spreads the buckets over its masters.
-func (s *RedisStore) key(b *Bucket) string {
-	return string(s.appendKey(make([]byte, 0, len(s.prefix)+len(b.Policy)+len(b.Tier)+16+32), b))
-}
-
-// appendKey appends the bucket's key to buf.
-func (s *RedisStore) appendKey(buf []byte, b *Bucket) []byte {
-	sum := bucketDigest(b)
-	buf = append(buf, s.prefix...)
-	for _, part := range [...]string{b.Policy, b.Tier} {
-		buf = strconv.AppendInt(buf, int64(len(part)), 10)
-		buf = append(buf, ':')
-		buf = append(buf, part...)
-		buf = append(buf, ':')
+// validate checks what needs no expansion, for adapt and provision.
+func (s *RedisStore) validate() error {
+	switch {
+	case s.Sentinel != nil && len(s.Addresses) > 0:
+		return errors.New("redis store: give address or sentinel, not both")
+	case s.Sentinel != nil && s.Sentinel.Master == "":
+		return errors.New("redis store: sentinel: the master's name is missing")
+	case s.Sentinel != nil && len(s.Sentinel.Addresses) == 0:
+		return fmt.Errorf("redis store: sentinel %q: no sentinel address", s.Sentinel.Master)
+	case s.DB < 0:
+		return fmt.Errorf("redis store: db %d: must be 0 or more", s.DB)
+	case s.Timeout < 0:
+		return fmt.Errorf("redis store: timeout %s: must be above 0", time.Duration(s.Timeout))
+	case s.PoolSize < 0:
+		return fmt.Errorf("redis store: pool_size %d: must be at least 1", s.PoolSize)
+	case s.BreakerFailures < 0:
+		return fmt.Errorf("redis store: breaker_failures %d: must be at least 1", s.BreakerFailures)
+	case s.BreakerCooldown < 0:
+		return fmt.Errorf("redis store: breaker_cooldown %s: must be above 0", time.Duration(s.BreakerCooldown))
+	case s.LeaseTTL < 0:
+		return fmt.Errorf("redis store: lease_ttl %s: must be above 0", time.Duration(s.LeaseTTL))
+	case s.DenyCacheSize < 0:
+		return fmt.Errorf("redis store: deny_cache_size %d: must be at least 1", s.DenyCacheSize)
 	}
-	return hex.AppendEncode(buf, sum[:16])
-}
-
-// splitKey reads the policy and the tier back from a bucket's key.
-func (s *RedisStore) splitKey(key string) (policy, tier string, ok bool) {
-	rest, ok := strings.CutPrefix(key, s.prefix)
-	var parts [2]string
-	for i := range parts {
-		size, after, found := strings.Cut(rest, ":")
-		n, err := strconv.Atoi(size)
-		if !ok || !found || err != nil || n < 0 || n+1 > len(after) {
-			return "", "", false
-		}
-		parts[i], rest = after[:n], after[n+1:]
-	}
-	return parts[0], parts[1], true
-}
-
-// Take implements Store: from this node's lease when leases are on and
-// larger than the cost, else by one script call, unless the deny cache
-// already knows the answer.
-func (s *RedisStore) Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
-	if s.leases != nil && s.leases.size.of(l) > cost && cost > 0 {
-		var buf [192]byte
-		res, err := s.leases.take(ctx, s.appendKey(buf[:0], b), l, cost)
-		if !errors.Is(err, errLeasesClosed) {
-			return res, err
-		}
-	}
-	key := s.key(b)
-	start := s.conn.now()
-	res, epoch, ok := s.conn.denied.get(key, l, cost, start)
-	if ok {
-		return res, nil
-	}
-	var out [1]bucket.Result
-	_, _, err := s.takeAll(ctx, "take", key, []bucket.Limit{l}, cost, out[:], true)
-	res = out[0]
-	if err == nil && !res.Allowed {
-		s.conn.denied.put(key, epoch, l, cost, start, res)
-	}
-	return res, err
-}
-
-// TakeAll implements Store with one script call on the bucket's key, whose
-// hash holds every limit. Leases take no part: a tier of several limits is
-// refused with lease, at provision.
-func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	allowed, _, err := s.takeAll(ctx, "take", s.key(b), ls, cost, out, false)
-	return allowed, err
-}
-
-// takeAll runs op, take or peek, on key, and also returns the server's
-// time of the decision. A single limit's take goes through the batcher.
-func (s *RedisStore) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, cost int64, out []bucket.Result, batched bool) (bool, int64, error) {
-	vals, err := s.call(ctx, key, s.args(op, ls, cost), batched, 3+4*len(ls))
-	if err != nil {
-		return false, 0, err
-	}
-	banned := vals[1] == 1
-	for i := range ls {
-		v := vals[3+4*i:]
-		out[i] = bucket.Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3], Banned: banned}
-	}
-	return vals[0] == 1, vals[2], nil
-}
-
-// args are the script's arguments for op on limits ls, and then extra.
-func (s *RedisStore) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
-	args := make([]any, 0, 5+3*len(ls)+len(extra))
-	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban)
-	for _, l := range ls {
-		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
-	}
-	return append(args, extra...)
-}
-
-// Charge implements Store: one script call takes n more tokens, into debt
-// if need be. Leases take no part: lease refuses cost_from_response at
-// provision.
-func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
-	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("charge", []bucket.Limit{l}, n), false, 2)
-	return err
-}
-
-// GiveBack implements Store: into this node's lease when it holds one for
-// the bucket, up to what the lease's record counts, and the rest by one
-// script call.
-func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
-	if n <= 0 {
-		return nil
-	}
-	if s.leases != nil {
-		var buf [192]byte
-		if n = s.leases.giveBackHeld(s.appendKey(buf[:0], b), n); n == 0 {
-			return nil
-		}
-	}
-	_, err := s.call(context.WithoutCancel(ctx), s.key(b), s.args("giveback", []bucket.Limit{l}, n), false, 2)
-	return err
-}
-
-// Peek implements Store.
-func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
-	var out [1]bucket.Result
-	_, _, err := s.takeAll(ctx, "peek", s.key(b), []bucket.Limit{l}, 0, out[:], false)
-	return out[0], err
-}
-
-// lease is a lease call on the bucket at key, within the timeout and
-// through the breaker.
-func (s *RedisStore) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
-	prefetch := 0
-	if a.Prefetch {
-		prefetch = 1
-	}
-	args := s.args("lease", []bucket.Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
-	v, err := s.call(context.Background(), key, args, false, 8)
-	if err != nil {
-		return bucket.LeaseResult{}, err
-	}
-	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}, nil
-}
-
-// giveBack returns the unused tokens of node's leases to their buckets in
-// one pipeline, and reports how many went back.
-func (s *RedisStore) giveBack(node string, back []leaseReturn) (int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return 0, errBreakerOpen
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-	defer cancel()
-	args := func(g leaseReturn) []any { return s.args("return", []bucket.Limit{g.limit}, g.tokens, node, g.seq) }
-	cmds := make([]*redis.Cmd, len(back))
-	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
-		for i, g := range back {
-			cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
-		}
-		return nil
-	})
-	var returned int64
-	var failed error
-	for i, cmd := range cmds {
-		if isNoScript(cmd.Err()) {
-			// Redis lost its scripts (a restart, a failover): EVAL loads it.
-			cmd = bucketScript.Run(ctx, s.conn.client, []string{back[i].key}, args(back[i])...)
-		}
-		vals, err := cmd.Int64Slice()
-		if err == nil && len(vals) == 2 {
-			returned += vals[0]
-		} else if failed == nil {
-			failed = cmp.Or(err, fmt.Errorf("script answered %d values, want 2", len(vals)))
-		}
-	}
-	if failed == nil && err != nil && !isNoScript(err) {
-		failed = err
-	}
-	s.record(ctx, probe, failed)
-	if failed != nil {
-		return returned, s.wrap(failed)
-	}
-	return returned, nil
-}
-
-// Reset implements Store. It forgets the bucket's denial on this node
-// whether or not Redis answers; other nodes may still answer from their
-// deny caches until the retry time they were given.
-func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
-	key := s.key(b)
-	if s.leases != nil {
-		s.leases.reset([]byte(key))
-	}
-	s.conn.denied.remove(key)
-	// Again once Redis has answered: a Take that went to Redis before the
-	// reset is dropped when it puts its denial, but one that set out
-	// between the first remove and the DEL carries the newer epoch.
-	defer s.conn.denied.remove(key)
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return errBreakerOpen
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	err := s.conn.client.Del(ctx, key).Err()
-	s.record(ctx, probe, err)
-	if err != nil {
-		return fmt.Errorf("redis store: reset: %w", err)
+	if t := s.TLS; t != nil && (t.Cert == "") != (t.Key == "") {
+		return errors.New("redis store: tls: give cert and key together")
 	}
 	return nil
 }
 
-// call runs the bucket script on one key, within the timeout and through
-// the breaker; batched, through the batcher if there is one. The script
-// must answer want values.
-func (s *RedisStore) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return nil, errBreakerOpen
+// options checks the settings and expands their placeholders, for the
+// engine: the connection's options and this config's view of it.
+func (s *RedisStore) options() (redisbucket.Options, redisbucket.StoreOptions, error) {
+	if err := s.validate(); err != nil {
+		return redisbucket.Options{}, redisbucket.StoreOptions{}, err
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	var vals []int64
-	var err error
-	if batched && s.conn.batcher != nil {
-		vals, err = s.conn.batcher.take(ctx, []string{key}, args)
-	} else {
-		vals, err = bucketScript.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
-	}
-	if err == nil && len(vals) != want {
-		err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
-	}
-	s.record(ctx, probe, err)
+	lease, err := redisbucket.ParseLeaseSize(s.Lease)
 	if err != nil {
-		return nil, s.wrap(err)
+		return redisbucket.Options{}, redisbucket.StoreOptions{}, err
 	}
-	return vals, nil
+	repl := caddy.NewReplacer()
+	expand := func(v string) string { return repl.ReplaceKnown(v, "") }
+	o := redisbucket.Options{
+		Username: expand(s.Username), Password: expand(s.Password), DB: s.DB,
+		Timeout: time.Duration(s.Timeout), PoolSize: s.PoolSize,
+		BreakerFailures: s.BreakerFailures, BreakerCooldown: time.Duration(s.BreakerCooldown),
+		DenyCacheSize: s.DenyCacheSize, Batch: s.Batch == nil || *s.Batch,
+	}
+	for _, a := range s.Addresses {
+		o.Addresses = append(o.Addresses, expand(a))
+	}
+	if s.Sentinel != nil {
+		o.Sentinel = &redisbucket.Sentinel{Master: expand(s.Sentinel.Master)}
+		for _, a := range s.Sentinel.Addresses {
+			o.Sentinel.Addresses = append(o.Sentinel.Addresses, expand(a))
+		}
+	}
+	if t := s.TLS; t != nil {
+		o.TLS = &redisbucket.TLS{CA: expand(t.CA), Cert: expand(t.Cert), Key: expand(t.Key), InsecureSkipVerify: t.InsecureSkipVerify}
+	}
+	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize}, nil
 }
 
-// wrap says what went wrong with a call to Redis.
-func (s *RedisStore) wrap(err error) error {
-	var netErr net.Error
-	if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
-		return fmt.Errorf("redis store: no answer within %s: %w", s.timeout, err)
-	}
-	return fmt.Errorf("redis store: %w", err)
+// key appends the bucket's Redis key to buf (redisbucket.Store.AppendKey):
+// its policy, its tier, and a hash of the client, never its value.
+func (s *RedisStore) key(buf []byte, b *Bucket) []byte {
+	sum := b.Digest()
+	return s.engine.AppendKey(buf, b.Policy, b.Tier, sum[:16])
 }
 
-// record tells the breaker how a call went; probe says whether the breaker
-// let it through as its probe. A request whose client went away says
-// nothing about Redis, but it still ends its probe.
-func (s *RedisStore) record(ctx context.Context, probe bool, err error) {
-	out := callOK
-	switch {
-	case err == nil:
-	case errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled:
-		out = callAbandoned
-	default:
-		out = callFailed
-	}
-	s.conn.breaker.record(probe, out, s.conn.now())
+// Take implements Store.
+func (s *RedisStore) Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
+	var buf [192]byte
+	return s.engine.Take(ctx, s.key(buf[:0], b), l, cost)
 }
 
-// DenyCacheHits counts the decisions answered by the deny cache, without
-// Redis, since the client was made.
-func (s *RedisStore) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
+// TakeAll implements Store, with one script call on one key.
+func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
+	var buf [192]byte
+	return s.engine.TakeAll(ctx, s.key(buf[:0], b), ls, cost, out)
+}
+
+// Peek implements Store.
+func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
+	var buf [192]byte
+	return s.engine.Peek(ctx, s.key(buf[:0], b), l)
+}
+
+// Charge implements Store.
+func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
+	var buf [192]byte
+	return s.engine.Charge(ctx, s.key(buf[:0], b), l, n)
+}
+
+// GiveBack implements Store: into this node's lease when the tokens came
+// from one, else one script call.
+func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
+	var buf [192]byte
+	return s.engine.GiveBack(ctx, s.key(buf[:0], b), l, n)
+}
+
+// Report implements StoreReporter.
+func (s *RedisStore) Report() StoreReport {
+	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld()}
+}
+
+// ResetLayers implements LayeredResetter: this node's deny cache and lease
+// are reset whatever Redis does, then the shared bucket.
+func (s *RedisStore) ResetLayers(ctx context.Context, b *Bucket) ([]string, []error) {
+	return []string{"deny_cache", "redis"}, []error{nil, s.Reset(ctx, b)}
+}
+
+// Reset implements Store: the shared bucket, this node's lease and its
+// deny cache entry.
+func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
+	var buf [192]byte
+	return s.engine.Reset(ctx, s.key(buf[:0], b))
+}
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
 //
@@ -467,7 +334,7 @@ func (s *RedisStore) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
 func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // "redis"
 	if d.NextArg() {
-		return d.Errf("store redis: unexpected %q; the settings go in a block", d.Val())
+		return d.Errf("redis store: unexpected %q; the settings go in a block", d.Val())
 	}
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
@@ -523,7 +390,7 @@ func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
 		if err := oneArg(d, &s.Lease); err != nil {
 			return err
 		}
-		_, err := parseLeaseSize(s.Lease)
+		_, err := redisbucket.ParseLeaseSize(s.Lease)
 		if err != nil {
 			return d.Err(err.Error())
 		}
@@ -540,7 +407,7 @@ func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
 		on := v == "on"
 		s.Batch = &on
 	default:
-		return d.Errf("store redis: unknown subdirective %q", d.Val())
+		return d.Errf("redis store: unknown subdirective %q", d.Val())
 	}
 	return nil
 }
@@ -592,8 +459,10 @@ func (s *RedisStore) unmarshalTLS(d *caddyfile.Dispenser) error {
 // Interface guards
 var (
 	_ Store                 = (*RedisStore)(nil)
+	_ StoreReporter         = (*RedisStore)(nil)
+	_ LayeredResetter       = (*RedisStore)(nil)
 	_ caddy.Provisioner     = (*RedisStore)(nil)
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
-	_ caddy.Destructor      = (*redisConn)(nil)
+	_ caddy.Destructor      = redisConn{}
 )

@@ -19,7 +19,7 @@ func TestRedisKeysKeepPoliciesAndTiersApart(t *testing.T) {
 		value := []byte{byte(i)} // one client per case
 		first := &Bucket{Policy: c.policy1, Tier: c.tier1, Keyer: "ip", Value: value}
 		second := &Bucket{Policy: c.policy2, Tier: c.tier2, Keyer: "ip", Value: value}
-		if k1, k2 := s.key(first), s.key(second); k1 == k2 {
+		if k1, k2 := s.keyOf(first), s.keyOf(second); k1 == k2 {
 			t.Errorf("policy %q tier %q and policy %q tier %q: one key %q", c.policy1, c.tier1, c.policy2, c.tier2, k1)
 		}
 		if res, err := s.Take(bg, first, slowLimit(1), 1); err != nil || !res.Allowed {

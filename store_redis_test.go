@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
-	"math/rand/v2"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -24,97 +23,6 @@ var bg = context.Background()
 // slowLimit is a bucket that does not refill within a test.
 func slowLimit(capacity int64) bucket.Limit {
 	return bucket.Limit{Capacity: capacity, Rate: bucket.Rate{Tokens: 1, Interval: 3600_000_000}}
-}
-
-func TestRedisMatchesReferenceModel(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	rdb := srv.client()
-	defer rdb.Close()
-
-	// Redis reads its own clock, so the traces run on TIME plus an offset
-	// that grows by each gap (the script's test-only argument), and the
-	// model is given the time the script reports. The offset never
-	// shrinks, so the simulated time runs ahead of the real one and no key
-	// expires before the model's bucket is full.
-	rng := rand.New(rand.NewPCG(5, 6))
-	for i := range 40 {
-		tr := bucket.RandomTrace(rng)
-		ref := bucket.NewReference(tr.Limit)
-		key := s.key(bucketFor("client-" + strconv.Itoa(i)))
-		var st bucket.State
-		for j := range tr.Gaps {
-			s.clockOffset += tr.Gaps[j]
-			sent := time.Now()
-			got, now, err := s.run(bg, key, tr.Limit, tr.Costs[j])
-			if err != nil {
-				t.Fatal(err)
-			}
-			var want bucket.Result
-			st, want = bucket.Take(st, now, tr.Limit, tr.Costs[j])
-			if got != want {
-				t.Fatalf("trace %d (limit %+v) step %d at %dµs cost %d: Redis %+v, Take %+v", i, tr.Limit, j, now, tr.Costs[j], got, want)
-			}
-			if model := ref.Take(now, tr.Costs[j]); got != model {
-				t.Fatalf("trace %d step %d: Redis %+v, reference model %+v", i, j, got, model)
-			}
-			// The stored state is Take's, to the unit, and the key lives
-			// until the bucket is full: it may be gone only once the time
-			// since the decision, plus the millisecond rounding, has
-			// refilled the bucket.
-			v, err := rdb.HGet(bg, key, "1").Result()
-			elapsed := time.Since(sent).Microseconds()
-			switch {
-			case err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack):
-				t.Fatalf("trace %d step %d: stored %q, Take's state %+v", i, j, v, st)
-			case err != nil && st.FullAt > now+elapsed+2000:
-				t.Fatalf("trace %d step %d: the key is gone %dµs before the bucket is full: %v", i, j, st.FullAt-now-elapsed, err)
-			}
-		}
-	}
-}
-
-func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
-	b := bucketFor("127.0.0.2")
-	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
-
-	for range 4 {
-		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
-			t.Fatalf("Take: %+v, %v", res, err)
-		}
-	}
-	key := s.key(b)
-	pttl := srv.do("PTTL", key).(int64)
-	// Four tokens short at 1/s: full again in 4 s, give or take the time
-	// since the last take and the millisecond rounded up.
-	if pttl < 3900 || pttl > 4001 {
-		t.Fatalf("PTTL %d ms after taking 4 of 10 at 1/s, want about 4000", pttl)
-	}
-	value := srv.do("HGET", key, "1")
-
-	// A denial writes nothing: neither the state nor the expiry.
-	for range 6 {
-		if _, err := s.Take(bg, b, l, 1); err != nil {
-			t.Fatal(err)
-		}
-	}
-	denied, err := s.Take(bg, b, l, 1)
-	if err != nil || denied.Allowed {
-		t.Fatalf("11th take: %+v, %v; want denied", denied, err)
-	}
-	s.conn.denied.remove(key) // so that the next take reaches Redis
-	before := srv.do("HGET", key, "1")
-	if res, err := s.Take(bg, b, l, 1); err != nil || res.Allowed {
-		t.Fatalf("take from the empty bucket, through Redis: %+v, %v", res, err)
-	}
-	if after := srv.do("HGET", key, "1"); after != before {
-		t.Fatalf("a denial changed the bucket from %q to %q", before, after)
-	}
-	if value == before {
-		t.Fatal("allowed takes did not change the bucket")
-	}
 }
 
 func TestRedisKeysHideClientValues(t *testing.T) {
@@ -136,44 +44,9 @@ func TestRedisKeysHideClientValues(t *testing.T) {
 		t.Fatalf("key %q shows the client value", key)
 	}
 	// The hash is stable: another node, another process, the same key.
-	other := &RedisStore{prefix: "edge:"}
-	if other.key(b) != key {
-		t.Fatalf("key %q differs from %q made apart", other.key(b), key)
-	}
-}
-
-func TestRedisTwoNodesAdmitExactlyTheCapacity(t *testing.T) {
-	srv := startRedis(t)
-	const capacity = 20
-	nodes := []*RedisStore{
-		newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)}),
-		newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)}),
-	}
-	if nodes[0].conn.client == nodes[1].conn.client {
-		t.Fatal("the two nodes share a client")
-	}
-	b := bucketFor("203.0.113.7")
-	var allowed, denied atomic.Int64
-	var wg sync.WaitGroup
-	start := make(chan struct{})
-	for i := range 10 * capacity {
-		wg.Go(func() {
-			<-start
-			res, err := nodes[i%2].Take(bg, b, slowLimit(capacity), 1)
-			switch {
-			case err != nil:
-				t.Error(err)
-			case res.Allowed:
-				allowed.Add(1)
-			default:
-				denied.Add(1)
-			}
-		})
-	}
-	close(start)
-	wg.Wait()
-	if allowed.Load() != capacity || denied.Load() != 9*capacity {
-		t.Fatalf("burst of %d over two nodes: %d allowed, %d denied; want exactly %d allowed", 10*capacity, allowed.Load(), denied.Load(), capacity)
+	other := newPrivateRedisStore(t, &RedisStore{Prefix: "edge:", Addresses: []string{srv.url()}})
+	if other.keyOf(b) != key {
+		t.Fatalf("key %q differs from %q made apart", other.keyOf(b), key)
 	}
 }
 
@@ -191,7 +64,7 @@ func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
 		t.Fatalf("second take: %+v, %v; want denied by Redis", first, err)
 	}
 	calls := scriptCalls(srv)
-	hits := s.DenyCacheHits()
+	hits := s.engine.DenyCacheHits()
 	for range 50 {
 		res, err := s.Take(bg, b, l, 1)
 		if err != nil || res.Allowed {
@@ -201,7 +74,7 @@ func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
 			t.Fatalf("cached Retry-After %dµs, want within (0, %d]", res.RetryAfter, first.RetryAfter)
 		}
 	}
-	if got := s.DenyCacheHits() - hits; got != 50 {
+	if got := s.engine.DenyCacheHits() - hits; got != 50 {
 		t.Fatalf("deny cache hits %d, want 50", got)
 	}
 	if got := scriptCalls(srv); got != calls {
@@ -346,7 +219,7 @@ func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
 	}
 	// Each key lives on the master that owns its slot.
 	for c := range clients {
-		key := s.key(bucketFor("10.0.0." + strconv.Itoa(c)))
+		key := s.keyOf(bucketFor("10.0.0." + strconv.Itoa(c)))
 		slot := nodes[0].do("CLUSTER", "KEYSLOT", key).(int64)
 		found := 0
 		for _, n := range nodes {
@@ -713,14 +586,14 @@ func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
 	if err := b.Provision(caddy.Context{}); err != nil {
 		t.Fatal(err)
 	}
-	if a.conn != b.conn {
+	if a.poolKey != b.poolKey {
 		t.Fatal("two configs with the same settings got two clients")
 	}
 	other := RedisStore{Addresses: []string{srv.url()}, Password: "x"}
 	if err := other.Provision(caddy.Context{}); err != nil {
 		t.Fatal(err)
 	}
-	if other.conn == a.conn {
+	if other.poolKey == a.poolKey {
 		t.Fatal("different settings share a client")
 	}
 	_ = other.Cleanup()
@@ -735,45 +608,5 @@ func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
 	}
 	if _, err := b.Take(bg, bucketFor("r"), slowLimit(1), 1); err == nil || !strings.Contains(err.Error(), "closed") {
 		t.Fatalf("take after the last cleanup: %v, want a closed client", err)
-	}
-}
-
-// BenchmarkRedisTake is the Redis store's decisions per second, serial and
-// from 32 goroutines at once, with batch on (the default) and off.
-// bench/redis-benchmark.sh runs it beside redis-benchmark.
-func BenchmarkRedisTake(b *testing.B) {
-	srv := startRedis(b)
-	bk := bucketFor("bench")
-	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1, Interval: 1}} // never denies
-	for _, batch := range []bool{true, false} {
-		s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Batch: &batch})
-		if (s.conn.batcher != nil) != batch {
-			b.Fatalf("batch %v: the store's batcher is %v", batch, s.conn.batcher)
-		}
-		name := map[bool]string{true: "batch-on", false: "batch-off"}[batch]
-		b.Run(name+"/serial", func(b *testing.B) {
-			for b.Loop() {
-				if _, err := s.Take(bg, bk, l, 1); err != nil {
-					b.Fatal(err)
-				}
-			}
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-		})
-		b.Run(name+"/parallel", func(b *testing.B) {
-			b.SetParallelism(16)
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					if _, err := s.Take(bg, bk, l, 1); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			})
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-		})
-		if batch {
-			b.Logf("redis-benchmark equivalent: redis-benchmark -p PORT -n 200000 -c 32 -q EVALSHA %s 1 %s %d %d %d 1",
-				bucketScript.Hash(), s.key(bk), l.Capacity, l.Rate.Tokens, l.Rate.Interval)
-		}
 	}
 }

@@ -1,4 +1,4 @@
-package ratelimit
+package redisbucket
 
 import (
 	"fmt"
@@ -6,11 +6,7 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
-
-	"go.uber.org/zap"
 )
-
-var nopLogger = zap.NewNop()
 
 // The fleet's guarantee, as a property over random traces on the model
 // store (shared.go) with real lease tables: over every window [a, b]
@@ -45,7 +41,7 @@ type banStart struct {
 // fleetRound is one random trace's settings.
 type fleetRound struct {
 	limit  bucket.Limit
-	size   leaseSize
+	size   LeaseSize
 	ttl    time.Duration
 	nodes  int
 	steps  int
@@ -62,13 +58,13 @@ func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
 	}
 	r := fleetRound{
 		limit: bucket.Limit{Capacity: 4 + rng.Int64N(200), Rate: rate},
-		size:  leaseSize{percent: []float64{5, 10, 25, 50, 100}[rng.IntN(5)]},
+		size:  LeaseSize{percent: []float64{5, 10, 25, 50, 100}[rng.IntN(5)]},
 		ttl:   time.Duration(50+rng.IntN(2000)) * time.Millisecond,
 		nodes: 2 + rng.IntN(4),
 		steps: steps,
 	}
 	if rng.IntN(3) == 0 {
-		r.size = leaseSize{tokens: 2 + rng.Int64N(r.limit.Capacity)}
+		r.size = LeaseSize{tokens: 2 + rng.Int64N(r.limit.Capacity)}
 	}
 	if rng.IntN(3) == 0 {
 		r.limit.Ban = (1 + rng.Int64N(30)) * 1_000_000

@@ -1,4 +1,4 @@
-package ratelimit
+package redisbucket
 
 import "github.com/redis/go-redis/v9"
 
@@ -454,6 +454,10 @@ end
 
 return redis.error_reply('rate_limit: unknown operation ' .. tostring(op))
 `
+
+// ScriptHash is the SHA1 of the bucket script, by which SCRIPT EXISTS
+// tells whether Redis has it loaded.
+func ScriptHash() string { return bucketScript.Hash() }
 
 // bucketScript runs bucketLua by EVALSHA, and by EVAL when Redis answers
 // NOSCRIPT (a restart, a failover, SCRIPT FLUSH), which loads it again.

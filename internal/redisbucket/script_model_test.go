@@ -1,9 +1,10 @@
-package ratelimit
+package redisbucket
 
 import (
 	"context"
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"maps"
 	"math/rand/v2"
 	"slices"
@@ -11,13 +12,11 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // run makes one single-limit decision in Redis (a peek with cost 0), and
 // also returns the server's time of the decision.
-func (s *RedisStore) run(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, int64, error) {
+func (s *Store) run(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, int64, error) {
 	op := "take"
 	if cost == 0 {
 		op = "peek"
@@ -56,9 +55,9 @@ func encodeShared(sh *bucket.Shared, now int64) map[string]string {
 // three limits, against a real redis-server. After each step the answers
 // match and the hash holds the model's bucket field for field.
 func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	rdb := srv.client()
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	rdb := srv.Client()
 	defer rdb.Close()
 	rng := rand.New(rand.NewPCG(20, 26))
 	traces := 60
@@ -81,7 +80,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 		for _, l := range ls {
 			minCap = min(minCap, l.Capacity)
 		}
-		key := s.key(bucketFor("shared-" + strconv.Itoa(i)))
+		key := string(bucketFor("shared-" + strconv.Itoa(i)))
 		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
 		nodes := []string{"a1", "b2", "c3"}
 		seq := map[string]int64{}
@@ -209,22 +208,22 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 // A bucket that an older version kept as a string is read as the first
 // limit's state and kept as a hash from then on; nothing refills.
 func TestRedisScriptCarriesOverAStringBucket(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	l := slowLimit(10)
 	b := bucketFor("old")
-	key := s.key(b)
+	key := string(b)
 	res, now, err := s.run(bg, key, l, 0)
 	if err != nil || res.Remaining != 10 {
 		t.Fatalf("peek of no bucket: %+v, %v", res, err)
 	}
 	// Seven tokens taken, as an older version wrote it.
-	srv.do("SET", key, fmt.Sprintf("%d 0", now+7*l.Rate.Interval), "PX", "3600000")
+	srv.Do("SET", key, fmt.Sprintf("%d 0", now+7*l.Rate.Interval), "PX", "3600000")
 	res, err = s.Peek(bg, b, l)
 	if err != nil || res.Remaining != 3 {
 		t.Fatalf("peek of the old bucket: %+v, %v; want 3 left", res, err)
 	}
-	if typ := srv.do("TYPE", key); typ != "hash" {
+	if typ := srv.Do("TYPE", key); typ != "hash" {
 		t.Fatalf("after a peek the key is a %v, want a hash", typ)
 	}
 	res, err = s.Take(bg, b, l, 1)

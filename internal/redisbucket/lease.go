@@ -1,4 +1,4 @@
-package ratelimit
+package redisbucket
 
 import (
 	"context"
@@ -15,7 +15,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
@@ -52,7 +51,7 @@ type leaseRemote interface {
 // leaseTable is one store's leases, by Redis key.
 type leaseTable struct {
 	store leaseRemote
-	size  leaseSize
+	size  LeaseSize
 	ttl   int64 // µs
 	// hold is how long the shared store keeps a lease's record (µs): past
 	// lease_ttl, one sweep period and the store's timeout, so that the
@@ -145,35 +144,35 @@ type leaseCall struct {
 	joined int
 }
 
-// leaseSize is the lease setting: a number of tokens, or a share of each
+// LeaseSize is the lease setting: a number of tokens, or a share of each
 // tier's capacity.
-type leaseSize struct {
+type LeaseSize struct {
 	tokens  int64
 	percent float64
 }
 
-// parseLeaseSize reads `<n>` or `<p>%`. The empty setting is 1: strict.
-func parseLeaseSize(s string) (leaseSize, error) {
+// ParseLeaseSize reads `<n>` or `<p>%`. The empty setting is 1: strict.
+func ParseLeaseSize(s string) (LeaseSize, error) {
 	if s == "" {
-		return leaseSize{tokens: 1}, nil
+		return LeaseSize{tokens: 1}, nil
 	}
 	if p, ok := strings.CutSuffix(s, "%"); ok {
 		f, err := strconv.ParseFloat(p, 64)
 		if err != nil || !(f > 0 && f <= 100) {
-			return leaseSize{}, fmt.Errorf("store redis: lease %q: want a share above 0%% and at most 100%%, such as 10%%", s)
+			return LeaseSize{}, fmt.Errorf("store redis: lease %q: want a share above 0%% and at most 100%%, such as 10%%", s)
 		}
-		return leaseSize{percent: f}, nil
+		return LeaseSize{percent: f}, nil
 	}
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n < 1 {
-		return leaseSize{}, fmt.Errorf("store redis: lease %q: want a whole number of tokens, at least 1, or a share such as 10%%", s)
+		return LeaseSize{}, fmt.Errorf("store redis: lease %q: want a whole number of tokens, at least 1, or a share such as 10%%", s)
 	}
-	return leaseSize{tokens: n}, nil
+	return LeaseSize{tokens: n}, nil
 }
 
-// of is the lease size for a bucket of limit l: at least 1, and at most
+// Of is the lease size for a bucket of limit l: at least 1, and at most
 // half the capacity, since the tokens out on lease never pass that.
-func (z leaseSize) of(l bucket.Limit) int64 {
+func (z LeaseSize) Of(l bucket.Limit) int64 {
 	n := z.tokens
 	if z.percent > 0 {
 		n = int64(float64(l.Capacity) * z.percent / 100)
@@ -181,13 +180,13 @@ func (z leaseSize) of(l bucket.Limit) int64 {
 	return max(1, min(n, l.Capacity/2))
 }
 
-// strict reports whether leases never exceed one token, so that every
+// Strict reports whether leases never exceed one token, so that every
 // decision asks Redis, as without leases.
-func (z leaseSize) strict() bool { return z.percent == 0 && z.tokens <= 1 }
+func (z LeaseSize) Strict() bool { return z.percent == 0 && z.tokens <= 1 }
 
 // newLeaseTable makes the lease table of a store whose calls take up to
 // timeout.
-func newLeaseTable(remote leaseRemote, now func() int64, size leaseSize, ttl, timeout time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
+func newLeaseTable(remote leaseRemote, now func() int64, size LeaseSize, ttl, timeout time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
 	every := sweepPeriod(ttl)
 	t := &leaseTable{
 		store:    remote,
@@ -426,7 +425,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			share /= 2
 		}
 		if now-e.leasedAt <= share {
-			want = min(2*e.size, max(cost, t.size.of(e.limit)))
+			want = min(2*e.size, max(cost, t.size.Of(e.limit)))
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
@@ -493,7 +492,7 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		// retry.
 		until := sent + lr.HoldOff + t.jitter(lr.HoldOff/2+1)
 		if lr.RetryAfter > 0 {
-			until = min(until, sent+secondsUp(lr.RetryAfter)*1_000_000)
+			until = min(until, sent+bucket.CeilDiv(lr.RetryAfter, 1_000_000)*1_000_000)
 		}
 		e.holdUntil = until
 		if t.after != nil && e.banUntil == 0 {
@@ -693,19 +692,3 @@ func (t *leaseTable) close() {
 		t.giveBackNow(back)
 	}
 }
-
-// Lease metrics, registered with the others.
-var (
-	leasesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "leases_total",
-		Help: "Lease calls to the shared store, by result: granted, partial or refused.",
-	}, []string{"result"})
-	leaseTokensReturned = prometheus.NewCounter(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "lease_tokens_returned_total",
-		Help: "Leased tokens given back unused to the shared store.",
-	})
-	leaseEvictions = prometheus.NewCounter(prometheus.CounterOpts{
-		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "lease_evictions_total",
-		Help: "Lease entries dropped to keep this node's lease table within its bound.",
-	})
-)

@@ -1,26 +1,26 @@
-package ratelimit
+package redisbucket
 
 import (
 	"context"
 	"errors"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 )
 
 func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 	b := newRedisBatcher(s.conn.client, 2, 64)
 	defer b.close()
 	l := slowLimit(100)
-	key := s.key(bucketFor("192.0.2.20"))
+	key := string(bucketFor("192.0.2.20"))
 	var allowed atomic.Int64
 	var wg sync.WaitGroup
 	for range 32 {
@@ -48,8 +48,8 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 	// Redis forgets the script (a restart, a failover): a lone caller
 	// (sent at once) and concurrent ones (sent as a pipeline) load it again.
 	for _, n := range []int{1, 32} {
-		srv.do("SCRIPT", "FLUSH")
-		key := s.key(bucketFor("192.0.2.2" + strconv.Itoa(n)))
+		srv.Do("SCRIPT", "FLUSH")
+		key := string(bucketFor("192.0.2.2" + strconv.Itoa(n)))
 		var allowed atomic.Int64
 		var wg sync.WaitGroup
 		for range n {
@@ -70,11 +70,11 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 }
 
 func TestRedisBatcherAnswersAfterClose(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 	b := newRedisBatcher(s.conn.client, 1, 8)
 	b.close()
-	if _, err := b.take(bg, []string{s.key(bucketFor("192.0.2.30"))}, s.args("take", []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}, 1)); !errors.Is(err, redis.ErrClosed) {
+	if _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}, 1)); !errors.Is(err, redis.ErrClosed) {
 		t.Fatalf("take on a closed batcher: %v, want %v", err, redis.ErrClosed)
 	}
 }
@@ -84,9 +84,9 @@ func TestRedisBatcherAnswersAfterClose(t *testing.T) {
 // go-redis's own (experimental) blocking AutoPipeline. 32 goroutines on 2
 // CPUs, as BenchmarkRedisTake and bench/redis-benchmark.sh run.
 func BenchmarkRedisBatch(b *testing.B) {
-	srv := startRedis(b)
+	srv := redistest.Start(b)
 	off := false // per-decision below is the store without its batcher
-	s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Batch: &off})
+	s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Batch: &off})
 	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1, Interval: 1}} // never denies
 	args := s.args("take", []bucket.Limit{l}, 1)
 	var goroutines atomic.Int64
@@ -94,7 +94,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 		b.SetParallelism(16)
 		b.RunParallel(func(pb *testing.PB) {
 			// A client per goroutine, as an edge sees; "hot" below is one.
-			keys := []string{s.key(bucketFor("client-" + strconv.FormatInt(goroutines.Add(1), 10)))}
+			keys := []string{string(bucketFor("client-" + strconv.FormatInt(goroutines.Add(1), 10)))}
 			for pb.Next() {
 				ctx, cancel := context.WithTimeout(bg, time.Second)
 				err := take(ctx, keys)
@@ -112,7 +112,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 			b.Fatal("the store batches")
 		}
 		parallel(b, func(ctx context.Context, keys []string) error {
-			_, err := s.Take(ctx, &Bucket{Policy: "p", Tier: "t", Keyer: "k", Value: []byte(keys[0])}, l, 1)
+			_, err := s.Take(ctx, []byte(keys[0]), l, 1)
 			return err
 		})
 	})
@@ -144,19 +144,19 @@ func BenchmarkRedisBatch(b *testing.B) {
 // once Redis does.
 func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	skipUnderShort(t, "fault injection")
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	b := newRedisBatcher(s.conn.client, 2, 8)
 	defer b.close()
 	l := slowLimit(1000)
 	args := s.args("take", []bucket.Limit{l}, 1)
-	key := s.key(bucketFor("192.0.2.40"))
+	key := string(bucketFor("192.0.2.40"))
 	if _, err := b.take(bg, []string{key}, args); err != nil {
 		t.Fatal(err)
 	}
 
 	const pause, timeout = 2 * time.Second, 200 * time.Millisecond
-	srv.do("CLIENT", "PAUSE", pause.Milliseconds(), "ALL")
+	srv.Do("CLIENT", "PAUSE", pause.Milliseconds(), "ALL")
 	paused := time.Now()
 	var wg sync.WaitGroup
 	var slowest atomic.Int64

@@ -1,16 +1,16 @@
-package ratelimit
+package redisbucket
 
 import (
 	"errors"
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 )
 
@@ -85,7 +85,7 @@ func (m *sharedModel) level(key string, l bucket.Limit) int64 {
 
 // newModelTable is a lease table on the model, whose calls finish before
 // the test goes on: tableSync waits for them.
-func newModelTable(m *sharedModel, size leaseSize, ttl time.Duration) *leaseTable {
+func newModelTable(m *sharedModel, size LeaseSize, ttl time.Duration) *leaseTable {
 	return newLeaseTable(m, m.now, size, ttl, 100*time.Millisecond, 1000, zap.NewNop())
 }
 
@@ -99,7 +99,7 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
-	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
+	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
 	var sizes []int64
 	for i := range 300 {
@@ -130,7 +130,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
-	node := newModelTable(m, leaseSize{tokens: 5}, time.Minute)
+	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
 	defer node.close()
 	key := []byte("k")
 	allowed := 0
@@ -166,7 +166,7 @@ func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
 	level := func() int64 { return m.level("k", l) }
-	node := newModelTable(m, leaseSize{tokens: 40}, time.Second)
+	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
 	for range 20 {
 		node.take(bg, []byte("k"), l, 1)
 		tableSync(node)
@@ -201,16 +201,16 @@ func TestLeaseSizes(t *testing.T) {
 		{"", 100, 1}, {"1", 100, 1}, {"20", 100, 20}, {"500", 100, 50},
 		{"10%", 200, 20}, {"10%", 5, 1}, {"100%", 7, 3}, {"2.5%", 1000, 25}, {"50%", 1, 1},
 	} {
-		z, err := parseLeaseSize(tt.setting)
+		z, err := ParseLeaseSize(tt.setting)
 		if err != nil {
 			t.Fatalf("%q: %v", tt.setting, err)
 		}
-		if got := z.of(bucket.Limit{Capacity: tt.capacity}); got != tt.want {
+		if got := z.Of(bucket.Limit{Capacity: tt.capacity}); got != tt.want {
 			t.Errorf("lease %q of capacity %d: %d, want %d", tt.setting, tt.capacity, got, tt.want)
 		}
 	}
 	for _, bad := range []string{"0", "-3", "0%", "101%", "ten", "%"} {
-		if _, err := parseLeaseSize(bad); err == nil || !strings.Contains(err.Error(), strconv.Quote(bad)) {
+		if _, err := ParseLeaseSize(bad); err == nil || !strings.Contains(err.Error(), strconv.Quote(bad)) {
 			t.Errorf("lease %q: error %v, want one naming the value", bad, err)
 		}
 	}
@@ -219,8 +219,8 @@ func TestLeaseSizes(t *testing.T) {
 // A decision that the tokens held cover makes no allocation and no call:
 // the key is built on the stack and looked up without a copy.
 func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "1000000"})
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "1000000"})
 	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
 	b := bucketFor("steady")
 	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
@@ -228,10 +228,10 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	}
 	s.leases.calls.Wait()
 	// Hold a lease as a long-running client would, with no prefetch due.
-	key := s.key(b)
+	key := string(b)
 	e := s.leases.shard([]byte(key)).m[key]
 	e.tokens, e.size = 1<<30, 1<<30
-	calls := srv.info("commandstats", "cmdstat_evalsha")
+	calls := srv.Info("commandstats", "cmdstat_evalsha")
 	allocs := testing.AllocsPerRun(1000, func() {
 		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
 			t.Fatalf("%+v, %v", res, err)
@@ -240,7 +240,7 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	if allocs != 0 {
 		t.Errorf("%.1f allocations a leased decision, want 0", allocs)
 	}
-	if after := srv.info("commandstats", "cmdstat_evalsha"); after != calls {
+	if after := srv.Info("commandstats", "cmdstat_evalsha"); after != calls {
 		t.Errorf("leased decisions called Redis: commandstats %q, then %q", calls, after)
 	}
 }
@@ -251,12 +251,12 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 // capacity between them; and once both give back, Redis holds every
 // token not spent.
 func TestLeasingNodesConserveEveryToken(t *testing.T) {
-	srv := startRedis(t)
+	srv := redistest.Start(t)
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
-	var nodes [2]*RedisStore
+	var nodes [2]*Store
 	for i := range nodes {
-		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "10%"})
-		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{percent: 10}, time.Hour, 5*time.Second, 1000, zap.NewNop())
+		nodes[i] = newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "10%"})
+		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, LeaseSize{percent: 10}, time.Hour, 5*time.Second, 1000, zap.NewNop())
 	}
 	b := bucketFor("shared")
 	var mu sync.Mutex
@@ -279,7 +279,7 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	key := nodes[0].key(b)
+	key := string(b)
 	held := int64(0)
 	for _, n := range nodes {
 		n.leases.calls.Wait()
@@ -309,47 +309,18 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 	t.Logf("%d allowed, %d held before the give-back", allowed, held)
 }
 
-func TestLeaseCaddyfile(t *testing.T) {
-	cfg, err := adaptSite(`rate_limit 200 50/s {
-		store redis {
-			address redis://127.0.0.1:6379
-			lease 10%
-			lease_ttl 2s
-		}
-	}`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	store := handlerJSON(t, cfg)["store"].(map[string]any)
-	if store["lease"] != "10%" || store["lease_ttl"] != float64(2*time.Second) {
-		t.Errorf("store JSON %v, want lease 10%% and lease_ttl 2s", store)
-	}
-	for _, tt := range []struct{ lines, want string }{
-		{"lease 0", `lease "0"`},
-		{"lease 150%", `lease "150%"`},
-		{"lease", "lease: want exactly one value"},
-		{"lease 5\n lease 6", "lease: given twice"},
-		{"lease_ttl 0s", "lease_ttl"},
-	} {
-		_, err := adaptSite("rate_limit 10 1/s {\n store redis {\n " + tt.lines + "\n }\n }")
-		if err == nil || !strings.Contains(err.Error(), tt.want) {
-			t.Errorf("%q: error %v, want one containing %q", tt.lines, err, tt.want)
-		}
-	}
-}
-
 // BenchmarkRedisLeaseTake is BenchmarkRedisTake's serial and parallel
 // decisions with lease 10%, over 1,000 returning clients whose limits are
 // never hit, beside strict mode in the same run.
 func BenchmarkRedisLeaseTake(b *testing.B) {
-	srv := startRedis(b)
+	srv := redistest.Start(b)
 	l := bucket.Limit{Capacity: 1_000_000, Rate: bucket.Rate{Tokens: 1_000_000, Interval: 1_000_000}} // never denies
-	var buckets [1000]*Bucket
+	var buckets [1000][]byte
 	for i := range buckets {
 		buckets[i] = bucketFor("client-" + strconv.Itoa(i))
 	}
 	for _, lease := range []string{"1", "10%"} {
-		s := newRedisStoreFor(b, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Lease: lease})
+		s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Lease: lease})
 		name := map[string]string{"1": "strict", "10%": "lease-10%"}[lease]
 		b.Run(name+"/serial", func(b *testing.B) {
 			b.ReportAllocs()
@@ -383,7 +354,7 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
-	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
+	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	node.close()
 	_, err := node.take(bg, []byte("k"), bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}, 1)
 	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
@@ -404,7 +375,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
 	for i := range fleet {
-		fleet[i] = newModelTable(m, leaseSize{percent: 10}, time.Second)
+		fleet[i] = newModelTable(m, LeaseSize{percent: 10}, time.Second)
 		defer fleet[i].close()
 	}
 	admitted := int64(0)
@@ -441,7 +412,7 @@ func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, gate: make(chan struct{})}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
-	node := newModelTable(m, leaseSize{percent: 10}, time.Second)
+	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
 	const waiting = 5
 	results := make(chan bucket.Result, waiting)
@@ -452,7 +423,7 @@ func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 		}()
 	}
 	// Let every request reach the one call in flight, then answer it.
-	waitFor(t, 5*time.Second, "the requests to wait on one call", func() bool {
+	redistest.WaitFor(t, 5*time.Second, "the requests to wait on one call", func() bool {
 		sh := node.shard([]byte("k"))
 		sh.mu.Lock()
 		defer sh.mu.Unlock()

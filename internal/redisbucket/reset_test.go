@@ -1,13 +1,46 @@
-package ratelimit
+package redisbucket
 
 import (
 	"context"
 	"sync"
-
 	"testing"
 
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
+
+// TestRedisResetDuringATakeLeavesNoStaleDenial resets a bucket after Redis
+// denied a Take but before the Take remembered the denial. The denial
+// predates the reset, so the deny cache must not keep it: the next Take
+// goes to Redis, where the bucket is full again.
+func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
+	srv := redistest.Start(t)
+	off := false
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Batch: &off})
+	hook := new(afterScriptHook)
+	s.conn.client.AddHook(hook)
+	b := bucketFor("reset-race")
+	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
+		t.Fatalf("first take: %+v, %v", res, err)
+	}
+
+	hook.mu.Lock()
+	hook.then = func() {
+		if err := s.Reset(bg, b); err != nil {
+			t.Errorf("reset: %v", err)
+		}
+	}
+	hook.mu.Unlock()
+	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || res.Allowed {
+		t.Fatalf("second take, on the empty bucket: %+v, %v; want denied", res, err)
+	}
+	if n := srv.Do("EXISTS", string(b)).(int64); n != 0 {
+		t.Fatal("the reset did not delete the bucket in Redis")
+	}
+	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
+		t.Fatalf("take after the reset: %+v, %v; want allowed: a denial from before the reset was kept", res, err)
+	}
+}
 
 // afterScriptHook runs a function once, right after Redis has answered
 // the next script call: a test's way to slip an event between Redis's
@@ -35,38 +68,5 @@ func (h *afterScriptHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook 
 			}
 		}
 		return err
-	}
-}
-
-// TestRedisResetDuringATakeLeavesNoStaleDenial resets a bucket after Redis
-// denied a Take but before the Take remembered the denial. The denial
-// predates the reset, so the deny cache must not keep it: the next Take
-// goes to Redis, where the bucket is full again.
-func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
-	srv := startRedis(t)
-	off := false
-	s := newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Batch: &off})
-	hook := new(afterScriptHook)
-	s.conn.client.AddHook(hook)
-	b := bucketFor("reset-race")
-	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
-		t.Fatalf("first take: %+v, %v", res, err)
-	}
-
-	hook.mu.Lock()
-	hook.then = func() {
-		if err := s.Reset(bg, b); err != nil {
-			t.Errorf("reset: %v", err)
-		}
-	}
-	hook.mu.Unlock()
-	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || res.Allowed {
-		t.Fatalf("second take, on the empty bucket: %+v, %v; want denied", res, err)
-	}
-	if n := srv.do("EXISTS", s.key(b)).(int64); n != 0 {
-		t.Fatal("the reset did not delete the bucket in Redis")
-	}
-	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
-		t.Fatalf("take after the reset: %+v, %v; want allowed: a denial from before the reset was kept", res, err)
 	}
 }

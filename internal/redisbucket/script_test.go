@@ -1,6 +1,7 @@
-package ratelimit
+package redisbucket
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"strings"
 	"testing"
 )
@@ -26,13 +27,13 @@ func TestRedisScriptReplicatesEffectsBeforeItReadsTime(t *testing.T) {
 // write (maxmemory reached, the nearest a current Redis comes to the
 // refusal of an old one) and checks that the error says what happened.
 func TestRedisScriptExplainsARefusedWrite(t *testing.T) {
-	srv := startRedis(t)
-	s := newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}})
-	srv.do("SET", "ballast", strings.Repeat("x", 1<<20))
-	srv.do("CONFIG", "SET", "maxmemory-policy", "noeviction")
-	srv.do("CONFIG", "SET", "maxmemory", "1")
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}})
+	srv.Do("SET", "ballast", strings.Repeat("x", 1<<20))
+	srv.Do("CONFIG", "SET", "maxmemory-policy", "noeviction")
+	srv.Do("CONFIG", "SET", "maxmemory", "1")
 	_, err := s.Take(bg, bucketFor("refused"), slowLimit(5), 1)
-	srv.do("CONFIG", "SET", "maxmemory", "0")
+	srv.Do("CONFIG", "SET", "maxmemory", "0")
 	if err == nil || !strings.Contains(err.Error(), "rate_limit: Redis refused to write the bucket") {
 		t.Fatalf("take with the write refused: %v, want the script to say the write was refused", err)
 	}

@@ -1,4 +1,4 @@
-package ratelimit
+package redisbucket
 
 import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"

@@ -1,7 +1,8 @@
-package ratelimit
+package redisbucket
 
 import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"math/rand/v2"
 	"sync"
 	"testing"
@@ -55,7 +56,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		clock := new(fakeClock)
 		clock.micros.Store(now - 2*second)
 		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
-		node := newModelTable(m, leaseSize{tokens: 5}, time.Hour)
+		node := newModelTable(m, LeaseSize{tokens: 5}, time.Hour)
 		node.current = func(string, bucket.Limit) (bucket.Limit, bool) { return cur, true }
 		for range 3 { // leases of 1, 2, 4: 3 held
 			if res, _ := node.take(bg, []byte("k"), old, 1); !res.Allowed {
@@ -95,9 +96,9 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
-	a := newModelTable(m, leaseSize{tokens: 10}, time.Second)
+	a := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
 	defer a.close()
-	b := newModelTable(m, leaseSize{tokens: 10}, time.Second)
+	b := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
 	defer b.close()
 	var one bucket.State
 	var fleet, single int
@@ -156,7 +157,7 @@ func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
-	node := newModelTable(m, leaseSize{percent: 50}, time.Second)
+	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	var one bucket.State
 	for i := range 5 {
@@ -198,7 +199,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 		t.Fatal(err)
 	}
 	l := bucket.Limit{Capacity: 100, Rate: rate}
-	node := newModelTable(m, leaseSize{tokens: 10}, time.Hour)
+	node := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
 	node.jitter = func(int64) int64 { return 0 }
 	defer node.close()
 	key := []byte("k")
@@ -219,7 +220,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 	if res.Allowed {
 		t.Fatalf("0.3 s after the bucket ran dry: %+v", res)
 	}
-	header := max(1, secondsUp(res.RetryAfter))
+	header := max(1, bucket.CeilDiv(res.RetryAfter, 1_000_000))
 	clock.advance(time.Duration(header) * time.Second)
 	level := m.level("k", l)
 	calls := m.calls
@@ -249,7 +250,7 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 		m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
 		l := slowLimit(100)
 		// 64 entries: one a shard.
-		node := newLeaseTable(m, m.now, leaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
+		node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
 		a := []byte("a")
 		var other []byte
 		for i := 0; other == nil; i++ {
@@ -292,7 +293,7 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 				results <- res
 			}()
 		}
-		waitFor(t, 5*time.Second, "the second request to join the call", func() bool {
+		redistest.WaitFor(t, 5*time.Second, "the second request to join the call", func() bool {
 			sh.mu.Lock()
 			defer sh.mu.Unlock()
 			e := sh.m["a"]
@@ -330,7 +331,7 @@ func TestReviewBanStartedByAPrefetchGoesUncountedWhenTheNextRequestIsAllowed(t *
 			started++
 		}
 	}
-	node := newModelTable(m, leaseSize{percent: 50}, time.Second)
+	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	counted := 0
 	take := func() bucket.Result {

@@ -1,14 +1,13 @@
-package ratelimit
+package redisbucket
 
 import (
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"maps"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // The bucket script's key lives "until every limit is full and every lease
@@ -26,10 +25,10 @@ import (
 // the 100 Redis then has, the fleet takes 150 in 0.36 s, against
 // C + floor(r*T) = 136.
 func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}}} // 100 100/s
-	key := s.key(bucketFor("capped"))
+	key := string(bucketFor("capped"))
 	a := bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 50, Hold: 200_000}
 	v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, 8)
 	if err != nil {
@@ -40,8 +39,8 @@ func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
 	if want := sh.Lease(leasedAt, ls, a); v[0] != want.Granted || v[0] != 50 {
 		t.Fatalf("lease: Redis granted %d, the model %d; want 50", v[0], want.Granted)
 	}
-	pttl := srv.do("PTTL", key)
-	waitFor(t, 3*time.Second, "the key to expire", func() bool { return srv.do("EXISTS", key) == int64(0) })
+	pttl := srv.Do("PTTL", key)
+	redistest.WaitFor(t, 3*time.Second, "the key to expire", func() bool { return srv.Do("EXISTS", key) == int64(0) })
 	var out, want [1]bucket.Result
 	_, now, err := s.takeAll(bg, "peek", key, ls, 0, out[:], false)
 	if err != nil {
@@ -85,14 +84,14 @@ func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
 // The node's clock is injected (requests 1 s apart, no sleeping); Redis's
 // is real, so no record expires meanwhile.
 func TestReviewRedisSpacedRequestsLoseTheirLeaseAndAreBannedUnderTheLimit(t *testing.T) {
-	srv := startRedis(t)
+	srv := redistest.Start(t)
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	for round := range 3 {
-		s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second), Lease: "50%"})
+		s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Lease: "50%"})
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
 		s.leases.close()
-		s.leases = newLeaseTable(s, clock.now, leaseSize{percent: 50}, time.Second, 100*time.Millisecond, 1000, nopLogger)
+		s.leases = newLeaseTable(s, clock.now, LeaseSize{percent: 50}, time.Second, 100*time.Millisecond, 1000, nopLogger)
 		b := bucketFor("spaced-" + string(rune('a'+round)))
 		var got strings.Builder
 		for range 5 {
@@ -130,9 +129,9 @@ func TestReviewRedisSpacedRequestsLoseTheirLeaseAndAreBannedUnderTheLimit(t *tes
 // state than the model, and the next request gets another Retry-After or
 // reset, by a microsecond.
 func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
-	srv := startRedis(t)
-	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
-	rdb := srv.client()
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	rdb := srv.Client()
 	defer rdb.Close()
 	r1, err := bucket.ParseRate("3/1.048576s")
 	if err != nil {
@@ -149,7 +148,7 @@ func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
 		ls := []bucket.Limit{l}
 		mismatches := 0
 		for k := range 4 {
-			key := s.key(bucketFor(fmt.Sprintf("deep-%d-%d", li, k)))
+			key := string(bucketFor(fmt.Sprintf("deep-%d-%d", li, k)))
 			sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
 			for _, o := range []struct {
 				op string

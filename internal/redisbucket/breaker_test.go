@@ -1,0 +1,191 @@
+package redisbucket
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+)
+
+// TestRedisBreakerClosesAfterAProbeWhoseClientHungUp opens the breaker,
+// lets the cool-down pass on an injected clock, and makes the probe a
+// request whose client has gone away. That says nothing about Redis, but
+// it must end the probe: the next request probes again, and with Redis
+// up it closes the breaker.
+func TestRedisBreakerClosesAfterAProbeWhoseClientHungUp(t *testing.T) {
+	srv := redistest.Start(t)
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	const cooldown = time.Second
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second,
+		BreakerFailures: 2, BreakerCooldown: cooldown})
+	s.conn.now = clock.now
+	if _, err := s.Take(bg, bucketFor("before"), slowLimit(10), 1); err != nil {
+		t.Fatalf("take with Redis up: %v", err)
+	}
+
+	srv.Kill() // refused at once: two failures open the breaker
+	for i := range 2 {
+		if _, err := s.Take(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
+			t.Fatalf("take %d with Redis killed: no error", i)
+		}
+	}
+	if !s.conn.breaker.open() {
+		t.Fatal("two failures did not open the breaker")
+	}
+	srv.Restart()
+	if _, err := s.Take(bg, bucketFor("cooling"), slowLimit(10), 1); err != errBreakerOpen {
+		t.Fatalf("take during the cool-down: %v, want errBreakerOpen", err)
+	}
+
+	clock.advance(cooldown)
+	gone, cancel := context.WithCancel(bg)
+	cancel()
+	if _, err := s.Take(gone, bucketFor("hung-up"), slowLimit(10), 1); err == nil {
+		t.Fatal("the probe of a client that hung up: no error")
+	}
+	res, err := s.Take(bg, bucketFor("after"), slowLimit(10), 1)
+	if err != nil || !res.Allowed {
+		t.Fatalf("take after a probe whose client hung up, Redis up: %+v, %v; want allowed by Redis", res, err)
+	}
+	if s.conn.breaker.open() {
+		t.Fatal("a successful probe left the breaker open")
+	}
+}
+
+// TestBreakerEveryProbeOutcomeEndsTheProbe opens a breaker, lets its probe
+// through after the cool-down and records each possible outcome: whatever
+// it was, the breaker is not left waiting for a probe that is over.
+func TestBreakerEveryProbeOutcomeEndsTheProbe(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		out       callOutcome
+		open      bool  // after the probe
+		nextProbe int64 // when the next call may go, while open
+	}{
+		{"success closes it", callOK, false, 0},
+		{"failure starts another cool-down", callFailed, true, 1100 + 1000},
+		{"a caller that went away lets the next call probe", callAbandoned, true, 1100},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			b := breaker{threshold: 2, cooldown: 1000}
+			b.record(false, callFailed, 1)
+			b.record(false, callFailed, 2) // open until 1002
+			if ok, probe := b.allow(1100); !ok || !probe {
+				t.Fatalf("after the cool-down: allow = %v, probe = %v; want the probe", ok, probe)
+			}
+			if ok, _ := b.allow(1100); ok {
+				t.Fatal("a second call went through while the probe was out")
+			}
+			b.record(true, c.out, 1100)
+			if b.open() != c.open {
+				t.Fatalf("after the probe: open = %v, want %v", b.open(), c.open)
+			}
+			if !c.open {
+				return
+			}
+			if c.out == callFailed {
+				if ok, _ := b.allow(c.nextProbe - 1); ok {
+					t.Fatalf("a call went through at %d, before the next cool-down ends at %d", c.nextProbe-1, c.nextProbe)
+				}
+			}
+			if ok, probe := b.allow(c.nextProbe); !ok || !probe {
+				t.Fatalf("at %d: allow = %v, probe = %v; want a new probe", c.nextProbe, ok, probe)
+			}
+		})
+	}
+}
+
+func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
+	var opened, closed atomic.Int64
+	b := breaker{threshold: 5, cooldown: 1000, changed: func(open bool) {
+		if open {
+			opened.Add(1)
+		} else {
+			closed.Add(1)
+		}
+	}}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 10 {
+				b.record(false, callFailed, 10)
+			}
+		})
+	}
+	wg.Wait()
+	if opened.Load() != 1 || closed.Load() != 0 {
+		t.Fatalf("80 concurrent failures: told open %d times, closed %d; want 1 and 0", opened.Load(), closed.Load())
+	}
+	if ok, probe := b.allow(1010); !ok || !probe {
+		t.Fatal("no probe after the cool-down")
+	}
+	b.record(true, callOK, 1011)
+	for range 3 {
+		b.record(false, callOK, 1011)
+	}
+	if opened.Load() != 1 || closed.Load() != 1 {
+		t.Fatalf("after the probe succeeded: told open %d, closed %d; want 1 and 1", opened.Load(), closed.Load())
+	}
+}
+
+func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
+	b := breaker{threshold: 3, cooldown: 1000}
+	for now := range int64(3) {
+		if ok, _ := b.allow(now); !ok {
+			t.Fatalf("closed breaker refused call %d", now)
+		}
+		b.record(false, callFailed, now)
+	}
+	// Open until 2+1000.
+	allowed := func(now int64) bool { ok, _ := b.allow(now); return ok }
+	if allowed(500) || allowed(1001) || !allowed(1002) {
+		t.Fatal("after 3 failures: want refusal during the cool-down, then a probe")
+	}
+	if allowed(1003) {
+		t.Fatal("a second probe went through while the first was out")
+	}
+	b.record(true, callFailed, 1004) // the probe failed: open until 2004
+	if allowed(1500) {
+		t.Fatal("a failed probe did not restart the cool-down")
+	}
+	if !allowed(2004) {
+		t.Fatal("no probe after the second cool-down")
+	}
+	b.record(true, callOK, 2005)
+	if !allowed(2006) || !allowed(2007) || b.open() {
+		t.Fatal("a successful probe did not close the breaker")
+	}
+
+	// Through the store: a Redis that does not answer costs the timeout
+	// per decision until the breaker opens, then nothing.
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 50 * time.Millisecond})
+	if _, err := s.Take(bg, bucketFor("y"), slowLimit(1), 1); err != nil {
+		t.Fatal(err)
+	}
+	srv.Pause()
+	defer srv.Resume()
+	for i := range DefaultBreakerFailures {
+		start := time.Now()
+		_, err := s.Take(bg, bucketFor("y"+strconv.Itoa(i)), slowLimit(1), 1)
+		if err == nil || !strings.Contains(err.Error(), "no answer within 50ms") {
+			t.Fatalf("take %d from a stopped Redis: %v", i, err)
+		}
+		if d := time.Since(start); d > 50*time.Millisecond+250*time.Millisecond {
+			t.Fatalf("take %d waited %s, timeout 50ms", i, d)
+		}
+	}
+	start := time.Now()
+	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); err != errBreakerOpen {
+		t.Fatalf("take with the breaker open: %v, want errBreakerOpen", err)
+	}
+	if d := time.Since(start); d > 10*time.Millisecond {
+		t.Fatalf("take with the breaker open waited %s", d)
+	}
+}

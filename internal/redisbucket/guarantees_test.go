@@ -1,0 +1,279 @@
+package redisbucket
+
+import (
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+	"math/rand/v2"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+)
+
+// Regression tests for what review found broken in leases: a burst after
+// a refill, bans on leasing nodes, Retry-After, and the lease table's
+// edges.
+
+// The README's setup, `rate_limit 200 50/s` with `lease 10%` and
+// `lease_ttl 1s` on 4 nodes: 4 requests on each, a 0.8 s pause, then a
+// burst from all. The tokens the nodes hold stay out of the refill, so the
+// burst gets at most the capacity, and the fleet no more than one bucket
+// on the same arrivals (it admitted 212 in the burst, 228 in all, against
+// 216).
+func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}}
+	var fleet [4]*leaseTable
+	for i := range fleet {
+		fleet[i] = newModelTable(m, LeaseSize{percent: 10}, time.Second)
+		defer fleet[i].close()
+	}
+	var one bucket.State
+	var fleetAdmitted, oneAdmitted int64
+	request := func(node int) (admitted bool) {
+		res, err := fleet[node].take(bg, []byte("k"), l, 1)
+		tableSync(fleet[node])
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r bucket.Result
+		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
+			oneAdmitted++
+		}
+		if res.Allowed {
+			fleetAdmitted++
+		}
+		return res.Allowed
+	}
+	for node := range fleet {
+		for range 4 {
+			request(node)
+			clock.advance(time.Millisecond)
+		}
+	}
+	clock.advance(800 * time.Millisecond)
+	burst := 0
+	for i := range 400 {
+		if request(i % 4) {
+			burst++
+		}
+	}
+	if burst > 200 {
+		t.Errorf("the burst after the refill got %d, more than the capacity 200", burst)
+	}
+	if fleetAdmitted > oneAdmitted {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleetAdmitted, oneAdmitted)
+	}
+	if burst < 190 {
+		t.Errorf("the burst got %d, want near the capacity, 200", burst)
+	}
+	t.Logf("burst %d, in all %d; one bucket %d", burst, fleetAdmitted, oneAdmitted)
+}
+
+// DESIGN's ban with leases, on 4 nodes: 100 at 1/s, ban 10m, lease 10%, 10
+// requests a second for 60 s. The ban starts in the shared store on the
+// first refusal, other nodes spend at most what they hold, and their
+// give-backs do not end it: the fleet admits no more than one bucket on
+// the same arrivals (111; it admitted 157), and one request reports the
+// ban that started, for bans_total, even when a prefetch started it.
+func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
+	var fleet [4]*leaseTable
+	for i := range fleet {
+		fleet[i] = newModelTable(m, LeaseSize{percent: 10}, time.Second)
+		defer fleet[i].close()
+	}
+	var one bucket.State
+	var fleetAdmitted, oneAdmitted, bans int
+	for i := range 600 {
+		node := fleet[i%4]
+		res, err := node.take(bg, []byte("k"), l, 1)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed {
+			fleetAdmitted++
+		}
+		if res.Banned {
+			bans++
+		}
+		var r bucket.Result
+		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
+			oneAdmitted++
+		}
+		clock.advance(100 * time.Millisecond)
+		if i%2 == 0 { // the sweep, every 250 ms with lease_ttl 1s
+			for _, n := range fleet {
+				if back := n.sweep(clock.now(), false); len(back) > 0 {
+					n.giveBackNow(back)
+				}
+			}
+		}
+	}
+	if fleetAdmitted > oneAdmitted {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleetAdmitted, oneAdmitted)
+	}
+	if bans != 1 {
+		t.Errorf("%d requests reported a ban that started, want 1", bans)
+	}
+	t.Logf("fleet %d, one bucket %d", fleetAdmitted, oneAdmitted)
+}
+
+// A refused request is told when the shared bucket holds its cost, not the
+// node's next lease, and the node calls again by then: lease 10% of 100 at
+// 1/s is a lease of 10 tokens, 10 s of refill, but one request waits 1 s.
+// With a ban, it waits the ban and one request's refill, as the README
+// says.
+func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
+	for _, ban := range []int64{0, 60 * second} {
+		clock := new(fakeClock)
+		clock.micros.Store(1_000_000)
+		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
+		node := newModelTable(m, LeaseSize{percent: 10}, time.Hour)
+		var res bucket.Result
+		for range 200 {
+			var err error
+			if res, err = node.take(bg, []byte("k"), l, 1); err != nil {
+				t.Fatal(err)
+			}
+			tableSync(node)
+			if !res.Allowed {
+				break
+			}
+		}
+		if res.Allowed {
+			t.Fatalf("ban %d: 200 requests at once from a bucket of 100 all allowed", ban)
+		}
+		want := ban + second
+		if res.RetryAfter > want || res.RetryAfter < want-second/10 {
+			t.Errorf("ban %d s: Retry-After %d µs, want about %d: the request's own wait", ban/second, res.RetryAfter, want)
+		}
+		clock.advance(time.Duration(bucket.CeilDiv(res.RetryAfter, 1_000_000)) * time.Second)
+		if again, _ := node.take(bg, []byte("k"), l, 1); !again.Allowed {
+			t.Errorf("ban %d s: at Retry-After: %+v, want allowed", ban/second, again)
+		}
+		tableSync(node)
+		node.close()
+	}
+}
+
+// A ban starts at a refused request, not at a refused prefetch, which
+// refuses nobody; the request that starts it reports it, so that
+// bans_total counts it once.
+func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
+	defer node.close()
+	key := []byte("k")
+	for range 2 { // leases of 1 and 2 tokens: one is left
+		if res, _ := node.take(bg, key, l, 1); !res.Allowed {
+			t.Fatal("denied from a full bucket")
+		}
+		tableSync(node)
+	}
+	// Another node empties the shared bucket.
+	left := m.level("k", l)
+	m.mu.Lock()
+	var out [1]bucket.Result
+	if !m.bucket("k", 1).Take(clock.now(), []bucket.Limit{l}, left, out[:]) {
+		t.Fatalf("another node's take of the %d left: %+v", left, out[0])
+	}
+	m.mu.Unlock()
+	// The last token held is spent, and the prefetch that follows finds
+	// the bucket empty: refused, with no ban.
+	if res, _ := node.take(bg, key, l, 1); !res.Allowed || res.Banned {
+		t.Fatalf("the request on the last token held: %+v", res)
+	}
+	tableSync(node)
+	if sh := m.states["k"]; sh.Banned(clock.now()) {
+		t.Fatal("a refused prefetch started a ban")
+	}
+	if res, _ := node.take(bg, key, l, 1); res.Allowed || !res.Banned {
+		t.Fatalf("the next request: %+v, want refused, reporting the ban it started", res)
+	}
+}
+
+// A lease table under eviction pressure never refuses a request that the
+// shared bucket covers: a request whose entry was evicted while it waited
+// on a call starts again on a new one. It used to be refused, with
+// Retry-After 1.
+func TestEvictedWaiterIsNotRefused(t *testing.T) {
+	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
+	node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
+	defer node.close()
+	done := make(chan int, 8)
+	for g := range 8 {
+		go func() {
+			refused := 0
+			rng := rand.New(rand.NewPCG(uint64(g), 1))
+			for range 2000 {
+				key := []byte{byte('a' + rng.IntN(26)), byte('a' + rng.IntN(26))}
+				if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+					refused++
+				}
+			}
+			done <- refused
+		}()
+	}
+	for range 8 {
+		if n := <-done; n > 0 {
+			t.Errorf("%d requests refused while every shared bucket held plenty", n)
+		}
+	}
+}
+
+// A table closed by a reload while requests still run through it starts no
+// eviction, give-back or lease after close returns (it used to call
+// WaitGroup.Add beside Wait and give back on a closed client), and a
+// count_status give-back that reaches it goes to the shared bucket.
+func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
+	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
+	for range 20 {
+		node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
+		var takes atomic.Int64
+		stop := make(chan struct{})
+		finished := make(chan struct{})
+		go func() {
+			defer close(finished)
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				node.take(bg, []byte{byte(i), byte(i >> 8)}, l, 1)
+				takes.Add(1)
+			}
+		}()
+		redistest.WaitFor(t, 5*time.Second, "requests through the table", func() bool { return takes.Load() > 100 })
+		node.close()
+		m.mu.Lock()
+		calls := m.calls
+		m.mu.Unlock()
+		closedAt := takes.Load()
+		redistest.WaitFor(t, 5*time.Second, "requests after close", func() bool { return takes.Load() > closedAt+100 })
+		close(stop)
+		<-finished
+		m.mu.Lock()
+		after := m.calls
+		m.mu.Unlock()
+		if after != calls {
+			t.Fatalf("%d lease calls after close returned", after-calls)
+		}
+		if rest := node.giveBackHeld([]byte{0, 0}, 3); rest != 3 {
+			t.Fatalf("a give-back to a closed table kept %d of 3, want none: they go to the shared bucket", 3-rest)
+		}
+	}
+}

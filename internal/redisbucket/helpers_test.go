@@ -1,0 +1,75 @@
+package redisbucket
+
+import (
+	"context"
+	"crypto/sha256"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"go.uber.org/zap"
+)
+
+var bg = context.Background()
+
+var nopLogger = zap.NewNop()
+
+const second = int64(1_000_000)
+
+// testConfig is what a test sets of a store: its connection and its view.
+type testConfig struct {
+	Addresses       []string
+	Timeout         time.Duration
+	Lease           string
+	Batch           *bool
+	BreakerFailures int
+	BreakerCooldown time.Duration
+}
+
+// newTestStore connects a store of its own, as a node would, and closes it
+// when the test ends.
+func newTestStore(t testing.TB, c testConfig) *Store {
+	t.Helper()
+	batch := c.Batch == nil || *c.Batch
+	plan, err := NewPlan(Options{Addresses: c.Addresses, Timeout: c.Timeout, Batch: batch, BreakerFailures: c.BreakerFailures, BreakerCooldown: c.BreakerCooldown})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease, err := ParseLeaseSize(c.Lease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(nopLogger)
+	s := NewStore(conn, StoreOptions{Lease: lease})
+	t.Cleanup(func() {
+		s.Close()
+		_ = conn.Close()
+	})
+	return s
+}
+
+// bucketFor is the key of a client's bucket in policy "p", catch-all tier,
+// as the handler names it.
+func bucketFor(value string) []byte {
+	sum := sha256.Sum256([]byte("ip\x00" + value))
+	return (&Store{prefix: DefaultPrefix}).AppendKey(nil, "p", "default", sum[:])
+}
+
+// slowLimit is a bucket that does not refill within a test.
+func slowLimit(capacity int64) bucket.Limit {
+	return bucket.Limit{Capacity: capacity, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+}
+
+// fakeClock is a clock that moves only when a test moves it.
+type fakeClock struct{ micros atomic.Int64 }
+
+func (c *fakeClock) now() int64              { return c.micros.Load() }
+func (c *fakeClock) advance(d time.Duration) { c.micros.Add(d.Microseconds()) }
+
+func skipUnderShort(t *testing.T, kind string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skipf("%s test: skipped under -short", kind)
+	}
+}

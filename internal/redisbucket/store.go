@@ -1,0 +1,366 @@
+package redisbucket
+
+import (
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// Store is one config's view of a connection: its key prefix and, with
+// lease, its lease table. Each decision is one atomic script call on one
+// key, timed by the Redis server's clock, unless this node's lease or the
+// deny cache already decides it.
+type Store struct {
+	conn    *Conn
+	prefix  string
+	timeout time.Duration
+	leases  *leaseTable // nil in strict mode
+
+	// clockOffset is added to the Redis server's TIME. Only tests set it,
+	// to replay traces faster than real time; it is always 0 otherwise.
+	clockOffset int64
+}
+
+// StoreOptions are a config's settings for its view of a connection.
+type StoreOptions struct {
+	// Prefix starts every key. Default "rl:".
+	Prefix string
+	// Lease is how many tokens the node takes at once; strict, the
+	// default, asks Redis for every decision.
+	Lease LeaseSize
+	// LeaseTTL is how long leased tokens may stay unused. Default 1s.
+	LeaseTTL time.Duration
+	// MaxLeases bounds the lease table's entries. Default DenyCacheSize.
+	MaxLeases int
+	// Current, when set, says what the running config's limit is for the
+	// bucket at key, whose lease was taken under l, and false when the
+	// bucket's tier is gone: leases given back when the config unloads
+	// count in it.
+	Current func(key string, l bucket.Limit) (bucket.Limit, bool)
+	Logger  *zap.Logger
+}
+
+// Defaults of a store's settings.
+const (
+	DefaultPrefix   = "rl:"
+	DefaultLeaseTTL = time.Second
+)
+
+// NewStore makes a config's view of conn.
+func NewStore(conn *Conn, o StoreOptions) *Store {
+	s := &Store{conn: conn, prefix: o.Prefix, timeout: conn.timeout}
+	if s.prefix == "" {
+		s.prefix = DefaultPrefix
+	}
+	if !o.Lease.Strict() {
+		ttl := o.LeaseTTL
+		if ttl == 0 {
+			ttl = DefaultLeaseTTL
+		}
+		maxLeases := o.MaxLeases
+		if maxLeases == 0 {
+			maxLeases = conn.denyCapacity
+		}
+		logger := o.Logger
+		if logger == nil {
+			logger = zap.NewNop()
+		}
+		s.leases = newLeaseTable(s, conn.now, o.Lease, ttl, s.timeout, maxLeases, logger)
+		s.leases.after = func(d time.Duration, f func()) { time.AfterFunc(d, f) }
+		s.leases.current = o.Current
+	}
+	return s
+}
+
+// Close gives back every token this view holds on lease.
+func (s *Store) Close() {
+	if s.leases != nil {
+		s.leases.close()
+	}
+}
+
+// AppendKey appends a bucket's key to buf: the prefix, then the policy and
+// the tier, each after its length in bytes, then the first 16 bytes of the
+// client's digest in hex, so that client values never reach Redis:
+//
+//	rl:<len>:<policy>:<len>:<tier>:<32 hex digits>
+//
+// The lengths keep names apart that hold ":" (policy "a:b" with tier "c"
+// and policy "a" with tier "b:c"). It is one key per bucket, with no hash
+// tag of its own, so a Cluster spreads the buckets over its masters.
+func (s *Store) AppendKey(buf []byte, policy, tier string, digest []byte) []byte {
+	buf = append(buf, s.prefix...)
+	for _, part := range [...]string{policy, tier} {
+		buf = strconv.AppendInt(buf, int64(len(part)), 10)
+		buf = append(buf, ':')
+		buf = append(buf, part...)
+		buf = append(buf, ':')
+	}
+	return hex.AppendEncode(buf, digest[:16])
+}
+
+// SplitKey reads the policy and the tier back from a bucket's key.
+func (s *Store) SplitKey(key string) (policy, tier string, ok bool) {
+	rest, ok := strings.CutPrefix(key, s.prefix)
+	var parts [2]string
+	for i := range parts {
+		size, after, found := strings.Cut(rest, ":")
+		n, err := strconv.Atoi(size)
+		if !ok || !found || err != nil || n < 0 || n+1 > len(after) {
+			return "", "", false
+		}
+		parts[i], rest = after[:n], after[n+1:]
+	}
+	return parts[0], parts[1], true
+}
+
+// Take decides one request on the bucket at key: from this node's lease
+// when leases are on and larger than the cost, else by one script call,
+// unless the deny cache already knows the answer.
+func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
+	if s.leases != nil && s.leases.size.Of(l) > cost && cost > 0 {
+		res, err := s.leases.take(ctx, key, l, cost)
+		if !errors.Is(err, errLeasesClosed) {
+			return res, err
+		}
+	}
+	k := string(key)
+	start := s.conn.now()
+	res, epoch, ok := s.conn.denied.get(k, l, cost, start)
+	if ok {
+		return res, nil
+	}
+	var out [1]bucket.Result
+	_, _, err := s.takeAll(ctx, "take", k, []bucket.Limit{l}, cost, out[:], true)
+	res = out[0]
+	if err == nil && !res.Allowed {
+		s.conn.denied.put(k, epoch, l, cost, start, res)
+	}
+	return res, err
+}
+
+// TakeAll decides one request on every limit of the bucket at key, with
+// one script call: the key's hash holds every limit. Leases take no part.
+func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
+	allowed, _, err := s.takeAll(ctx, "take", string(key), ls, cost, out, false)
+	return allowed, err
+}
+
+// takeAll runs op, take or peek, on key, and also returns the server's
+// time of the decision. A single limit's take goes through the batcher.
+func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, cost int64, out []bucket.Result, batched bool) (bool, int64, error) {
+	vals, err := s.call(ctx, key, s.args(op, ls, cost), batched, 3+4*len(ls))
+	if err != nil {
+		return false, 0, err
+	}
+	banned := vals[1] == 1
+	for i := range ls {
+		v := vals[3+4*i:]
+		out[i] = bucket.Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3], Banned: banned}
+	}
+	return vals[0] == 1, vals[2], nil
+}
+
+// args are the script's arguments for op on limits ls, and then extra.
+func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
+	args := make([]any, 0, 5+3*len(ls)+len(extra))
+	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban)
+	for _, l := range ls {
+		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
+	}
+	return append(args, extra...)
+}
+
+// Charge takes n more tokens from the bucket at key, into debt if need
+// be, in one script call. Leases take no part.
+func (s *Store) Charge(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
+	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", []bucket.Limit{l}, n), false, 2)
+	return err
+}
+
+// GiveBack returns n tokens a request took: into this node's lease when
+// it holds one for the bucket, up to what the lease's record counts, and
+// the rest by one script call.
+func (s *Store) GiveBack(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
+	if n <= 0 {
+		return nil
+	}
+	if s.leases != nil {
+		if n = s.leases.giveBackHeld(key, n); n == 0 {
+			return nil
+		}
+	}
+	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("giveback", []bucket.Limit{l}, n), false, 2)
+	return err
+}
+
+// Peek reports the bucket at key, changing nothing.
+func (s *Store) Peek(ctx context.Context, key []byte, l bucket.Limit) (bucket.Result, error) {
+	var out [1]bucket.Result
+	_, _, err := s.takeAll(ctx, "peek", string(key), []bucket.Limit{l}, 0, out[:], false)
+	return out[0], err
+}
+
+// lease is a lease call on the bucket at key, within the timeout and
+// through the breaker.
+func (s *Store) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
+	prefetch := 0
+	if a.Prefetch {
+		prefetch = 1
+	}
+	args := s.args("lease", []bucket.Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
+	v, err := s.call(context.Background(), key, args, false, 8)
+	if err != nil {
+		return bucket.LeaseResult{}, err
+	}
+	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}, nil
+}
+
+// giveBack returns the unused tokens of node's leases to their buckets in
+// one pipeline, and reports how many went back.
+func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return 0, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	args := func(g leaseReturn) []any {
+		return s.args("return", []bucket.Limit{g.limit}, g.tokens, node, g.seq)
+	}
+	cmds := make([]*redis.Cmd, len(back))
+	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+		for i, g := range back {
+			cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
+		}
+		return nil
+	})
+	var returned int64
+	var failed error
+	for i, cmd := range cmds {
+		if isNoScript(cmd.Err()) {
+			// Redis lost its scripts (a restart, a failover): EVAL loads it.
+			cmd = bucketScript.Run(ctx, s.conn.client, []string{back[i].key}, args(back[i])...)
+		}
+		vals, err := cmd.Int64Slice()
+		switch {
+		case err == nil && len(vals) == 2:
+			returned += vals[0]
+		case failed != nil:
+		case err != nil:
+			failed = err
+		default:
+			failed = fmt.Errorf("script answered %d values, want 2", len(vals))
+		}
+	}
+	if failed == nil && err != nil && !isNoScript(err) {
+		failed = err
+	}
+	s.record(ctx, probe, failed)
+	if failed != nil {
+		return returned, s.wrap(failed)
+	}
+	return returned, nil
+}
+
+// Reset deletes the bucket at key. It forgets the bucket's denial on this
+// node whether or not Redis answers; other nodes may still answer from
+// their deny caches until the retry time they were given.
+func (s *Store) Reset(ctx context.Context, key []byte) error {
+	k := string(key)
+	if s.leases != nil {
+		s.leases.reset(key)
+	}
+	s.conn.denied.remove(k)
+	// Again once Redis has answered: a Take that went to Redis before the
+	// reset is dropped when it puts its denial, but one that set out
+	// between the first remove and the DEL carries the newer epoch.
+	defer s.conn.denied.remove(k)
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	err := s.conn.client.Del(ctx, k).Err()
+	s.record(ctx, probe, err)
+	if err != nil {
+		return fmt.Errorf("redis store: reset: %w", err)
+	}
+	return nil
+}
+
+// call runs the bucket script on one key, within the timeout and through
+// the breaker; batched, through the batcher if there is one. The script
+// must answer want values.
+func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return nil, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	var vals []int64
+	var err error
+	if batched && s.conn.batcher != nil {
+		vals, err = s.conn.batcher.take(ctx, []string{key}, args)
+	} else {
+		vals, err = bucketScript.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
+	}
+	if err == nil && len(vals) != want {
+		err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+	}
+	s.record(ctx, probe, err)
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	return vals, nil
+}
+
+// wrap says what went wrong with a call to Redis.
+func (s *Store) wrap(err error) error {
+	var netErr net.Error
+	if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout() {
+		return fmt.Errorf("redis store: no answer within %s: %w", s.timeout, err)
+	}
+	return fmt.Errorf("redis store: %w", err)
+}
+
+// record tells the breaker how a call went; probe says whether the breaker
+// let it through as its probe. A request whose client went away says
+// nothing about Redis, but it still ends its probe.
+func (s *Store) record(ctx context.Context, probe bool, err error) {
+	out := callOK
+	switch {
+	case err == nil:
+	case errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled:
+		out = callAbandoned
+	default:
+		out = callFailed
+	}
+	s.conn.breaker.record(probe, out, s.conn.now())
+}
+
+// BreakerState is closed, open or half-open.
+func (s *Store) BreakerState() string { return s.conn.breaker.state(s.conn.now()) }
+
+// LeasesHeld is how many buckets this view holds leased tokens of.
+func (s *Store) LeasesHeld() int {
+	if s.leases == nil {
+		return 0
+	}
+	return s.leases.held()
+}
+
+// DenyCacheHits counts the decisions answered by the deny cache, without
+// Redis, since the connection was made.
+func (s *Store) DenyCacheHits() uint64 { return s.conn.denied.hits.Load() }
