@@ -41,7 +41,6 @@ func (r *redisServer) info(section, field string) string {
 }
 func (r *redisServer) kill()   { r.Kill() }
 func (r *redisServer) pause()  { r.Pause() }
-func (r *redisServer) resume() { r.Resume() }
 
 // waitFor polls cond until it holds, or fails the test after timeout.
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
