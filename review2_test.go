@@ -354,15 +354,26 @@ func (tm *review2Timers) pending() int {
 // bucket would allow it. Before the timer, the retry made the call and was
 // allowed.
 //
-// `rate_limit 100 5/s`, lease 10, lease_ttl 2s: a node's requests drain
-// the bucket, and the call of the first it cannot cover is refused, with
-// Retry-After 1 s; the bucket stays in use (a request every 100 ms,
-// refused from memory).
+// `rate_limit 100 5/s` (and 1/10s), lease 10, lease_ttl 2s: a node's
+// requests drain the bucket, and the call of the first it cannot cover is
+// refused, with Retry-After 1 s (10 s); the bucket stays in use (a request
+// every 100 ms, refused from memory). The refused retry is told to wait
+// one token's refill more: 1 s (10 s), although the bucket holds its cost.
 func TestReview2RetryAtRetryAfterIsRefusedAtOnceWhileTheTimersCallIsOut(t *testing.T) {
+	for _, refill := range []string{"5/s", "1/10s"} {
+		t.Run(refill, func(t *testing.T) { review2RetryAtRetryAfter(t, refill) })
+	}
+}
+
+func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 200_000}} // 100 5/s
+	rate, err := ParseRate(refill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := Limit{Capacity: 100, Rate: rate}
 	node := newModelTable(m, leaseSize{tokens: 10}, 2*time.Second)
 	node.jitter = func(int64) int64 { return 0 }
 	var timers review2Timers
@@ -410,7 +421,7 @@ func TestReview2RetryAtRetryAfterIsRefusedAtOnceWhileTheTimersCallIsOut(t *testi
 	}
 	t.Logf("at the retry: %d timer(s) fired; the shared bucket holds %d; the retry: %+v", fired, level, retry)
 	if level >= 1 && !retry.Allowed {
-		t.Errorf("the client retried after Retry-After (%d s): the shared bucket holds %d, the node refused it at once (Retry-After %d µs)", secondsUp(res.RetryAfter), level, retry.RetryAfter)
+		t.Errorf("the client retried after Retry-After (%d s): the shared bucket holds %d, the node refused it at once, and told it to wait %d s more", secondsUp(res.RetryAfter), level, secondsUp(retry.RetryAfter))
 	}
 }
 
@@ -458,5 +469,122 @@ func TestReview2GiveBackIsDroppedWhenAnotherRouteOfThePolicyLacksTheTier(t *test
 				}
 			}
 		})
+	}
+}
+
+// "The lease table is bounded by deny_cache_size entries" (README). An
+// entry evicted while the give-back of its tokens is in flight leaves that
+// give-back's channel in its shard's `returning` map, for the key's next
+// entry to wait on; only the sweep removes the channels of give-backs
+// done, every lease_ttl/4. Eviction starts the give-back and forgets the
+// entry at once, so every evicted entry that held tokens leaves one. A
+// flood of distinct keys, each seen twice (its second lease holds a
+// token), through a table of 64 entries with lease_ttl 1m (a sweep every
+// 15 s): after 20,000 keys, with every give-back answered, the shards hold
+// 64 entries and a `returning` channel for nearly every key evicted.
+func TestReview2ReturningMapGrowsWithEvictionsBetweenSweeps(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+	l := Limit{Capacity: 1000, Rate: Rate{Tokens: 1, Interval: 1000}}
+	node := newLeaseTable(m, m.now, leaseSize{tokens: 10}, time.Minute, 100*time.Millisecond, leaseShards, nopLogger)
+	defer node.close()
+	const keys = 20_000
+	for i := range keys {
+		key := []byte{'k', byte(i), byte(i >> 8), byte(i >> 16)}
+		for range 2 {
+			if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+				t.Fatalf("key %d: %+v %v", i, res, err)
+			}
+		}
+		if i%1000 == 0 {
+			tableSync(node)
+		}
+	}
+	tableSync(node)
+	entries, returning := 0, 0
+	for i := range node.shards {
+		sh := &node.shards[i]
+		sh.mu.Lock()
+		entries += len(sh.m)
+		returning += len(sh.returning)
+		sh.mu.Unlock()
+	}
+	t.Logf("%d keys through a table of %d entries: %d entries, %d give-back channels kept (every give-back answered)", keys, leaseShards, entries, returning)
+	if entries+returning > 2*leaseShards {
+		t.Errorf("the table of %d entries holds %d entries and %d channels of give-backs already answered", leaseShards, entries, returning)
+	}
+}
+
+// "A node with a ban setting asks Redis before it refuses, unless it
+// knows a ban holds", because "the ban starts in Redis at the first
+// refusal that one bucket would also give". A request that finds the
+// node's tokens spent while a prefetch is in flight joins the prefetch;
+// the prefetch, which may not ban, is refused, and the request is refused
+// with it, without asking: no ban starts. The README's login limit with
+// leases (5 attempts 1/h, ban 15m, lease 50%): a brute-forcer's 5th and
+// 6th attempts come together; the 5th spends the last token held and
+// starts the prefetch, the 6th waits on it. One bucket bans at the 6th;
+// the shared store never bans, and an hour later the 7th attempt is
+// allowed (one bucket: still refused, the ban refilling from empty).
+func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
+	l := Limit{Capacity: 5, Rate: Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
+	f := newReview2Fleet(t, l)
+	node := newModelTable(f.m, leaseSize{percent: 50}, time.Second)
+	defer node.close()
+	for i := range 4 {
+		if res := f.request(node); !res.Allowed {
+			t.Fatalf("attempt %d: %+v", i+1, res)
+		}
+	}
+	// The 5th spends the last token held; its prefetch is out for a round
+	// trip, while the 6th comes.
+	f.m.gate = make(chan struct{})
+	res5, err := node.take(bg, []byte("k"), l, 1)
+	if err != nil || !res5.Allowed {
+		t.Fatalf("attempt 5: %+v %v", res5, err)
+	}
+	f.fleet++
+	var r Result
+	if f.one, r = Take(f.one, f.clock.now(), l, 1); r.Allowed {
+		f.single++
+	}
+	done := make(chan Result, 1)
+	go func() {
+		res, _ := node.take(bg, []byte("k"), l, 1)
+		done <- res
+	}()
+	waitFor(t, 5*time.Second, "the 6th attempt to wait on the prefetch", func() bool {
+		sh := node.shard([]byte("k"))
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		e := sh.m["k"]
+		return e != nil && e.call != nil && e.call.joined == 1
+	})
+	close(f.m.gate)
+	res6 := <-done
+	tableSync(node)
+	if res6.Allowed {
+		t.Fatalf("attempt 6 on a spent bucket: %+v", res6)
+	}
+	if res6.Banned && f.fleetBan < 0 {
+		f.fleetBan = f.clock.now()
+	}
+	if f.one, r = Take(f.one, f.clock.now(), l, 1); r.Allowed {
+		f.single++
+	}
+	if r.Banned {
+		f.singleBan = f.clock.now()
+	}
+	banned := f.m.states["k"].banned(f.clock.now())
+	f.clock.advance(time.Hour)
+	res7 := f.request(node)
+	t.Logf("attempt 6: %+v (shared bucket banned: %v); an hour later, attempt 7: %+v", res6, banned, res7)
+	t.Logf("one bucket admitted %d and banned at %d µs; the fleet admitted %d and banned at %d µs", f.single, f.singleBan, f.fleet, f.fleetBan)
+	if !banned {
+		t.Errorf("attempt 6, refused on a spent bucket as one bucket refuses it, started no ban")
+	}
+	if f.fleet > f.single {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
 	}
 }
