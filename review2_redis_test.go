@@ -69,3 +69,87 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 		})
 	}
 }
+
+// TestReview2RefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate
+// on a real Redis, in real time: two leasing nodes (lease 10, lease_ttl
+// 1s), `rate_limit 20 20/s`, ban 1h. The client spends 8 through node A,
+// another node (strict) takes what Redis holds, A spends what it holds
+// (its prefetch at half is refused), and the client moves to node B, a
+// request every 2 ms. One bucket refuses and bans B's first request and
+// admits nothing more for an hour. Redis still records A's spent tokens
+// (A's report names the refused prefetch's seq), so B's refusals start no
+// ban until the record expires, and B admits the refill meanwhile.
+func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(t *testing.T) {
+	srv := startRedis(t)
+	l := Limit{Capacity: 20, Rate: Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second}
+	var nodes [3]*RedisStore
+	for i := range nodes {
+		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+		if i < 2 {
+			nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, nopLogger)
+		}
+	}
+	a, b, strict := nodes[0], nodes[1], nodes[2]
+	defer a.leases.close()
+	defer b.leases.close()
+	bk := bucketFor("refused-prefetch")
+	key := a.key(bk)
+	for i := range 8 {
+		res, err := a.Take(bg, bk, l, 1)
+		a.leases.calls.Wait()
+		if err != nil || !res.Allowed {
+			t.Fatalf("node A, request %d: %+v %v", i+1, res, err)
+		}
+	}
+	for {
+		peek, _, err := strict.run(bg, key, l, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if peek.Remaining == 0 {
+			break
+		}
+		if res, _, err := strict.run(bg, key, l, peek.Remaining); err != nil || !res.Allowed {
+			t.Fatalf("the strict node's take of %d: %+v %v", peek.Remaining, res, err)
+		}
+	}
+	entry := func() lease {
+		sh := a.leases.shard([]byte(key))
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		return *sh.m[key]
+	}
+	for entry().tokens > 0 {
+		res, err := a.Take(bg, bk, l, 1)
+		a.leases.calls.Wait()
+		if err != nil || !res.Allowed {
+			t.Fatalf("node A, on the tokens it holds: %+v %v", res, err)
+		}
+	}
+	rdb := srv.client()
+	defer rdb.Close()
+	fields, _ := rdb.HGetAll(bg, key).Result()
+	t.Logf("node A spent what it held (its last call seq %d); Redis holds %v", entry().seq, fields)
+	admitted, firstRefusal := 0, Result{}
+	refused := false
+	start := time.Now()
+	for time.Since(start) < 1500*time.Millisecond {
+		res, err := b.Take(bg, bk, l, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Allowed && refused {
+			admitted++
+		} else if !res.Allowed && !refused {
+			refused, firstRefusal = true, res
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Logf("node B: first refusal %+v; admitted %d after it, in 1.5 s", firstRefusal, admitted)
+	if !firstRefusal.Banned {
+		t.Errorf("B's first request, refused on a bucket the client has spent, started no ban; one bucket bans it")
+	}
+	if admitted > 0 {
+		t.Errorf("node B admitted %d after its first refusal, within 1.5 s of the client spending its bucket; one bucket, banned there, admits none", admitted)
+	}
+}

@@ -588,3 +588,36 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
 	}
 }
+
+// A claim that holds (passes): a hold-off timer that fires after its table
+// closed starts no lease call and no give-back. A node drains a bucket,
+// its refused call arms the timer, the table closes (a reload), and the
+// timer fires: the shared store sees no call after close.
+func TestReview2TimerFiringAfterCloseStartsNoCall(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*Shared{}}
+	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 200_000}}
+	node := newModelTable(m, leaseSize{tokens: 10}, 2*time.Second)
+	var timers review2Timers
+	timers.install(node)
+	for range 150 {
+		node.take(bg, []byte("k"), l, 1)
+		tableSync(node)
+	}
+	if timers.pending() == 0 {
+		t.Fatal("no hold-off timer armed")
+	}
+	node.close()
+	m.mu.Lock()
+	calls := m.calls
+	m.mu.Unlock()
+	clock.advance(time.Second)
+	fired := timers.fire(clock.now() + int64(time.Hour/time.Microsecond))
+	tableSync(node)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.calls != calls {
+		t.Errorf("%d timer(s) fired after close and made %d lease call(s)", fired, m.calls-calls)
+	}
+}
