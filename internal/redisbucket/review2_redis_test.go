@@ -1,12 +1,12 @@
-package ratelimit
+package redisbucket
 
 import (
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"runtime"
 	"testing"
 	"time"
 	"weak"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // "No goroutine or timer leak after close": a config's lease table stops
@@ -19,18 +19,21 @@ import (
 // keeps every old table with a hold-off pending. With no hold-off pending,
 // the closed table is collected at once (the control).
 func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
-	srv := startRedis(t)
-	l := Limit{Capacity: 100, Rate: Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
+	srv := redistest.Start(t)
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
 	for _, tt := range []struct {
 		name    string
 		holdOff bool
 	}{{"no hold-off (control)", false}, {"a hold-off pending", true}} {
 		t.Run(tt.name, func(t *testing.T) {
-			srv.do("FLUSHALL")
-			s := &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(2 * time.Second), Lease: "10"}
-			if err := s.Provision(caddy.Context{}); err != nil {
+			srv.Do("FLUSHALL")
+			plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 2 * time.Second})
+			if err != nil {
 				t.Fatal(err)
 			}
+			conn := plan.Connect(nopLogger)
+			defer conn.Close()
+			s := NewStore(conn, StoreOptions{Lease: LeaseSize{tokens: 10}})
 			b := bucketFor("held-by-its-timer")
 			requests := 5
 			if tt.holdOff {
@@ -50,9 +53,7 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 				t.Fatal("no request refused: no hold-off")
 			}
 			table := weak.Make(s.leases)
-			if err := s.Cleanup(); err != nil {
-				t.Fatal(err)
-			}
+			s.Close()
 			s.leases = nil
 			collected := false
 			for range 20 {
@@ -80,20 +81,20 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 // (A's report names the refused prefetch's seq), so B's refusals start no
 // ban until the record expires, and B admits the refill meanwhile.
 func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(t *testing.T) {
-	srv := startRedis(t)
-	l := Limit{Capacity: 20, Rate: Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second}
-	var nodes [3]*RedisStore
+	srv := redistest.Start(t)
+	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second}
+	var nodes [3]*Store
 	for i := range nodes {
-		nodes[i] = newPrivateRedisStore(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(time.Second)})
+		nodes[i] = newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 		if i < 2 {
-			nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, leaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, nopLogger)
+			nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, LeaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, nopLogger)
 		}
 	}
 	a, b, strict := nodes[0], nodes[1], nodes[2]
 	defer a.leases.close()
 	defer b.leases.close()
 	bk := bucketFor("refused-prefetch")
-	key := a.key(bk)
+	key := string(bk)
 	for i := range 8 {
 		res, err := a.Take(bg, bk, l, 1)
 		a.leases.calls.Wait()
@@ -126,11 +127,11 @@ func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(
 			t.Fatalf("node A, on the tokens it holds: %+v %v", res, err)
 		}
 	}
-	rdb := srv.client()
+	rdb := srv.Client()
 	defer rdb.Close()
 	fields, _ := rdb.HGetAll(bg, key).Result()
 	t.Logf("node A spent what it held (its last call seq %d); Redis holds %v", entry().seq, fields)
-	admitted, firstRefusal := 0, Result{}
+	admitted, firstRefusal := 0, bucket.Result{}
 	refused := false
 	start := time.Now()
 	for time.Since(start) < 1500*time.Millisecond {
