@@ -91,18 +91,27 @@ func handlerFor(q url.Values) (*Handler, error) {
 }
 
 // liveLimit is the running config's limit for a bucket of policy and tier
-// that a request or a lease took under l: what a give-back or a charge
-// computed under an older config is counted in. It is l when the policy is
-// not running (a shutdown), and false when the tier is gone or no longer
-// limits.
-func liveLimit(policy, tier string, l bucket.Limit) (bucket.Limit, bool) {
-	h := latestHandler(policy)
-	if h == nil {
+// that a request or a lease took under l, through taker (nil for a lease):
+// what a give-back or a charge computed under an older config is counted
+// in. While taker runs, it is l. Otherwise it is the tier's limit in the
+// newest handler of the policy that has the tier (routes of one policy may
+// have different tiers), l when the policy is not running (a shutdown),
+// and false when no handler has the tier any more, or it no longer limits.
+func liveLimit(policy, tier string, l bucket.Limit, taker *Handler) (bucket.Limit, bool) {
+	liveHandlers.Lock()
+	defer liveHandlers.Unlock()
+	hs := liveHandlers.byPolicy[policy]
+	if len(hs) == 0 {
 		return l, true
 	}
-	for _, t := range h.Tiers {
-		if t.Name == tier {
-			return t.limit, !t.Unlimited && !t.Deny
+	if slices.Contains(hs, taker) {
+		return l, true
+	}
+	for i := len(hs) - 1; i >= 0; i-- {
+		for _, t := range hs[i].Tiers {
+			if t.Name == tier {
+				return t.limit, !t.Unlimited && !t.Deny
+			}
 		}
 	}
 	return bucket.Limit{}, false

@@ -39,7 +39,7 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 	// A reload since the take: the origin's figure is in the running
 	// config's tokens.
 	l := d.tier.limit
-	if cur, ok := liveLimit(h.Name, d.tier.Name, l); ok {
+	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); ok {
 		l = cur
 	}
 	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {

@@ -123,7 +123,7 @@ func (h *Handler) giveBackUncounted(r *http.Request, d *decision, status int) {
 	// A reload since the take: give back as the running config counts, so
 	// that a changed refill creates no tokens, or not at all.
 	l, n := d.tier.limit, d.cost
-	if cur, ok := liveLimit(h.Name, d.tier.Name, l); !ok {
+	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); !ok {
 		return
 	} else if cur != l {
 		l, n = cur, cur.Converted(n, l)

@@ -170,7 +170,12 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 		if !ok {
 			return l, true
 		}
-		return liveLimit(policy, tier, l)
+		return liveLimit(policy, tier, l, nil)
+	}
+	store.OnBan = func(key string) {
+		if policy, tier, ok := s.engine.SplitKey(key); ok {
+			bansTotal.WithLabelValues(policy, tier).Inc()
+		}
 	}
 	s.engine = redisbucket.NewStore(val.(redisConn).Conn, store)
 	return nil

@@ -243,6 +243,9 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 		}
 		if mine >= 0 && sh.Held[mine].Tokens == 0 {
 			sh.Held = slices.Delete(sh.Held, mine, mine+1)
+		} else if mine >= 0 {
+			// The node's next give-back names this call.
+			sh.Held[mine].Seq = a.Seq
 		}
 		res.RetryAfter = sh.wait(now, ls, a.Cost)
 		res.HoldOff = max(res.RetryAfter, sh.wait(now, ls, want))

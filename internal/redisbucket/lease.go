@@ -69,9 +69,12 @@ type leaseTable struct {
 	logger   *zap.Logger
 	// jitter draws the random part of a hold-off, from 0 to n-1.
 	jitter func(n int64) int64
-	// after, when set, runs f in the background after d: the prefetch at
-	// the end of a hold-off. Tests on an injected clock leave it unset.
-	after func(d time.Duration, f func())
+	// after, when set, runs f in the background after d, unless the stop
+	// it returns is called first: the prefetch at the end of a hold-off.
+	// Tests on an injected clock leave it unset.
+	after func(d time.Duration, f func()) (stop func() bool)
+	// onBan, when set, hears of each ban a lease call started, by key.
+	onBan func(key string)
 	// current, when set, says what the running config's limit is for the
 	// bucket at key, whose lease was taken under l; false when the bucket's
 	// tier is gone. A table closed by a reload gives back under it.
@@ -120,6 +123,10 @@ type lease struct {
 	banUntil int64
 	lastUsed int64
 	call     *leaseCall
+	// rtt is how long the last call took, by the node's clock.
+	rtt int64
+	// stopTimer stops the prefetch due at the end of the hold-off.
+	stopTimer func() bool
 	// returning is closed once the last give-back naming this lease has
 	// been answered: the next lease call waits for it, so that it cannot
 	// overtake the give-back and leave it naming a lease no longer there.
@@ -137,9 +144,12 @@ type leaseCall struct {
 	// spent: the call took the cost of the request that made it, which
 	// is allowed without taking from what the node holds.
 	spent bool
-	// banned: the call's refusal started a ban, which the request that
-	// made it reports.
-	banned bool
+	// timer: the hold-off's end made the call.
+	timer bool
+	// banned: the call's refusal started a ban, for the request that made
+	// it to report; abandoned: that request went away first, so onBan
+	// counts it. finished: the answer is in. All under the shard's lock.
+	banned, abandoned, finished bool
 	// joined counts the requests that wait on the call besides its own.
 	joined int
 }
@@ -275,7 +285,7 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 		// all spent and a call in flight is refused at once rather than
 		// wait on it. What the call brings stays for the next requests,
 		// so nothing is lost, and allowed requests do not wait.
-		if waited || now < e.banUntil || l.Ban == 0 && (now < e.holdUntil || e.short && e.call != nil) {
+		if waited || now < e.banUntil || l.Ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer) {
 			res := e.result(now, false, cost)
 			sh.mu.Unlock()
 			return res, nil
@@ -290,7 +300,14 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 		select {
 		case <-c.done:
 		case <-ctx.Done():
-			return bucket.Result{}, fmt.Errorf("redis store: lease: %w", ctx.Err())
+			sh.mu.Lock()
+			if !c.finished {
+				// A ban the call starts is counted without this request.
+				c.abandoned = c.abandoned || mine
+				sh.mu.Unlock()
+				return bucket.Result{}, fmt.Errorf("redis store: lease: %w", ctx.Err())
+			}
+			sh.mu.Unlock()
 		}
 		if c.err != nil {
 			return bucket.Result{}, c.err
@@ -307,6 +324,7 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 			sh.mu.Unlock()
 			return res, nil
 		}
+
 		if t.closed.Load() {
 			sh.mu.Unlock()
 			return bucket.Result{}, errLeasesClosed
@@ -316,7 +334,10 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 		// that others spent first (a small early lease) leaves the shared
 		// bucket holding more: ask again, as strict mode would. An entry
 		// evicted meanwhile gave its tokens back: start again on a new one.
-		now, waited = t.now(), c.short
+		// Under a ban setting, a request refused by a call made for
+		// another (a prefetch, another request's cost) asks the shared
+		// store itself, which bans if one bucket would.
+		now, waited = t.now(), c.short && (l.Ban == 0 || mine)
 		if next := t.entry(sh, key, l, now); next != e {
 			e, waited = next, false
 		}
@@ -379,19 +400,42 @@ func (t *leaseTable) evict(sh *leaseShard, now int64) {
 	if victim.tokens > 0 || victim.recorded > 0 {
 		t.giveBackLater([]leaseReturn{victim.takeBack()})
 	}
-	sh.forget(victim)
+	sh.forget(victim, t.perShard)
 	leaseEvictions.Inc()
 }
 
 // forget drops e from the shard. A give-back of it still in flight is kept
 // by key, for the first call of the next entry to wait for.
-func (sh *leaseShard) forget(e *lease) {
+func (sh *leaseShard) forget(e *lease, bound int) {
 	delete(sh.m, e.key)
-	if e.returning != nil {
+	if e.stopTimer != nil {
+		e.stopTimer()
+	}
+	if e.returning == nil {
+		return
+	}
+	select {
+	case <-e.returning:
+		return
+	default:
+	}
+	if len(sh.returning) >= bound {
+		sh.pruneReturning()
+	}
+	if len(sh.returning) < bound {
+		// Past the bound the order is not kept: at worst the give-back
+		// finds its lease renamed, and its tokens are lost.
+		sh.returning[e.key] = e.returning
+	}
+}
+
+// pruneReturning forgets the give-backs that have been answered.
+func (sh *leaseShard) pruneReturning() {
+	for key, done := range sh.returning {
 		select {
-		case <-e.returning:
+		case <-done:
+			delete(sh.returning, key)
 		default:
-			sh.returning[e.key] = e.returning
 		}
 	}
 }
@@ -447,13 +491,27 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		lr, err := t.store.lease(key, l, ask)
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
+		e.rtt = t.now() - now
 		if err == nil {
 			t.apply(e, lr, ask, now)
+			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && l.Ban > 0 {
+				// Spent while the call was out: say so, as take does.
+				t.giveBackLater([]leaseReturn{e.takeBack()})
+			}
 		}
 		e.call = nil
 		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0
 		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
-		c.banned = lr.Banned
+		if lr.Banned {
+			if c.abandoned || ask.Prefetch {
+				if t.onBan != nil {
+					t.onBan(key)
+				}
+			} else {
+				c.banned = true
+			}
+		}
+		c.finished = true
 		sh.mu.Unlock()
 		close(c.done)
 	}(e.key, e.limit)
@@ -480,6 +538,10 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 	}
 	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
 	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
+	if e.stopTimer != nil {
+		e.stopTimer()
+		e.stopTimer = nil
+	}
 	e.holdUntil, e.banUntil = 0, 0
 	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
 	if lr.Drop && lr.Granted == 0 {
@@ -496,7 +558,10 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		}
 		e.holdUntil = until
 		if t.after != nil && e.banUntil == 0 {
-			t.after(time.Duration(until-t.now())*time.Microsecond, func() { t.prefetchAfterHoldOff(e) })
+			// Sent a round trip early, so that its tokens are here when
+			// the hold-off ends and refused clients come back.
+			at := max(0, until-e.rtt-t.now())
+			e.stopTimer = t.after(time.Duration(at)*time.Microsecond, func() { t.prefetchAfterHoldOff(e, until) })
 		}
 	}
 }
@@ -505,16 +570,16 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 // when its hold-off ends, in the background, so that its requests find
 // tokens rather than wait on a call: an oversubscribed bucket's steady
 // traffic then waits no more than the rest.
-func (t *leaseTable) prefetchAfterHoldOff(e *lease) {
+func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
 	sh := t.shard([]byte(e.key))
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	now := t.now()
-	if t.closed.Load() || sh.m[e.key] != e || e.call != nil || now < e.holdUntil || now-e.lastUsed >= t.ttl || e.tokens*2 >= e.size {
+	if t.closed.Load() || sh.m[e.key] != e || e.call != nil || e.holdUntil != until || now-e.lastUsed >= t.ttl || e.tokens*2 >= e.size {
 		return
 	}
 	t.expire(e, now)
-	t.fetch(e, max(1, e.retryCost), now, true)
+	t.fetch(e, max(1, e.retryCost), now, true).timer = true
 }
 
 func leaseOutcome(granted, want int64) string {
@@ -614,16 +679,10 @@ func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 				back = append(back, e.takeBack())
 			}
 			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
-				sh.forget(e)
+				sh.forget(e, t.perShard)
 			}
 		}
-		for key, done := range sh.returning {
-			select {
-			case <-done:
-				delete(sh.returning, key)
-			default:
-			}
-		}
+		sh.pruneReturning()
 		sh.mu.Unlock()
 	}
 	return back
@@ -666,9 +725,14 @@ func (t *leaseTable) close() {
 	// lock has been held since closed was set, none can start, so the
 	// waits below see them all.
 	for i := range t.shards {
-		t.shards[i].mu.Lock()
-		//lint:ignore SA2001 the empty critical section is the point: it waits out fetches starting
-		t.shards[i].mu.Unlock()
+		sh := &t.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.stopTimer != nil {
+				e.stopTimer()
+			}
+		}
+		sh.mu.Unlock()
 	}
 	close(t.stop)
 	t.janitor.Wait()

@@ -377,7 +377,11 @@ if op == 'lease' then
       drop, w = true, count
       if mine then H[mine].tokens = 0 end
     end
-    if mine and H[mine].tokens == 0 then table.remove(H, mine) end
+    if mine and H[mine].tokens == 0 then
+      table.remove(H, mine)
+    elseif mine then
+      H[mine].seq = seq -- the node's next give-back names this call
+    end
     local retry = wait_all(count)
     local hold_off = math.max(retry, wait_all(w))
     local rem, reset = report()

@@ -46,7 +46,11 @@ type StoreOptions struct {
 	// bucket's tier is gone: leases given back when the config unloads
 	// count in it.
 	Current func(key string, l bucket.Limit) (bucket.Limit, bool)
-	Logger  *zap.Logger
+	// OnBan, when set, hears of each ban a lease call started, by the
+	// bucket's key: with leases, the request that started it may be gone,
+	// so results do not report it.
+	OnBan  func(key string)
+	Logger *zap.Logger
 }
 
 // Defaults of a store's settings.
@@ -75,8 +79,9 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 			logger = zap.NewNop()
 		}
 		s.leases = newLeaseTable(s, conn.now, o.Lease, ttl, s.timeout, maxLeases, logger)
-		s.leases.after = func(d time.Duration, f func()) { time.AfterFunc(d, f) }
+		s.leases.after = func(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
 		s.leases.current = o.Current
+		s.leases.onBan = o.OnBan
 	}
 	return s
 }
