@@ -301,3 +301,21 @@ func findHandlers(t *testing.T, cfg []byte) []*Handler {
 	}
 	return out
 }
+
+// Validation reads and provisioning writes: the adapted JSON of the
+// shortest config holds what the Caddyfile says and no default.
+func TestAdaptShowsOnlyWhatWasWritten(t *testing.T) {
+	cfg, err := adaptSite("rate_limit 10 1/s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := handlerJSON(t, cfg)
+	for _, field := range []string{"name", "headers", "on_store_error", "status", "no_key", "store"} {
+		if v, ok := got[field]; ok {
+			t.Errorf("adapted JSON holds %q: %v, which the Caddyfile does not say", field, v)
+		}
+	}
+	if tiers, ok := got["tiers"].([]any); !ok || len(tiers) != 1 {
+		t.Fatalf("adapted JSON %v: want the one tier", got)
+	}
+}

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"errors"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -10,6 +9,11 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -18,6 +22,10 @@ import (
 type decision struct {
 	handler *Handler
 	start   time.Time
+	// keyer named the client; unnamed says none did, and the client IP
+	// does.
+	keyer   Keyer
+	unnamed bool
 	tier    *Tier
 	bucket  Bucket
 	claims  requestClaims
@@ -248,4 +256,90 @@ func appendIETFItem(buf []byte, name string, r bucket.Result) []byte {
 	buf = strconv.AppendInt(buf, r.Remaining, 10)
 	buf = append(buf, ";t="...)
 	return strconv.AppendInt(buf, secondsUp(r.ResetAfter), 10)
+}
+
+// newDecision starts the decision on r, and answers r's rate_limit
+// placeholders from it.
+func (h *Handler) newDecision(r *http.Request) *decision {
+	d := &decision{handler: h, start: time.Now()}
+	d.claims = requestClaims{jwt: h.JWT, r: r}
+	if h.UpstreamHeaders {
+		// Later handlers trust these, so a client may not send its own.
+		for _, name := range limitHeaderNames {
+			delete(r.Header, name)
+		}
+	}
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Map(d.placeholder)
+	}
+	return d
+}
+
+// refuseDenyTier answers a client on a deny tier: 403.
+func (h *Handler) refuseDenyTier(d *decision) error {
+	d.decide(outcomeDenied)
+	if ce := h.logger.Check(zapcore.DebugLevel, "client on a deny tier"); ce != nil {
+		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
+	}
+	return rejection(http.StatusForbidden, errDenyTier)
+}
+
+// refuseNoKey applies no_key deny: 400, and the body reaches nobody. The
+// decision is counted and logged as a denial on the request's tier, with
+// the client IP's key id, so that logs show who sends unkeyable requests.
+func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
+	o, msg := outcomeDenied, "no keyer named the client"
+	if h.DryRun {
+		o, msg = outcomeDryRun, "no keyer named the client (dry run: let through)"
+	}
+	d.decide(o)
+	if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
+		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
+	}
+	if h.DryRun {
+		return next.ServeHTTP(w, r)
+	}
+	return rejection(http.StatusBadRequest, errNoKey)
+}
+
+// answer sets the headers for the store's answer, and passes the request
+// on, to be settled after the response, or rejects it.
+func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res bucket.Result) error {
+	d.result = res
+	h.render(d)
+	h.setHeaders(w.Header(), &d.resp)
+	if res.Allowed {
+		d.decide(outcomeAllowed)
+	} else {
+		if !h.DryRun {
+			w.Header()["Retry-After"] = d.retry[:]
+		}
+		o, msg := outcomeDenied, "rate limited"
+		if h.DryRun {
+			o, msg = outcomeDryRun, "rate limited (dry run: let through)"
+		}
+		d.decide(o)
+		if res.Banned {
+			bansTotal.WithLabelValues(h.Name, d.tier.Name).Inc()
+		}
+		if !h.DryRun {
+			h.noteDenial(d)
+		}
+		if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
+			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
+		}
+		if !h.DryRun {
+			return rejection(h.Status, errLimited)
+		}
+	}
+	if h.UpstreamHeaders {
+		// The request gets its own slices: nothing edits one message's
+		// values through the other's.
+		upstream := d.resp
+		h.setHeaders(r.Header, &upstream)
+	}
+	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" {
+		return next.ServeHTTP(w, r)
+	}
+	return h.serveAndSettle(w, r, next, d)
 }

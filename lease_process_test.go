@@ -17,7 +17,7 @@ import (
 	"time"
 )
 
-// The measured claims of DESIGN section 9, on real processes: Caddy
+// The measured claims of the README's "Sharing limits across edge nodes", on real processes: Caddy
 // processes built from this checkout share one policy on one redis-server,
 // reached through a faultProxy that delays each direction by wanDelay, as
 // an edge PoP far from its Redis. Clients are named by X-Key, so the test

@@ -14,10 +14,7 @@ import (
 // nothing. In the local store and in Redis.
 func TestCostFromAPlaceholder(t *testing.T) {
 	srv := startRedis(t)
-	for _, tt := range []struct{ name, store string }{
-		{"local", ""},
-		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
-	} {
+	for _, tt := range storeModes(srv)[:2] { // local and Redis strict
 		t.Run(tt.name, func(t *testing.T) {
 			useFakeClock(t)
 			srv.do("FLUSHALL")
@@ -62,10 +59,7 @@ func TestCostFromAPlaceholder(t *testing.T) {
 // others as they were. Local and Redis alike.
 func TestSeveralLimitsTakeFromAllOrNone(t *testing.T) {
 	srv := startRedis(t)
-	for _, store := range []struct{ name, block string }{
-		{"local", ""},
-		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
-	} {
+	for _, store := range storeModes(srv)[:2] { // local and Redis strict
 		for _, order := range []struct{ name, limits, want string }{
 			{"small first", "limit 3 1/h\n limit 10 1/h", `"default";r=0;t=10800, "default-2";r=7;t=10800`},
 			{"big first", "limit 10 1/h\n limit 3 1/h", `"default";r=7;t=10800, "default-2";r=0;t=10800`},
@@ -79,7 +73,7 @@ func TestSeveralLimitsTakeFromAllOrNone(t *testing.T) {
 		headers both
 		%s
 	}
-	respond "ok"`, order.limits, store.block))
+	respond "ok"`, order.limits, store.store))
 				var statuses []int
 				var last response
 				for range 6 {
@@ -197,10 +191,7 @@ func streamingOrigin(t *testing.T, used string) string {
 // to the cost. A malformed report takes nothing more.
 func TestCostFromResponse(t *testing.T) {
 	srv := startRedis(t)
-	for _, store := range []struct{ name, block string }{
-		{"local", ""},
-		{"redis", "store redis {\n address " + srv.url() + "\n timeout 2s\n }"},
-	} {
+	for _, store := range storeModes(srv)[:2] { // local and Redis strict
 		for _, via := range []string{"trailer", "header"} {
 			t.Run(store.name+"/"+via, func(t *testing.T) {
 				useFakeClock(t)
@@ -213,7 +204,7 @@ func TestCostFromResponse(t *testing.T) {
 		}
 		%s
 	}
-	reverse_proxy %s`, store.block, origin))
+	reverse_proxy %s`, store.store, origin))
 				path := "/"
 				if via == "header" {
 					path = "/?header=1"

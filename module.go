@@ -9,15 +9,15 @@
 package ratelimit
 
 import (
-	"context"
+	"cmp"
 	"encoding/json"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -38,6 +38,21 @@ func init() {
 // tokens, and one that finds too few is rejected with Status (429) and a
 // Retry-After header. Responses tell clients where they stand through the
 // X-RateLimit-* or IETF RateLimit headers.
+//
+// The handler sets these placeholders, for logs, `header`, `respond` and
+// `handle_errors`:
+//
+// Placeholder | Description
+// ------------|-------------
+// `{http.rate_limit.policy}` | the policy's name
+// `{http.rate_limit.tier}` | the tier that applied
+// `{http.rate_limit.decision}` | allowed, denied, dry_run, unlimited or error
+// `{http.rate_limit.limit}` | the capacity of the binding limit (the one with the least remaining)
+// `{http.rate_limit.remaining}` | the whole tokens left
+// `{http.rate_limit.reset}` | the Unix second at which the bucket is full again
+// `{http.rate_limit.retry_after}` | the seconds to wait, when denied; 0 otherwise
+// `{http.rate_limit.key_id}` | a fingerprint of the client's key, never the key itself
+// `{http.rate_limit.claim.*}` | a claim of the verified JWT, such as `{http.rate_limit.claim.sub}`
 type Handler struct {
 	// Name is the policy's name. Handlers with the same name share buckets,
 	// so one limit can span several routes or sites. Default "default".
@@ -146,6 +161,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.storeLog = h.logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
 	}))
+	h.applyDefaults()
 	if err := h.validate(); err != nil {
 		return err
 	}
@@ -246,25 +262,28 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	return nil
 }
 
-// validate applies defaults and checks what needs no Caddy context. The
-// Caddyfile adapter runs it too, so that mistakes fail `caddy adapt`.
+// applyDefaults fills in what the config leaves out. Provision does it,
+// never validation, so that `caddy adapt` shows only what was written.
+func (h *Handler) applyDefaults() {
+	h.Name = cmp.Or(h.Name, "default")
+	h.OnStoreError = cmp.Or(h.OnStoreError, "local")
+	h.Headers = cmp.Or(h.Headers, "x")
+	h.Status = cmp.Or(h.Status, http.StatusTooManyRequests)
+}
+
+// validate checks what needs no Caddy context, and changes no setting: the
+// Caddyfile adapter runs it too, so that mistakes fail `caddy adapt`, and
+// the adapted config shows only what was written. It derives what the
+// settings imply (header sets, the tiers' limits).
 func (h *Handler) validate() error {
-	if h.Name == "" {
-		h.Name = "default"
-	}
-	if h.OnStoreError == "" {
-		h.OnStoreError = "local"
-	}
-	if h.Headers == "" {
-		h.Headers = "x"
-	}
-	if h.Status == 0 {
-		h.Status = http.StatusTooManyRequests
-	}
+	policy := cmp.Or(h.Name, "default")
+	onStoreError := cmp.Or(h.OnStoreError, "local")
+	headers := cmp.Or(h.Headers, "x")
+	status := cmp.Or(h.Status, http.StatusTooManyRequests)
 	if h.KeySecret != "" && !strings.Contains(h.KeySecret, "{") && len(h.KeySecret) < minKeySecret {
 		return fmt.Errorf("key_secret: the value given is %d bytes long; want at least %d", len(h.KeySecret), minKeySecret)
 	}
-	switch h.OnStoreError {
+	switch onStoreError {
 	case "local", "allow", "deny":
 	default:
 		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
@@ -278,18 +297,18 @@ func (h *Handler) validate() error {
 	if err := h.validateLeaseUse(); err != nil {
 		return err
 	}
-	switch h.Headers {
+	switch headers {
 	case "x", "ietf", "both", "none":
 	default:
 		return fmt.Errorf("headers %q: want x, ietf, both or none", h.Headers)
 	}
-	h.xHeaders = h.Headers == "x" || h.Headers == "both"
-	h.ietfHeaders = h.Headers == "ietf" || h.Headers == "both"
-	if h.Status < 400 || h.Status > 599 {
+	h.xHeaders = headers == "x" || headers == "both"
+	h.ietfHeaders = headers == "ietf" || headers == "both"
+	if status < 400 || status > 599 {
 		return fmt.Errorf("status %d: want a 4xx or 5xx code", h.Status)
 	}
 	if len(h.Tiers) == 0 {
-		return fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", h.Name)
+		return fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", policy)
 	}
 	seen := make(map[string]bool, len(h.Tiers))
 	for i, t := range h.Tiers {
@@ -305,7 +324,7 @@ func (h *Handler) validate() error {
 		}
 	}
 	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
-		return fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", h.Name)
+		return fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", policy)
 	}
 	return nil
 }
@@ -400,172 +419,33 @@ func (h *Handler) Cleanup() error {
 	return nil
 }
 
-// ServeHTTP limits the request, then passes it on or rejects it.
+// ServeHTTP limits the request: it names the client, chooses the tier,
+// reads the cost, takes from the bucket, and then passes the request on
+// with the limit's headers, settling its tokens after the response, or
+// rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	d := &decision{handler: h, start: time.Now()}
-	d.claims = requestClaims{jwt: h.JWT, r: r}
-	if h.UpstreamHeaders {
-		// Later handlers trust these, so a client may not send its own.
-		for _, name := range limitHeaderNames {
-			delete(r.Header, name)
-		}
-	}
-	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-		repl.Map(d.placeholder)
-	}
-
-	var keyer Keyer = h.fallback
-	value := d.value[:0]
-	for _, k := range h.keyers {
-		if v, ok := keyWith(k, r, value, &d.claims); ok && len(v) > 0 {
-			keyer, value = k, v
-			break
-		}
-	}
-	if keyer == h.fallback {
-		value = h.fallback.fallbackKey(r, value)
-	}
-	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
-	if err != nil {
+	d := h.newDecision(r)
+	h.nameClient(r, d)
+	if err := h.chooseTier(r, d); err != nil {
 		return err
 	}
-	d.tier = tier
-	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: value, secret: h.keySecret}
-
 	switch {
-	case tier.Unlimited:
+	case d.tier.Unlimited:
 		d.decide(outcomeUnlimited)
 		return next.ServeHTTP(w, r)
-	case tier.Deny:
-		d.decide(outcomeDenied)
-		if ce := h.logger.Check(zapcore.DebugLevel, "client on a deny tier"); ce != nil {
-			ce.Write(zap.String("policy", h.Name), zap.String("tier", tier.Name), zap.String("key_id", d.keyID()))
-		}
-		return rejection(http.StatusForbidden, errDenyTier)
-	case h.noKeyDeny && keyer == h.fallback:
+	case d.tier.Deny:
+		return h.refuseDenyTier(d)
+	case h.noKeyDeny && d.unnamed:
 		return h.refuseNoKey(w, r, next, d)
 	}
-
-	if d.cost = tier.cost; tier.CostPlaceholder != "" {
-		if err := d.readCost(r); err != nil {
-			return err
-		}
+	if err := d.readCost(r); err != nil {
+		return err
 	}
-	began := time.Now()
 	res, err := h.take(r.Context(), d)
-	h.storeTime.Observe(time.Since(began).Seconds())
-	d.took = h.store
 	if err != nil {
-		h.storeErrors.Inc()
 		return h.storeFailed(w, r, next, d, err)
 	}
-	return h.finish(w, r, next, d, res)
-}
-
-// refuseNoKey applies no_key deny: 400, and the body reaches nobody. The
-// decision is counted and logged as a denial on the request's tier, with
-// the client IP's key id, so that logs show who sends unkeyable requests.
-func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
-	o, msg := outcomeDenied, "no keyer named the client"
-	if h.DryRun {
-		o, msg = outcomeDryRun, "no keyer named the client (dry run: let through)"
-	}
-	d.decide(o)
-	if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
-		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
-	}
-	if h.DryRun {
-		return next.ServeHTTP(w, r)
-	}
-	return rejection(http.StatusBadRequest, errNoKey)
-}
-
-// take applies the request to its bucket. A cost of 0 takes nothing, and
-// is allowed unless the bucket is banned or in debt.
-func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) {
-	if len(d.tier.limits) > 1 {
-		return d.takeAll(ctx, h.store)
-	}
-	return h.store.Take(ctx, &d.bucket, d.tier.limit, d.cost)
-}
-
-// finish sets the headers for the store's answer and passes the request on,
-// or rejects it.
-func (h *Handler) finish(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res bucket.Result) error {
-	d.result = res
-	h.render(d)
-	h.setHeaders(w.Header(), &d.resp)
-	if res.Allowed {
-		d.decide(outcomeAllowed)
-	} else {
-		if !h.DryRun {
-			w.Header()["Retry-After"] = d.retry[:]
-		}
-		o, msg := outcomeDenied, "rate limited"
-		if h.DryRun {
-			o, msg = outcomeDryRun, "rate limited (dry run: let through)"
-		}
-		d.decide(o)
-		if res.Banned {
-			bansTotal.WithLabelValues(h.Name, d.tier.Name).Inc()
-		}
-		if !h.DryRun {
-			h.noteDenial(d)
-		}
-		if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
-			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
-		}
-		if !h.DryRun {
-			return rejection(h.Status, errLimited)
-		}
-	}
-	if h.UpstreamHeaders {
-		// The request gets its own slices: nothing edits one message's
-		// values through the other's.
-		upstream := d.resp
-		h.setHeaders(r.Header, &upstream)
-	}
-	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" {
-		return next.ServeHTTP(w, r)
-	}
-	return h.serveAndSettle(w, r, next, d)
-}
-
-// storeFailed applies on_store_error.
-func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, err error) error {
-	h.storeLog.Warn("rate limit store failed", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
-	switch h.OnStoreError {
-	case "allow":
-		d.decide(outcomeError)
-		return next.ServeHTTP(w, r)
-	case "deny":
-		d.decide(outcomeError)
-		w.Header()["Retry-After"] = []string{"1"}
-		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
-	}
-	var res bucket.Result
-	if len(d.tier.limits) > 1 {
-		res, _ = d.takeAll(r.Context(), h.local)
-	} else {
-		res, _ = h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)
-	}
-	d.took = h.local
-	return h.finish(w, r, next, d, res)
-}
-
-// tierFor returns the first tier whose conditions hold.
-func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Tier, error) {
-	for _, t := range h.Tiers {
-		ok, err := t.applies(r, keyerKind, claims)
-		if err != nil {
-			return nil, caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("tier %q: %w", t.Name, err))
-		}
-		if ok {
-			return t, nil
-		}
-	}
-	// Unreachable: validate guarantees a catch-all tier.
-	return h.Tiers[len(h.Tiers)-1], nil
+	return h.answer(w, r, next, d, res)
 }
 
 // Interface guards

@@ -5,9 +5,14 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"fmt"
 	"hash"
+	"net/http"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 )
 
 // Bucket names one client's bucket: the policy, the tier, the keyer that
@@ -113,4 +118,39 @@ func (b *Bucket) Digest() [sha256.Size]byte {
 	var sum [sha256.Size]byte
 	h.Sum(sum[:0])
 	return sum
+}
+
+// take applies the request to its bucket. A cost of 0 takes nothing, and
+// is allowed unless the bucket is banned or in debt.
+func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) {
+	began := time.Now()
+	defer func() { h.storeTime.Observe(time.Since(began).Seconds()) }()
+	d.took = h.store
+	if len(d.tier.limits) > 1 {
+		return d.takeAll(ctx, h.store)
+	}
+	return h.store.Take(ctx, &d.bucket, d.tier.limit, d.cost)
+}
+
+// storeFailed applies on_store_error.
+func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, err error) error {
+	h.storeErrors.Inc()
+	h.storeLog.Warn("rate limit store failed", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
+	switch h.OnStoreError {
+	case "allow":
+		d.decide(outcomeError)
+		return next.ServeHTTP(w, r)
+	case "deny":
+		d.decide(outcomeError)
+		w.Header()["Retry-After"] = []string{"1"}
+		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
+	}
+	var res bucket.Result
+	if len(d.tier.limits) > 1 {
+		res, _ = d.takeAll(r.Context(), h.local)
+	} else {
+		res, _ = h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)
+	}
+	d.took = h.local
+	return h.answer(w, r, next, d, res)
 }

@@ -417,19 +417,6 @@ func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// positiveDuration reads a subdirective's one duration, which must be
-// above zero.
-func positiveDuration(d *caddyfile.Dispenser, dur *caddy.Duration) error {
-	name := d.Val()
-	if err := durationArg(d, dur); err != nil {
-		return err
-	}
-	if *dur == 0 {
-		return d.Errf("%s %q: must be above 0", name, d.Val())
-	}
-	return nil
-}
-
 func (s *RedisStore) unmarshalTLS(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.Errf("tls: unexpected %q; the settings go in a block", d.Val())

@@ -2,10 +2,11 @@ package ratelimit
 
 import (
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"strconv"
 	"strings"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -259,4 +260,30 @@ func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, 
 		return t.matchers.AnyMatchWithError(r)
 	}
 	return true, nil
+}
+
+// chooseTier picks the request's tier and names its bucket.
+func (h *Handler) chooseTier(r *http.Request, d *decision) error {
+	tier, err := h.tierFor(r, d.keyer.Kind(), &d.claims)
+	if err != nil {
+		return err
+	}
+	d.tier = tier
+	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: d.keyer.ID(), Value: d.bucket.Value, secret: h.keySecret}
+	return nil
+}
+
+// tierFor returns the first tier whose conditions hold.
+func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Tier, error) {
+	for _, t := range h.Tiers {
+		ok, err := t.applies(r, keyerKind, claims)
+		if err != nil {
+			return nil, caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("tier %q: %w", t.Name, err))
+		}
+		if ok {
+			return t, nil
+		}
+	}
+	// Unreachable: validate guarantees a catch-all tier.
+	return h.Tiers[len(h.Tiers)-1], nil
 }

@@ -37,7 +37,7 @@ type Limit struct {
 	Capacity int64
 	Rate     Rate
 	// Ban, when above 0, is how long (µs) a denial holds the bucket empty
-	// (DESIGN section 10). Denials during a ban do not extend it; when it
+	// (README: Protect a login form). Denials during a ban do not extend it; when it
 	// ends, the bucket refills from empty.
 	Ban int64
 }

@@ -72,7 +72,7 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 	t.Logf("burst %d, in all %d; one bucket %d", burst, fleetAdmitted, oneAdmitted)
 }
 
-// DESIGN's ban with leases, on 4 nodes: 100 at 1/s, ban 10m, lease 10%, 10
+// A ban with leases, on 4 nodes: 100 at 1/s, ban 10m, lease 10%, 10
 // requests a second for 60 s. The ban starts in the shared store on the
 // first refusal, other nodes spend at most what they hold, and their
 // give-backs do not end it: the fleet admits no more than one bucket on

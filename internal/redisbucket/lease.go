@@ -169,13 +169,13 @@ func ParseLeaseSize(s string) (LeaseSize, error) {
 	if p, ok := strings.CutSuffix(s, "%"); ok {
 		f, err := strconv.ParseFloat(p, 64)
 		if err != nil || !(f > 0 && f <= 100) {
-			return LeaseSize{}, fmt.Errorf("store redis: lease %q: want a share above 0%% and at most 100%%, such as 10%%", s)
+			return LeaseSize{}, fmt.Errorf("redis store: lease %q: want a share above 0%% and at most 100%%, such as 10%%", s)
 		}
 		return LeaseSize{percent: f}, nil
 	}
 	n, err := strconv.ParseInt(s, 10, 64)
 	if err != nil || n < 1 {
-		return LeaseSize{}, fmt.Errorf("store redis: lease %q: want a whole number of tokens, at least 1, or a share such as 10%%", s)
+		return LeaseSize{}, fmt.Errorf("redis store: lease %q: want a whole number of tokens, at least 1, or a share such as 10%%", s)
 	}
 	return LeaseSize{tokens: n}, nil
 }

@@ -10,10 +10,10 @@ import (
 )
 
 // Adversarial review of issue 20's fixes. Each test states a claim of the
-// README, DESIGN section 9 or 10, or the issue, and plays it against one
+// README or issue 20, and plays it against one
 // bucket (strict mode) on the same arrivals, or against shared.go's model.
 
-// A give-back computed under an older config creates no tokens (DESIGN 9:
+// A give-back computed under an older config creates no tokens (README:
 // "it never ... raises the level past what the current limit allows, even
 // when it was computed under an older config"; README: "never creates
 // tokens under an older, smaller limit"). The existing test changes only
@@ -144,7 +144,7 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 	}
 }
 
-// "A ban starts in Redis on the first refusal" (DESIGN 10: "a denied
+// "A ban starts in Redis on the first refusal" (README: "a denied
 // request holds its bucket empty"): a client that never exceeded its limit
 // is not banned. The README's login limit with leases: 5 attempts 1/h, ban
 // 15m, lease 50% (leases of 2), five attempts 100 ms apart, all within

@@ -3,67 +3,18 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/http"
 	"strconv"
-	"time"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
-// Protecting logins (README: count_status and ban): count_status keeps the
-// tokens of the responses that count, such as 401, and gives the others
-// back; ban holds a denied client off for a while (the bucket math is in
-// bucket.go).
-
-// statusSet is a set of response statuses, 100 to 599.
-type statusSet [600]bool
-
-// parseStatusSet reads codes ("401") and classes ("4xx").
-func parseStatusSet(list []string) (*statusSet, error) {
-	set := new(statusSet)
-	for _, s := range list {
-		if len(s) == 3 && s[0] >= '1' && s[0] <= '5' && (s[1:] == "xx" || s[1:] == "XX") {
-			lo := int(s[0]-'0') * 100
-			for c := lo; c < lo+100; c++ {
-				set[c] = true
-			}
-			continue
-		}
-		code, err := strconv.Atoi(s)
-		if err != nil || code < 100 || code > 599 {
-			return nil, fmt.Errorf("count_status %q: want a status code from 100 to 599, such as 401, or a class such as 4xx", s)
-		}
-		set[code] = true
-	}
-	return set, nil
-}
-
-// validateLogin checks count_status and ban, and hands the ban to the
-// tiers' limits.
-func (h *Handler) validateLogin() error {
-	if h.CountStatus != nil {
-		if len(h.CountStatus) == 0 {
-			return errors.New("count_status: give one or more status codes or classes, such as 401 or 4xx")
-		}
-		set, err := parseStatusSet(h.CountStatus)
-		if err != nil {
-			return err
-		}
-		h.counted = set
-	}
-	if h.Ban < 0 {
-		return fmt.Errorf("ban %s: must be above 0", time.Duration(h.Ban))
-	}
-	for _, t := range h.Tiers {
-		t.ban = time.Duration(h.Ban).Microseconds()
-		if t.limitCount() > 1 && (h.CountStatus != nil || h.Ban != 0) {
-			return fmt.Errorf("tier %q: count_status and ban work with one limit per tier; this tier has several", t.Name)
-		}
-	}
-	return nil
-}
+// After the response: what the response says settles the request's tokens.
+// count_status gives them back when the status does not count, and
+// cost_from_response charges the work the origin reported. Both run after
+// the handlers that follow have returned, even when one of them panicked.
 
 // serveAndSettle passes the request on, then settles its tokens with what
 // the response said: count_status gives them back when the status does not
@@ -155,4 +106,35 @@ func (rec *statusRecorder) Write(b []byte) (int, error) {
 		rec.status = http.StatusOK
 	}
 	return rec.ResponseWriterWrapper.Write(b)
+}
+
+// chargeFromResponse takes, after the response, the work the origin
+// reported in the tier's cost_from_response header, or trailer for a
+// streamed answer. A missing or malformed value takes nothing more.
+func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decision) {
+	field := d.tier.costField
+	v := hdr.Get(field)
+	if v == "" {
+		// A trailer the origin did not announce is kept under this prefix,
+		// where Get cannot canonicalize the name: it must be canonical here.
+		v = hdr.Get(http.TrailerPrefix + field)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+	if err != nil || n < 0 {
+		h.storeLog.Warn("cost_from_response: the response reported no whole number of tokens; nothing more taken",
+			zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("field", field), zap.Bool("present", v != ""))
+		return
+	}
+	if n == 0 {
+		return
+	}
+	// A reload since the take: the origin's figure is in the running
+	// config's tokens.
+	l := d.tier.limit
+	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); ok {
+		l = cur
+	}
+	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {
+		h.storeLog.Warn("rate limit store: charging the response's cost failed", zap.String("policy", h.Name), zap.Error(err))
+	}
 }
