@@ -39,8 +39,8 @@ func (r *redisServer) do(args ...any) any    { return r.Do(args...) }
 func (r *redisServer) info(section, field string) string {
 	return r.Info(section, field)
 }
-func (r *redisServer) kill()   { r.Kill() }
-func (r *redisServer) pause()  { r.Pause() }
+func (r *redisServer) kill()  { r.Kill() }
+func (r *redisServer) pause() { r.Pause() }
 
 // waitFor polls cond until it holds, or fails the test after timeout.
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
