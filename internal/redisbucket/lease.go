@@ -4,16 +4,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"hash/maphash"
 	mathrand "math/rand/v2"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"go.uber.org/zap"
 )
@@ -154,46 +152,6 @@ type leaseCall struct {
 	joined int
 }
 
-// LeaseSize is the lease setting: a number of tokens, or a share of each
-// tier's capacity.
-type LeaseSize struct {
-	tokens  int64
-	percent float64
-}
-
-// ParseLeaseSize reads `<n>` or `<p>%`. The empty setting is 1: strict.
-func ParseLeaseSize(s string) (LeaseSize, error) {
-	if s == "" {
-		return LeaseSize{tokens: 1}, nil
-	}
-	if p, ok := strings.CutSuffix(s, "%"); ok {
-		f, err := strconv.ParseFloat(p, 64)
-		if err != nil || !(f > 0 && f <= 100) {
-			return LeaseSize{}, fmt.Errorf("redis store: lease %q: want a share above 0%% and at most 100%%, such as 10%%", s)
-		}
-		return LeaseSize{percent: f}, nil
-	}
-	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil || n < 1 {
-		return LeaseSize{}, fmt.Errorf("redis store: lease %q: want a whole number of tokens, at least 1, or a share such as 10%%", s)
-	}
-	return LeaseSize{tokens: n}, nil
-}
-
-// Of is the lease size for a bucket of limit l: at least 1, and at most
-// half the capacity, since the tokens out on lease never pass that.
-func (z LeaseSize) Of(l bucket.Limit) int64 {
-	n := z.tokens
-	if z.percent > 0 {
-		n = int64(float64(l.Capacity) * z.percent / 100)
-	}
-	return max(1, min(n, l.Capacity/2))
-}
-
-// Strict reports whether leases never exceed one token, so that every
-// decision asks Redis, as without leases.
-func (z LeaseSize) Strict() bool { return z.percent == 0 && z.tokens <= 1 }
-
 // newLeaseTable makes the lease table of a store whose calls take up to
 // timeout.
 func newLeaseTable(remote leaseRemote, now func() int64, size LeaseSize, ttl, timeout time.Duration, maxEntries int, logger *zap.Logger) *leaseTable {
@@ -263,29 +221,11 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 	waited := false
 	for {
 		if e.tokens >= cost && now-e.leasedAt < t.ttl {
-			e.tokens -= cost
-			switch {
-			case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil:
-				t.fetch(e, cost, now, true)
-			case e.tokens == 0 && e.recorded > 0 && l.Ban > 0 && e.call == nil:
-				// Spent: say so now, so that a refusal on another node
-				// does not take these tokens for held, and bans when one
-				// bucket would.
-				t.giveBackLater([]leaseReturn{e.takeBack()})
-			}
-			res := e.result(now, true, cost)
+			res := t.spend(e, l, cost, now)
 			sh.mu.Unlock()
 			return res, nil
 		}
-		// Under a ban setting, a request the node cannot cover asks the
-		// shared store, unless a ban is known to hold: one bucket would
-		// start the ban at this refusal, and so must the shared one.
-		// A bucket the fleet oversubscribes (the last call was short)
-		// has its refill shared out by calls: a request that finds them
-		// all spent and a call in flight is refused at once rather than
-		// wait on it. What the call brings stays for the next requests,
-		// so nothing is lost, and allowed requests do not wait.
-		if waited || now < e.banUntil || l.Ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer) {
+		if t.refuses(e, l, now, waited) {
 			res := e.result(now, false, cost)
 			sh.mu.Unlock()
 			return res, nil
@@ -297,34 +237,16 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 			c.joined++
 		}
 		sh.mu.Unlock()
-		select {
-		case <-c.done:
-		case <-ctx.Done():
-			sh.mu.Lock()
-			if !c.finished {
-				// A ban the call starts is counted without this request.
-				c.abandoned = c.abandoned || mine
-				sh.mu.Unlock()
-				return bucket.Result{}, fmt.Errorf("redis store: lease: %w", ctx.Err())
-			}
-			sh.mu.Unlock()
-		}
-		if c.err != nil {
-			return bucket.Result{}, c.err
+		if err := t.await(ctx, sh, c, mine); err != nil {
+			return bucket.Result{}, err
 		}
 		sh.mu.Lock()
-		if mine && c.spent {
-			res := e.result(t.now(), true, cost)
+		if mine && (c.spent || c.banned) {
+			res := e.result(t.now(), c.spent, cost)
+			res.Banned = c.banned
 			sh.mu.Unlock()
 			return res, nil
 		}
-		if mine && c.banned {
-			res := e.result(t.now(), false, cost)
-			res.Banned = true
-			sh.mu.Unlock()
-			return res, nil
-		}
-
 		if t.closed.Load() {
 			sh.mu.Unlock()
 			return bucket.Result{}, errLeasesClosed
@@ -342,6 +264,53 @@ func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost 
 			e, waited = next, false
 		}
 	}
+}
+
+// spend takes cost from the tokens e holds, and fetches the next lease in
+// the background when they fall to half; under a ban setting, a lease
+// spent is said so at once, so that a refusal on another node does not
+// take these tokens for held, and bans when one bucket would.
+func (t *leaseTable) spend(e *lease, l bucket.Limit, cost, now int64) bucket.Result {
+	e.tokens -= cost
+	switch {
+	case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil:
+		t.fetch(e, cost, now, true)
+	case e.tokens == 0 && e.recorded > 0 && l.Ban > 0 && e.call == nil:
+		t.giveBackLater([]leaseReturn{e.takeBack()})
+	}
+	return e.result(now, true, cost)
+}
+
+// refuses says whether a request that e's tokens do not cover is refused
+// from memory, with no call. Under a ban setting it asks the shared store,
+// unless a ban is known to hold: one bucket would start the ban at this
+// refusal, and so must the shared one. A bucket the fleet oversubscribes
+// (the last call was short) has its refill shared out by calls: a request
+// that finds them all spent and a call in flight is refused at once rather
+// than wait on it; what the call brings stays for the next requests, so
+// nothing is lost, and allowed requests do not wait.
+func (t *leaseTable) refuses(e *lease, l bucket.Limit, now int64, waited bool) bool {
+	return waited || now < e.banUntil || l.Ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer)
+}
+
+// await waits for the call c, or for the request's end. A request that made
+// the call and goes away leaves a ban the call starts to be counted
+// without it.
+func (t *leaseTable) await(ctx context.Context, sh *leaseShard, c *leaseCall, mine bool) error {
+	select {
+	case <-c.done:
+	case <-ctx.Done():
+		sh.mu.Lock()
+		finished := c.finished
+		if !finished {
+			c.abandoned = c.abandoned || mine
+		}
+		sh.mu.Unlock()
+		if !finished {
+			return fmt.Errorf("redis store: lease: %w", ctx.Err())
+		}
+	}
+	return c.err
 }
 
 // result is the answer for a request decided from e at now. A refused
@@ -437,322 +406,5 @@ func (sh *leaseShard) pruneReturning() {
 			delete(sh.returning, key)
 		default:
 		}
-	}
-}
-
-// expire gives back the tokens of a lease whose lease_ttl has passed: the
-// shared store counts them as spent soon after, and they may not be spent
-// here any more. With a call in flight they stay, unspendable, until it
-// says whether they were leased anew.
-func (t *leaseTable) expire(e *lease, now int64) {
-	if e.tokens > 0 && now-e.leasedAt >= t.ttl && e.call == nil {
-		t.giveBackLater([]leaseReturn{e.takeBack()})
-	}
-}
-
-// takeBack empties the entry into a give-back that names its last call,
-// which the caller sends.
-func (e *lease) takeBack() leaseReturn {
-	back := leaseReturn{key: e.key, limit: e.limit, tokens: e.tokens, seq: e.seq, done: make(chan struct{})}
-	e.tokens, e.recorded, e.returning = 0, 0, back.done
-	return back
-}
-
-// fetch starts a lease call for e, which the caller holds the shard's
-// lock for. The call runs apart from any request's context, so that a
-// client that hangs up does not fail the others waiting on it.
-func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall {
-	want := max(cost, e.size)
-	if e.size > 0 {
-		share := t.ttl
-		if prefetch {
-			share /= 2
-		}
-		if now-e.leasedAt <= share {
-			want = min(2*e.size, max(cost, t.size.Of(e.limit)))
-		}
-	}
-	c := &leaseCall{done: make(chan struct{})}
-	e.call = c
-	e.seq = t.seq.Add(1)
-	ask := bucket.LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold, Prefetch: prefetch}
-	if !prefetch {
-		// The request that makes the call spends its cost from the grant
-		// at once, so the shared store need not count it as held.
-		ask.Spend = cost
-	}
-	t.calls.Add(1)
-	returning := e.returning
-	go func(key string, l bucket.Limit) {
-		defer t.calls.Done()
-		if returning != nil {
-			<-returning
-		}
-		lr, err := t.store.lease(key, l, ask)
-		sh := t.shard([]byte(key))
-		sh.mu.Lock()
-		e.rtt = t.now() - now
-		if err == nil {
-			t.apply(e, lr, ask, now)
-			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && l.Ban > 0 {
-				// Spent while the call was out: say so, as take does.
-				t.giveBackLater([]leaseReturn{e.takeBack()})
-			}
-		}
-		e.call = nil
-		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0
-		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
-		if lr.Banned {
-			if c.abandoned || ask.Prefetch {
-				if t.onBan != nil {
-					t.onBan(key)
-				}
-			} else {
-				c.banned = true
-			}
-		}
-		c.finished = true
-		sh.mu.Unlock()
-		close(c.done)
-	}(e.key, e.limit)
-	return c
-}
-
-// apply records in e the answer to the lease call ask, sent at sent.
-func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, sent int64) {
-	e.size = ask.Want
-	if lr.Drop {
-		// A ban started since the last call: what the node holds is void,
-		// and after the ban it starts again from one request's cost.
-		e.tokens, e.recorded, e.size = 0, 0, 0
-	} else {
-		e.tokens, e.recorded = min(e.tokens, ask.Held), min(e.recorded, ask.Held)
-	}
-	if lr.Granted > 0 {
-		e.tokens += lr.Granted - ask.Spend
-		e.recorded += lr.Granted - ask.Spend
-		e.leasedAt = sent
-		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
-	} else {
-		leasesTotal.WithLabelValues("refused").Inc()
-	}
-	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
-	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
-	if e.stopTimer != nil {
-		e.stopTimer()
-		e.stopTimer = nil
-	}
-	e.holdUntil, e.banUntil = 0, 0
-	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
-	if lr.Drop && lr.Granted == 0 {
-		e.banUntil = sent + lr.RetryAfter
-	}
-	if lr.HoldOff > 0 {
-		// From when the call was sent, so that nodes far from the store
-		// are not always last to the refilled tokens, with jitter; but
-		// never past when the requests refused meanwhile were told to
-		// retry.
-		until := sent + lr.HoldOff + t.jitter(lr.HoldOff/2+1)
-		if lr.RetryAfter > 0 {
-			until = min(until, sent+bucket.CeilDiv(lr.RetryAfter, 1_000_000)*1_000_000)
-		}
-		e.holdUntil = until
-		if t.after != nil && e.banUntil == 0 {
-			// Sent a round trip early, so that its tokens are here when
-			// the hold-off ends and refused clients come back.
-			at := max(0, until-e.rtt-t.now())
-			e.stopTimer = t.after(time.Duration(at)*time.Microsecond, func() { t.prefetchAfterHoldOff(e, until) })
-		}
-	}
-}
-
-// prefetchAfterHoldOff fetches the next lease of a bucket still in use
-// when its hold-off ends, in the background, so that its requests find
-// tokens rather than wait on a call: an oversubscribed bucket's steady
-// traffic then waits no more than the rest.
-func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
-	sh := t.shard([]byte(e.key))
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	now := t.now()
-	if t.closed.Load() || sh.m[e.key] != e || e.call != nil || e.holdUntil != until || now-e.lastUsed >= t.ttl || e.tokens*2 >= e.size {
-		return
-	}
-	t.expire(e, now)
-	t.fetch(e, max(1, e.retryCost), now, true).timer = true
-}
-
-func leaseOutcome(granted, want int64) string {
-	if granted < want {
-		return "partial"
-	}
-	return "granted"
-}
-
-// giveBackHeld returns n tokens that a request took to this node's lease on
-// the bucket at key, if it holds one, up to what the shared store's record
-// counts. It reports how many it could not take, which go to the shared
-// bucket instead.
-func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
-	sh := t.shard(key)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	e := sh.m[string(key)]
-	if e == nil || t.closed.Load() || t.now()-e.leasedAt >= t.ttl {
-		return n
-	}
-	put := min(n, e.recorded-e.tokens)
-	e.tokens += put
-	return n - put
-}
-
-// reset drops this node's lease on the bucket at key: its tokens are not
-// given back, since the shared bucket is reset too.
-func (t *leaseTable) reset(key []byte) {
-	sh := t.shard(key)
-	sh.mu.Lock()
-	if e := sh.m[string(key)]; e != nil && e.call == nil {
-		delete(sh.m, e.key)
-	} else if e != nil {
-		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil = 0, 0, 0, 0, 0
-	}
-	sh.mu.Unlock()
-}
-
-// held is how many buckets this node holds leased tokens of.
-func (t *leaseTable) held() int {
-	n := 0
-	for i := range t.shards {
-		sh := &t.shards[i]
-		sh.mu.Lock()
-		for _, e := range sh.m {
-			if e.tokens > 0 {
-				n++
-			}
-		}
-		sh.mu.Unlock()
-	}
-	return n
-}
-
-// leaseReturn is unused leased tokens on their way back to a shared bucket,
-// naming the call that wrote the lease's record.
-type leaseReturn struct {
-	key    string
-	limit  bucket.Limit
-	tokens int64
-	seq    int64
-	// done is closed once the shared store has answered.
-	done chan struct{}
-}
-
-// sweepEvery gives back the tokens that went unused for lease_ttl, and
-// forgets idle entries, until the table stops.
-func (t *leaseTable) sweepEvery(every time.Duration) {
-	defer t.janitor.Done()
-	tick := time.NewTicker(every)
-	defer tick.Stop()
-	for {
-		select {
-		case <-t.stop:
-			return
-		case <-tick.C:
-			if back := t.sweep(t.now(), false); len(back) > 0 {
-				t.giveBackNow(back)
-			}
-		}
-	}
-}
-
-// sweep takes the tokens to give back: those leased lease_ttl ago or more,
-// or, with all, every one. It forgets entries idle for lease_ttl.
-func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
-	var back []leaseReturn
-	for i := range t.shards {
-		sh := &t.shards[i]
-		sh.mu.Lock()
-		for _, e := range sh.m {
-			if e.call != nil {
-				continue
-			}
-			if e.tokens > 0 && (all || now-e.leasedAt >= t.ttl) {
-				back = append(back, e.takeBack())
-			}
-			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
-				sh.forget(e, t.perShard)
-			}
-		}
-		sh.pruneReturning()
-		sh.mu.Unlock()
-	}
-	return back
-}
-
-// giveBackLater gives tokens back in the background.
-func (t *leaseTable) giveBackLater(back []leaseReturn) {
-	t.calls.Add(1)
-	go func() {
-		defer t.calls.Done()
-		t.giveBackNow(back)
-	}()
-}
-
-// giveBackNow returns tokens to their shared buckets, in one pipeline. A
-// give-back that fails loses its tokens, which only ever admits less.
-func (t *leaseTable) giveBackNow(back []leaseReturn) {
-	defer func() {
-		for _, b := range back {
-			close(b.done)
-		}
-	}()
-	n, err := t.store.giveBack(t.node, back)
-	leaseTokensReturned.Add(float64(n))
-	if err != nil {
-		t.logger.Warn("redis store: giving leased tokens back failed; they are lost until the buckets refill", zap.Int("buckets", len(back)), zap.Error(err))
-	}
-}
-
-// errLeasesClosed fails a lease call asked of an unloaded config's table;
-// the store then decides in strict mode.
-var errLeasesClosed = errors.New("redis store: the config's leases were given back")
-
-// close stops the table and gives every token it holds back.
-func (t *leaseTable) close() {
-	if t.closed.Swap(true) {
-		return
-	}
-	// A fetch or an eviction starts under its shard's lock: once every
-	// lock has been held since closed was set, none can start, so the
-	// waits below see them all.
-	for i := range t.shards {
-		sh := &t.shards[i]
-		sh.mu.Lock()
-		for _, e := range sh.m {
-			if e.stopTimer != nil {
-				e.stopTimer()
-			}
-		}
-		sh.mu.Unlock()
-	}
-	close(t.stop)
-	t.janitor.Wait()
-	t.calls.Wait()
-	back := t.sweep(t.now(), true)
-	if t.current != nil {
-		// A reload: what was leased under the old config goes back as
-		// the new one counts it, or not at all if its tier is gone.
-		kept := back[:0]
-		for _, b := range back {
-			if cur, ok := t.current(b.key, b.limit); ok {
-				b.tokens, b.limit = cur.Converted(b.tokens, b.limit), cur
-				kept = append(kept, b)
-			} else {
-				close(b.done)
-			}
-		}
-		back = kept
-	}
-	if len(back) > 0 {
-		t.giveBackNow(back)
 	}
 }

@@ -2,10 +2,11 @@ package redisbucket
 
 import (
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // The fleet's guarantee, as a property over random traces on the model

@@ -1,0 +1,138 @@
+package redisbucket
+
+import (
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+)
+
+// fetch starts a lease call for e, which the caller holds the shard's
+// lock for. The call runs apart from any request's context, so that a
+// client that hangs up does not fail the others waiting on it.
+func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall {
+	want := max(cost, e.size)
+	if e.size > 0 {
+		share := t.ttl
+		if prefetch {
+			share /= 2
+		}
+		if now-e.leasedAt <= share {
+			want = min(2*e.size, max(cost, t.size.Of(e.limit)))
+		}
+	}
+	c := &leaseCall{done: make(chan struct{})}
+	e.call = c
+	e.seq = t.seq.Add(1)
+	ask := bucket.LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold, Prefetch: prefetch}
+	if !prefetch {
+		// The request that makes the call spends its cost from the grant
+		// at once, so the shared store need not count it as held.
+		ask.Spend = cost
+	}
+	t.calls.Add(1)
+	returning := e.returning
+	go func(key string, l bucket.Limit) {
+		defer t.calls.Done()
+		if returning != nil {
+			<-returning
+		}
+		lr, err := t.store.lease(key, l, ask)
+		sh := t.shard([]byte(key))
+		sh.mu.Lock()
+		e.rtt = t.now() - now
+		if err == nil {
+			t.apply(e, lr, ask, now)
+			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && l.Ban > 0 {
+				// Spent while the call was out: say so, as take does.
+				t.giveBackLater([]leaseReturn{e.takeBack()})
+			}
+		}
+		e.call = nil
+		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0
+		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
+		if lr.Banned {
+			if c.abandoned || ask.Prefetch {
+				if t.onBan != nil {
+					t.onBan(key)
+				}
+			} else {
+				c.banned = true
+			}
+		}
+		c.finished = true
+		sh.mu.Unlock()
+		close(c.done)
+	}(e.key, e.limit)
+	return c
+}
+
+// apply records in e the answer to the lease call ask, sent at sent.
+func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, sent int64) {
+	e.size = ask.Want
+	if lr.Drop {
+		// A ban started since the last call: what the node holds is void,
+		// and after the ban it starts again from one request's cost.
+		e.tokens, e.recorded, e.size = 0, 0, 0
+	} else {
+		e.tokens, e.recorded = min(e.tokens, ask.Held), min(e.recorded, ask.Held)
+	}
+	if lr.Granted > 0 {
+		e.tokens += lr.Granted - ask.Spend
+		e.recorded += lr.Granted - ask.Spend
+		e.leasedAt = sent
+		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
+	} else {
+		leasesTotal.WithLabelValues("refused").Inc()
+	}
+	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
+	e.retryAt, e.retryCost = sent+lr.RetryAfter, ask.Cost
+	if e.stopTimer != nil {
+		e.stopTimer()
+		e.stopTimer = nil
+	}
+	e.holdUntil, e.banUntil = 0, 0
+	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
+	if lr.Drop && lr.Granted == 0 {
+		e.banUntil = sent + lr.RetryAfter
+	}
+	if lr.HoldOff > 0 {
+		// From when the call was sent, so that nodes far from the store
+		// are not always last to the refilled tokens, with jitter; but
+		// never past when the requests refused meanwhile were told to
+		// retry.
+		until := sent + lr.HoldOff + t.jitter(lr.HoldOff/2+1)
+		if lr.RetryAfter > 0 {
+			until = min(until, sent+bucket.CeilDiv(lr.RetryAfter, 1_000_000)*1_000_000)
+		}
+		e.holdUntil = until
+		if t.after != nil && e.banUntil == 0 {
+			// Sent a round trip early, so that its tokens are here when
+			// the hold-off ends and refused clients come back.
+			at := max(0, until-e.rtt-t.now())
+			e.stopTimer = t.after(time.Duration(at)*time.Microsecond, func() { t.prefetchAfterHoldOff(e, until) })
+		}
+	}
+}
+
+// prefetchAfterHoldOff fetches the next lease of a bucket still in use
+// when its hold-off ends, in the background, so that its requests find
+// tokens rather than wait on a call: an oversubscribed bucket's steady
+// traffic then waits no more than the rest.
+func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
+	sh := t.shard([]byte(e.key))
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	now := t.now()
+	if t.closed.Load() || sh.m[e.key] != e || e.call != nil || e.holdUntil != until || now-e.lastUsed >= t.ttl || e.tokens*2 >= e.size {
+		return
+	}
+	t.expire(e, now)
+	t.fetch(e, max(1, e.retryCost), now, true).timer = true
+}
+
+func leaseOutcome(granted, want int64) string {
+	if granted < want {
+		return "partial"
+	}
+	return "granted"
+}

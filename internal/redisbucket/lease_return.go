@@ -1,0 +1,195 @@
+package redisbucket
+
+import (
+	"errors"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"go.uber.org/zap"
+)
+
+// expire gives back the tokens of a lease whose lease_ttl has passed: the
+// shared store counts them as spent soon after, and they may not be spent
+// here any more. With a call in flight they stay, unspendable, until it
+// says whether they were leased anew.
+func (t *leaseTable) expire(e *lease, now int64) {
+	if e.tokens > 0 && now-e.leasedAt >= t.ttl && e.call == nil {
+		t.giveBackLater([]leaseReturn{e.takeBack()})
+	}
+}
+
+// takeBack empties the entry into a give-back that names its last call,
+// which the caller sends.
+func (e *lease) takeBack() leaseReturn {
+	back := leaseReturn{key: e.key, limit: e.limit, tokens: e.tokens, seq: e.seq, done: make(chan struct{})}
+	e.tokens, e.recorded, e.returning = 0, 0, back.done
+	return back
+}
+
+// giveBackHeld returns n tokens that a request took to this node's lease on
+// the bucket at key, if it holds one, up to what the shared store's record
+// counts. It reports how many it could not take, which go to the shared
+// bucket instead.
+func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[string(key)]
+	if e == nil || t.closed.Load() || t.now()-e.leasedAt >= t.ttl {
+		return n
+	}
+	put := min(n, e.recorded-e.tokens)
+	e.tokens += put
+	return n - put
+}
+
+// reset drops this node's lease on the bucket at key: its tokens are not
+// given back, since the shared bucket is reset too.
+func (t *leaseTable) reset(key []byte) {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	if e := sh.m[string(key)]; e != nil && e.call == nil {
+		delete(sh.m, e.key)
+	} else if e != nil {
+		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil = 0, 0, 0, 0, 0
+	}
+	sh.mu.Unlock()
+}
+
+// held is how many buckets this node holds leased tokens of.
+func (t *leaseTable) held() int {
+	n := 0
+	for i := range t.shards {
+		sh := &t.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.tokens > 0 {
+				n++
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// leaseReturn is unused leased tokens on their way back to a shared bucket,
+// naming the call that wrote the lease's record.
+type leaseReturn struct {
+	key    string
+	limit  bucket.Limit
+	tokens int64
+	seq    int64
+	// done is closed once the shared store has answered.
+	done chan struct{}
+}
+
+// sweepEvery gives back the tokens that went unused for lease_ttl, and
+// forgets idle entries, until the table stops.
+func (t *leaseTable) sweepEvery(every time.Duration) {
+	defer t.janitor.Done()
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-t.stop:
+			return
+		case <-tick.C:
+			if back := t.sweep(t.now(), false); len(back) > 0 {
+				t.giveBackNow(back)
+			}
+		}
+	}
+}
+
+// sweep takes the tokens to give back: those leased lease_ttl ago or more,
+// or, with all, every one. It forgets entries idle for lease_ttl.
+func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
+	var back []leaseReturn
+	for i := range t.shards {
+		sh := &t.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.call != nil {
+				continue
+			}
+			if e.tokens > 0 && (all || now-e.leasedAt >= t.ttl) {
+				back = append(back, e.takeBack())
+			}
+			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
+				sh.forget(e, t.perShard)
+			}
+		}
+		sh.pruneReturning()
+		sh.mu.Unlock()
+	}
+	return back
+}
+
+// giveBackLater gives tokens back in the background.
+func (t *leaseTable) giveBackLater(back []leaseReturn) {
+	t.calls.Add(1)
+	go func() {
+		defer t.calls.Done()
+		t.giveBackNow(back)
+	}()
+}
+
+// giveBackNow returns tokens to their shared buckets, in one pipeline. A
+// give-back that fails loses its tokens, which only ever admits less.
+func (t *leaseTable) giveBackNow(back []leaseReturn) {
+	defer func() {
+		for _, b := range back {
+			close(b.done)
+		}
+	}()
+	n, err := t.store.giveBack(t.node, back)
+	leaseTokensReturned.Add(float64(n))
+	if err != nil {
+		t.logger.Warn("redis store: giving leased tokens back failed; they are lost until the buckets refill", zap.Int("buckets", len(back)), zap.Error(err))
+	}
+}
+
+// errLeasesClosed fails a lease call asked of an unloaded config's table;
+// the store then decides in strict mode.
+var errLeasesClosed = errors.New("redis store: the config's leases were given back")
+
+// close stops the table and gives every token it holds back.
+func (t *leaseTable) close() {
+	if t.closed.Swap(true) {
+		return
+	}
+	// A fetch or an eviction starts under its shard's lock: once every
+	// lock has been held since closed was set, none can start, so the
+	// waits below see them all.
+	for i := range t.shards {
+		sh := &t.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.stopTimer != nil {
+				e.stopTimer()
+			}
+		}
+		sh.mu.Unlock()
+	}
+	close(t.stop)
+	t.janitor.Wait()
+	t.calls.Wait()
+	back := t.sweep(t.now(), true)
+	if t.current != nil {
+		// A reload: what was leased under the old config goes back as
+		// the new one counts it, or not at all if its tier is gone.
+		kept := back[:0]
+		for _, b := range back {
+			if cur, ok := t.current(b.key, b.limit); ok {
+				b.tokens, b.limit = cur.Converted(b.tokens, b.limit), cur
+				kept = append(kept, b)
+			} else {
+				close(b.done)
+			}
+		}
+		back = kept
+	}
+	if len(back) > 0 {
+		t.giveBackNow(back)
+	}
+}
