@@ -213,6 +213,7 @@ func TestLoginSettingsMistakes(t *testing.T) {
 // node leave the shared bucket whole; failures on both spend it; the ban
 // that one node starts holds on the other.
 func TestTwoCaddyProcessesShareGiveBacksAndBans(t *testing.T) {
+	skipUnderShort(t, "real-process (two Caddy processes, one Redis)")
 	srv := startRedis(t)
 	var ports [2]int
 	for i := range ports {

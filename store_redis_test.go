@@ -177,6 +177,7 @@ func TestRedisOverTLS(t *testing.T) {
 }
 
 func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
+	skipUnderShort(t, "Redis Cluster of three")
 	nodes := startCluster(t, 3)
 	var addrs []string
 	for _, n := range nodes {

@@ -240,7 +240,11 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
 	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
-	for range 20 {
+	rounds := 20
+	if testing.Short() {
+		rounds = 4
+	}
+	for range rounds {
 		node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
 		var takes atomic.Int64
 		stop := make(chan struct{})

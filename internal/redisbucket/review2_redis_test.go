@@ -81,6 +81,7 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 // (A's report names the refused prefetch's seq), so B's refusals start no
 // ban until the record expires, and B admits the refill meanwhile.
 func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(t *testing.T) {
+	skipUnderShort(t, "real-time (1.5 s of a client on a real Redis)")
 	srv := redistest.Start(t)
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second}
 	var nodes [3]*Store
