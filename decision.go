@@ -22,10 +22,6 @@ import (
 type decision struct {
 	handler *Handler
 	start   time.Time
-	// keyer named the client; unnamed says none did, and the client IP
-	// does.
-	keyer   Keyer
-	unnamed bool
 	tier    *Tier
 	bucket  Bucket
 	claims  requestClaims

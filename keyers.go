@@ -432,15 +432,16 @@ var (
 )
 
 // nameClient asks the keyers in order: the first that yields a value names
-// the client; when none does, the client IP does.
-func (h *Handler) nameClient(r *http.Request, d *decision) {
+// the client, and is returned; when none does, the client IP does, through
+// h.fallback.
+func (h *Handler) nameClient(r *http.Request, d *decision) Keyer {
 	value := d.value[:0]
 	for _, k := range h.keyers {
 		if v, ok := keyWith(k, r, value, &d.claims); ok && len(v) > 0 {
-			d.keyer, d.bucket.Value = k, v
-			return
+			d.bucket.Value = v
+			return k
 		}
 	}
-	d.keyer, d.unnamed = h.fallback, true
 	d.bucket.Value = h.fallback.fallbackKey(r, value)
+	return h.fallback
 }

@@ -425,8 +425,8 @@ func (h *Handler) Cleanup() error {
 // rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := h.newDecision(r)
-	h.nameClient(r, d)
-	if err := h.chooseTier(r, d); err != nil {
+	keyer := h.nameClient(r, d)
+	if err := h.chooseTier(r, d, keyer); err != nil {
 		return err
 	}
 	switch {
@@ -435,7 +435,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	case d.tier.Deny:
 		return h.refuseDenyTier(d)
-	case h.noKeyDeny && d.unnamed:
+	case h.noKeyDeny && keyer == h.fallback:
 		return h.refuseNoKey(w, r, next, d)
 	}
 	if err := d.readCost(r); err != nil {

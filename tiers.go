@@ -262,14 +262,15 @@ func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, 
 	return true, nil
 }
 
-// chooseTier picks the request's tier and names its bucket.
-func (h *Handler) chooseTier(r *http.Request, d *decision) error {
-	tier, err := h.tierFor(r, d.keyer.Kind(), &d.claims)
+// chooseTier picks the request's tier, for a client keyer named, and names
+// its bucket.
+func (h *Handler) chooseTier(r *http.Request, d *decision, keyer Keyer) error {
+	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
 	if err != nil {
 		return err
 	}
 	d.tier = tier
-	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: d.keyer.ID(), Value: d.bucket.Value, secret: h.keySecret}
+	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: d.bucket.Value, secret: h.keySecret}
 	return nil
 }
 
