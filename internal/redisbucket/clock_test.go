@@ -71,7 +71,7 @@ func TestRedisStoreUsesRedisTime(t *testing.T) {
 // redisBucketState reads a bucket's "<fullAt> <slack>" from Redis.
 func redisBucketState(t *testing.T, srv *redistest.Server, key string) (int64, int64) {
 	t.Helper()
-	v, _ := srv.Do("HGET", key, "1").(string)
+	v, _ := srv.Do("GET", key).(string)
 	a, b, ok := strings.Cut(v, " ")
 	fullAt, err1 := strconv.ParseInt(a, 10, 64)
 	slack, err2 := strconv.ParseInt(b, 10, 64)

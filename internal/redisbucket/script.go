@@ -9,14 +9,14 @@ import "github.com/redis/go-redis/v9"
 // computes in Lua's doubles: every figure stays below 2^53, so they are
 // exact, and idiv corrects the rounding of a quotient.
 //
-// KEYS[1] is the bucket, a hash: field "<i>" holds limit i's state as
-// "<fullAt> <slack>", with " b" after it when a ban wrote it (fullAt in
-// microseconds of the server's TIME); field "l:<node>" holds what a node
-// holds on lease, as "<tokens> <expires> <seq> <void>". A limit that is full
-// has no field, and a bucket that is full with nothing on lease has no key:
-// it expires when every limit is full and every lease has expired. A string
-// at KEYS[1] is a bucket as versions before the hash kept it: limit 1's
-// state, which the script carries over.
+// KEYS[1] is the bucket, a string of segments separated by ";": first
+// limit 1's state, "<fullAt> <slack>" (with " b" after it when a ban wrote
+// it; fullAt in microseconds of the server's TIME), or nothing when it is
+// full; then each other limit that is not full, as "<i>:<state>"; then what
+// each node holds on lease, as "l:<node>:<tokens>:<expires>:<seq>:<void>".
+// A bucket that is full with nothing on lease has no key: it expires when
+// every limit is full and every lease has expired. A bucket of one limit
+// and no lease is "<fullAt> <slack>", as versions before leases kept it.
 //
 // ARGV: the operation (take, peek, lease, return, giveback or charge); the
 // number of limits n; a count of tokens (the cost, or the tokens given back
@@ -65,34 +65,38 @@ local function bad()
   return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
 end
 
--- Read the bucket: S[i] is limit i's state, H the leases.
--- Limits past the n of this call (a reload dropped them, or a call names
--- fewer) keep their fields, and the key lives as long as they need: later
--- is the latest moment one of them is full.
-local S, H, old, later = {}, {}, {}, 0
+-- Read the bucket: S[i] is limit i's state, H the leases. Limits past the
+-- n of this call (a reload dropped them, or a call names fewer) keep their
+-- segments, in extra, and the key lives as long as they need: later is the
+-- latest moment one of them is full.
+local S, H, extra, later = {}, {}, {}, 0
 for i = 1, n do S[i] = {full = 0, slack = 0, banned = false} end
-local migrated = false
-local fields = redis.pcall('HGETALL', KEYS[1])
-if type(fields) == 'table' and fields.err then
-  fields = {'1', redis.call('GET', KEYS[1])}
-  migrated = true
-end
-for j = 1, #fields, 2 do
-  local f, v = fields[j], fields[j + 1]
-  old[f] = v
-  local node = string.match(f, '^l:(.+)$')
-  if node then
-    local a, e, s, vd = string.match(v, '^(%d+) (%d+) (%d+) ([01])$')
-    if not a then return bad() end
-    H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(s), void = vd == '1'}
-  else
-    local i = tonumber(f)
-    local a, b, mark = string.match(v, '^(%d+) (%d+)( ?b?)$')
-    if not a or not i then return bad() end
-    if S[i] then
-      S[i] = {full = tonumber(a), slack = tonumber(b), banned = mark == ' b'}
-    else
-      later = math.max(later, tonumber(a))
+local stored = redis.call('GET', KEYS[1])
+if stored then
+  local first = true
+  for seg in string.gmatch(stored .. ';', '([^;]*);') do
+    local i, body = 1, seg
+    if not first then
+      local node, a, e, sq, vd = string.match(seg, '^l:([^:]+):(%d+):(%d+):(%d+):([01])$')
+      if node then
+        H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(sq), void = vd == '1'}
+        i = nil
+      else
+        local at, rest = string.match(seg, '^(%d+):(.*)$')
+        if not at then return bad() end
+        i, body = tonumber(at), rest
+      end
+    end
+    first = false
+    if i and body ~= '' then
+      local a, b, mark = string.match(body, '^(%d+) (%d+)( ?b?)$')
+      if not a then return bad() end
+      if S[i] then
+        S[i] = {full = tonumber(a), slack = tonumber(b), banned = mark == ' b'}
+      else
+        extra[#extra + 1] = seg
+        later = math.max(later, tonumber(a))
+      end
     end
   end
 end
@@ -170,6 +174,10 @@ settle_to(now)
 -- leaves (shared.go's Life).
 local function life()
   local s0, h0, last = S, H, now
+  if #H == 0 then
+    for i = 1, n do last = math.max(last, S[i].full) end
+    return last - now
+  end
   S, H = {}, {}
   for i = 1, n do S[i] = {full = s0[i].full, slack = s0[i].slack, banned = s0[i].banned} end
   for k, h in ipairs(h0) do
@@ -246,50 +254,61 @@ local function find(node)
   return nil
 end
 
--- save writes what changed: a limit's field while it is not full, a lease's
--- while it has not expired, the key while either is left.
+-- save writes the bucket when it changed: limit 1's state first (as
+-- versions before several limits kept it), then the other limits' as
+-- "<i>:<state>", then the leases as "l:<node>:<tokens>:<expires>:<seq>:<void>",
+-- separated by ";". A limit that is full has no state; a bucket that is
+-- full with nothing on lease has no key.
+local function state_text(st)
+  if st.full <= now then return '' end
+  local v = string.format('%d %d', st.full, st.slack)
+  if st.banned then v = v .. ' b' end
+  return v
+end
 local function save()
-  local new, ttl = {}, math.max(0, later - now, life())
-  if migrated then
-    redis.call('DEL', KEYS[1])
-    old = {}
-  end
-  for i = 1, n do
-    local s = S[i]
-    if s.full > now then
-      local v = string.format('%d %d', s.full, s.slack)
-      if s.banned then v = v .. ' b' end
-      new[tostring(i)] = v
+  if n == 1 and #H == 0 and #extra == 0 then
+    -- The common bucket: one limit, no lease.
+    if S[1].full <= now then
+      if stored then redis.call('DEL', KEYS[1]) end
+      return
     end
+    local v = state_text(S[1])
+    if v ~= stored then
+      local ok = redis.pcall('SET', KEYS[1], v, 'PX', ceildiv(math.max(later, S[1].full) - now, 1000) + 1)
+      if type(ok) == 'table' and ok.err then
+        error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
+      end
+    end
+    return
+  end
+  local segs, any = {state_text(S[1])}, S[1].full > now
+  for i = 2, n do
+    if S[i].full > now then
+      segs[#segs + 1] = i .. ':' .. state_text(S[i])
+      any = true
+    end
+  end
+  for _, seg in ipairs(extra) do
+    segs[#segs + 1] = seg
+    any = true
   end
   for _, h in ipairs(H) do
     local vd = 0
     if h.void then vd = 1 end
-    new['l:' .. h.node] = string.format('%d %d %d %d', h.tokens, h.expires, h.seq, vd)
-  end
-  local set, del, any = {}, {}, false
-  for f, v in pairs(new) do
+    segs[#segs + 1] = string.format('l:%s:%d:%d:%d:%d', h.node, h.tokens, h.expires, h.seq, vd)
     any = true
-    if old[f] ~= v then set[#set + 1] = f; set[#set + 1] = v end
   end
-  for f in pairs(old) do
-    local i = tonumber(f)
-    if not new[f] and not (i and i > n) then del[#del + 1] = f end
-    if i and i > n then any = true end
-  end
-  if #set == 0 and #del == 0 then return end
   if not any then
-    redis.call('DEL', KEYS[1])
+    if stored then redis.call('DEL', KEYS[1]) end
     return
   end
-  if #del > 0 then redis.call('HDEL', KEYS[1], unpack(del)) end
-  if #set > 0 then
-    local ok = redis.pcall('HSET', KEYS[1], unpack(set))
-    if type(ok) == 'table' and ok.err then
-      error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
-    end
+  local v = table.concat(segs, ';')
+  if v == stored then return end
+  local ttl = math.max(0, later - now, life())
+  local ok = redis.pcall('SET', KEYS[1], v, 'PX', ceildiv(ttl, 1000) + 1)
+  if type(ok) == 'table' and ok.err then
+    error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
   end
-  redis.call('PEXPIRE', KEYS[1], ceildiv(ttl, 1000) + 1)
 end
 
 local function answer(allowed, started, res)
@@ -307,7 +326,6 @@ end
 if op == 'peek' then
   local res, allowed = {}, true
   for i = 1, n do res[i] = peek(i); allowed = allowed and res[i].ok end
-  if migrated then save() end
   return answer(allowed, false, res)
 end
 

@@ -49,7 +49,7 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 			// until the bucket is full: it may be gone only once the time
 			// since the decision, plus the millisecond rounding, has
 			// refilled the bucket.
-			v, err := rdb.HGet(bg, key, "1").Result()
+			v, err := rdb.Get(bg, key).Result()
 			elapsed := time.Since(sent).Microseconds()
 			switch {
 			case err == nil && v != fmt.Sprintf("%d %d", st.FullAt, st.Slack):
@@ -79,7 +79,7 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 	if pttl < 3900 || pttl > 4001 {
 		t.Fatalf("PTTL %d ms after taking 4 of 10 at 1/s, want about 4000", pttl)
 	}
-	value := srv.Do("HGET", key, "1")
+	value := srv.Do("GET", key)
 
 	// A denial writes nothing: neither the state nor the expiry.
 	for range 6 {
@@ -92,11 +92,11 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 		t.Fatalf("11th take: %+v, %v; want denied", denied, err)
 	}
 	s.conn.denied.remove(key) // so that the next take reaches Redis
-	before := srv.Do("HGET", key, "1")
+	before := srv.Do("GET", key)
 	if res, err := s.Take(bg, b, l, 1); err != nil || res.Allowed {
 		t.Fatalf("take from the empty bucket, through Redis: %+v, %v", res, err)
 	}
-	if after := srv.Do("HGET", key, "1"); after != before {
+	if after := srv.Do("GET", key); after != before {
 		t.Fatalf("a denial changed the bucket from %q to %q", before, after)
 	}
 	if value == before {
