@@ -444,10 +444,24 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 			}
 		}
 	})
-	replica.do("CLUSTER", "FAILOVER")
-	waitFor(t, 20*time.Second, "the replica to become master", func() bool {
+	// A manual failover gives up after 5 s when the other masters' votes
+	// come late, as they can on a loaded machine; an operator asks again.
+	promoted := func() bool {
 		return replica.info("replication", "role") == "master" && master.info("replication", "role") == "slave"
-	})
+	}
+	for attempt := 1; !promoted(); attempt++ {
+		if attempt > 3 {
+			t.Fatal("the replica did not become master after 3 manual failovers")
+		}
+		c := replica.client()
+		if err := c.Do(bg, "CLUSTER", "FAILOVER").Err(); err != nil {
+			t.Logf("CLUSTER FAILOVER, attempt %d: %v", attempt, err)
+		}
+		c.Close()
+		for deadline := time.Now().Add(12 * time.Second); !promoted() && time.Now().Before(deadline); {
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
 
 	// The store follows the MOVED redirections to the new master.
 	waitFor(t, 20*time.Second, "the store to reach the new master", func() bool {

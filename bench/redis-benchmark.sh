@@ -15,8 +15,8 @@ redis-server --bind 127.0.0.1 --port "$port" --save "" --appendonly no \
 trap 'kill "$(cat "$dir/redis.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
 until redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null 2>&1; do sleep 0.1; done
 
-# The script, as store_redis.go holds it.
-script=$(sed -n '/^const takeScript = `/,/^`$/p' store_redis.go | sed '1d;$d')
+# The script, as internal/redisbucket/script.go holds it.
+script=$(sed -n '/^const bucketLua = `/,/^`$/p' internal/redisbucket/script.go | sed '1d;$d')
 sha=$(redis-cli -h 127.0.0.1 -p "$port" SCRIPT LOAD "$script")
 
 # One bucket that never denies (capacity 1e9, 1 token per µs), cost 1: every
@@ -24,9 +24,9 @@ sha=$(redis-cli -h 127.0.0.1 -p "$port" SCRIPT LOAD "$script")
 for c in 1 32; do
 	echo "redis-benchmark, EVALSHA $sha, $c connection(s):"
 	redis-benchmark -h 127.0.0.1 -p "$port" -n 200000 -c "$c" -q \
-		EVALSHA "$sha" 1 rl:bench:default:0123456789abcdef0123456789abcdef 1000000000 1 1 1 |
+		EVALSHA "$sha" 1 rl:bench:default:0123456789abcdef0123456789abcdef take 1 1 0 0 1000000000 1 1 |
 		tr '\r' '\n' | tail -n 1
 done
 
-echo "Go, RedisStore.Take (its own redis-server):"
-go test -run '^$' -bench 'BenchmarkRedisTake' -benchtime 3s . 2>&1 | grep -E '^(Benchmark|ok|FAIL)|decisions'
+echo "Go, Store.Take (its own redis-server):"
+go test -run '^$' -bench 'BenchmarkRedisTake' -benchtime 3s ./internal/redisbucket 2>&1 | grep -E '^(Benchmark|ok|FAIL)|decisions'
