@@ -40,6 +40,12 @@ type Limit struct {
 	// (README: Protect a login form). Denials during a ban do not extend it; when it
 	// ends, the bucket refills from empty.
 	Ban int64
+	// MaxWait, when above 0, is how long (µs) a request may wait for its
+	// tokens (README: Smooth bursts instead of refusing them): one whose
+	// tokens are due within it takes them now, the level going below zero
+	// by at most MaxWait's refill, and waits until they are due. One that
+	// would wait longer is refused, taking nothing.
+	MaxWait int64
 }
 
 // State is a bucket's stored state. The zero State is a full bucket.
@@ -67,6 +73,10 @@ type Result struct {
 	ResetAfter int64
 	// Banned says that this denial started a ban.
 	Banned bool
+	// Wait is, when allowed, the microseconds until the tokens taken are
+	// due: the request waits that long before it goes on. 0 when they are
+	// there now, and always without MaxWait.
+	Wait int64
 }
 
 // Validate checks that the limit is a bucket the arithmetic can hold, and
@@ -83,6 +93,9 @@ func (l Limit) Validate(cost int64) error {
 	}
 	if cost < 1 || cost > l.Capacity {
 		return fmt.Errorf("cost %d: must be from 1 to the capacity, %d", cost, l.Capacity)
+	}
+	if most := (l.maxDeficit() - l.Units()) / l.Rate.Tokens; l.MaxWait < 0 || l.MaxWait > most {
+		return fmt.Errorf("max_wait %dµs: must be from 0 to the time 1000 capacities take to refill, %dµs", l.MaxWait, most)
 	}
 	return nil
 }
@@ -149,6 +162,9 @@ func Take(s State, now int64, l Limit, cost int64) (State, Result) {
 // take decides a request against one limit as if there were no ban
 // setting: the state after it, and the result.
 func take(s State, now int64, l Limit, cost int64) (State, Result) {
+	if l.MaxWait > 0 && !(s.Banned && banned(s, now, l)) {
+		return takeWaiting(s, now, l, cost)
+	}
 	if banned(s, now, l) {
 		// In debt (cost_from_response) or under a ban: empty until the
 		// refill covers what it lacks, even for a request of cost 0.
@@ -170,6 +186,31 @@ func take(s State, now int64, l Limit, cost int64) (State, Result) {
 	}
 	next := stateAt(now, deficit+need, l)
 	return next, Result{Allowed: true, Remaining: (level - need) / l.Rate.Interval, ResetAfter: next.FullAt - now}
+}
+
+// takeWaiting is take with MaxWait, for a bucket no ban holds: the request
+// is allowed when the level, less its cost, is at least -MaxWait's refill,
+// and waits until the level would have held the cost. A debt
+// (cost_from_response) is waited out the same way.
+func takeWaiting(s State, now int64, l Limit, cost int64) (State, Result) {
+	raw := s.rawDeficit(now, l)
+	need := cost * l.Rate.Interval
+	var w int64
+	if lack := raw + need - l.Units(); lack > 0 {
+		w = CeilDiv(lack, l.Rate.Tokens)
+	}
+	if w > l.MaxWait {
+		return s, Result{
+			Remaining:  max(0, l.Units()-raw) / l.Rate.Interval,
+			RetryAfter: w - l.MaxWait,
+			ResetAfter: CeilDiv(raw, l.Rate.Tokens),
+		}
+	}
+	if cost == 0 {
+		return s, Result{Allowed: true, Wait: w, Remaining: max(0, l.Units()-raw) / l.Rate.Interval, ResetAfter: CeilDiv(raw, l.Rate.Tokens)}
+	}
+	next := stateAt(now, raw+need, l)
+	return next, Result{Allowed: true, Wait: w, Remaining: max(0, l.Units()-raw-need) / l.Rate.Interval, ResetAfter: next.FullAt - now}
 }
 
 // MaxLimits bounds the limits of one bucket.
@@ -220,11 +261,19 @@ func takeAll(states []State, now int64, ls []Limit, cost int64, out []Result, he
 }
 
 // short reports whether some limit lacks cost tokens at now even with held
-// more: banned or in debt, or its level and held short of the cost.
+// more: banned or in debt, or its level and held short of the cost. With
+// MaxWait, short of it by more than MaxWait refills: what take refuses.
 func short(states []State, now int64, ls []Limit, cost, held int64) bool {
 	for i, l := range ls {
-		level := l.Units() - states[i].deficit(now, l)
-		if banned(states[i], now, l) || level+min(held, l.Capacity)*l.Rate.Interval < cost*l.Rate.Interval {
+		s, extra := states[i], min(held, l.Capacity)*l.Rate.Interval
+		if l.MaxWait > 0 {
+			if s.Banned && banned(s, now, l) || s.rawDeficit(now, l)+cost*l.Rate.Interval-l.Units()-extra > l.MaxWait*l.Rate.Tokens {
+				return true
+			}
+			continue
+		}
+		level := l.Units() - s.deficit(now, l)
+		if banned(s, now, l) || level+extra < cost*l.Rate.Interval {
 			return true
 		}
 	}
@@ -235,11 +284,17 @@ func short(states []State, now int64, ls []Limit, cost, held int64) bool {
 // l.Ban from now, unless a ban already holds it, and says how long until
 // need units are back.
 func ban(s State, now int64, l Limit, need int64) (State, Result) {
-	started := !banned(s, now, l)
+	// With MaxWait, a bucket below empty holds waiters, not a ban: a
+	// refusal starts one, and it never shortens what the waiters took.
+	started := !banned(s, now, l) || (l.MaxWait > 0 && !s.Banned)
 	if started {
 		// Empty at now+Ban exactly, then refilling as usual.
 		refill := CeilDiv(l.Units(), l.Rate.Tokens)
-		s = State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.Units(), Banned: true}
+		b := State{FullAt: now + l.Ban + refill, Slack: refill*l.Rate.Tokens - l.Units(), Banned: true}
+		if s.FullAt > b.FullAt {
+			b = State{FullAt: s.FullAt, Slack: s.Slack, Banned: true}
+		}
+		s = b
 	}
 	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now, Banned: started}
 }

@@ -70,6 +70,7 @@ func TestLimitValidateNamesTheValue(t *testing.T) {
 
 func TestTakeMatchesReferenceModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
+	waited, refusedWaiting := 0, 0
 	for i := range 500 {
 		tr := RandomTrace(rng)
 		ref := NewReference(tr.Limit)
@@ -83,7 +84,17 @@ func TestTakeMatchesReferenceModel(t *testing.T) {
 			if got != want {
 				t.Fatalf("trace %d (limit %+v), step %d at %dµs cost %d: got %+v, want %+v", i, tr.Limit, j, now, tr.Costs[j], got, want)
 			}
+			if got.Wait > 0 {
+				waited++
+			}
+			if tr.Limit.MaxWait > 0 && !got.Allowed {
+				refusedWaiting++
+			}
 		}
+	}
+	// The traces reach both edges of max_wait.
+	if waited < 1000 || refusedWaiting < 1000 {
+		t.Errorf("%d requests waited and %d were refused under max_wait: the traces miss its edges", waited, refusedWaiting)
 	}
 }
 

@@ -11,8 +11,13 @@ import (
 //	tokens = min(C, tokens_prev + (t - t_prev) * r)
 //	if tokens >= k: allow; tokens -= k; t_prev = t
 //	else:           deny; the state is left unchanged
+//
+// With a max_wait w, tokens may go below zero: a request is allowed when
+// (k - tokens) / r <= w, and waits ceil((k - tokens) / r) when that is
+// above 0; a denied one may retry after ceil((k - tokens) / r) - w.
 type Reference struct {
 	capacity *big.Rat
+	maxWait  int64
 	rate     *big.Rat // tokens per microsecond
 	tokens   *big.Rat
 	last     int64
@@ -22,10 +27,9 @@ type Reference struct {
 // NewReference is a full bucket of limit l.
 func NewReference(l Limit) *Reference {
 	c := new(big.Rat).SetInt64(l.Capacity)
-	return &Reference{capacity: c, rate: big.NewRat(l.Rate.Tokens, l.Rate.Interval), tokens: new(big.Rat).Set(c)}
+	return &Reference{capacity: c, maxWait: l.MaxWait, rate: big.NewRat(l.Rate.Tokens, l.Rate.Interval), tokens: new(big.Rat).Set(c)}
 }
 
-// Take applies a request, as the formula says.
 // Take applies a request, as the formula says.
 func (m *Reference) Take(now, cost int64) Result {
 	tokens := new(big.Rat).Set(m.tokens)
@@ -36,18 +40,25 @@ func (m *Reference) Take(now, cost int64) Result {
 		}
 	}
 	k := new(big.Rat).SetInt64(cost)
+	var wait int64
 	if tokens.Cmp(k) < 0 {
+		wait = ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(k, tokens), m.rate))
+	}
+	if wait > m.maxWait {
 		return Result{
-			Remaining:  floorRat(tokens),
-			RetryAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(k, tokens), m.rate)),
+			Remaining:  max(0, floorRat(tokens)),
+			RetryAfter: wait - m.maxWait,
 			ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
 		}
 	}
-	tokens.Sub(tokens, k)
-	m.tokens, m.last, m.started = tokens, now, true
+	if cost > 0 {
+		tokens.Sub(tokens, k)
+		m.tokens, m.last, m.started = tokens, now, true
+	}
 	return Result{
 		Allowed:    true,
-		Remaining:  floorRat(tokens),
+		Wait:       wait,
+		Remaining:  max(0, floorRat(tokens)),
 		ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
 	}
 }
@@ -105,6 +116,10 @@ func RandomTrace(rng *rand.Rand) Trace {
 		}
 		tr.Gaps = append(tr.Gaps, gap)
 		tr.Costs = append(tr.Costs, cost)
+	}
+	// A third of the traces wait: up to two whole refills.
+	if rng.IntN(3) == 0 {
+		tr.Limit.MaxWait = 1 + rng.Int64N(2*tr.Limit.Capacity*perToken+1)
 	}
 	return tr
 }

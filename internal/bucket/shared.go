@@ -220,6 +220,7 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	}
 	allowed := true
 	for i, l := range ls {
+		l.MaxWait = 0 // a lease takes only tokens that are there
 		_, r := take(sh.Levels[i], now, l, a.Cost)
 		allowed = allowed && r.Allowed
 	}

@@ -21,15 +21,16 @@ import "github.com/redis/go-redis/v9"
 // ARGV: the operation (take, peek, lease, return, giveback or charge); the
 // number of limits n; a count of tokens (the cost, or the tokens given back
 // or charged); microseconds to add to TIME, which only tests set; the ban
-// (µs, 0 for none); then for each limit its capacity, rate tokens and rate
-// interval (µs); then, for lease, the node, the call's seq, the tokens the
+// (µs, 0 for none); max_wait (µs, 0 for none); then for each limit its
+// capacity, rate tokens and rate interval (µs); then, for lease, the node, the call's seq, the tokens the
 // node still holds, the tokens it wants, how long the record lives (µs),
 // the tokens it spends at once, and 1 for a prefetch (0 otherwise); for
 // return, the node and the seq of its lease.
 //
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
-//     limit {allowed, remaining, retry after, reset after}}
+//     limit {allowed, remaining, retry after (when allowed: the wait),
+//     reset after}}
 //   - lease: {granted, remaining, retry after, hold-off, reset after,
 //     banned, drop, now}
 //   - return, giveback, charge: {tokens, now}
@@ -53,13 +54,14 @@ local count = tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[4])
 local ban = tonumber(ARGV[5])
+local maxwait = tonumber(ARGV[6])
 local L = {}
 for i = 1, n do
-  local c, k, iv = tonumber(ARGV[3 + 3 * i]), tonumber(ARGV[4 + 3 * i]), tonumber(ARGV[5 + 3 * i])
+  local c, k, iv = tonumber(ARGV[4 + 3 * i]), tonumber(ARGV[5 + 3 * i]), tonumber(ARGV[6 + 3 * i])
   local units = c * iv
   L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496 - units)}
 end
-local x = 6 + 3 * n
+local x = 7 + 3 * n
 
 local function bad()
   return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
@@ -190,9 +192,27 @@ local function life()
   return last - now
 end
 
-local function take_one(i, cost)
+-- take_waiting is take_one with max_wait, for a limit no ban holds: the
+-- level may go below zero by max_wait's refill, and retry says the wait.
+local function take_waiting(i, cost)
+  local l = L[i]
+  local raw = raw_deficit(i)
+  local need = cost * l.iv
+  local w = 0
+  if raw + need - l.units > 0 then w = ceildiv(raw + need - l.units, l.tok) end
+  if w > maxwait then
+    return {ok = false, rem = idiv(math.max(0, l.units - raw), l.iv), retry = w - maxwait, reset = ceildiv(raw, l.tok)}
+  end
+  if cost == 0 then
+    return {ok = true, rem = idiv(math.max(0, l.units - raw), l.iv), retry = w, reset = ceildiv(raw, l.tok), state = S[i]}
+  end
+  local st = state_at(now, raw + need, l)
+  return {ok = true, rem = idiv(math.max(0, l.units - raw - need), l.iv), retry = w, reset = st.full - now, state = st}
+end
+local function take_one(i, cost, nowait)
   local l = L[i]
   local need = cost * l.iv
+  if maxwait > 0 and not nowait and not (S[i].banned and banned(i)) then return take_waiting(i, cost) end
   if banned(i) then
     return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now}
   end
@@ -218,10 +238,12 @@ end
 -- it answers as a denial and says whether it started one.
 local function ban_one(i, need)
   local l = L[i]
-  local started = not banned(i)
+  local started = not banned(i) or (maxwait > 0 and not S[i].banned)
   if started then
     local refill = ceildiv(l.units, l.tok)
-    S[i] = {full = now + ban + refill, slack = refill * l.tok - l.units, banned = true}
+    local b = {full = now + ban + refill, slack = refill * l.tok - l.units, banned = true}
+    if S[i].full > b.full then b = {full = S[i].full, slack = S[i].slack, banned = true} end
+    S[i] = b
   end
   return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now, started = started}
 end
@@ -231,7 +253,12 @@ local function short(cost)
   local o = out()
   for i = 1, n do
     local l = L[i]
-    if banned(i) or l.units - deficit(i, now) + math.min(o, l.cap) * l.iv < cost * l.iv then return true end
+    local extra = math.min(o, l.cap) * l.iv
+    if maxwait > 0 then
+      if (S[i].banned and banned(i)) or raw_deficit(i) + cost * l.iv - l.units - extra > maxwait * l.tok then return true end
+    elseif banned(i) or l.units - deficit(i, now) + extra < cost * l.iv then
+      return true
+    end
   end
   return false
 end
@@ -384,7 +411,7 @@ if op == 'lease' then
     end
   end
   local allowed = true
-  for i = 1, n do allowed = allowed and take_one(i, count).ok end
+  for i = 1, n do allowed = allowed and take_one(i, count, true).ok end
   if not allowed then
     local w = want
     if ban > 0 and not prefetch and short(count) then

@@ -170,15 +170,20 @@ func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, 
 	banned := vals[1] == 1
 	for i := range ls {
 		v := vals[3+4*i:]
-		out[i] = bucket.Result{Allowed: v[0] == 1, Remaining: v[1], RetryAfter: v[2], ResetAfter: v[3], Banned: banned}
+		out[i] = bucket.Result{Allowed: v[0] == 1, Remaining: v[1], ResetAfter: v[3], Banned: banned}
+		if out[i].Allowed {
+			out[i].Wait = v[2]
+		} else {
+			out[i].RetryAfter = v[2]
+		}
 	}
 	return vals[0] == 1, vals[2], nil
 }
 
 // args are the script's arguments for op on limits ls, and then extra.
 func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
-	args := make([]any, 0, 5+3*len(ls)+len(extra))
-	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban)
+	args := make([]any, 0, 6+3*len(ls)+len(extra))
+	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban, ls[0].MaxWait)
 	for _, l := range ls {
 		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
 	}
