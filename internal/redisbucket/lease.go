@@ -44,6 +44,9 @@ const leaseShards = 64
 type leaseRemote interface {
 	lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error)
 	giveBack(node string, back []leaseReturn) (int64, error)
+	// reserve decides a request in the shared bucket as strict mode
+	// does, waiting included: for max_wait, when leases do not cover it.
+	reserve(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, error)
 }
 
 // leaseTable is one store's leases, by Redis key.
@@ -206,8 +209,24 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, l bucket.Limit, now int64
 }
 
 // take decides one request from this node's lease on the bucket at key,
-// fetching a lease when the tokens held do not cover it.
+// fetching a lease when the tokens held do not cover it. With max_wait, a
+// request the leases refuse, whose tokens the shared bucket holds within
+// max_wait, takes them there as strict mode does, waiting; one that would
+// wait longer is refused at once, with no call.
 func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
+	res, err := t.takeHeld(ctx, key, l, cost)
+	if err != nil || res.Allowed || l.MaxWait == 0 || res.Banned {
+		return res, err
+	}
+	if res.RetryAfter > l.MaxWait {
+		res.RetryAfter -= l.MaxWait
+		return res, nil
+	}
+	return t.store.reserve(ctx, string(key), l, cost)
+}
+
+// takeHeld is take without max_wait: from the tokens held, or refused.
+func (t *leaseTable) takeHeld(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {

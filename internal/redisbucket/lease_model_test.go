@@ -1,7 +1,9 @@
 package redisbucket
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -22,12 +24,16 @@ import (
 // many tokens, clock steps, lease give-backs, count_status give-backs,
 // reloads, outages, requests decided in strict mode, and bans. With a ban,
 // the fleet admits after the ban starts at most the tokens then out on
-// lease, all within lease_ttl of it.
+// lease, all within lease_ttl of it. With max_wait, a request's tokens count when they are
+// due (its decision plus its wait): the bound holds over every window of
+// due times, and the ban's over decisions.
 
 // admission is one request the fleet allowed. returned marks, in the
 // events of a trace, the give-back of an earlier one's cost.
 type admission struct {
 	at, cost int64
+	// due is when the request goes on: at, plus its wait.
+	due      int64
 	node     int
 	returned bool
 }
@@ -47,6 +53,9 @@ type fleetRound struct {
 	nodes  int
 	steps  int
 	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+	// mutateWait, when set, breaks the strict take that a waiting request
+	// makes.
+	mutateWait func(sh *bucket.Shared, res *bucket.Result)
 }
 
 func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
@@ -70,6 +79,9 @@ func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
 	if rng.IntN(3) == 0 {
 		r.limit.Ban = (1 + rng.Int64N(30)) * 1_000_000
 	}
+	if rng.IntN(3) == 0 {
+		r.limit.MaxWait = 1 + rng.Int64N(2*r.limit.Units()/r.limit.Rate.Tokens)
+	}
 	return r
 }
 
@@ -83,8 +95,15 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	key := "bucket"
 	var bans []banStart
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
-	var adm []admission
+	var adm, backs []admission
 	m.onLease = func(_ string, sh *bucket.Shared, res bucket.LeaseResult) {
+		if res.Banned {
+			bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
+		}
+	}
+	m.onReturn = func(n int64) { backs = append(backs, admission{at: clock.now(), cost: n}) }
+	m.mutateWait = r.mutateWait
+	m.onReserve = func(_ string, sh *bucket.Shared, res bucket.Result) {
 		if res.Banned {
 			bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
 		}
@@ -126,7 +145,10 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			if err == nil && res.Allowed {
 				// Allowed from the tokens held, before the prefetch it
 				// started, which may have started a ban.
-				adm = append(adm, admission{at: clock.now(), cost: cost, node: i})
+				if res.Wait > l.MaxWait {
+					return fmt.Errorf("a request waits %d µs, over max_wait %d", res.Wait, l.MaxWait)
+				}
+				adm = append(adm, admission{at: clock.now(), due: clock.now() + res.Wait, cost: cost, node: i})
 				for k := before; k < len(bans); k++ {
 					bans[k].after = len(adm)
 				}
@@ -144,7 +166,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			}
 			m.mu.Unlock()
 			if allowed {
-				adm = append(adm, admission{at: clock.now(), cost: cost, node: -1})
+				adm = append(adm, admission{at: clock.now(), due: clock.now() + out[0].Wait, cost: cost, node: -1})
 			}
 		case op < 80:
 			step := rng.Int64N(int64(r.ttl))
@@ -169,7 +191,13 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 				continue
 			}
 			adm[k].returned = true
-			adm = append(adm, admission{at: clock.now(), cost: -a.cost, node: a.node, returned: true})
+			backs = append(backs, admission{at: clock.now(), cost: a.cost})
+			if clock.now() < a.due {
+				// A waiter that hung up: it never went on.
+				adm[k].cost = 0
+			} else {
+				adm = append(adm, admission{at: clock.now(), due: clock.now(), cost: -a.cost, node: a.node, returned: true})
+			}
 			rest := a.cost
 			if a.node >= 0 {
 				rest = tables[a.node].giveBackHeld([]byte(key), a.cost)
@@ -191,22 +219,46 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			m.mu.Unlock()
 		}
 	}
-	return checkFleet(adm, bans, l, r.ttl)
+	return checkFleet(adm, backs, bans, l, r.ttl)
 }
 
-// checkFleet checks the bound over every window between two admissions,
-// and each ban's hold. adm holds the admissions and, as negative costs, the
-// give-backs, in the order of their times.
-func checkFleet(adm []admission, bans []banStart, l bucket.Limit, ttl time.Duration) error {
-	for i := range adm {
-		if adm[i].cost < 0 {
+// checkFleet checks the bound over every window between two admissions'
+// due times, and each ban's hold. adm holds the admissions and, as negative
+// costs, the give-backs, in the order of their decisions.
+//
+// With max_wait, tokens given back (by a waiter that hung up, count_status
+// or a lease's give-back) may be taken again at once by a request due
+// before waiters queued earlier, never more than max_wait after the
+// give-back: a window's bound grows by the tokens given back from max_wait
+// before it to its end, and give-backs are not netted.
+func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl time.Duration) error {
+	byDue := slices.Clone(adm)
+	slices.SortStableFunc(byDue, func(a, b admission) int { return cmp.Compare(a.due, b.due) })
+	for i := range byDue {
+		if byDue[i].cost < 0 {
 			continue
 		}
 		var net int64
-		for j := i; j < len(adm); j++ {
-			net += adm[j].cost
-			if bound := l.Capacity + (adm[j].at-adm[i].at)*l.Rate.Tokens/l.Rate.Interval; adm[j].cost > 0 && net > bound {
-				return fmt.Errorf("%d admitted, net of give-backs, between %d and %d µs, more than C + floor(r*T) = %d", net, adm[i].at, adm[j].at, bound)
+		for j := i; j < len(byDue); j++ {
+			if l.MaxWait > 0 && byDue[j].cost < 0 {
+				continue
+			}
+			net += byDue[j].cost
+			// A wait is rounded up to the microsecond.
+			span := byDue[j].due - byDue[i].due
+			if l.MaxWait > 0 {
+				span++
+			}
+			bound := l.Capacity + span*l.Rate.Tokens/l.Rate.Interval
+			if l.MaxWait > 0 {
+				for _, g := range backs {
+					if g.at >= byDue[i].due-l.MaxWait && g.at <= byDue[j].due {
+						bound += g.cost
+					}
+				}
+			}
+			if byDue[j].cost > 0 && net > bound {
+				return fmt.Errorf("%d admitted, net of give-backs, due between %d and %d µs, more than C + floor(r*T) = %d", net, byDue[i].due, byDue[j].due, bound)
 			}
 		}
 	}
@@ -256,12 +308,18 @@ func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 			}
 		}},
 		{"leases not counted", func(sh *bucket.Shared, _ *bucket.LeaseResult) { sh.Held = nil }},
+		{"a waiter goes 1 ms early", nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(20, 3))
 			for round := range 300 {
 				r := randomFleetRound(rng, 800)
 				r.mutate = tt.mutate
+				if tt.mutate == nil {
+					r.mutateWait = func(_ *bucket.Shared, res *bucket.Result) {
+						res.Wait = max(0, res.Wait-1000)
+					}
+				}
 				if err := runFleet(rng, r); err != nil {
 					t.Logf("caught in round %d: %v", round, err)
 					return

@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -30,6 +31,12 @@ type sharedModel struct {
 	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
 	// onLease, when set, sees each lease call's outcome, under the lock.
 	onLease func(key string, sh *bucket.Shared, res bucket.LeaseResult)
+	// onReserve, when set, sees each strict take's outcome, under the lock.
+	onReserve func(key string, sh *bucket.Shared, res bucket.Result)
+	// mutateWait, when set, breaks each strict take's result.
+	mutateWait func(sh *bucket.Shared, res *bucket.Result)
+	// onReturn, when set, sees the tokens each lease give-back returned.
+	onReturn func(n int64)
 }
 
 func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
@@ -72,7 +79,29 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	for _, g := range back {
 		n += m.bucket(g.key, 1).Return(m.now(), []bucket.Limit{g.limit}, node, g.seq, g.tokens)
 	}
+	if m.onReturn != nil && n > 0 {
+		m.onReturn(n)
+	}
 	return n, nil
+}
+
+func (m *sharedModel) reserve(_ context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.calls++
+	if m.down {
+		return bucket.Result{}, errBreakerOpen
+	}
+	var out [1]bucket.Result
+	sh := m.bucket(key, 1)
+	sh.Take(m.now(), []bucket.Limit{l}, cost, out[:])
+	if m.mutateWait != nil {
+		m.mutateWait(sh, &out[0])
+	}
+	if m.onReserve != nil {
+		m.onReserve(key, sh, out[0])
+	}
+	return out[0], nil
 }
 
 // level is the shared bucket's whole tokens at now.

@@ -508,5 +508,5 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 		}
 		syncAll()
 	}
-	return checkFleet(adm, nil, l, r.ttl)
+	return checkFleet(adm, nil, nil, l, r.ttl)
 }

@@ -180,6 +180,14 @@ func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, 
 	return vals[0] == 1, vals[2], nil
 }
 
+// reserve is a strict take on key, for a request that leases refused and
+// that may wait (max_wait).
+func (s *Store) reserve(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, error) {
+	var out [1]bucket.Result
+	_, _, err := s.takeAll(ctx, "take", key, []bucket.Limit{l}, cost, out[:], true)
+	return out[0], err
+}
+
 // args are the script's arguments for op on limits ls, and then extra.
 func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
 	args := make([]any, 0, 6+3*len(ls)+len(extra))
