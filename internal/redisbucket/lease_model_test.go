@@ -3,8 +3,8 @@ package redisbucket
 import (
 	"cmp"
 	"fmt"
-	"slices"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 

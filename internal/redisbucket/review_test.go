@@ -429,7 +429,12 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 		}
 	}()
 	var mu sync.Mutex
-	var adm []admission
+	var adm, backs []admission
+	m.onReturn = func(n int64) {
+		mu.Lock()
+		backs = append(backs, admission{at: clock.now(), cost: n})
+		mu.Unlock()
+	}
 	syncAll := func() {
 		for _, tb := range tables {
 			tableSync(tb)
@@ -455,7 +460,7 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 				res, err := tb.take(bg, []byte(key), l, cost)
 				if err == nil && res.Allowed {
 					mu.Lock()
-					adm = append(adm, admission{at: at, cost: cost, node: i})
+					adm = append(adm, admission{at: at, due: at + res.Wait, cost: cost, node: i})
 					mu.Unlock()
 				}
 			})
@@ -474,7 +479,10 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 		}
 		for _, a := range returned {
 			tb := tables[a.node]
-			adm = append(adm, admission{at: at, cost: -a.cost, node: a.node, returned: true})
+			mu.Lock()
+			backs = append(backs, admission{at: at, cost: a.cost})
+			mu.Unlock()
+			adm = append(adm, admission{at: at, due: at, cost: -a.cost, node: a.node, returned: true})
 			wg.Go(func() {
 				rest := tb.giveBackHeld([]byte(key), a.cost)
 				if rest > 0 {
@@ -508,5 +516,5 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 		}
 		syncAll()
 	}
-	return checkFleet(adm, nil, nil, l, r.ttl)
+	return checkFleet(adm, backs, nil, l, r.ttl)
 }
