@@ -328,6 +328,10 @@ type policyView struct {
 	// Leases is the buckets this node holds leased tokens of (Redis with
 	// lease only).
 	Leases int `json:"leases"`
+	// Waiting is the policy's requests waiting for their tokens on this
+	// node now (max_wait), and MaxWaiting their bound.
+	Waiting    int64 `json:"waiting"`
+	MaxWaiting int   `json:"max_waiting"`
 }
 
 type tierView struct {
@@ -336,6 +340,8 @@ type tierView struct {
 	Cost   int64       `json:"cost,omitempty"`
 	// CostPlaceholder, instead of Cost, is where each request's cost is read.
 	CostPlaceholder string `json:"cost_placeholder,omitempty"`
+	// MaxWait is how long a request may wait for its tokens, when it may.
+	MaxWait string `json:"max_wait,omitempty"`
 	// Unlimited or Deny mark allow- and block-list tiers.
 	Unlimited bool `json:"unlimited,omitempty"`
 	Deny      bool `json:"deny,omitempty"`
@@ -367,7 +373,7 @@ func (a *Admin) servePolicies(w http.ResponseWriter, r *http.Request) error {
 
 // view describes the handler's policy as it runs now.
 func (h *Handler) view() policyView {
-	v := policyView{Policy: h.Name, Keyers: []string{}}
+	v := policyView{Policy: h.Name, Keyers: []string{}, Waiting: h.waiting.Load(), MaxWaiting: h.maxWaiting}
 	for _, k := range h.keyers {
 		v.Keyers = append(v.Keyers, k.ID())
 	}
@@ -382,6 +388,9 @@ func (h *Handler) view() policyView {
 			}
 			if tv.CostPlaceholder = t.CostPlaceholder; tv.CostPlaceholder == "" {
 				tv.Cost = t.cost
+			}
+			if t.maxWait > 0 {
+				tv.MaxWait = (time.Duration(t.maxWait) * time.Microsecond).String()
 			}
 		}
 		v.Tiers = append(v.Tiers, tv)

@@ -95,6 +95,19 @@ func BenchmarkServeHTTP(b *testing.B) {
 	benchServe(b, h)
 }
 
+// BenchmarkServeHTTPMaxWait is the allowed path with max_wait set, never
+// waiting (the bucket always holds the tokens), beside the same without:
+// run both in one run to compare.
+func BenchmarkServeHTTPMaxWait(b *testing.B) {
+	for _, tt := range []struct{ name, maxWait string }{{"without", ""}, {"max_wait", `,"max_wait":1000000000`}} {
+		b.Run(tt.name, func(b *testing.B) {
+			h, done := provisionedHandler(b, `{"name":"bench-wait-`+tt.name+`"`+tt.maxWait+`,"tiers":[{"name":"default","capacity":1000000000,"refill":"1000000/s"}]}`)
+			defer done()
+			benchServe(b, h)
+		})
+	}
+}
+
 // benchServe runs b.N requests of one client through h.
 func benchServe(b *testing.B, h *Handler) {
 	w := &headerSink{h: make(http.Header)}

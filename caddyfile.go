@@ -53,6 +53,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        cost <n> | <placeholder>
 //	        limit <capacity> <refill>
 //	        cost_from_response <field>
+//	        max_wait <duration>
 //	        match { <request matchers> }
 //	        claim <claim> <value...>
 //	        keyer ip|header|cookie|jwt|form|json|placeholder
@@ -70,6 +71,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    limit <capacity> <refill>
 //	    count_status <code|class...>
 //	    ban <duration>
+//	    max_wait <duration>
+//	    max_waiting <n>
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
@@ -91,7 +94,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban"); err != nil {
+		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban", "max_wait", "max_waiting"); err != nil {
 			return err
 		}
 		var err error
@@ -125,6 +128,14 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		case "ban":
 			err = positiveDuration(d, &h.Ban)
+		case "max_wait":
+			err = positiveDuration(d, &h.MaxWait)
+		case "max_waiting":
+			var n int64
+			if n, err = intArg(d); err == nil && n < 1 {
+				err = d.Errf("max_waiting %d: must be at least 1", n)
+			}
+			h.MaxWaiting = int(n)
 		case "status":
 			var n int64
 			if n, err = intArg(d); err == nil {
@@ -235,7 +246,7 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny", "cost_from_response"); err != nil {
+		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny", "cost_from_response", "max_wait"); err != nil {
 			return err
 		}
 		var err error
@@ -250,6 +261,8 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			err = parseLimit(d, &t.Limits)
 		case "cost_from_response":
 			err = oneArg(d, &t.CostFromResponse)
+		case "max_wait":
+			err = positiveDuration(d, &t.MaxWait)
 		case "keyer":
 			err = oneArg(d, &t.Keyer)
 		case "unlimited":

@@ -27,6 +27,9 @@ type decision struct {
 	claims  requestClaims
 	result  bucket.Result
 	outcome outcome
+	// overflow marks a request refused because max_waiting others of its
+	// policy wait.
+	overflow bool
 	// took is the store the tokens came from, for count_status.
 	took Store
 	// cost is what this request takes: the tier's, or its placeholder's.
@@ -156,6 +159,9 @@ func (d *decision) placeholder(key string) (any, bool) {
 		return d.tier.Name, true
 	case "key_id":
 		return d.keyID(), true
+	case "waited":
+		// The wait of an allowed request is the one it waited.
+		return (d.result.Wait + 500) / 1000, true
 	}
 	if d.tier.Unlimited || d.tier.Deny || d.outcome == outcomeError && d.result == (bucket.Result{}) {
 		return "", true
@@ -301,6 +307,15 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 // answer sets the headers for the store's answer, and passes the request
 // on, to be settled after the response, or rejects it.
 func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, res bucket.Result) error {
+	if res.Allowed && res.Wait > 0 {
+		var err error
+		if res, err = h.await(r, d, res); err != nil {
+			// The client went away while it waited: as reverse_proxy
+			// does, the access log gets 499 (client closed request).
+			w.WriteHeader(499)
+			return nil
+		}
+	}
 	d.result = res
 	h.render(d)
 	h.setHeaders(w.Header(), &d.resp)
@@ -311,6 +326,9 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			w.Header()["Retry-After"] = d.retry[:]
 		}
 		o, msg := outcomeDenied, "rate limited"
+		if d.overflow {
+			msg = "rate limited: max_waiting requests of the policy already wait"
+		}
 		if h.DryRun {
 			o, msg = outcomeDryRun, "rate limited (dry run: let through)"
 		}
@@ -325,6 +343,9 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
 		}
 		if !h.DryRun {
+			if d.overflow {
+				return rejection(h.Status, errTooManyWaiting)
+			}
 			return rejection(h.Status, errLimited)
 		}
 	}

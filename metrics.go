@@ -29,6 +29,12 @@ var (
 		Help: "Bans started (ban): denials that emptied a bucket for the ban's length, by policy and tier.",
 	}, []string{"policy", "tier"})
 
+	waitSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "wait_seconds",
+		Help:    "How long requests waited for their tokens (max_wait), by policy and tier; requests that did not wait are not counted.",
+		Buckets: []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30},
+	}, []string{"policy", "tier"})
+
 	storeErrorsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "store_errors_total",
 		Help: "Decisions the store failed to make, so that on_store_error decided.",
@@ -68,7 +74,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, bansTotal}, redisbucket.Collectors()...) {
+	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, bansTotal, waitSeconds}, redisbucket.Collectors()...) {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

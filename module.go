@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
@@ -51,6 +52,7 @@ func init() {
 // `{http.rate_limit.remaining}` | the whole tokens left
 // `{http.rate_limit.reset}` | the Unix second at which the bucket is full again
 // `{http.rate_limit.retry_after}` | the seconds to wait, when denied; 0 otherwise
+// `{http.rate_limit.waited}` | the milliseconds the request waited for its tokens (max_wait); 0 when it did not
 // `{http.rate_limit.key_id}` | a fingerprint of the client's key, never the key itself
 // `{http.rate_limit.claim.*}` | a claim of the verified JWT, such as `{http.rate_limit.claim.sub}`
 type Handler struct {
@@ -114,6 +116,19 @@ type Handler struct {
 	// not extend it; when it ends, the bucket refills from empty.
 	Ban caddy.Duration `json:"ban,omitempty"`
 
+	// MaxWait, when set, lets a request whose tokens are due within it wait
+	// for them instead of being refused: it takes them at once, waits
+	// until they are due, then goes on, so that a burst reaches the origin
+	// at the limit's pace. One that would wait longer is refused at once,
+	// taking nothing, with Retry-After the seconds until it would fit. A
+	// waiter whose client goes away gives its tokens back. A tier may set
+	// its own. nginx's `limit_req burst=<C + max_wait*rate> delay=<C>`.
+	MaxWait caddy.Duration `json:"max_wait,omitempty"`
+
+	// MaxWaiting bounds the requests of this policy that wait at once on
+	// this node (max_wait); one more is refused at once. Default 10000.
+	MaxWaiting int `json:"max_waiting,omitempty"`
+
 	// NoKey says what happens when no keyer names the client: "ip" keys it
 	// by its IP address; "deny" answers 400 and the request goes no
 	// further, so that a client cannot leave the per-user bucket by sending
@@ -144,6 +159,10 @@ type Handler struct {
 	notes   *denialNotes
 	events  *caddyevents.App
 	ctx     caddy.Context
+	// waiting counts the policy's waiting requests on this node, up to
+	// maxWaiting.
+	waiting    *atomic.Int64
+	maxWaiting int
 }
 
 // CaddyModule returns the Caddy module information.
@@ -194,6 +213,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.denials = denialsFor(h.Name)
+	h.provisionWait()
 	// The http app loads the events app before its handlers; outside a
 	// server (tests that provision a handler alone) there is none.
 	if events, err := ctx.AppIfConfigured("events"); err == nil {
@@ -295,6 +315,9 @@ func (h *Handler) validate() error {
 		return err
 	}
 	if err := h.validateLeaseUse(); err != nil {
+		return err
+	}
+	if err := h.validateWait(); err != nil {
 		return err
 	}
 	switch headers {

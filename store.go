@@ -47,6 +47,9 @@ type Store interface {
 	// GiveBack returns n tokens that a Take took, up to the capacity: for
 	// count_status, when the response's status is not one that counts.
 	GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error
+	// GiveBackAll is GiveBack for a bucket of several limits: n tokens
+	// back to each, as TakeAll took them.
+	GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Limit, n int64) error
 }
 
 // StoreReporter is a store that says how it stands, for GET

@@ -120,6 +120,12 @@ func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l bucket.Limit, n in
 	return nil
 }
 
+// GiveBackAll implements Store.
+func (s *LocalStore) GiveBackAll(_ context.Context, b *Bucket, ls []bucket.Limit, n int64) error {
+	s.buckets.giveBackAll(b, ls, n)
+	return nil
+}
+
 // Report implements StoreReporter.
 func (s *LocalStore) Report() StoreReport { return StoreReport{Keys: s.buckets.len()} }
 
@@ -289,6 +295,19 @@ func (lb *localBuckets) peek(b *Bucket, l bucket.Limit) bucket.Result {
 func (lb *localBuckets) giveBack(b *Bucket, l bucket.Limit, n int64) {
 	// A bucket back to full is no bucket; keeping it costs nothing.
 	lb.update(b, func(st bucket.State, now int64) bucket.State { return bucket.GiveBack(st, now, l, n) }, false)
+}
+
+// giveBackAll gives n back to each of the bucket's limits, under one lock.
+func (lb *localBuckets) giveBackAll(b *Bucket, ls []bucket.Limit, n int64) {
+	sh, id := lb.locate(b)
+	now := lb.now()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i, l := range ls {
+		if st, ok := sh.states.get(limitID(id, i)); ok {
+			sh.states.put(limitID(id, i), bucket.GiveBack(st, now, l, n))
+		}
+	}
 }
 
 // update applies f to the bucket's state under its shard's lock; a bucket

@@ -294,6 +294,12 @@ func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n 
 	return s.engine.GiveBack(ctx, s.key(buf[:0], b), l, n)
 }
 
+// GiveBackAll implements Store.
+func (s *RedisStore) GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Limit, n int64) error {
+	var buf [192]byte
+	return s.engine.GiveBackAll(ctx, s.key(buf[:0], b), ls, n)
+}
+
 // Report implements StoreReporter.
 func (s *RedisStore) Report() StoreReport {
 	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld()}

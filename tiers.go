@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -52,6 +53,10 @@ type Tier struct {
 	// has, for every claim named, one of the values listed.
 	Claims map[string][]string `json:"claims,omitempty"`
 
+	// MaxWait, when set, is the tier's own max_wait: how long its requests
+	// may wait for their tokens. Default: the handler's.
+	MaxWait caddy.Duration `json:"max_wait,omitempty"`
+
 	// Unlimited makes the tier an allow-list: its clients are never limited
 	// and the store is not touched.
 	Unlimited bool `json:"unlimited,omitempty"`
@@ -70,8 +75,11 @@ type Tier struct {
 	// request can ever fit.
 	maxCost int64
 	// ban is the handler's ban (µs), which the tier's limit carries.
-	ban  int64
-	cost int64
+	ban int64
+	// maxWait is the tier's max_wait, or the handler's (µs).
+	maxWait  int64
+	waitTime prometheus.Observer
+	cost     int64
 	// Header values that do not change from request to request.
 	limitText  string
 	policyText string
@@ -178,7 +186,7 @@ func (t *Tier) validateLimits() error {
 		if err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
-		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban}
+		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban, MaxWait: t.maxWait}
 		if err := l.Validate(t.cost); err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}

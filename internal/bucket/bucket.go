@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"math/big"
+	"time"
 )
 
 // The token bucket, lazily refilled.
@@ -64,6 +65,8 @@ type State struct {
 // Result is what one Take decided.
 type Result struct {
 	Allowed bool
+	// Banned says that this denial started a ban.
+	Banned bool
 	// Remaining is the whole tokens left after this request.
 	Remaining int64
 	// RetryAfter is, when denied, the microseconds until the request could be
@@ -71,8 +74,6 @@ type Result struct {
 	RetryAfter int64
 	// ResetAfter is the microseconds until the bucket is full again.
 	ResetAfter int64
-	// Banned says that this denial started a ban.
-	Banned bool
 	// Wait is, when allowed, the microseconds until the tokens taken are
 	// due: the request waits that long before it goes on. 0 when they are
 	// there now, and always without MaxWait.
@@ -95,7 +96,7 @@ func (l Limit) Validate(cost int64) error {
 		return fmt.Errorf("cost %d: must be from 1 to the capacity, %d", cost, l.Capacity)
 	}
 	if most := (l.maxDeficit() - l.Units()) / l.Rate.Tokens; l.MaxWait < 0 || l.MaxWait > most {
-		return fmt.Errorf("max_wait %dµs: must be from 0 to the time 1000 capacities take to refill, %dµs", l.MaxWait, most)
+		return fmt.Errorf("max_wait %s: must be at most the time 1000 capacities take to refill, %s", time.Duration(l.MaxWait)*time.Microsecond, time.Duration(most)*time.Microsecond)
 	}
 	return nil
 }

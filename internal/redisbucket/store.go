@@ -221,6 +221,20 @@ func (s *Store) GiveBack(ctx context.Context, key []byte, l bucket.Limit, n int6
 	return err
 }
 
+// GiveBackAll returns n tokens to every limit of the bucket at key, in one
+// script call; one limit is GiveBack. Leases take no part in tiers of
+// several limits.
+func (s *Store) GiveBackAll(ctx context.Context, key []byte, ls []bucket.Limit, n int64) error {
+	if len(ls) == 1 {
+		return s.GiveBack(ctx, key, ls[0], n)
+	}
+	if n <= 0 {
+		return nil
+	}
+	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("giveback", ls, n), false, 2)
+	return err
+}
+
 // Peek reports the bucket at key, changing nothing.
 func (s *Store) Peek(ctx context.Context, key []byte, l bucket.Limit) (bucket.Result, error) {
 	var out [1]bucket.Result

@@ -1,0 +1,142 @@
+package ratelimit
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// Smoothing bursts (README: Smooth bursts instead of refusing them): with
+// max_wait, a request whose tokens are due within it takes them at once
+// and waits until they are due, then goes on. The store decides it, in the
+// same step as any take; the handler only waits, on a timer, holding no
+// lock, no store shard and no connection.
+
+// defaultMaxWaiting bounds the requests of one policy that wait at once on
+// a node, when max_waiting does not say.
+const defaultMaxWaiting = 10000
+
+// waiters counts each policy's waiting requests on this node: handlers of
+// one policy (its routes, and the configs of a reload) share the bound.
+var waiters sync.Map // policy name -> *atomic.Int64
+
+func waitersFor(policy string) *atomic.Int64 {
+	n, _ := waiters.LoadOrStore(policy, new(atomic.Int64))
+	return n.(*atomic.Int64)
+}
+
+// validateWait checks max_wait and max_waiting, and hands each tier its
+// max_wait: its own, or the handler's.
+func (h *Handler) validateWait() error {
+	if h.MaxWait < 0 {
+		return fmt.Errorf("max_wait %s: must be above 0", time.Duration(h.MaxWait))
+	}
+	if h.MaxWaiting < 0 {
+		return fmt.Errorf("max_waiting %d: must be at least 1", h.MaxWaiting)
+	}
+	for _, t := range h.Tiers {
+		if t.MaxWait < 0 {
+			return fmt.Errorf("tier %q: max_wait %s: must be above 0", t.Name, time.Duration(t.MaxWait))
+		}
+		t.maxWait = time.Duration(cmp.Or(t.MaxWait, h.MaxWait)).Microseconds()
+	}
+	return nil
+}
+
+// errTooManyWaiting is the error behind the refusal of a request that
+// would wait while max_waiting requests of its policy already do.
+var errTooManyWaiting = errors.New("too many requests of this policy are waiting (max_waiting)")
+
+// await holds an allowed request until its tokens are due. A request that
+// would be one waiter too many is refused at once, and one whose client
+// goes away gives its tokens back: either way, the tokens it took go back.
+// It returns the result to answer with, or the client's error.
+func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
+	if h.DryRun {
+		// A dry run changes no request's timing.
+		res.Wait = 0
+		return res, nil
+	}
+	if h.waiting.Add(1) > int64(h.maxWaiting) {
+		h.waiting.Add(-1)
+		h.giveBackTaken(r, d, "max_waiting")
+		d.overflow = true
+		return bucket.Result{Remaining: res.Remaining, RetryAfter: res.Wait, ResetAfter: res.ResetAfter}, nil
+	}
+	defer h.waiting.Add(-1)
+	timer := time.NewTimer(time.Duration(res.Wait) * time.Microsecond)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		d.tier.waitTime.Observe(float64(res.Wait) / 1e6)
+		return res, nil
+	case <-r.Context().Done():
+		h.giveBackTaken(r, d, "client gone")
+		d.decide(outcomeAllowed)
+		if ce := h.logger.Check(zapcore.DebugLevel, "client went away while waiting; tokens given back"); ce != nil {
+			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
+		}
+		return res, r.Context().Err()
+	}
+}
+
+// giveBackTaken gives back the tokens a request took, to every limit of
+// its tier, as the running config counts them: after a reload that
+// changed a refill, converted, so that no tokens are created.
+func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
+	if d.cost == 0 {
+		return
+	}
+	ctx := context.WithoutCancel(r.Context())
+	var err error
+	if len(d.tier.limits) > 1 {
+		// After a reload, the tier's limits may be others: nothing.
+		if takerLive(h) {
+			err = d.took.GiveBackAll(ctx, &d.bucket, d.tier.limits, d.cost)
+		}
+	} else {
+		l, n := d.tier.limit, d.cost
+		cur, ok := liveLimit(h.Name, d.tier.Name, l, h)
+		if !ok {
+			return
+		}
+		if cur != l {
+			l, n = cur, cur.Converted(n, l)
+		}
+		if n > 0 {
+			err = d.took.GiveBack(ctx, &d.bucket, l, n)
+		}
+	}
+	if err != nil {
+		h.storeLog.Warn("rate limit store: giving back a waiting request's tokens failed", zap.String("policy", h.Name), zap.String("why", why), zap.Error(err))
+	}
+}
+
+// takerLive reports whether h still runs (or runs outside a server, in
+// tests): the limits it took under are the ones that run.
+func takerLive(h *Handler) bool {
+	liveHandlers.Lock()
+	defer liveHandlers.Unlock()
+	hs := liveHandlers.byPolicy[h.Name]
+	return len(hs) == 0 || slices.Contains(hs, h)
+}
+
+// provisionWait sets up the waiting bound; the tiers' wait histograms are
+// looked up here, not per request.
+func (h *Handler) provisionWait() {
+	h.maxWaiting = cmp.Or(h.MaxWaiting, defaultMaxWaiting)
+	h.waiting = waitersFor(h.Name)
+	for _, t := range h.Tiers {
+		t.waitTime = waitSeconds.WithLabelValues(h.Name, t.Name)
+	}
+}
