@@ -42,7 +42,7 @@ func (d *decision) readCost(r *http.Request) error {
 
 // takeAll applies the request to every limit of its tier, in one step of
 // store. The result is the binding limit's, the one the X- headers report;
-// its RetryAfter is the wait until all allow.
+// its RetryAfter is the wait until all allow, and its Wait the longest.
 func (d *decision) takeAll(ctx context.Context, store Store) (bucket.Result, error) {
 	ls := d.tier.limits
 	d.limits = new([maxLimits]bucket.Result)
@@ -54,6 +54,10 @@ func (d *decision) takeAll(ctx context.Context, store Store) (bucket.Result, err
 	d.binding = bindingLimit(out, allowed)
 	res := out[d.binding]
 	res.Allowed = allowed
+	// With max_wait, the request waits for the slowest of its limits.
+	for _, r := range out {
+		res.Wait = max(res.Wait, r.Wait)
+	}
 	return res, nil
 }
 

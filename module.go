@@ -122,7 +122,8 @@ type Handler struct {
 	// at the limit's pace. One that would wait longer is refused at once,
 	// taking nothing, with Retry-After the seconds until it would fit. A
 	// waiter whose client goes away gives its tokens back. A tier may set
-	// its own. nginx's `limit_req burst=<C + max_wait*rate> delay=<C>`.
+	// its own. nginx's `limit_req burst=<C + max_wait*rate - 1>
+	// delay=<C - 1>` (nginx does not count a burst's first request).
 	MaxWait caddy.Duration `json:"max_wait,omitempty"`
 
 	// MaxWaiting bounds the requests of this policy that wait at once on

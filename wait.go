@@ -67,8 +67,7 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 		res.Wait = 0
 		return res, nil
 	}
-	if h.waiting.Add(1) > int64(h.maxWaiting) {
-		h.waiting.Add(-1)
+	if !h.enterWaiting() {
 		h.giveBackTaken(r, d, "max_waiting")
 		d.overflow = true
 		return bucket.Result{Remaining: res.Remaining, RetryAfter: res.Wait, ResetAfter: res.ResetAfter}, nil
@@ -87,6 +86,20 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
 		}
 		return res, r.Context().Err()
+	}
+}
+
+// enterWaiting counts one more waiter, unless max_waiting already wait:
+// the count never passes the bound, not even for a moment.
+func (h *Handler) enterWaiting() bool {
+	for {
+		n := h.waiting.Load()
+		if n >= int64(h.maxWaiting) {
+			return false
+		}
+		if h.waiting.CompareAndSwap(n, n+1) {
+			return true
+		}
 	}
 }
 

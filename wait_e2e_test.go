@@ -1,0 +1,385 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+)
+
+// max_wait end to end: real Caddy configs, a real origin that records when
+// each request reaches it, in every store mode.
+
+// waitOrigin is an origin that notes when each request reaches it.
+type waitOrigin struct {
+	srv *httptest.Server
+	mu  sync.Mutex
+	at  []time.Time
+}
+
+func newWaitOrigin(t *testing.T) *waitOrigin {
+	t.Helper()
+	o := &waitOrigin{}
+	o.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		o.mu.Lock()
+		o.at = append(o.at, time.Now())
+		o.mu.Unlock()
+		w.Write([]byte("ok"))
+	}))
+	t.Cleanup(o.srv.Close)
+	return o
+}
+
+// arrivals are the times requests reached the origin, in order.
+func (o *waitOrigin) arrivals() []time.Time {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	at := slices.Clone(o.at)
+	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
+	return at
+}
+
+// outcome is what one request of a test got.
+type waitOutcome struct {
+	status int
+	retry  string
+	err    error
+	sent   time.Time
+	took   time.Duration
+}
+
+// send sends a GET as client key, under ctx.
+func (s *testServer) send(ctx context.Context, key string) waitOutcome {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.base+"/", nil)
+	if err != nil {
+		panic(err)
+	}
+	req.Header.Set("X-Key", key)
+	o := waitOutcome{sent: time.Now()}
+	resp, err := s.client.Do(req)
+	o.took = time.Since(o.sent)
+	if err != nil {
+		o.err = err
+		return o
+	}
+	resp.Body.Close()
+	o.status, o.retry = resp.StatusCode, resp.Header.Get("Retry-After")
+	return o
+}
+
+// burst sends n requests of one client at once, and returns what each got.
+func (s *testServer) burst(n int, key string) []waitOutcome {
+	out := make([]waitOutcome, n)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			out[i] = s.send(context.Background(), key)
+		})
+	}
+	close(start)
+	wg.Wait()
+	return out
+}
+
+// warm opens n connections to s, so that a burst's requests do not wait
+// on dials.
+func (s *testServer) warm(n int) {
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			if resp, err := s.client.Get(s.base + "/warm"); err == nil {
+				resp.Body.Close()
+			}
+		})
+	}
+	wg.Wait()
+}
+
+const waitSite = `rate_limit /warm* 1000000 1000000/s {
+		name %[1]s_warm
+	}
+	rate_limit %[2]d %[3]s {
+		name %[1]s
+		key header X-Key
+		max_wait %[4]s
+		%[5]s
+	}
+	reverse_proxy %[6]s`
+
+// rate 10/s, capacity 1, max_wait 1s, 30 requests of one client at once:
+// 11 reach the origin, the k-th after k x 100 ms (+-20 ms), and 19 are
+// refused at once with Retry-After.
+func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
+	skipUnderShort(t, "real-time")
+	for i, mode := range storeModes(startRedis(t)) {
+		t.Run(mode.name, func(t *testing.T) {
+			origin := newWaitOrigin(t)
+			s := serve(t, fmt.Sprintf(waitSite, fmt.Sprint("spaced_", i), 1, "10/s", "1s", mode.store, origin.srv.Listener.Addr()))
+			s.warm(32)
+			origin.mu.Lock()
+			origin.at = nil
+			origin.mu.Unlock()
+			t0 := time.Now()
+			out := s.burst(30, fmt.Sprint("burst-", i))
+			var served, refused int
+			var refusals []time.Duration
+			atOnce := time.Hour
+			for _, o := range out {
+				switch {
+				case o.err != nil:
+					t.Fatalf("request failed: %v", o.err)
+				case o.status == 200:
+					served++
+					atOnce = min(atOnce, o.took)
+				case o.status == 429:
+					refused++
+					refusals = append(refusals, o.took)
+					if o.retry != "1" {
+						t.Errorf("a refusal's Retry-After %q, want 1", o.retry)
+					}
+				default:
+					t.Fatalf("status %d", o.status)
+				}
+			}
+			if served != 11 || refused != 19 {
+				t.Fatalf("%d served, %d refused; want 11 and 19", served, refused)
+			}
+			slices.Sort(refusals)
+			// Refused at once: no refusal waits for a token (100 ms). The
+			// 30 requests share this process's 2 CPUs with Caddy, so a
+			// refusal costs what half the burst costs to send and answer,
+			// as the request served at once does: the median refusal comes
+			// within 5 ms of it (25 under the race detector, which slows
+			// each request 3 to 5 times).
+			bound := 5 * time.Millisecond
+			if raceEnabled {
+				bound = 25 * time.Millisecond
+			}
+			if median, slowest := refusals[len(refusals)/2], refusals[len(refusals)-1]; median > atOnce+bound || slowest > 50*time.Millisecond {
+				t.Errorf("refusals took %v (median %v, slowest %v), the request served at once %v; want the median within %v of it", refusals, median, slowest, atOnce, bound)
+			}
+			at := origin.arrivals()
+			if len(at) != 11 {
+				t.Fatalf("%d requests reached the origin, want 11", len(at))
+			}
+			for k, a := range at {
+				if d := a.Sub(t0) - time.Duration(k)*100*time.Millisecond; d < -20*time.Millisecond || d > 20*time.Millisecond {
+					t.Errorf("request %d reached the origin at %v, want %v +- 20 ms (all: %v)", k, a.Sub(t0), time.Duration(k)*100*time.Millisecond, offsets(at, t0))
+				}
+			}
+			t.Logf("refusals: median %v, slowest %v, served at once %v; arrivals %v", refusals[len(refusals)/2], refusals[len(refusals)-1], atOnce, offsets(at, t0))
+		})
+	}
+}
+
+func offsets(at []time.Time, t0 time.Time) []time.Duration {
+	var d []time.Duration
+	for _, a := range at {
+		d = append(d, a.Sub(t0).Round(time.Millisecond))
+	}
+	return d
+}
+
+// The 5 last of 11 waiters hang up at 250 ms: their tokens go back, so 5
+// requests sent at 300 ms are all served (without the give-back only 3
+// would fit), and the origin never sees two requests closer than the rate
+// allows.
+func TestAWaiterThatHangsUpGivesItsTokensBack(t *testing.T) {
+	skipUnderShort(t, "real-time")
+	for i, mode := range storeModes(startRedis(t)) {
+		t.Run(mode.name, func(t *testing.T) {
+			origin := newWaitOrigin(t)
+			s := serve(t, fmt.Sprintf(waitSite, fmt.Sprint("hangup_", i), 1, "10/s", "1s", mode.store, origin.srv.Listener.Addr()))
+			s.warm(20)
+			origin.mu.Lock()
+			origin.at = nil
+			origin.mu.Unlock()
+			key := fmt.Sprint("hangup-", i)
+			t0 := time.Now()
+			gone, hangUp := context.WithCancel(context.Background())
+			first := make([]waitOutcome, 11)
+			var wg sync.WaitGroup
+			for i := range 11 {
+				ctx := context.Background()
+				if i >= 6 {
+					ctx = gone
+				}
+				wg.Go(func() { first[i] = s.send(ctx, key) })
+				// In order: the i-th takes the i-th slot.
+				time.Sleep(3 * time.Millisecond)
+			}
+			time.Sleep(time.Until(t0.Add(250 * time.Millisecond)))
+			hangUp()
+			time.Sleep(time.Until(t0.Add(300 * time.Millisecond)))
+			later := s.burst(5, key)
+			wg.Wait()
+			for i, o := range first {
+				if i < 6 && o.status != 200 || i >= 6 && o.err == nil {
+					t.Errorf("request %d of the first 11: %d, %v; want the first 6 served, the last 5 gone", i, o.status, o.err)
+				}
+			}
+			for i, o := range later {
+				if o.err != nil || o.status != 200 {
+					t.Errorf("request %d sent at 300 ms: %d, %v; want 200 (the hung-up waiters gave their tokens back)", i, o.status, o.err)
+				}
+			}
+			at := origin.arrivals()
+			if len(at) != 11 {
+				t.Fatalf("%d requests reached the origin, want 11 (6, then the 5 sent at 300 ms): %v", len(at), offsets(at, t0))
+			}
+			for k := 1; k < len(at); k++ {
+				if gap := at[k].Sub(at[k-1]); gap < 80*time.Millisecond {
+					t.Errorf("requests %d and %d reached the origin %v apart, closer than the rate allows (100 ms): %v", k-1, k, gap, offsets(at, t0))
+				}
+			}
+		})
+	}
+}
+
+// With leases of many tokens: capacity 10, 10/s, lease 50%, max_wait 1s,
+// 30 at once: the lease serves the first at once, the rest take their
+// tokens in the shared bucket and wait; 20 in all, as one bucket allows,
+// and never faster than it over any window.
+func TestMaxWaitWithLeasesOfManyTokens(t *testing.T) {
+	skipUnderShort(t, "real-time")
+	srv := startRedis(t)
+	block := fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\ttimeout 2s\n\t\t\tlease 50%%\n\t\t}", srv.url())
+	origin := newWaitOrigin(t)
+	s := serve(t, fmt.Sprintf(waitSite, "leased", 10, "10/s", "1s", block, origin.srv.Listener.Addr()))
+	s.warm(32)
+	origin.mu.Lock()
+	origin.at = nil
+	origin.mu.Unlock()
+	t0 := time.Now()
+	out := s.burst(30, "leased")
+	served := 0
+	for _, o := range out {
+		if o.err != nil {
+			t.Fatal(o.err)
+		}
+		if o.status == 200 {
+			served++
+		}
+	}
+	at := origin.arrivals()
+	if served != len(at) || served > 20 || served < 18 {
+		t.Fatalf("%d served, %d at the origin; want 20 (10 at once, 10 waiting), never more: %v", served, len(at), offsets(at, t0))
+	}
+	// Over any window, at most C + r*T, with 20 ms for the timers.
+	for i := range at {
+		for j := i; j < len(at); j++ {
+			span := at[j].Sub(at[i]) + 20*time.Millisecond
+			if n, bound := j-i+1, 10+int(span/(100*time.Millisecond)); n > bound {
+				t.Fatalf("%d requests reached the origin within %v, more than one bucket allows (%d): %v", n, at[j].Sub(at[i]), bound, offsets(at, t0))
+			}
+		}
+	}
+	t.Logf("%d served: %v", served, offsets(at, t0))
+}
+
+// A flood of 100,000 requests that could all wait (max_wait 200h at one
+// token in 10 minutes, so that no waiter is done during the flood), with
+// max_waiting 1000: 1000 wait, the rest are refused at once and take
+// nothing; goroutines and heap stay bounded; when the waiters' clients go,
+// every token comes back.
+func TestMaxWaitingBoundsAFlood(t *testing.T) {
+	skipUnderShort(t, "heavy load")
+	h, done := provisionedHandler(t, `{"name":"flood","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":720000000000000,"max_waiting":1000,"tiers":[{"name":"default","capacity":100,"refill":"1/10m"}]}`)
+	defer done()
+	var stats runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&stats)
+	heapBefore, goroutinesBefore := stats.HeapInuse, runtime.NumGoroutine()
+
+	gone, hangUp := context.WithCancel(context.Background())
+	defer hangUp()
+	var waiters sync.WaitGroup
+	var mu sync.Mutex
+	count := map[int]int{}
+	var peakWaiting int64
+	var peakGoroutines int
+	var peakHeap uint64
+	serveOne := func() {
+		r := benchRequest("127.0.0.1").WithContext(gone)
+		r.Header.Set("X-Key", "flood")
+		w := httptest.NewRecorder()
+		err := h.ServeHTTP(w, r, nopHandler)
+		status := w.Code
+		if err != nil {
+			status = 429
+		}
+		mu.Lock()
+		count[status]++
+		mu.Unlock()
+	}
+	const flood = 100_000
+	sent := 0
+	// The first 100 take the full bucket; the next 1000 wait; then the
+	// rest, 8 at a time, are refused at once.
+	for ; sent < 1100; sent++ {
+		waiters.Go(serveOne)
+	}
+	for h.waiting.Load() < 1000 {
+		time.Sleep(time.Millisecond)
+	}
+	var flooders sync.WaitGroup
+	per := (flood - sent) / 8
+	for range 8 {
+		flooders.Go(func() {
+			for i := range per {
+				serveOne()
+				if i%1000 == 0 {
+					mu.Lock()
+					peakWaiting = max(peakWaiting, h.waiting.Load())
+					peakGoroutines = max(peakGoroutines, runtime.NumGoroutine())
+					var m runtime.MemStats
+					runtime.ReadMemStats(&m)
+					peakHeap = max(peakHeap, m.HeapInuse)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	flooders.Wait()
+	sent += 8 * per
+	mu.Lock()
+	refused := count[429]
+	mu.Unlock()
+	if peakWaiting != 1000 || refused != sent-1100 {
+		t.Fatalf("peak waiting %d, %d of %d refused; want 1000 waiting and every other one refused", peakWaiting, refused, sent)
+	}
+	if extra := peakGoroutines - goroutinesBefore; extra > 1100+8+50 {
+		t.Errorf("%d goroutines more during the flood: the waiters are not bounded", extra)
+	}
+	if growth := int64(peakHeap) - int64(heapBefore); growth > 64<<20 {
+		t.Errorf("the heap grew %d MiB during the flood", growth>>20)
+	}
+	t.Logf("flood of %d: %d refused at once; peak waiting %d, goroutines +%d, heap +%.1f MiB", sent, refused, peakWaiting, peakGoroutines-goroutinesBefore, float64(int64(peakHeap)-int64(heapBefore))/(1<<20))
+
+	// The waiters' clients go: each gives its tokens back, and the
+	// refused took none, so the bucket is as the 100 allowed left it: the
+	// next request waits one token's refill, 10 minutes (less the time
+	// the test took), not 1000 x 10.
+	hangUp()
+	waiters.Wait()
+	if n := h.waiting.Load(); n != 0 {
+		t.Fatalf("%d still counted as waiting after every client went", n)
+	}
+	if count[499] != 1000 {
+		t.Errorf("%d waiters answered 499, want 1000", count[499])
+	}
+	res, err := h.store.Take(context.Background(), &Bucket{Policy: "flood", Tier: "default", Keyer: "header/X-Key", Value: []byte("flood")}, h.Tiers[0].limit, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if wait := time.Duration(res.Wait) * time.Microsecond; !res.Allowed || wait > 10*time.Minute || wait < 9*time.Minute {
+		t.Fatalf("after every waiter went, the next request: %+v; want it to wait one token's 10 minutes", res)
+	}
+}
