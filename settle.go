@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -65,27 +66,12 @@ func finalStatus(written int, err error, panicked bool) int {
 }
 
 // giveBackUncounted gives the request's tokens back unless status is one
-// that counts. A request of cost 0 took none: asking the store to give back
-// nothing would cost a call, and would write to a banned or indebted bucket.
+// that counts.
 func (h *Handler) giveBackUncounted(r *http.Request, d *decision, status int) {
-	if d.cost == 0 || status < len(h.counted) && h.counted[status] {
+	if status < len(h.counted) && h.counted[status] {
 		return
 	}
-	// A reload since the take: give back as the running config counts, so
-	// that a changed refill creates no tokens, or not at all.
-	l, n := d.tier.limit, d.cost
-	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); !ok {
-		return
-	} else if cur != l {
-		l, n = cur, cur.Converted(n, l)
-	}
-	if n == 0 {
-		return
-	}
-	// The client may be gone; the give-back still belongs to its bucket.
-	if err := d.took.GiveBack(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {
-		h.storeLog.Warn("rate limit store: giving back the tokens of an uncounted response failed", zap.String("policy", h.Name), zap.Int("status", status), zap.Error(err))
-	}
+	h.giveBackTaken(r, d, "uncounted status "+strconv.Itoa(status))
 }
 
 // statusRecorder notes the final status a response is sent with.
@@ -137,4 +123,47 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {
 		h.storeLog.Warn("rate limit store: charging the response's cost failed", zap.String("policy", h.Name), zap.Error(err))
 	}
+}
+
+// giveBackTaken gives back the tokens a request took, to every limit of
+// its tier, as the running config counts them: after a reload that
+// changed a refill, converted, so that no tokens are created. A request of
+// cost 0 took none: asking the store to give back nothing would cost a
+// call. The client may be gone; the give-back still belongs to its bucket.
+func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
+	if d.cost == 0 {
+		return
+	}
+	ctx := context.WithoutCancel(r.Context())
+	var err error
+	if len(d.tier.limits) > 1 {
+		// After a reload, the tier's limits may be others: nothing.
+		if takerLive(h) {
+			err = d.took.GiveBackAll(ctx, &d.bucket, d.tier.limits, d.cost)
+		}
+	} else {
+		l, n := d.tier.limit, d.cost
+		cur, ok := liveLimit(h.Name, d.tier.Name, l, h)
+		if !ok {
+			return
+		}
+		if cur != l {
+			l, n = cur, cur.Converted(n, l)
+		}
+		if n > 0 {
+			err = d.took.GiveBack(ctx, &d.bucket, l, n)
+		}
+	}
+	if err != nil {
+		h.storeLog.Warn("rate limit store: giving back a request's tokens failed", zap.String("policy", h.Name), zap.String("why", why), zap.Error(err))
+	}
+}
+
+// takerLive reports whether h still runs (or runs outside a server, in
+// tests): the limits it took under are the ones that run.
+func takerLive(h *Handler) bool {
+	liveHandlers.Lock()
+	defer liveHandlers.Unlock()
+	hs := liveHandlers.byPolicy[h.Name]
+	return len(hs) == 0 || slices.Contains(hs, h)
 }

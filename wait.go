@@ -2,11 +2,9 @@ package ratelimit
 
 import (
 	"cmp"
-	"context"
 	"errors"
 	"fmt"
 	"net/http"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -101,47 +99,6 @@ func (h *Handler) enterWaiting() bool {
 			return true
 		}
 	}
-}
-
-// giveBackTaken gives back the tokens a request took, to every limit of
-// its tier, as the running config counts them: after a reload that
-// changed a refill, converted, so that no tokens are created.
-func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
-	if d.cost == 0 {
-		return
-	}
-	ctx := context.WithoutCancel(r.Context())
-	var err error
-	if len(d.tier.limits) > 1 {
-		// After a reload, the tier's limits may be others: nothing.
-		if takerLive(h) {
-			err = d.took.GiveBackAll(ctx, &d.bucket, d.tier.limits, d.cost)
-		}
-	} else {
-		l, n := d.tier.limit, d.cost
-		cur, ok := liveLimit(h.Name, d.tier.Name, l, h)
-		if !ok {
-			return
-		}
-		if cur != l {
-			l, n = cur, cur.Converted(n, l)
-		}
-		if n > 0 {
-			err = d.took.GiveBack(ctx, &d.bucket, l, n)
-		}
-	}
-	if err != nil {
-		h.storeLog.Warn("rate limit store: giving back a waiting request's tokens failed", zap.String("policy", h.Name), zap.String("why", why), zap.Error(err))
-	}
-}
-
-// takerLive reports whether h still runs (or runs outside a server, in
-// tests): the limits it took under are the ones that run.
-func takerLive(h *Handler) bool {
-	liveHandlers.Lock()
-	defer liveHandlers.Unlock()
-	hs := liveHandlers.byPolicy[h.Name]
-	return len(hs) == 0 || slices.Contains(hs, h)
 }
 
 // provisionWait sets up the waiting bound; the tiers' wait histograms are

@@ -113,6 +113,20 @@ const waitSite = `rate_limit /warm* 1000000 1000000/s {
 	}
 	reverse_proxy %[6]s`
 
+// serveWaiting serves policy with capacity C, 10/s and max_wait 1s in the
+// store block given, before an origin that notes arrivals; its
+// connections are open and nothing has arrived yet.
+func serveWaiting(t *testing.T, policy string, capacity int, store string) (*waitOrigin, *testServer) {
+	t.Helper()
+	origin := newWaitOrigin(t)
+	s := serve(t, fmt.Sprintf(waitSite, policy, capacity, "10/s", "1s", store, origin.srv.Listener.Addr()))
+	s.warm(32)
+	origin.mu.Lock()
+	origin.at = nil
+	origin.mu.Unlock()
+	return origin, s
+}
+
 // rate 10/s, capacity 1, max_wait 1s, 30 requests of one client at once:
 // 11 reach the origin, the k-th after k x 100 ms (+-20 ms), and 19 are
 // refused at once with Retry-After.
@@ -120,12 +134,7 @@ func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
 	skipUnderShort(t, "real-time")
 	for i, mode := range storeModes(startRedis(t)) {
 		t.Run(mode.name, func(t *testing.T) {
-			origin := newWaitOrigin(t)
-			s := serve(t, fmt.Sprintf(waitSite, fmt.Sprint("spaced_", i), 1, "10/s", "1s", mode.store, origin.srv.Listener.Addr()))
-			s.warm(32)
-			origin.mu.Lock()
-			origin.at = nil
-			origin.mu.Unlock()
+			origin, s := serveWaiting(t, fmt.Sprint("spaced_", i), 1, mode.store)
 			t0 := time.Now()
 			out := s.burst(30, fmt.Sprint("burst-", i))
 			var served, refused int
@@ -195,12 +204,7 @@ func TestAWaiterThatHangsUpGivesItsTokensBack(t *testing.T) {
 	skipUnderShort(t, "real-time")
 	for i, mode := range storeModes(startRedis(t)) {
 		t.Run(mode.name, func(t *testing.T) {
-			origin := newWaitOrigin(t)
-			s := serve(t, fmt.Sprintf(waitSite, fmt.Sprint("hangup_", i), 1, "10/s", "1s", mode.store, origin.srv.Listener.Addr()))
-			s.warm(20)
-			origin.mu.Lock()
-			origin.at = nil
-			origin.mu.Unlock()
+			origin, s := serveWaiting(t, fmt.Sprint("hangup_", i), 1, mode.store)
 			key := fmt.Sprint("hangup-", i)
 			t0 := time.Now()
 			gone, hangUp := context.WithCancel(context.Background())
@@ -251,12 +255,7 @@ func TestMaxWaitWithLeasesOfManyTokens(t *testing.T) {
 	skipUnderShort(t, "real-time")
 	srv := startRedis(t)
 	block := fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\ttimeout 2s\n\t\t\tlease 50%%\n\t\t}", srv.url())
-	origin := newWaitOrigin(t)
-	s := serve(t, fmt.Sprintf(waitSite, "leased", 10, "10/s", "1s", block, origin.srv.Listener.Addr()))
-	s.warm(32)
-	origin.mu.Lock()
-	origin.at = nil
-	origin.mu.Unlock()
+	origin, s := serveWaiting(t, "leased", 10, block)
 	t0 := time.Now()
 	out := s.burst(30, "leased")
 	served := 0
