@@ -8,6 +8,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
@@ -25,6 +26,14 @@ type Store struct {
 	timeout time.Duration
 	leases  *leaseTable // nil in strict mode
 
+	// slots are the in-flight slots this node holds (concurrency), made
+	// on first use.
+	slotsMu     sync.Mutex
+	slots       *slotTable
+	slotsClosed bool
+	slotNode    string
+	slotTTL     time.Duration
+
 	// clockOffset is added to the Redis server's TIME. Only tests set it,
 	// to replay traces faster than real time; it is always 0 otherwise.
 	clockOffset int64
@@ -41,6 +50,9 @@ type StoreOptions struct {
 	LeaseTTL time.Duration
 	// MaxLeases bounds the lease table's entries. Default DenyCacheSize.
 	MaxLeases int
+	// SlotTTL is how long an in-flight slot lives unless its node renews
+	// it. Default DefaultSlotTTL.
+	SlotTTL time.Duration
 	// Current, when set, says what the running config's limit is for the
 	// bucket at key, whose lease was taken under l, and false when the
 	// bucket's tier is gone: leases given back when the config unloads
@@ -61,7 +73,7 @@ const (
 
 // NewStore makes a config's view of conn.
 func NewStore(conn *Conn, o StoreOptions) *Store {
-	s := &Store{conn: conn, prefix: o.Prefix, timeout: conn.timeout}
+	s := &Store{conn: conn, prefix: o.Prefix, timeout: conn.timeout, slotTTL: o.SlotTTL}
 	if s.prefix == "" {
 		s.prefix = DefaultPrefix
 	}
@@ -86,10 +98,18 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 	return s
 }
 
-// Close gives back every token this view holds on lease.
+// Close gives back every token this view holds on lease, and frees the
+// slots it holds.
 func (s *Store) Close() {
 	if s.leases != nil {
 		s.leases.close()
+	}
+	s.slotsMu.Lock()
+	t := s.slots
+	s.slots, s.slotsClosed = nil, true
+	s.slotsMu.Unlock()
+	if t != nil {
+		t.close()
 	}
 }
 

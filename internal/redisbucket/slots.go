@@ -1,0 +1,316 @@
+package redisbucket
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// In-flight limits (README: Protect a slow origin): the slots of a bucket
+// are one sorted set, <bucket key>:c, of slot ids scored by the
+// microsecond at which each expires. A node takes a slot by one script
+// call, renews the slots it holds while their requests run, and frees
+// them, pipelined, when they end; a node that dies stops renewing, so its
+// slots expire within slot_ttl.
+
+// DefaultSlotTTL is how long a slot lives without renewal.
+const DefaultSlotTTL = 30 * time.Second
+
+// slotsLua applies one operation to a bucket's slots, by the Redis
+// server's clock. KEYS[1] is the sorted set. ARGV: the operation
+// (acquire, renew or count); microseconds to add to TIME, which only tests
+// set; the slot TTL (µs); then, for acquire, the most slots and the new
+// slot's id; for renew, the ids. It answers {taken or renewed, in use}.
+const slotsLua = `
+if redis.replicate_commands then redis.replicate_commands() end
+local op = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[2])
+local ttl = tonumber(ARGV[3])
+local ms = math.floor(ttl / 1000) + 1
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if op == 'acquire' then
+  local used = redis.call('ZCARD', KEYS[1])
+  if used >= tonumber(ARGV[4]) then return {0, used} end
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[5])
+  redis.call('PEXPIRE', KEYS[1], ms)
+  return {1, used + 1}
+end
+if op == 'renew' then
+  local n = 0
+  for i = 4, #ARGV do n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + ttl, ARGV[i]) end
+  if n > 0 then redis.call('PEXPIRE', KEYS[1], ms) end
+  return {n, redis.call('ZCARD', KEYS[1])}
+end
+if op == 'count' then return {0, redis.call('ZCARD', KEYS[1])} end
+return redis.error_reply('rate_limit: unknown slots operation ' .. tostring(op))
+`
+
+var slotsScript = redis.NewScript(slotsLua)
+
+// slotTable is what slots this node holds, to renew them, and the frees
+// on their way to Redis.
+type slotTable struct {
+	s    *Store
+	node string
+	ttl  time.Duration
+	seq  atomic.Uint64
+
+	mu   sync.Mutex
+	held map[uint64]string // slot id -> its set's key
+
+	frees chan slotFree
+	stop  chan struct{}
+	done  sync.WaitGroup
+}
+
+// slotFree is one slot to free.
+type slotFree struct {
+	key string
+	id  uint64
+}
+
+// maxFreeBatch bounds the frees sent in one pipeline.
+const maxFreeBatch = 256
+
+// slotTTL is ttl, or the default.
+func slotTTL(ttl time.Duration) time.Duration {
+	if ttl <= 0 {
+		return DefaultSlotTTL
+	}
+	return ttl
+}
+
+func newSlotTable(s *Store, ttl time.Duration) *slotTable {
+	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, frees: make(chan slotFree, 4096), stop: make(chan struct{})}
+	t.done.Add(2)
+	go t.freeLoop()
+	go t.renewLoop()
+	return t
+}
+
+// member is a slot's member in its set: the node, then the slot.
+func (t *slotTable) member(id uint64) string { return member(t.node, id) }
+
+func member(node string, id uint64) string { return node + ":" + strconv.FormatUint(id, 36) }
+
+// slotKey is the set of the bucket at key.
+func slotKey(key []byte) string { return string(key) + ":c" }
+
+// Acquire takes one of n slots of the bucket at key for a request: it
+// reports whether it got one, how many are in use with it, and the id to
+// free it by.
+func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, inUse int64, ok bool, err error) {
+	t := s.slotTable()
+	if t == nil {
+		// A request still in flight through an unloaded config: it takes
+		// no slot that no one would renew.
+		return 0, 0, false, errSlotsClosed
+	}
+	id = t.seq.Add(1)
+	k := slotKey(key)
+	vals, err := s.runSlots(ctx, k, "acquire", n, t.member(id))
+	if err != nil {
+		return 0, 0, false, err
+	}
+	if vals[0] == 1 {
+		t.mu.Lock()
+		t.held[id] = k
+		t.mu.Unlock()
+	}
+	return id, vals[1], vals[0] == 1, nil
+}
+
+// Release frees the slot id of the bucket at key, pipelined with others.
+// It does not wait for Redis: a free that does not arrive leaves the slot
+// to expire within slot_ttl.
+func (s *Store) Release(key []byte, id uint64) {
+	s.slotsMu.Lock()
+	t := s.slots
+	node := s.slotNode
+	s.slotsMu.Unlock()
+	k := slotKey(key)
+	if t == nil {
+		// Closed since: the close freed what it held; this one, taken
+		// before, goes on its own.
+		sendFrees(s, node, []slotFree{{k, id}})
+		return
+	}
+	t.mu.Lock()
+	delete(t.held, id)
+	t.mu.Unlock()
+	select {
+	case t.frees <- slotFree{k, id}:
+	default:
+		// The queue is full: this one goes on its own.
+		t.send([]slotFree{{k, id}})
+	}
+}
+
+// InFlight is the slots of the bucket at key in use, fleet-wide.
+func (s *Store) InFlight(ctx context.Context, key []byte) (int64, error) {
+	vals, err := s.runSlots(ctx, slotKey(key), "count")
+	if err != nil {
+		return 0, err
+	}
+	return vals[1], nil
+}
+
+// runSlots runs the slots script on k, within the timeout and through the
+// breaker.
+func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return nil, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	argv := append([]any{op, s.clockOffset, slotTTL(s.slotTTL).Microseconds()}, args...)
+	vals, err := slotsScript.Run(ctx, s.conn.client, []string{k}, argv...).Int64Slice()
+	if err == nil && len(vals) != 2 {
+		err = fmt.Errorf("slots script answered %d values, want 2", len(vals))
+	}
+	s.record(ctx, probe, err)
+	if err != nil {
+		return nil, s.wrap(err)
+	}
+	return vals, nil
+}
+
+// errSlotsClosed refuses a slot to a request of a config that unloaded.
+var errSlotsClosed = errors.New("redis store: the config unloaded; no new slot")
+
+// slotTable is the store's slots, made on first use; nil once closed.
+func (s *Store) slotTable() *slotTable {
+	s.slotsMu.Lock()
+	defer s.slotsMu.Unlock()
+	if s.slots == nil && !s.slotsClosed {
+		s.slots = newSlotTable(s, s.slotTTL)
+		s.slotNode = s.slots.node
+	}
+	return s.slots
+}
+
+// freeLoop sends the frees, as many as are waiting in one pipeline.
+func (t *slotTable) freeLoop() {
+	defer t.done.Done()
+	batch := make([]slotFree, 0, maxFreeBatch)
+	for {
+		select {
+		case f := <-t.frees:
+			batch = append(batch[:0], f)
+		drain:
+			for len(batch) < maxFreeBatch {
+				select {
+				case f := <-t.frees:
+					batch = append(batch, f)
+				default:
+					break drain
+				}
+			}
+			t.send(batch)
+		case <-t.stop:
+			return
+		}
+	}
+}
+
+// send frees slots in one pipeline of ZREMs.
+func (t *slotTable) send(batch []slotFree) { sendFrees(t.s, t.node, batch) }
+
+// sendFrees frees node's slots in one pipeline of ZREMs.
+func sendFrees(s *Store, node string, batch []slotFree) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	_, _ = s.conn.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for _, f := range batch {
+			p.ZRem(ctx, f.key, member(node, f.id))
+		}
+		return nil
+	})
+}
+
+// renewLoop renews the slots held, three times a TTL, so that a request
+// that runs longer than slot_ttl keeps its slot while this node lives.
+func (t *slotTable) renewLoop() {
+	defer t.done.Done()
+	tick := time.NewTicker(t.ttl / 3)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+			t.renew()
+		case <-t.stop:
+			return
+		}
+	}
+}
+
+// renew pipelines one renew call per set this node holds slots in.
+func (t *slotTable) renew() {
+	byKey := map[string][]any{}
+	t.mu.Lock()
+	for id, k := range t.held {
+		byKey[k] = append(byKey[k], t.member(id))
+	}
+	t.mu.Unlock()
+	if len(byKey) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), t.s.timeout)
+	defer cancel()
+	send := func() bool {
+		cmds, _ := t.s.conn.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for k, ids := range byKey {
+				args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
+				slotsScript.EvalSha(ctx, p, []string{k}, args...)
+			}
+			return nil
+		})
+		for _, c := range cmds {
+			if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
+				return false
+			}
+		}
+		return true
+	}
+	if !send() {
+		// Redis lost the script (a restart, a failover): load it, once.
+		if slotsScript.Load(ctx, t.s.conn.client).Err() == nil {
+			send()
+		}
+	}
+}
+
+// close stops the loops and frees what is still held.
+func (t *slotTable) close() {
+	close(t.stop)
+	t.done.Wait()
+	var rest []slotFree
+	for {
+		select {
+		case f := <-t.frees:
+			rest = append(rest, f)
+			continue
+		default:
+		}
+		break
+	}
+	t.mu.Lock()
+	for id, k := range t.held {
+		rest = append(rest, slotFree{k, id})
+	}
+	t.held = map[uint64]string{}
+	t.mu.Unlock()
+	for len(rest) > 0 {
+		n := min(len(rest), maxFreeBatch)
+		t.send(rest[:n])
+		rest = rest[n:]
+	}
+}

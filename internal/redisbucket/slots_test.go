@@ -1,0 +1,155 @@
+package redisbucket
+
+import (
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+)
+
+// slotStore is a store on addrs whose slots live ttl without renewal.
+func slotStore(t *testing.T, ttl time.Duration, addrs ...string) *Store {
+	t.Helper()
+	plan, err := NewPlan(Options{Addresses: addrs, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(nopLogger)
+	s := NewStore(conn, StoreOptions{SlotTTL: ttl})
+	t.Cleanup(func() {
+		s.Close()
+		_ = conn.Close()
+	})
+	return s
+}
+
+// eventually polls cond for up to d.
+func eventually(d time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
+
+// Slots are taken up to n, fleet-wide; frees arrive pipelined; when the
+// last is freed, Redis holds no key.
+func TestSlotsAcquireUpToNAndFreeEveryOne(t *testing.T) {
+	srv := redistest.Start(t)
+	a, b := slotStore(t, 0, srv.URL()), slotStore(t, 0, srv.URL())
+	key := bucketFor("slots")
+	var ids []uint64
+	for i := range 10 {
+		s := a
+		if i%2 == 1 {
+			s = b
+		}
+		id, inUse, ok, err := s.Acquire(bg, key, 10)
+		if err != nil || !ok || inUse != int64(i+1) {
+			t.Fatalf("slot %d: %v, in use %d, %v", i, ok, inUse, err)
+		}
+		ids = append(ids, id)
+	}
+	if _, inUse, ok, err := b.Acquire(bg, key, 10); err != nil || ok || inUse != 10 {
+		t.Fatalf("the 11th: %v, in use %d, %v; want refused with 10 in use", ok, inUse, err)
+	}
+	for i, id := range ids {
+		s := a
+		if i%2 == 1 {
+			s = b
+		}
+		s.Release(key, id)
+	}
+	if !eventually(2*time.Second, func() bool { return srv.Do("EXISTS", slotKey(key)).(int64) == 0 }) {
+		t.Fatalf("after every slot was freed, Redis still holds %s: %v", slotKey(key), srv.Do("ZRANGE", slotKey(key), 0, -1))
+	}
+	if n, err := a.InFlight(bg, key); err != nil || n != 0 {
+		t.Fatalf("in flight after the frees: %d, %v", n, err)
+	}
+}
+
+// A node that dies stops renewing: its slots are back within slot_ttl;
+// a node that lives keeps its slots past slot_ttl.
+func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
+	srv := redistest.Start(t)
+	ttl := 300 * time.Millisecond
+	live, dead := slotStore(t, ttl, srv.URL()), slotStore(t, ttl, srv.URL())
+	key := bucketFor("dead-node")
+	if _, _, ok, err := live.Acquire(bg, key, 3); !ok || err != nil {
+		t.Fatal(ok, err)
+	}
+	for range 2 {
+		if _, _, ok, err := dead.Acquire(bg, key, 3); !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+	}
+	// The dead node: its loops stop, and nothing it held is freed.
+	dt := dead.slotTable()
+	close(dt.stop)
+	dt.done.Wait()
+	dead.slotsMu.Lock()
+	dead.slots, dead.slotsClosed = nil, true
+	dead.slotsMu.Unlock()
+	died := time.Now()
+	if _, _, ok, _ := live.Acquire(bg, key, 3); ok {
+		t.Fatal("a 4th slot of 3 while the dead node's are fresh")
+	}
+	if !eventually(3*ttl, func() bool {
+		n, err := live.InFlight(bg, key)
+		return err == nil && n == 1
+	}) {
+		t.Fatalf("the dead node's slots are not back after %v", 3*ttl)
+	}
+	back := time.Since(died)
+	// 4 TTLs in, the live node's slot, renewed, still counts.
+	time.Sleep(time.Until(died.Add(4 * ttl)))
+	if n, err := live.InFlight(bg, key); err != nil || n != 1 {
+		t.Fatalf("the live node's slot after 4 TTLs: %d in flight, %v; want 1 (renewed)", n, err)
+	}
+	if back > ttl+200*time.Millisecond {
+		t.Errorf("the dead node's slots came back %v after it died; want within slot_ttl (%v)", back, ttl)
+	}
+}
+
+// In a Cluster, each bucket's slots are one key on its own node.
+func TestSlotsInACluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("cluster test: skipped under -short")
+	}
+	nodes := redistest.StartCluster(t, 3)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, n.URL())
+	}
+	s := slotStore(t, 0, addrs...)
+	var ids []uint64
+	var keys [][]byte
+	for i := range 20 {
+		key := bucketFor("cluster-" + strconv.Itoa(i))
+		for j := range 2 {
+			id, _, ok, err := s.Acquire(bg, key, 2)
+			if err != nil || !ok {
+				t.Fatalf("bucket %d slot %d: %v %v", i, j, ok, err)
+			}
+			ids, keys = append(ids, id), append(keys, key)
+		}
+		if _, _, ok, err := s.Acquire(bg, key, 2); err != nil || ok {
+			t.Fatalf("bucket %d, a third slot of 2: %v %v", i, ok, err)
+		}
+	}
+	for i, id := range ids {
+		s.Release(keys[i], id)
+	}
+	if !eventually(2*time.Second, func() bool {
+		for _, k := range keys {
+			if n, err := s.InFlight(bg, k); err != nil || n != 0 {
+				return false
+			}
+		}
+		return true
+	}) {
+		t.Fatal("slots still in flight after every free")
+	}
+}
