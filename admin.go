@@ -138,6 +138,10 @@ type bucketState struct {
 	limitState
 	// Limits, for a tier of several limits, shows each, in the tier's order.
 	Limits []limitState `json:"limits,omitempty"`
+	// Concurrency and InFlight, for a tier with concurrency, are its limit
+	// and the client's requests in flight now, fleet-wide with Redis.
+	Concurrency int64  `json:"concurrency,omitempty"`
+	InFlight    *int64 `json:"in_flight,omitempty"`
 	// Deleted is set when DELETE refilled the bucket in every layer.
 	Deleted bool `json:"deleted,omitempty"`
 	// LayersReset names the layers DELETE reset: deny_cache and redis, or
@@ -216,8 +220,18 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 // them apart from a tier of one (in Redis, under another key), so it is
 // read by a take of cost 0.
 func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
+	if tier.Concurrency > 0 {
+		n, err := h.store.(SlotStore).InFlight(ctx, b)
+		if err != nil {
+			return err
+		}
+		state.InFlight, state.Concurrency = &n, tier.Concurrency
+	}
 	shapes := tier.shapes()
 	now := time.Now().UnixMicro()
+	if len(tier.limits) == 0 {
+		return nil
+	}
 	if len(tier.limits) == 1 {
 		res, err := h.store.Peek(ctx, b, tier.limit)
 		if err != nil {
@@ -342,6 +356,8 @@ type tierView struct {
 	CostPlaceholder string `json:"cost_placeholder,omitempty"`
 	// MaxWait is how long a request may wait for its tokens, when it may.
 	MaxWait string `json:"max_wait,omitempty"`
+	// Concurrency is how many of one client's requests may be in flight.
+	Concurrency int64 `json:"concurrency,omitempty"`
 	// Unlimited or Deny mark allow- and block-list tiers.
 	Unlimited bool `json:"unlimited,omitempty"`
 	Deny      bool `json:"deny,omitempty"`
@@ -382,7 +398,7 @@ func (h *Handler) view() policyView {
 	}
 	for _, t := range h.Tiers {
 		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
-		if !t.Unlimited && !t.Deny {
+		if !t.Unlimited && !t.Deny && len(t.limits) > 0 {
 			for _, sh := range t.shapes() {
 				tv.Limits = append(tv.Limits, limitView(sh))
 			}
@@ -393,6 +409,7 @@ func (h *Handler) view() policyView {
 				tv.MaxWait = (time.Duration(t.maxWait) * time.Microsecond).String()
 			}
 		}
+		tv.Concurrency = t.Concurrency
 		v.Tiers = append(v.Tiers, tv)
 	}
 	v.Store = caddy.GetModuleName(h.store)

@@ -54,6 +54,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        limit <capacity> <refill>
 //	        cost_from_response <field>
 //	        max_wait <duration>
+//	        concurrency <n>
 //	        match { <request matchers> }
 //	        claim <claim> <value...>
 //	        keyer ip|header|cookie|jwt|form|json|placeholder
@@ -246,7 +247,7 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny", "cost_from_response", "max_wait"); err != nil {
+		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny", "cost_from_response", "max_wait", "concurrency"); err != nil {
 			return err
 		}
 		var err error
@@ -263,6 +264,10 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			err = oneArg(d, &t.CostFromResponse)
 		case "max_wait":
 			err = positiveDuration(d, &t.MaxWait)
+		case "concurrency":
+			if t.Concurrency, err = intArg(d); err == nil && t.Concurrency < 1 {
+				err = d.Errf("concurrency %d: must be at least 1", t.Concurrency)
+			}
 		case "keyer":
 			err = oneArg(d, &t.Keyer)
 		case "unlimited":

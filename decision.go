@@ -27,17 +27,18 @@ type decision struct {
 	claims  requestClaims
 	result  bucket.Result
 	outcome outcome
-	// overflow marks a request refused because max_waiting others of its
-	// policy wait.
-	overflow bool
+	// refusedBy marks a request refused for other than its tokens.
+	refusedBy refusal
+	// binding is the limit the X- headers report, of several.
+	binding uint8
 	// took is the store the tokens came from, for count_status.
 	took Store
 	// cost is what this request takes: the tier's, or its placeholder's.
 	cost int64
-	// limits holds each limit's result, for tiers of several limits, and
-	// binding the one the X- headers report.
-	limits  *[maxLimits]bucket.Result
-	binding int
+	// limits holds each limit's result, for tiers of several limits.
+	limits *[maxLimits]bucket.Result
+	// slot is the in-flight slot the request holds (concurrency).
+	slot *slotHold
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The response's header values, rendered once into text.
@@ -45,6 +46,17 @@ type decision struct {
 	retry [1]string
 	text  [96]byte
 }
+
+// refusal is why a request was refused, when not for its tokens.
+type refusal uint8
+
+const (
+	refusedForTokens refusal = iota
+	// refusedWaiting: max_waiting requests of the policy already wait.
+	refusedWaiting
+	// refusedNoSlot: concurrency requests of the client are in flight.
+	refusedNoSlot
+)
 
 // outcome is what the handler decided for a request.
 type outcome uint8
@@ -240,14 +252,23 @@ func errorID() string {
 
 // appendIETF appends the RateLimit field: one item per limit.
 func (d *decision) appendIETF(buf []byte) []byte {
-	if d.limits == nil {
-		return appendIETFItem(buf, d.tier.quotedName, d.result)
+	switch {
+	case len(d.tier.limits) == 0:
+	case d.limits == nil:
+		buf = appendIETFItem(buf, d.tier.quotedName, d.result)
+	default:
+		for i := range d.tier.limits {
+			if i > 0 {
+				buf = append(buf, ", "...)
+			}
+			buf = appendIETFItem(buf, d.tier.itemName(i), d.limits[i])
+		}
 	}
-	for i := range d.tier.limits {
-		if i > 0 {
+	if d.tier.Concurrency > 0 {
+		if len(d.tier.limits) > 0 {
 			buf = append(buf, ", "...)
 		}
-		buf = appendIETFItem(buf, d.tier.itemName(i), d.limits[i])
+		buf = d.appendConcurrencyItem(buf)
 	}
 	return buf
 }
@@ -316,6 +337,18 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			return nil
 		}
 	}
+	if res.Allowed && d.tier.Concurrency > 0 {
+		var err error
+		if res, err = h.acquireSlot(r, d, res); err != nil {
+			d.decide(outcomeError)
+			w.Header()["Retry-After"] = []string{"1"}
+			return rejection(http.StatusServiceUnavailable, err)
+		}
+		if len(d.tier.limits) == 0 && d.slot != nil {
+			// Only in-flight requests: the X- fields report the slots.
+			res.Remaining = d.slot.left
+		}
+	}
 	d.result = res
 	h.render(d)
 	h.setHeaders(w.Header(), &d.resp)
@@ -326,7 +359,10 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			w.Header()["Retry-After"] = d.retry[:]
 		}
 		o, msg := outcomeDenied, "rate limited"
-		if d.overflow {
+		switch d.refusedBy {
+		case refusedNoSlot:
+			msg = "rate limited: concurrency requests of the client already in flight"
+		case refusedWaiting:
 			msg = "rate limited: max_waiting requests of the policy already wait"
 		}
 		if h.DryRun {
@@ -343,7 +379,10 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
 		}
 		if !h.DryRun {
-			if d.overflow {
+			switch d.refusedBy {
+			case refusedNoSlot:
+				return rejection(h.Status, errNoSlot)
+			case refusedWaiting:
 				return rejection(h.Status, errTooManyWaiting)
 			}
 			return rejection(h.Status, errLimited)
@@ -355,7 +394,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		upstream := d.resp
 		h.setHeaders(r.Header, &upstream)
 	}
-	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" {
+	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" && d.slot == nil {
 		return next.ServeHTTP(w, r)
 	}
 	return h.serveAndSettle(w, r, next, d)

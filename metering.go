@@ -51,7 +51,7 @@ func (d *decision) takeAll(ctx context.Context, store Store) (bucket.Result, err
 	if err != nil {
 		return bucket.Result{}, err
 	}
-	d.binding = bindingLimit(out, allowed)
+	d.binding = uint8(bindingLimit(out, allowed))
 	res := out[d.binding]
 	res.Allowed = allowed
 	// With max_wait, the request waits for the slowest of its limits.

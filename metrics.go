@@ -35,6 +35,11 @@ var (
 		Buckets: []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30},
 	}, []string{"policy", "tier"})
 
+	inFlightGauge = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "in_flight",
+		Help: "Requests this node passed on that hold an in-flight slot (concurrency) now, by policy and tier.",
+	}, []string{"policy", "tier"})
+
 	storeErrorsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "store_errors_total",
 		Help: "Decisions the store failed to make, so that on_store_error decided.",
@@ -74,7 +79,7 @@ func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, bansTotal, waitSeconds}, redisbucket.Collectors()...) {
+	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, bansTotal, waitSeconds, inFlightGauge}, redisbucket.Collectors()...) {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

@@ -213,6 +213,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionStore(ctx); err != nil {
 		return err
 	}
+	if _, ok := h.store.(SlotStore); !ok {
+		for _, t := range h.Tiers {
+			if t.Concurrency > 0 {
+				return fmt.Errorf("tier %q: concurrency: the store %s does not count requests in flight", t.Name, caddy.GetModuleName(h.store))
+			}
+		}
+	}
 	h.denials = denialsFor(h.Name)
 	h.provisionWait()
 	// The http app loads the events app before its handlers; outside a

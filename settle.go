@@ -30,6 +30,7 @@ func (h *Handler) serveAndSettle(w http.ResponseWriter, r *http.Request, next ca
 	}
 	returned := false
 	defer func() {
+		h.releaseSlot(d)
 		if rec != nil {
 			h.giveBackUncounted(r, d, finalStatus(rec.status, err, !returned))
 		}

@@ -129,6 +129,10 @@ func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) 
 	began := time.Now()
 	defer func() { h.storeTime.Observe(time.Since(began).Seconds()) }()
 	d.took = h.store
+	if len(d.tier.limits) == 0 {
+		// Only in-flight requests: the slot decides.
+		return bucket.Result{Allowed: true}, nil
+	}
 	if len(d.tier.limits) > 1 {
 		return d.takeAll(ctx, h.store)
 	}

@@ -182,7 +182,10 @@ type localBuckets struct {
 type localShard struct {
 	mu     sync.Mutex
 	states stateTable
-	_      [64]byte // keep shards' locks on separate cache lines
+	// slots counts the requests in flight of each bucket that has some
+	// (concurrency), by the bucket's id.
+	slots map[uint64]int32
+	_     [64]byte // keep shards' locks on separate cache lines
 }
 
 func newLocalBuckets(maxKeys int, now func() int64) *localBuckets {

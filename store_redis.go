@@ -103,6 +103,11 @@ type RedisStore struct {
 	// before they go back to the shared bucket. Default 1s.
 	LeaseTTL caddy.Duration `json:"lease_ttl,omitempty"`
 
+	// SlotTTL is how long an in-flight slot (a tier's concurrency) lives
+	// in Redis unless its node renews it, which it does while the request
+	// runs: a node that dies frees its slots within this. Default 30s.
+	SlotTTL caddy.Duration `json:"slot_ttl,omitempty"`
+
 	engine  *redisbucket.Store
 	poolKey string
 }
@@ -214,6 +219,8 @@ func (s *RedisStore) validate() error {
 		return fmt.Errorf("redis store: breaker_cooldown %s: must be above 0", time.Duration(s.BreakerCooldown))
 	case s.LeaseTTL < 0:
 		return fmt.Errorf("redis store: lease_ttl %s: must be above 0", time.Duration(s.LeaseTTL))
+	case s.SlotTTL < 0 || s.SlotTTL > 0 && time.Duration(s.SlotTTL) < 300*time.Millisecond:
+		return fmt.Errorf("redis store: slot_ttl %s: must be at least 300ms", time.Duration(s.SlotTTL))
 	case s.DenyCacheSize < 0:
 		return fmt.Errorf("redis store: deny_cache_size %d: must be at least 1", s.DenyCacheSize)
 	}
@@ -253,7 +260,7 @@ func (s *RedisStore) options() (redisbucket.Options, redisbucket.StoreOptions, e
 	if t := s.TLS; t != nil {
 		o.TLS = &redisbucket.TLS{CA: expand(t.CA), Cert: expand(t.Cert), Key: expand(t.Key), InsecureSkipVerify: t.InsecureSkipVerify}
 	}
-	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize}, nil
+	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize, SlotTTL: time.Duration(s.SlotTTL)}, nil
 }
 
 // key appends the bucket's Redis key to buf (redisbucket.Store.AppendKey):
@@ -341,6 +348,7 @@ func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
 //	    batch on|off            # pipeline concurrent decisions, default on
 //	    lease <n>|<p>%          # tokens a node takes at once, default 1 (strict)
 //	    lease_ttl <duration>    # unused leased tokens go back after, default 1s
+//	    slot_ttl <duration>     # an in-flight slot lives unrenewed, default 30s
 //	}
 func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // "redis"
@@ -349,7 +357,7 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch", "lease", "lease_ttl"); err != nil {
+		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch", "lease", "lease_ttl", "slot_ttl"); err != nil {
 			return err
 		}
 		if err := s.unmarshalSetting(d); err != nil {
@@ -407,6 +415,8 @@ func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
 		}
 	case "lease_ttl":
 		return positiveDuration(d, &s.LeaseTTL)
+	case "slot_ttl":
+		return positiveDuration(d, &s.SlotTTL)
 	case "batch":
 		var v string
 		if err := oneArg(d, &v); err != nil {

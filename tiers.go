@@ -53,6 +53,14 @@ type Tier struct {
 	// has, for every claim named, one of the values listed.
 	Claims map[string][]string `json:"claims,omitempty"`
 
+	// Concurrency, when set, is how many of one client's requests may be
+	// in flight at once: from when rate_limit passes a request on until
+	// the handlers after it return (a streamed or upgraded response holds
+	// its slot until it ends). One more is refused with Status and
+	// Retry-After: 1, and gives back the rate tokens it took. Beside the
+	// tier's rate limits, or instead of them.
+	Concurrency int64 `json:"concurrency,omitempty"`
+
 	// MaxWait, when set, is the tier's own max_wait: how long its requests
 	// may wait for their tokens. Default: the handler's.
 	MaxWait caddy.Duration `json:"max_wait,omitempty"`
@@ -79,7 +87,10 @@ type Tier struct {
 	// maxWait is the tier's max_wait, or the handler's (µs).
 	maxWait  int64
 	waitTime prometheus.Observer
-	cost     int64
+	inFlight prometheus.Gauge
+	// concurrencyName is the in-flight limit's IETF item name, quoted.
+	concurrencyName string
+	cost            int64
 	// Header values that do not change from request to request.
 	limitText  string
 	policyText string
@@ -106,10 +117,19 @@ func (t *Tier) validate() error {
 		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
 	}
 	if t.Unlimited || t.Deny {
-		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 {
-			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill or cost", t.Name)
+		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 || t.Concurrency != 0 {
+			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost or concurrency", t.Name)
 		}
 		return nil
+	}
+	only, err := t.validateConcurrency()
+	if err != nil {
+		return err
+	}
+	if only {
+		// In-flight requests only: no bucket, no cost.
+		t.cost, t.limits, t.limit, t.maxCost = 0, nil, bucket.Limit{}, 0
+		return t.validateKeyer()
 	}
 	t.cost = t.Cost
 	if t.cost == 0 {
@@ -130,6 +150,11 @@ func (t *Tier) validate() error {
 		return fmt.Errorf("tier %q: cost_from_response works with one limit per tier; this tier has several", t.Name)
 	}
 	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
+	return t.validateKeyer()
+}
+
+// validateKeyer checks the tier's keyer condition.
+func (t *Tier) validateKeyer() error {
 	switch t.Keyer {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
 	default:
@@ -248,6 +273,14 @@ func (t *Tier) provision(ctx caddy.Context) error {
 			t.limitTexts = append(t.limitTexts, text)
 			window := bucket.CeilDiv(l.Units(), l.Rate.Tokens*1e6)
 			items = append(items, t.itemName(i)+";q="+text+";w="+strconv.FormatInt(window, 10))
+		}
+		if t.Concurrency > 0 {
+			t.concurrencyName = strconv.Quote(t.Name + "-concurrency")
+			items = append(items, t.concurrencyName+";q="+strconv.FormatInt(t.Concurrency, 10)+`;qu="concurrent-requests"`)
+			if len(t.limits) == 0 {
+				// Only in-flight requests: the X- fields report them.
+				t.limitText = strconv.FormatInt(t.Concurrency, 10)
+			}
 		}
 		t.policyText = strings.Join(items, ", ")
 	}

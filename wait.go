@@ -67,7 +67,7 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 	}
 	if !h.enterWaiting() {
 		h.giveBackTaken(r, d, "max_waiting")
-		d.overflow = true
+		d.refusedBy = refusedWaiting
 		return bucket.Result{Remaining: res.Remaining, RetryAfter: res.Wait, ResetAfter: res.ResetAfter}, nil
 	}
 	defer h.waiting.Add(-1)
@@ -108,5 +108,6 @@ func (h *Handler) provisionWait() {
 	h.waiting = waitersFor(h.Name)
 	for _, t := range h.Tiers {
 		t.waitTime = waitSeconds.WithLabelValues(h.Name, t.Name)
+		t.inFlight = inFlightGauge.WithLabelValues(h.Name, t.Name)
 	}
 }

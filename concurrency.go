@@ -1,0 +1,193 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// In-flight limits (README: Protect a slow origin): with concurrency, a
+// tier lets at most n of one client's requests be in flight, from when
+// rate_limit passes the request on until the handlers after it return. A
+// request takes its rate tokens first, then a slot; refused a slot, it
+// gives its tokens back, so that it takes all or nothing. The slot is
+// freed on every path, panics included (settle.go).
+
+// SlotStore is a store that counts a bucket's requests in flight.
+type SlotStore interface {
+	// Acquire takes one of n slots of the bucket: it reports whether it
+	// got one, how many are in use with it, and the slot to free.
+	Acquire(ctx context.Context, b *Bucket, n int64) (slot uint64, inUse int64, ok bool, err error)
+	// Release frees a slot Acquire gave.
+	Release(b *Bucket, slot uint64)
+	// InFlight is the bucket's slots in use.
+	InFlight(ctx context.Context, b *Bucket) (int64, error)
+}
+
+// slotHold is the slot a request holds: where from, to free it there.
+type slotHold struct {
+	store SlotStore
+	id    uint64
+	// left is the slots left once this one was taken.
+	left int64
+}
+
+// errNoSlot is the error behind the refusal of a request whose client has
+// n requests in flight already.
+var errNoSlot = errors.New("too many requests of this client in flight (concurrency)")
+
+// validateConcurrency checks a tier's concurrency: a tier may have it
+// beside its limits or instead of them, and then takes no cost.
+func (t *Tier) validateConcurrency() (only bool, err error) {
+	if t.Concurrency < 0 {
+		return false, fmt.Errorf("tier %q: concurrency %d: must be at least 1", t.Name, t.Concurrency)
+	}
+	if t.Concurrency == 0 || t.limitCount() > 0 {
+		return false, nil
+	}
+	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" {
+		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost", t.Name)
+	}
+	return true, nil
+}
+
+// acquireSlot takes a slot for an allowed request of a tier with
+// concurrency. Refused, the request gives back the rate tokens it took and
+// is answered with Retry-After: 1. A store that fails is answered as
+// on_store_error says; with local, this node counts alone.
+func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
+	n := d.tier.Concurrency
+	store, _ := h.store.(SlotStore)
+	slot, inUse, ok, err := store.Acquire(r.Context(), &d.bucket, n)
+	if err != nil {
+		h.storeErrors.Inc()
+		h.storeLog.Warn("rate limit store failed to count requests in flight", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
+		switch h.OnStoreError {
+		case "allow":
+			return res, nil
+		case "deny":
+			h.giveBackTaken(r, d, "store failed")
+			return res, errStoreDown
+		}
+		store = h.local
+		slot, inUse, ok, _ = store.Acquire(r.Context(), &d.bucket, n)
+	}
+	if !ok {
+		h.giveBackTaken(r, d, "concurrency")
+		d.refusedBy = refusedNoSlot
+		if h.DryRun {
+			return res, nil
+		}
+		if ce := h.logger.Check(zapcore.DebugLevel, "too many requests in flight"); ce != nil {
+			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.Int64("in_flight", inUse))
+		}
+		return bucket.Result{Remaining: res.Remaining, RetryAfter: 1e6, ResetAfter: res.ResetAfter}, nil
+	}
+	d.slot = &slotHold{store: store, id: slot, left: n - inUse}
+	d.tier.inFlight.Inc()
+	return res, nil
+}
+
+// releaseSlot frees the request's slot, if it holds one.
+func (h *Handler) releaseSlot(d *decision) {
+	if d.slot == nil {
+		return
+	}
+	d.slot.store.Release(&d.bucket, d.slot.id)
+	d.tier.inFlight.Dec()
+	d.slot = nil
+}
+
+// errStoreDown answers a request whose slot the store could not count,
+// with on_store_error deny.
+var errStoreDown = errors.New("rate limit store unavailable")
+
+// appendConcurrencyItem appends the RateLimit item of the tier's in-flight
+// limit: the slots left.
+func (d *decision) appendConcurrencyItem(buf []byte) []byte {
+	buf = append(buf, d.tier.concurrencyName...)
+	buf = append(buf, ";r="...)
+	var left int64
+	if d.slot != nil {
+		left = d.slot.left
+	}
+	return strconv.AppendInt(buf, left, 10)
+}
+
+// Acquire implements SlotStore: the count is kept beside the policy's
+// buckets, under the same shard lock, only while requests are in flight.
+func (s *LocalStore) Acquire(_ context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
+	inUse, ok := s.buckets.acquire(b, n)
+	return 0, inUse, ok, nil
+}
+
+// Release implements SlotStore.
+func (s *LocalStore) Release(b *Bucket, _ uint64) { s.buckets.release(b) }
+
+// InFlight implements SlotStore.
+func (s *LocalStore) InFlight(_ context.Context, b *Bucket) (int64, error) {
+	return s.buckets.inFlight(b), nil
+}
+
+func (lb *localBuckets) acquire(b *Bucket, n int64) (int64, bool) {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	c := int64(sh.slots[id])
+	if c >= n {
+		return c, false
+	}
+	if sh.slots == nil {
+		sh.slots = map[uint64]int32{}
+	}
+	sh.slots[id] = int32(c + 1)
+	return c + 1, true
+}
+
+func (lb *localBuckets) release(b *Bucket) {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if c := sh.slots[id]; c > 1 {
+		sh.slots[id] = c - 1
+	} else {
+		delete(sh.slots, id)
+	}
+}
+
+func (lb *localBuckets) inFlight(b *Bucket) int64 {
+	sh, id := lb.locate(b)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	return int64(sh.slots[id])
+}
+
+// Acquire implements SlotStore.
+func (s *RedisStore) Acquire(ctx context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
+	var buf [192]byte
+	return s.engine.Acquire(ctx, s.key(buf[:0], b), n)
+}
+
+// Release implements SlotStore.
+func (s *RedisStore) Release(b *Bucket, slot uint64) {
+	var buf [192]byte
+	s.engine.Release(s.key(buf[:0], b), slot)
+}
+
+// InFlight implements SlotStore.
+func (s *RedisStore) InFlight(ctx context.Context, b *Bucket) (int64, error) {
+	var buf [192]byte
+	return s.engine.InFlight(ctx, s.key(buf[:0], b))
+}
+
+// Interface guards
+var (
+	_ SlotStore = (*LocalStore)(nil)
+	_ SlotStore = (*RedisStore)(nil)
+)
