@@ -1,0 +1,242 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	dto "github.com/prometheus/client_model/go"
+)
+
+// concurrency: a tier's in-flight limit.
+
+// holdingOrigin holds each request for hold and notes how many it holds.
+type holdingOrigin struct {
+	srv        *httptest.Server
+	held, most atomic.Int64
+}
+
+func newHoldingOrigin(t *testing.T, hold time.Duration) *holdingOrigin {
+	t.Helper()
+	o := &holdingOrigin{}
+	o.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := o.held.Add(1)
+		for m := o.most.Load(); n > m && !o.most.CompareAndSwap(m, n); m = o.most.Load() {
+		}
+		select {
+		case <-time.After(hold):
+		case <-r.Context().Done():
+		}
+		o.held.Add(-1)
+		w.Write([]byte("ok"))
+	}))
+	t.Cleanup(o.srv.Close)
+	return o
+}
+
+// inFlightNow is the in_flight gauge of a policy's tier.
+func inFlightNow(t *testing.T, policy, tier string) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := inFlightGauge.WithLabelValues(policy, tier).Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetGauge().GetValue()
+}
+
+// `concurrency 10`, 200 requests of one client at once, an origin that
+// holds each 500 ms: it never holds more than 10, and does hold 10; the
+// rest are refused with Retry-After: 1; afterwards nothing is in flight.
+// In every store mode.
+func TestConcurrencyHoldsTheOriginToN(t *testing.T) {
+	skipUnderShort(t, "real-time")
+	srv := startRedis(t)
+	for i, mode := range storeModes(srv) {
+		t.Run(mode.name, func(t *testing.T) {
+			origin := newHoldingOrigin(t, 500*time.Millisecond)
+			policy := fmt.Sprint("inflight_", i)
+			s := serve(t, fmt.Sprintf(`rate_limit {
+		name %s
+		key header X-Key
+		tier all {
+			concurrency 10
+		}
+		%s
+	}
+	reverse_proxy %s`, policy, mode.store, origin.srv.Listener.Addr()))
+			s.client.Transport.(*http.Transport).MaxIdleConnsPerHost = 256
+			out := make([]waitOutcome, 200)
+			var wg sync.WaitGroup
+			start := make(chan struct{})
+			for k := range out {
+				wg.Go(func() {
+					<-start
+					out[k] = s.send(context.Background(), "one")
+				})
+			}
+			close(start)
+			wg.Wait()
+			served, refused := 0, 0
+			for _, o := range out {
+				switch {
+				case o.err != nil:
+					t.Fatal(o.err)
+				case o.status == 200:
+					served++
+				case o.status == 429 && o.retry == "1":
+					refused++
+				default:
+					t.Fatalf("status %d, Retry-After %q", o.status, o.retry)
+				}
+			}
+			if most := origin.most.Load(); most != 10 {
+				t.Fatalf("the origin held %d at most; want 10, never more", most)
+			}
+			if served < 10 || served+refused != 200 {
+				t.Fatalf("%d served, %d refused", served, refused)
+			}
+			if g := inFlightNow(t, policy, "all"); g != 0 {
+				t.Errorf("in_flight gauge %v after every request ended", g)
+			}
+			if mode.store != "" && !eventuallyTrue(2*time.Second, func() bool { return len(srv.do("KEYS", "*:c").([]any)) == 0 }) {
+				t.Errorf("Redis still holds slot keys: %v", srv.do("KEYS", "*:c"))
+			}
+			t.Logf("%d served, %d refused, the origin held %d at most", served, refused, origin.most.Load())
+		})
+	}
+}
+
+// eventuallyTrue polls cond for up to d.
+func eventuallyTrue(d time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
+
+// A request refused a slot gives back the rate tokens it took: all or
+// nothing. A panic in a later handler frees the slot.
+func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
+	useFakeClock(t)
+	h, done := provisionedHandler(t, `{"name":"slots","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
+	defer done()
+	release := make(chan struct{})
+	holding := make(chan struct{})
+	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		close(holding)
+		<-release
+		return nil
+	})
+	first := make(chan http.Header, 1)
+	go func() {
+		w := httptest.NewRecorder()
+		if err := h.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), slow); err != nil {
+			t.Error(err)
+		}
+		first <- w.Header()
+	}()
+	<-holding
+	w := httptest.NewRecorder()
+	err := h.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), nopHandler)
+	if err == nil || !strings.Contains(err.Error(), "in flight") || w.Header().Get("Retry-After") != "1" {
+		t.Fatalf("a second request in flight: %v, Retry-After %q; want refused, Retry-After 1", err, w.Header().Get("Retry-After"))
+	}
+	if g := inFlightNow(t, "slots", "default"); g != 1 {
+		t.Errorf("in_flight %v while one request is in flight", g)
+	}
+	close(release)
+	hdr := <-first
+	if got := hdr.Get("RateLimit-Policy"); got != `"default";q=5;w=300, "default-concurrency";q=1;qu="concurrent-requests"` {
+		t.Errorf("RateLimit-Policy %q", got)
+	}
+	if got := hdr.Get("RateLimit"); got != `"default";r=4;t=60, "default-concurrency";r=0` {
+		t.Errorf("RateLimit %q", got)
+	}
+	// The refused request took nothing: 4 tokens left after the first.
+	w = httptest.NewRecorder()
+	if err := h.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), nopHandler); err != nil || w.Header().Get("X-Ratelimit-Remaining") != "3" {
+		t.Fatalf("the next request: %v, remaining %q; want allowed with 3 left (the refused one gave its token back)", err, w.Header().Get("X-Ratelimit-Remaining"))
+	}
+
+	// A later handler panics: the slot is freed as the panic goes on.
+	boom := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { panic("boom") })
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Error("the panic did not go on")
+			}
+		}()
+		_ = h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), boom)
+	}()
+	if g := inFlightNow(t, "slots", "default"); g != 0 {
+		t.Errorf("in_flight %v after the panic", g)
+	}
+	if err := h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {
+		t.Fatalf("after the panic, a request: %v; want its slot free", err)
+	}
+}
+
+func TestConcurrencyCaddyfile(t *testing.T) {
+	site := func(block string) string {
+		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
+	}
+	cfg, err := adaptCaddyfile(site("tier slow 10 1/s {\n\t\t\tconcurrency 3\n\t\t\tmatch path /slow\n\t\t}\n\t\ttier all {\n\t\t\tconcurrency 50\n\t\t}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hs := findHandlers(t, cfg); len(hs) != 1 || hs[0].Tiers[0].Concurrency != 3 || hs[0].Tiers[1].Concurrency != 50 {
+		t.Fatalf("adapted: %s", cfg)
+	}
+	for _, tt := range []struct{ block, want string }{
+		{"tier all {\n\t\t\tconcurrency 0\n\t\t}", "concurrency 0: must be at least 1"},
+		{"tier all {\n\t\t\tconcurrency -2\n\t\t}", "concurrency -2: must be at least 1"},
+		{"tier all {\n\t\t\tconcurrency many\n\t\t}", `concurrency "many"`},
+		{"tier all {\n\t\t\tconcurrency 5\n\t\t\tcost 2\n\t\t}", "a tier with concurrency and no rate limit takes no cost"},
+		{"tier all {\n\t\t\tunlimited\n\t\t\tconcurrency 5\n\t\t}", "takes no capacity, refill, cost or concurrency"},
+		{"tier all {\n\t\t\tconcurrency 5\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\tslot_ttl 10ms\n\t\t}", "slot_ttl 10ms: must be at least 300ms"},
+	} {
+		if _, err := adaptCaddyfile(site(tt.block)); err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%q: %v, want an error containing %q", tt.block, err, tt.want)
+		}
+	}
+}
+
+// A concurrency-only tier reports its slots in the X- fields.
+func TestConcurrencyOnlyTierHeaders(t *testing.T) {
+	h, done := provisionedHandler(t, `{"name":"only_slots","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"all","concurrency":4}]}`)
+	defer done()
+	w := httptest.NewRecorder()
+	if err := h.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.Header().Get("X-Ratelimit-Limit") + " " + w.Header().Get("X-Ratelimit-Remaining"); got != "4 3" {
+		t.Errorf("X- fields: limit and remaining %q, want 4 3", got)
+	}
+	if v := h.view(); v.Tiers[0].Concurrency != 4 || len(v.Tiers[0].Limits) != 0 {
+		t.Errorf("listing: %+v", v.Tiers[0])
+	}
+}
+
+// BenchmarkServeHTTPConcurrency is the local allowed path with a slot
+// taken and freed, beside the same tier without concurrency: run both in
+// one run to compare.
+func BenchmarkServeHTTPConcurrency(b *testing.B) {
+	for _, tt := range []struct{ name, extra string }{{"without", ""}, {"concurrency", `,"concurrency":1000`}} {
+		b.Run(tt.name, func(b *testing.B) {
+			h, done := provisionedHandler(b, `{"name":"bench-slots-`+tt.name+`","tiers":[{"name":"default","capacity":1000000000,"refill":"1000000/s"`+tt.extra+`}]}`)
+			defer done()
+			benchServe(b, h)
+		})
+	}
+}
+
+
