@@ -63,6 +63,7 @@ func (t *Tier) validateConcurrency() (only bool, err error) {
 // on_store_error says; with local, this node counts alone.
 func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
 	n := d.tier.Concurrency
+	d.result = res // what giveBackTaken gives back from
 	store, _ := h.store.(SlotStore)
 	slot, inUse, ok, err := store.Acquire(r.Context(), &d.bucket, n)
 	if err != nil {

@@ -238,5 +238,3 @@ func BenchmarkServeHTTPConcurrency(b *testing.B) {
 		})
 	}
 }
-
-

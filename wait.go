@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -36,15 +37,15 @@ func waitersFor(policy string) *atomic.Int64 {
 // validateWait checks max_wait and max_waiting, and hands each tier its
 // max_wait: its own, or the handler's.
 func (h *Handler) validateWait() error {
-	if h.MaxWait < 0 {
-		return fmt.Errorf("max_wait %s: must be above 0", time.Duration(h.MaxWait))
+	if h.MaxWait < 0 || h.MaxWait > 0 && h.MaxWait < caddy.Duration(time.Microsecond) {
+		return fmt.Errorf("max_wait %s: must be at least 1µs", time.Duration(h.MaxWait))
 	}
 	if h.MaxWaiting < 0 {
 		return fmt.Errorf("max_waiting %d: must be at least 1", h.MaxWaiting)
 	}
 	for _, t := range h.Tiers {
-		if t.MaxWait < 0 {
-			return fmt.Errorf("tier %q: max_wait %s: must be above 0", t.Name, time.Duration(t.MaxWait))
+		if t.MaxWait < 0 || t.MaxWait > 0 && t.MaxWait < caddy.Duration(time.Microsecond) {
+			return fmt.Errorf("tier %q: max_wait %s: must be at least 1µs", t.Name, time.Duration(t.MaxWait))
 		}
 		t.maxWait = time.Duration(cmp.Or(t.MaxWait, h.MaxWait)).Microseconds()
 	}
@@ -65,6 +66,7 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 		res.Wait = 0
 		return res, nil
 	}
+	d.result = res // what giveBackTaken gives back from
 	if !h.enterWaiting() {
 		h.giveBackTaken(r, d, "max_waiting")
 		d.refusedBy = refusedWaiting
@@ -76,6 +78,9 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 	select {
 	case <-timer.C:
 		d.tier.waitTime.Observe(float64(res.Wait) / 1e6)
+		// The headers speak from when the request goes on.
+		d.start = d.start.Add(time.Duration(res.Wait) * time.Microsecond)
+		res.ResetAfter = max(0, res.ResetAfter-res.Wait)
 		return res, nil
 	case <-r.Context().Done():
 		h.giveBackTaken(r, d, "client gone")

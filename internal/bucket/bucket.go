@@ -169,7 +169,7 @@ func take(s State, now int64, l Limit, cost int64) (State, Result) {
 	if banned(s, now, l) {
 		// In debt (cost_from_response) or under a ban: empty until the
 		// refill covers what it lacks, even for a request of cost 0.
-		return s, Result{RetryAfter: untilLevel(s, now, l, cost*l.Rate.Interval), ResetAfter: s.FullAt - now}
+		return s, Result{RetryAfter: retryBanned(s, now, l, cost*l.Rate.Interval), ResetAfter: s.FullAt - now}
 	}
 	deficit := s.deficit(now, l)
 	level := l.Units() - deficit
@@ -297,7 +297,18 @@ func ban(s State, now int64, l Limit, need int64) (State, Result) {
 		}
 		s = b
 	}
-	return s, Result{RetryAfter: untilLevel(s, now, l, need), ResetAfter: s.FullAt - now, Banned: started}
+	return s, Result{RetryAfter: retryBanned(s, now, l, need), ResetAfter: s.FullAt - now, Banned: started}
+}
+
+// retryBanned is when a request that lacks need units may come back to a
+// bucket a ban or a debt empties: when the bucket holds them or, with
+// MaxWait, when the ban is over and they are due within MaxWait.
+func retryBanned(s State, now int64, l Limit, need int64) int64 {
+	until := untilLevel(s, now, l, need)
+	if l.MaxWait > 0 {
+		until = max(untilLevel(s, now, l, 0), until-l.MaxWait)
+	}
+	return until
 }
 
 // bannedSince reports whether a ban emptied the bucket since a request was

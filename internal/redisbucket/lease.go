@@ -122,6 +122,9 @@ type lease struct {
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
 	banUntil int64
+	// reserved is the tokens requests took in the shared bucket, not from
+	// the lease (max_wait): a give-back returns those there first.
+	reserved int64
 	lastUsed int64
 	call     *leaseCall
 	// rtt is how long the last call took, by the node's clock.
@@ -210,19 +213,33 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, l bucket.Limit, now int64
 
 // take decides one request from this node's lease on the bucket at key,
 // fetching a lease when the tokens held do not cover it. With max_wait, a
-// request the leases refuse, whose tokens the shared bucket holds within
-// max_wait, takes them there as strict mode does, waiting; one that would
-// wait longer is refused at once, with no call.
+// request the leases refuse takes its tokens in the shared bucket as
+// strict mode does, waiting, or is refused by it.
 func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
 	res, err := t.takeHeld(ctx, key, l, cost)
 	if err != nil || res.Allowed || l.MaxWait == 0 || res.Banned {
 		return res, err
 	}
-	if res.RetryAfter > l.MaxWait {
-		res.RetryAfter -= l.MaxWait
-		return res, nil
+	// The refusal may be this node's hold-off, which spaces its calls,
+	// not the shared bucket's level: ask the shared bucket, as strict
+	// mode does; the deny cache keeps a flood of refusals off Redis.
+	res, err = t.store.reserve(ctx, string(key), l, cost)
+	if err == nil && res.Allowed {
+		t.reserved(key, cost)
 	}
-	return t.store.reserve(ctx, string(key), l, cost)
+	return res, err
+}
+
+// reserved notes that a request took cost tokens of the bucket at key in
+// the shared bucket, not from this node's lease: their give-back goes
+// back there (giveBackHeld).
+func (t *leaseTable) reserved(key []byte, cost int64) {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	if e := sh.m[string(key)]; e != nil {
+		e.reserved += cost
+	}
+	sh.mu.Unlock()
 }
 
 // takeHeld is take without max_wait: from the tokens held, or refused.

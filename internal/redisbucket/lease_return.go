@@ -28,17 +28,23 @@ func (e *lease) takeBack() leaseReturn {
 
 // giveBackHeld returns n tokens that a request took to this node's lease on
 // the bucket at key, if it holds one, up to what the shared store's record
-// counts. It reports how many it could not take, which go to the shared
-// bucket instead.
+// counts. Tokens requests took in the shared bucket (reserved) are not
+// the lease's: those go back there first. It reports how many it could
+// not take, which go to the shared bucket instead.
 func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	e := sh.m[string(key)]
-	if e == nil || t.closed.Load() || t.now()-e.leasedAt >= t.ttl {
+	if e == nil || t.closed.Load() {
 		return n
 	}
-	put := min(n, e.recorded-e.tokens)
+	shared := min(n, e.reserved)
+	e.reserved -= shared
+	if t.now()-e.leasedAt >= t.ttl {
+		return n
+	}
+	put := min(n-shared, e.recorded-e.tokens)
 	e.tokens += put
 	return n - put
 }

@@ -129,6 +129,12 @@ local function until_level(i, need)
   local s, l = S[i], L[i]
   return math.max(1, s.full - now - idiv(l.units - need + s.slack, l.tok))
 end
+-- retry_banned: bucket.go's retryBanned.
+local function retry_banned(i, need)
+  local u = until_level(i, need)
+  if maxwait > 0 then u = math.max(until_level(i, 0), u - maxwait) end
+  return u
+end
 local function wait(i, need)
   if not banned(i) and L[i].units - deficit(i, now) >= need then return 0 end
   return until_level(i, need)
@@ -214,7 +220,7 @@ local function take_one(i, cost, nowait)
   local need = cost * l.iv
   if maxwait > 0 and not nowait and not (S[i].banned and banned(i)) then return take_waiting(i, cost) end
   if banned(i) then
-    return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now}
+    return {ok = false, rem = 0, retry = retry_banned(i, need), reset = S[i].full - now}
   end
   local d = deficit(i, now)
   local level = l.units - d
@@ -245,7 +251,7 @@ local function ban_one(i, need)
     if S[i].full > b.full then b = {full = S[i].full, slack = S[i].slack, banned = true} end
     S[i] = b
   end
-  return {ok = false, rem = 0, retry = until_level(i, need), reset = S[i].full - now, started = started}
+  return {ok = false, rem = 0, retry = retry_banned(i, need), reset = S[i].full - now, started = started}
 end
 -- short: some limit lacks cost tokens even with the tokens out on lease,
 -- so one bucket would refuse too; only then does a denial ban.

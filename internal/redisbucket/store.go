@@ -158,19 +158,7 @@ func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64
 			return res, err
 		}
 	}
-	k := string(key)
-	start := s.conn.now()
-	res, epoch, ok := s.conn.denied.get(k, l, cost, start)
-	if ok {
-		return res, nil
-	}
-	var out [1]bucket.Result
-	_, _, err := s.takeAll(ctx, "take", k, []bucket.Limit{l}, cost, out[:], true)
-	res = out[0]
-	if err == nil && !res.Allowed {
-		s.conn.denied.put(k, epoch, l, cost, start, res)
-	}
-	return res, err
+	return s.reserve(ctx, string(key), l, cost)
 }
 
 // TakeAll decides one request on every limit of the bucket at key, with
@@ -200,12 +188,23 @@ func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, 
 	return vals[0] == 1, vals[2], nil
 }
 
-// reserve is a strict take on key, for a request that leases refused and
-// that may wait (max_wait).
-func (s *Store) reserve(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, error) {
+// reserve decides one request on the bucket at key by one script call,
+// as strict mode does, unless the deny cache already knows the answer:
+// for a strict store, and for a request that leases refused and that may
+// wait (max_wait).
+func (s *Store) reserve(ctx context.Context, k string, l bucket.Limit, cost int64) (bucket.Result, error) {
+	start := s.conn.now()
+	res, epoch, ok := s.conn.denied.get(k, l, cost, start)
+	if ok {
+		return res, nil
+	}
 	var out [1]bucket.Result
-	_, _, err := s.takeAll(ctx, "take", key, []bucket.Limit{l}, cost, out[:], true)
-	return out[0], err
+	_, _, err := s.takeAll(ctx, "take", k, []bucket.Limit{l}, cost, out[:], true)
+	res = out[0]
+	if err == nil && !res.Allowed {
+		s.conn.denied.put(k, epoch, l, cost, start, res)
+	}
+	return res, err
 }
 
 // args are the script's arguments for op on limits ls, and then extra.
@@ -237,7 +236,15 @@ func (s *Store) GiveBack(ctx context.Context, key []byte, l bucket.Limit, n int6
 			return nil
 		}
 	}
-	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("giveback", []bucket.Limit{l}, n), false, 2)
+	return s.giveBackShared(ctx, string(key), []bucket.Limit{l}, n)
+}
+
+// giveBackShared returns n tokens to the shared bucket at key by one script
+// call. A denial this node cached for the bucket may no longer hold: it
+// goes.
+func (s *Store) giveBackShared(ctx context.Context, k string, ls []bucket.Limit, n int64) error {
+	_, err := s.call(context.WithoutCancel(ctx), k, s.args("giveback", ls, n), false, 2)
+	s.conn.denied.remove(k)
 	return err
 }
 
@@ -251,8 +258,7 @@ func (s *Store) GiveBackAll(ctx context.Context, key []byte, ls []bucket.Limit, 
 	if n <= 0 {
 		return nil
 	}
-	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("giveback", ls, n), false, 2)
-	return err
+	return s.giveBackShared(ctx, string(key), ls, n)
 }
 
 // Peek reports the bucket at key, changing nothing.
