@@ -30,13 +30,17 @@ type SlotStore interface {
 	InFlight(ctx context.Context, b *Bucket) (int64, error)
 }
 
-// slotHold is the slot a request holds: where from, to free it there.
-type slotHold struct {
-	store SlotStore
-	id    uint64
-	// left is the slots left once this one was taken.
-	left int64
-}
+// slotSource is where a request's slot is held, to free it there.
+type slotSource uint8
+
+const (
+	noSlot slotSource = iota
+	// slotInStore: the policy's store.
+	slotInStore
+	// slotInLocal: this node's count, while the store failed
+	// (on_store_error local).
+	slotInLocal
+)
 
 // errNoSlot is the error behind the refusal of a request whose client has
 // n requests in flight already.
@@ -64,7 +68,8 @@ func (t *Tier) validateConcurrency() (only bool, err error) {
 func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
 	n := d.tier.Concurrency
 	d.result = res // what giveBackTaken gives back from
-	store, _ := h.store.(SlotStore)
+	from := slotInStore
+	var store SlotStore = h.slots
 	slot, inUse, ok, err := store.Acquire(r.Context(), &d.bucket, n)
 	if err != nil {
 		h.storeErrors.Inc()
@@ -76,8 +81,8 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 			h.giveBackTaken(r, d, "store failed")
 			return res, errStoreDown
 		}
-		store = h.local
-		slot, inUse, ok, _ = store.Acquire(r.Context(), &d.bucket, n)
+		from = slotInLocal
+		slot, inUse, ok, _ = h.local.Acquire(r.Context(), &d.bucket, n)
 	}
 	if !ok {
 		h.giveBackTaken(r, d, "concurrency")
@@ -90,19 +95,23 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 		}
 		return bucket.Result{Remaining: res.Remaining, RetryAfter: 1e6, ResetAfter: res.ResetAfter}, nil
 	}
-	d.slot = &slotHold{store: store, id: slot, left: n - inUse}
+	d.slotFrom, d.slotID, d.slotLeft = from, slot, int32(n-inUse)
 	d.tier.inFlight.Inc()
 	return res, nil
 }
 
 // releaseSlot frees the request's slot, if it holds one.
 func (h *Handler) releaseSlot(d *decision) {
-	if d.slot == nil {
+	switch d.slotFrom {
+	case noSlot:
 		return
+	case slotInLocal:
+		h.local.Release(&d.bucket, d.slotID)
+	default:
+		h.slots.Release(&d.bucket, d.slotID)
 	}
-	d.slot.store.Release(&d.bucket, d.slot.id)
 	d.tier.inFlight.Dec()
-	d.slot = nil
+	d.slotFrom = noSlot
 }
 
 // errStoreDown answers a request whose slot the store could not count,
@@ -114,11 +123,7 @@ var errStoreDown = errors.New("rate limit store unavailable")
 func (d *decision) appendConcurrencyItem(buf []byte) []byte {
 	buf = append(buf, d.tier.concurrencyName...)
 	buf = append(buf, ";r="...)
-	var left int64
-	if d.slot != nil {
-		left = d.slot.left
-	}
-	return strconv.AppendInt(buf, left, 10)
+	return strconv.AppendInt(buf, int64(d.slotLeft), 10)
 }
 
 // Acquire implements SlotStore: the count is kept beside the policy's

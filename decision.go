@@ -30,15 +30,18 @@ type decision struct {
 	// refusedBy marks a request refused for other than its tokens.
 	refusedBy refusal
 	// binding is the limit the X- headers report, of several.
-	binding uint8
+	binding  uint8
+	slotFrom slotSource
+	slotLeft int32
 	// took is the store the tokens came from, for count_status.
 	took Store
 	// cost is what this request takes: the tier's, or its placeholder's.
 	cost int64
 	// limits holds each limit's result, for tiers of several limits.
 	limits *[maxLimits]bucket.Result
-	// slot is the in-flight slot the request holds (concurrency).
-	slot *slotHold
+	// slotID is the in-flight slot the request holds (concurrency), in
+	// the store slotFrom says, with slotLeft left after it.
+	slotID uint64
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The response's header values, rendered once into text.
@@ -344,9 +347,9 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			w.Header()["Retry-After"] = []string{"1"}
 			return rejection(http.StatusServiceUnavailable, err)
 		}
-		if len(d.tier.limits) == 0 && d.slot != nil {
+		if len(d.tier.limits) == 0 && d.slotFrom != noSlot {
 			// Only in-flight requests: the X- fields report the slots.
-			res.Remaining = d.slot.left
+			res.Remaining = int64(d.slotLeft)
 		}
 	}
 	d.result = res
@@ -394,7 +397,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		upstream := d.resp
 		h.setHeaders(r.Header, &upstream)
 	}
-	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" && d.slot == nil {
+	if !res.Allowed || h.counted == nil && d.tier.CostFromResponse == "" && d.slotFrom == noSlot {
 		return next.ServeHTTP(w, r)
 	}
 	return h.serveAndSettle(w, r, next, d)

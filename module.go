@@ -164,6 +164,8 @@ type Handler struct {
 	// maxWaiting.
 	waiting    *atomic.Int64
 	maxWaiting int
+	// slots is the store as a SlotStore, for tiers with concurrency.
+	slots SlotStore
 }
 
 // CaddyModule returns the Caddy module information.
@@ -213,7 +215,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionStore(ctx); err != nil {
 		return err
 	}
-	if _, ok := h.store.(SlotStore); !ok {
+	if h.slots, _ = h.store.(SlotStore); h.slots == nil {
 		for _, t := range h.Tiers {
 			if t.Concurrency > 0 {
 				return fmt.Errorf("tier %q: concurrency: the store %s does not count requests in flight", t.Name, caddy.GetModuleName(h.store))
