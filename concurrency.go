@@ -9,7 +9,6 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // In-flight limits (README: Protect a slow origin): with concurrency, a
@@ -71,6 +70,11 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 	from := slotInStore
 	var store SlotStore = h.slots
 	slot, inUse, ok, err := store.Acquire(r.Context(), &d.bucket, n)
+	if err != nil && r.Context().Err() != nil {
+		// The client went away: no store failed.
+		h.giveBackTaken(r, d, "client gone")
+		return res, errClientGone
+	}
 	if err != nil {
 		h.storeErrors.Inc()
 		h.storeLog.Warn("rate limit store failed to count requests in flight", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
@@ -85,19 +89,33 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 		slot, inUse, ok, _ = h.local.Acquire(r.Context(), &d.bucket, n)
 	}
 	if !ok {
-		h.giveBackTaken(r, d, "concurrency")
 		d.refusedBy = refusedNoSlot
+		refused := bucket.Result{Remaining: res.Remaining, RetryAfter: 1e6, ResetAfter: res.ResetAfter}
 		if h.DryRun {
-			return res, nil
+			// Let through, as a dry run does, with the tokens it took.
+			return refused, nil
 		}
-		if ce := h.logger.Check(zapcore.DebugLevel, "too many requests in flight"); ce != nil {
-			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.Int64("in_flight", inUse))
-		}
-		return bucket.Result{Remaining: res.Remaining, RetryAfter: 1e6, ResetAfter: res.ResetAfter}, nil
+		h.giveBackTaken(r, d, "concurrency")
+		d.untake()
+		refused.Remaining = d.result.Remaining
+		return refused, nil
 	}
 	d.slotFrom, d.slotID, d.slotLeft = from, slot, int32(n-inUse)
 	d.tier.inFlight.Inc()
 	return res, nil
+}
+
+// untake shows the decision's results as they stand once the request's
+// tokens went back: each limit holds the cost more, up to its capacity.
+func (d *decision) untake() {
+	for i, l := range d.tier.limits {
+		if d.limits != nil {
+			d.limits[i].Remaining = min(d.limits[i].Remaining+d.cost, l.Capacity)
+		}
+	}
+	if len(d.tier.limits) > 0 {
+		d.result.Remaining = min(d.result.Remaining+d.cost, d.tier.limits[d.binding].Capacity)
+	}
 }
 
 // releaseSlot frees the request's slot, if it holds one.
@@ -113,6 +131,10 @@ func (h *Handler) releaseSlot(d *decision) {
 	d.tier.inFlight.Dec()
 	d.slotFrom = noSlot
 }
+
+// errClientGone ends a request whose client went away before it got a
+// slot.
+var errClientGone = errors.New("the client went away")
 
 // errStoreDown answers a request whose slot the store could not count,
 // with on_store_error deny.

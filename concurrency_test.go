@@ -150,6 +150,10 @@ func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "in flight") || w.Header().Get("Retry-After") != "1" {
 		t.Fatalf("a second request in flight: %v, Retry-After %q; want refused, Retry-After 1", err, w.Header().Get("Retry-After"))
 	}
+	// Its headers say what the bucket holds once its token went back.
+	if got := w.Header().Get("X-Ratelimit-Remaining"); got != "4" {
+		t.Errorf("the refused request's X-RateLimit-Remaining %q, want 4 (its token went back)", got)
+	}
 	if g := inFlightNow(t, "slots", "default"); g != 1 {
 		t.Errorf("in_flight %v while one request is in flight", g)
 	}
@@ -183,6 +187,55 @@ func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
 	if err := h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {
 		t.Fatalf("after the panic, a request: %v; want its slot free", err)
 	}
+}
+
+// A dry run lets a request over the limit through, counts and names it a
+// dry run, and keeps the tokens it took: it reached the origin.
+func TestConcurrencyDryRun(t *testing.T) {
+	useFakeClock(t)
+	h, done := provisionedHandler(t, `{"name":"slots_dry","dry_run":true,"keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
+	defer done()
+	release, holding := make(chan struct{}), make(chan struct{})
+	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		close(holding)
+		<-release
+		return nil
+	})
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		_ = h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), slow)
+	}()
+	<-holding
+	before := counterValue(t, requestsTotal.WithLabelValues("slots_dry", "default", "dry_run"))
+	reached := false
+	r := keyed(benchRequest("127.0.0.1"))
+	w := httptest.NewRecorder()
+	err := h.ServeHTTP(w, r, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		reached = true
+		return nil
+	}))
+	close(release)
+	<-finished
+	if err != nil || !reached {
+		t.Fatalf("dry run, over the limit: %v, reached the origin %v; want let through", err, reached)
+	}
+	if n := counterValue(t, requestsTotal.WithLabelValues("slots_dry", "default", "dry_run")) - before; n != 1 {
+		t.Errorf("dry_run decisions counted %v, want 1", n)
+	}
+	if got := w.Header().Get("X-Ratelimit-Remaining"); got != "3" {
+		t.Errorf("X-RateLimit-Remaining %q, want 3: it kept its token", got)
+	}
+}
+
+// counterValue reads a Prometheus counter.
+func counterValue(t *testing.T, c interface{ Write(*dto.Metric) error }) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }
 
 func TestConcurrencyCaddyfile(t *testing.T) {

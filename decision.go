@@ -54,9 +54,8 @@ type decision struct {
 type refusal uint8
 
 const (
-	refusedForTokens refusal = iota
 	// refusedWaiting: max_waiting requests of the policy already wait.
-	refusedWaiting
+	refusedWaiting refusal = iota + 1
 	// refusedNoSlot: concurrency requests of the client are in flight.
 	refusedNoSlot
 )
@@ -186,6 +185,10 @@ func (d *decision) placeholder(key string) (any, bool) {
 		// The limit the X- headers report: with several, the binding one.
 		if d.limits != nil {
 			return d.tier.limits[d.binding].Capacity, true
+		}
+		if len(d.tier.limits) == 0 {
+			// Only in-flight requests: the X- fields report the slots.
+			return d.tier.Concurrency, true
 		}
 		return d.tier.limit.Capacity, true
 	case "remaining":
@@ -342,7 +345,11 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	}
 	if res.Allowed && d.tier.Concurrency > 0 {
 		var err error
-		if res, err = h.acquireSlot(r, d, res); err != nil {
+		if res, err = h.acquireSlot(r, d, res); errors.Is(err, errClientGone) {
+			d.decide(outcomeAllowed)
+			w.WriteHeader(499)
+			return nil
+		} else if err != nil {
 			d.decide(outcomeError)
 			w.Header()["Retry-After"] = []string{"1"}
 			return rejection(http.StatusServiceUnavailable, err)

@@ -28,8 +28,9 @@ var buildCaddy = sync.OnceValues(func() (string, error) {
 })
 
 // startCaddyProcess runs the built Caddy with a Caddyfile until the test
-// ends, and waits until it answers on port.
-func startCaddyProcess(t *testing.T, port int, caddyfile string) {
+// ends, and waits until it answers on port. It returns the process, for a
+// test that kills it first.
+func startCaddyProcess(t *testing.T, port int, caddyfile string) *os.Process {
 	t.Helper()
 	bin, err := buildCaddy()
 	if err != nil {
@@ -61,6 +62,7 @@ func startCaddyProcess(t *testing.T, port int, caddyfile string) {
 		resp.Body.Close()
 		return resp.StatusCode == 200
 	})
+	return cmd.Process
 }
 
 type lockedBuffer struct {

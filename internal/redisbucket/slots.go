@@ -64,6 +64,13 @@ type slotTable struct {
 
 	mu   sync.Mutex
 	held map[uint64]string // slot id -> its set's key
+	// doubt are slots whose acquire failed, which may have been taken:
+	// the next renewal frees them.
+	doubt []slotFree
+	// retiring: the store closed; the loops stop when the last slot held
+	// is freed.
+	retiring bool
+	stopOnce sync.Once
 
 	frees chan slotFree
 	stop  chan struct{}
@@ -117,6 +124,16 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	k := slotKey(key)
 	vals, err := s.runSlots(ctx, k, "acquire", n, t.member(id))
 	if err != nil {
+		// The call may have taken the slot before its answer was lost:
+		// free it, now and once more at the next renewal, in case the
+		// free arrives first.
+		t.mu.Lock()
+		t.doubt = append(t.doubt, slotFree{k, id})
+		t.mu.Unlock()
+		select {
+		case t.frees <- slotFree{k, id}:
+		default:
+		}
 		return 0, 0, false, err
 	}
 	if vals[0] == 1 {
@@ -133,23 +150,29 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 func (s *Store) Release(key []byte, id uint64) {
 	s.slotsMu.Lock()
 	t := s.slots
-	node := s.slotNode
 	s.slotsMu.Unlock()
-	k := slotKey(key)
 	if t == nil {
-		// Closed since: the close freed what it held; this one, taken
-		// before, goes on its own.
-		sendFrees(s, node, []slotFree{{k, id}})
-		return
+		return // never took one
 	}
+	k := slotKey(key)
 	t.mu.Lock()
 	delete(t.held, id)
-	t.mu.Unlock()
+	// Queued under the lock: the last free's stop sends every free queued
+	// before it.
+	queued := true
 	select {
 	case t.frees <- slotFree{k, id}:
 	default:
+		queued = false
+	}
+	last := t.retiring && len(t.held) == 0
+	t.mu.Unlock()
+	if !queued {
 		// The queue is full: this one goes on its own.
 		t.send([]slotFree{{k, id}})
+	}
+	if last {
+		t.stopLoops()
 	}
 }
 
@@ -186,13 +209,16 @@ func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int6
 // errSlotsClosed refuses a slot to a request of a config that unloaded.
 var errSlotsClosed = errors.New("redis store: the config unloaded; no new slot")
 
-// slotTable is the store's slots, made on first use; nil once closed.
+// slotTable is the store's slots for a new slot, made on first use; nil
+// once the store closed.
 func (s *Store) slotTable() *slotTable {
 	s.slotsMu.Lock()
 	defer s.slotsMu.Unlock()
-	if s.slots == nil && !s.slotsClosed {
+	if s.slotsClosed {
+		return nil
+	}
+	if s.slots == nil {
 		s.slots = newSlotTable(s, s.slotTTL)
-		s.slotNode = s.slots.node
 	}
 	return s.slots
 }
@@ -259,7 +285,12 @@ func (t *slotTable) renew() {
 	for id, k := range t.held {
 		byKey[k] = append(byKey[k], t.member(id))
 	}
+	doubt := t.doubt
+	t.doubt = nil
 	t.mu.Unlock()
+	if len(doubt) > 0 {
+		t.send(doubt)
+	}
 	if len(byKey) == 0 {
 		return
 	}
@@ -288,29 +319,37 @@ func (t *slotTable) renew() {
 	}
 }
 
-// close stops the loops and frees what is still held.
-func (t *slotTable) close() {
-	close(t.stop)
-	t.done.Wait()
-	var rest []slotFree
-	for {
-		select {
-		case f := <-t.frees:
-			rest = append(rest, f)
-			continue
-		default:
-		}
-		break
-	}
+// retire stops the loops once no slot is held: at once, or when the last
+// is freed.
+func (t *slotTable) retire() {
 	t.mu.Lock()
-	for id, k := range t.held {
-		rest = append(rest, slotFree{k, id})
-	}
-	t.held = map[uint64]string{}
+	t.retiring = true
+	idle := len(t.held) == 0
 	t.mu.Unlock()
-	for len(rest) > 0 {
-		n := min(len(rest), maxFreeBatch)
-		t.send(rest[:n])
-		rest = rest[n:]
+	if idle {
+		t.stopLoops()
 	}
+}
+
+// stopLoops stops the loops and sends the frees still queued.
+func (t *slotTable) stopLoops() {
+	t.stopOnce.Do(func() {
+		close(t.stop)
+		t.done.Wait()
+		var rest []slotFree
+		for {
+			select {
+			case f := <-t.frees:
+				rest = append(rest, f)
+				continue
+			default:
+			}
+			break
+		}
+		for len(rest) > 0 {
+			n := min(len(rest), maxFreeBatch)
+			t.send(rest[:n])
+			rest = rest[n:]
+		}
+	})
 }

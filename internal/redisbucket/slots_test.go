@@ -113,6 +113,77 @@ func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
 	}
 }
 
+// A store that closes (a reload) takes no new slot, and keeps the slots
+// its requests hold, renewed, until they end: a stream that runs on
+// through a reload keeps its place.
+func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
+	srv := redistest.Start(t)
+	ttl := 300 * time.Millisecond
+	old := slotStore(t, ttl, srv.URL())
+	key := bucketFor("reload")
+	id, _, ok, err := old.Acquire(bg, key, 1)
+	if err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	old.Close()
+	if _, _, _, err := old.Acquire(bg, key, 1); err == nil {
+		t.Fatal("a closed store took a new slot")
+	}
+	fresh := slotStore(t, ttl, srv.URL())
+	time.Sleep(3 * ttl)
+	if _, inUse, ok, err := fresh.Acquire(bg, key, 1); err != nil || ok || inUse != 1 {
+		t.Fatalf("3 TTLs after the reload, the new config: %v, in use %d, %v; want refused, the old request's slot still held", ok, inUse, err)
+	}
+	old.Release(key, id)
+	if !eventually(2*time.Second, func() bool {
+		_, _, ok, err := fresh.Acquire(bg, key, 1)
+		return err == nil && ok
+	}) {
+		t.Fatal("the old request ended, but its slot is not free")
+	}
+}
+
+// An acquire whose answer is lost (Redis slow past the timeout) may have
+// taken the slot: it is freed, not left to block the client for slot_ttl.
+func TestSlotsOfAFailedAcquireAreFreed(t *testing.T) {
+	srv := redistest.Start(t)
+	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(nopLogger)
+	s := NewStore(conn, StoreOptions{SlotTTL: 900 * time.Millisecond})
+	t.Cleanup(func() {
+		s.Close()
+		_ = conn.Close()
+	})
+	key := bucketFor("lost-answer")
+	id, _, ok, err := s.Acquire(bg, key, 1) // warm: the script is loaded
+	if err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	s.Release(key, id)
+	if !eventually(2*time.Second, func() bool { return srv.Do("EXISTS", slotKey(key)).(int64) == 0 }) {
+		t.Fatal("the warm-up slot was not freed")
+	}
+	srv.Pause()
+	_, _, _, err = s.Acquire(bg, key, 1)
+	srv.Resume()
+	if err == nil {
+		t.Fatal("an acquire while Redis was paused answered")
+	}
+	// Within one renewal period (a third of slot_ttl), nothing is held:
+	// the client's next request gets its slot.
+	if !eventually(600*time.Millisecond, func() bool {
+		return srv.Do("EXISTS", slotKey(key)).(int64) == 0
+	}) {
+		t.Fatalf("the lost acquire's slot is still held: %v", srv.Do("ZRANGE", slotKey(key), 0, -1))
+	}
+	if _, _, ok, err := s.Acquire(bg, key, 1); err != nil || !ok {
+		t.Fatalf("the next acquire: %v, %v; want the slot", ok, err)
+	}
+}
+
 // In a Cluster, each bucket's slots are one key on its own node.
 func TestSlotsInACluster(t *testing.T) {
 	if testing.Short() {

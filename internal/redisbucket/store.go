@@ -31,7 +31,6 @@ type Store struct {
 	slotsMu     sync.Mutex
 	slots       *slotTable
 	slotsClosed bool
-	slotNode    string
 	slotTTL     time.Duration
 
 	// clockOffset is added to the Redis server's TIME. Only tests set it,
@@ -98,18 +97,19 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 	return s
 }
 
-// Close gives back every token this view holds on lease, and frees the
-// slots it holds.
+// Close gives back every token this view holds on lease. It takes no new
+// slot; the slots its requests hold stay theirs, renewed, until they end:
+// a reload does not free the slot of a stream that runs on.
 func (s *Store) Close() {
 	if s.leases != nil {
 		s.leases.close()
 	}
 	s.slotsMu.Lock()
 	t := s.slots
-	s.slots, s.slotsClosed = nil, true
+	s.slotsClosed = true
 	s.slotsMu.Unlock()
 	if t != nil {
-		t.close()
+		t.retire()
 	}
 }
 
