@@ -1,0 +1,160 @@
+package bucket
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+	// The zones' rules, built in: a machine without a zone database
+	// (a minimal container) computes the same boundaries.
+	_ "time/tzdata"
+)
+
+// Calendar quotas (README: Sell API plans): a quota is a count of tokens
+// that starts over at each boundary of a calendar period in a time zone:
+// midnight for a day, Monday midnight for a week (ISO), the 1st for a
+// month, 1 January for a year. Days of 23 or 25 hours and months of 28 to
+// 31 days are as the zone's calendar has them.
+
+// Period is a calendar period a quota counts over.
+type Period uint8
+
+// The periods.
+const (
+	Day Period = iota + 1
+	Week
+	Month
+	Year
+)
+
+var periodNames = [...]string{Day: "day", Week: "week", Month: "month", Year: "year"}
+
+func (p Period) String() string {
+	if p < Day || p > Year {
+		return "period(" + strconv.Itoa(int(p)) + ")"
+	}
+	return periodNames[p]
+}
+
+// Quota is at most N tokens a Period, in the zone Loc.
+type Quota struct {
+	N      int64
+	Period Period
+	Loc    *time.Location
+}
+
+// ParseQuota reads "<n>/<day|week|month|year>".
+func ParseQuota(s string, loc *time.Location) (Quota, error) {
+	num, per, ok := strings.Cut(s, "/")
+	if !ok {
+		return Quota{}, fmt.Errorf("quota %q: want <n>/<day|week|month|year>, such as 10000/month", s)
+	}
+	n, err := strconv.ParseInt(num, 10, 64)
+	if err != nil || n < 1 || n > maxQuota {
+		return Quota{}, fmt.Errorf("quota %q: the count must be a whole number from 1 to %d", s, maxQuota)
+	}
+	q := Quota{N: n, Loc: loc}
+	for p := Day; p <= Year; p++ {
+		if periodNames[p] == per {
+			q.Period = p
+		}
+	}
+	if q.Period == 0 {
+		return Quota{}, fmt.Errorf("quota %q: period %q: want day, week, month or year", s, per)
+	}
+	if q.Loc == nil {
+		q.Loc = time.UTC
+	}
+	return q, nil
+}
+
+// maxQuota bounds a quota's count: the local store keeps it in 31 bits.
+const maxQuota = 1<<31 - 1
+
+// String is the quota as written.
+func (q Quota) String() string { return strconv.FormatInt(q.N, 10) + "/" + q.Period.String() }
+
+// Bounds are the start and the end (microseconds since the epoch) of the
+// period that holds the moment t (microseconds since the epoch).
+func (q Quota) Bounds(t int64) (start, end int64) {
+	at := time.UnixMicro(t).In(q.Loc)
+	y, m, d := at.Date()
+	var from, to time.Time
+	switch q.Period {
+	case Day:
+		from = time.Date(y, m, d, 0, 0, 0, 0, q.Loc)
+		to = time.Date(y, m, d+1, 0, 0, 0, 0, q.Loc)
+	case Week:
+		back := (int(at.Weekday()) + 6) % 7 // days since Monday
+		from = time.Date(y, m, d-back, 0, 0, 0, 0, q.Loc)
+		to = time.Date(y, m, d-back+7, 0, 0, 0, 0, q.Loc)
+	case Month:
+		from = time.Date(y, m, 1, 0, 0, 0, 0, q.Loc)
+		to = time.Date(y, m+1, 1, 0, 0, 0, 0, q.Loc)
+	default:
+		from = time.Date(y, 1, 1, 0, 0, 0, 0, q.Loc)
+		to = time.Date(y+1, 1, 1, 0, 0, 0, 0, q.Loc)
+	}
+	// A zone whose midnight is skipped (a DST change at 00:00) normalizes
+	// to the first moment of the day; the period still holds t.
+	return from.UnixMicro(), to.UnixMicro()
+}
+
+// QuotaState is a quota's count: Used tokens in the period that starts at
+// Start (microseconds since the epoch). A count of another period is 0.
+type QuotaState struct {
+	Start, Used int64
+}
+
+// used is the count in the period starting at start.
+func (s QuotaState) used(start int64) int64 {
+	if s.Start != start {
+		return 0
+	}
+	return s.Used
+}
+
+// TakeQuota decides cost tokens against the quota at now: allowed when the
+// period's count and cost fit N. It returns the state after (unchanged
+// when refused) and a result: Remaining the tokens left in the period,
+// RetryAfter (refused) and ResetAfter the microseconds to its end.
+func TakeQuota(s QuotaState, now int64, q Quota, cost int64) (QuotaState, Result) {
+	start, end := q.Bounds(now)
+	used := s.used(start)
+	res := Result{Remaining: q.N - used, ResetAfter: end - now}
+	if used+cost > q.N {
+		res.RetryAfter = end - now
+		return s, res
+	}
+	res.Allowed = true
+	res.Remaining -= cost
+	if cost == 0 {
+		return s, res
+	}
+	return QuotaState{Start: start, Used: used + cost}, res
+}
+
+// PeekQuota reports the quota at now without taking.
+func PeekQuota(s QuotaState, now int64, q Quota) Result {
+	start, end := q.Bounds(now)
+	left := q.N - s.used(start)
+	return Result{Allowed: left > 0, Remaining: left, ResetAfter: end - now}
+}
+
+// GiveBackQuota returns n tokens to the period's count, never below 0; a
+// count of an earlier period is already gone.
+func GiveBackQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
+	start, _ := q.Bounds(now)
+	if s.Start != start {
+		return s
+	}
+	s.Used = max(0, s.Used-n)
+	return s
+}
+
+// ChargeQuota counts n more tokens after the fact (cost_from_response),
+// up to the quota: a client that used it up waits for the next period.
+func ChargeQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
+	start, _ := q.Bounds(now)
+	return QuotaState{Start: start, Used: min(q.N, s.used(start)+max(0, n))}
+}

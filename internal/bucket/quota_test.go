@@ -1,0 +1,107 @@
+package bucket
+
+import (
+	"testing"
+	"time"
+)
+
+func mustZone(t *testing.T, name string) *time.Location {
+	t.Helper()
+	loc, err := time.LoadLocation(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return loc
+}
+
+func micros(t time.Time) int64 { return t.UnixMicro() }
+
+// The periods' boundaries, exact on the calendar's edges: the 2026 New
+// York DST days (23 and 25 hours), February in a leap and a common year,
+// the turn of the year, and ISO weeks from Monday.
+func TestQuotaBoundsOnTheCalendarsEdges(t *testing.T) {
+	ny := mustZone(t, "America/New_York")
+	berlin := mustZone(t, "Europe/Berlin")
+	for _, tt := range []struct {
+		name   string
+		q      Quota
+		at     time.Time
+		length time.Duration
+		start  time.Time
+	}{
+		{"NY spring forward: 23 hours", Quota{1, Day, ny}, time.Date(2026, 3, 8, 12, 0, 0, 0, ny), 23 * time.Hour, time.Date(2026, 3, 8, 0, 0, 0, 0, ny)},
+		{"NY fall back: 25 hours", Quota{1, Day, ny}, time.Date(2026, 11, 1, 23, 59, 0, 0, ny), 25 * time.Hour, time.Date(2026, 11, 1, 0, 0, 0, 0, ny)},
+		{"an ordinary NY day", Quota{1, Day, ny}, time.Date(2026, 3, 9, 0, 0, 0, 0, ny), 24 * time.Hour, time.Date(2026, 3, 9, 0, 0, 0, 0, ny)},
+		{"February 2028: 29 days", Quota{1, Month, time.UTC}, time.Date(2028, 2, 29, 23, 59, 59, 0, time.UTC), 29 * 24 * time.Hour, time.Date(2028, 2, 1, 0, 0, 0, 0, time.UTC)},
+		{"February 2027: 28 days", Quota{1, Month, time.UTC}, time.Date(2027, 2, 14, 0, 0, 0, 0, time.UTC), 28 * 24 * time.Hour, time.Date(2027, 2, 1, 0, 0, 0, 0, time.UTC)},
+		{"31 December, last microsecond", Quota{1, Year, berlin}, time.Date(2026, 12, 31, 23, 59, 59, 999999000, berlin), 365 * 24 * time.Hour, time.Date(2026, 1, 1, 0, 0, 0, 0, berlin)},
+		{"1 January, first moment", Quota{1, Year, berlin}, time.Date(2027, 1, 1, 0, 0, 0, 0, berlin), 365 * 24 * time.Hour, time.Date(2027, 1, 1, 0, 0, 0, 0, berlin)},
+		{"a leap year", Quota{1, Year, time.UTC}, time.Date(2028, 7, 1, 0, 0, 0, 0, time.UTC), 366 * 24 * time.Hour, time.Date(2028, 1, 1, 0, 0, 0, 0, time.UTC)},
+		{"a week from Monday, on Sunday night", Quota{1, Week, berlin}, time.Date(2026, 12, 6, 23, 0, 0, 0, berlin), 7 * 24 * time.Hour, time.Date(2026, 11, 30, 0, 0, 0, 0, berlin)},
+		{"a week from Monday, on Monday", Quota{1, Week, berlin}, time.Date(2026, 12, 7, 0, 0, 0, 0, berlin), 7 * 24 * time.Hour, time.Date(2026, 12, 7, 0, 0, 0, 0, berlin)},
+		{"a week over the NY fall-back", Quota{1, Week, ny}, time.Date(2026, 11, 1, 12, 0, 0, 0, ny), 7*24*time.Hour + time.Hour, time.Date(2026, 10, 26, 0, 0, 0, 0, ny)},
+		{"a month in Berlin, over the spring change", Quota{1, Month, berlin}, time.Date(2026, 3, 31, 23, 0, 0, 0, berlin), 31*24*time.Hour - time.Hour, time.Date(2026, 3, 1, 0, 0, 0, 0, berlin)},
+	} {
+		start, end := tt.q.Bounds(micros(tt.at))
+		if start != micros(tt.start) || time.Duration(end-start)*time.Microsecond != tt.length {
+			t.Errorf("%s: %s to %s (%v); want from %s, %v long", tt.name, time.UnixMicro(start).In(tt.q.Loc), time.UnixMicro(end).In(tt.q.Loc), time.Duration(end-start)*time.Microsecond, tt.start, tt.length)
+		}
+	}
+}
+
+// A quota admits exactly N a period, refuses with Retry-After to the
+// boundary, and starts over there; a refusal takes nothing.
+func TestQuotaAdmitsNAPeriodAndStartsOverAtTheBoundary(t *testing.T) {
+	ny := mustZone(t, "America/New_York")
+	q := Quota{N: 3, Period: Day, Loc: ny}
+	// The 23-hour day: from 05:00 UTC on 8 March to 04:00 UTC on 9 March.
+	now := micros(time.Date(2026, 3, 8, 22, 0, 0, 0, ny))
+	boundary := micros(time.Date(2026, 3, 9, 0, 0, 0, 0, ny))
+	var s QuotaState
+	for i := range 3 {
+		var res Result
+		if s, res = TakeQuota(s, now, q, 1); !res.Allowed || res.Remaining != int64(2-i) || res.ResetAfter != boundary-now {
+			t.Fatalf("take %d: %+v", i, res)
+		}
+	}
+	before := s
+	s, res := TakeQuota(s, now, q, 1)
+	if res.Allowed || res.RetryAfter != boundary-now || s != before {
+		t.Fatalf("the 4th: %+v, state %+v; want refused until midnight (%d µs), nothing taken", res, s, boundary-now)
+	}
+	if res.RetryAfter != 2*3600*1e6 {
+		t.Fatalf("Retry-After %d µs, want exactly 2 h", res.RetryAfter)
+	}
+	// One microsecond before midnight: still refused; at midnight: a new
+	// day, N again.
+	if _, res = TakeQuota(s, boundary-1, q, 1); res.Allowed || res.RetryAfter != 1 {
+		t.Fatalf("just before midnight: %+v", res)
+	}
+	if s, res = TakeQuota(s, boundary, q, 3); !res.Allowed || res.Remaining != 0 {
+		t.Fatalf("at midnight, all 3 at once: %+v", res)
+	}
+	// A give-back returns to this period's count; one of the last period
+	// is gone with it.
+	if got := GiveBackQuota(s, boundary+1, q, 2); got.Used != 1 {
+		t.Fatalf("give-back: %+v", got)
+	}
+	if got := GiveBackQuota(before, boundary+1, q, 2); got != before {
+		t.Fatalf("a give-back of the last period changed %+v to %+v", before, got)
+	}
+	// A charge counts up to N, no further.
+	if got := ChargeQuota(QuotaState{}, now, q, 10); got.Used != 3 {
+		t.Fatalf("charge: %+v", got)
+	}
+}
+
+func TestParseQuota(t *testing.T) {
+	for _, s := range []string{"0/day", "5/fortnight", "x/day", "5", "-1/month", "3000000000/day"} {
+		if _, err := ParseQuota(s, nil); err == nil {
+			t.Errorf("%q: want an error", s)
+		}
+	}
+	q, err := ParseQuota("10000/month", nil)
+	if err != nil || q.N != 10000 || q.Period != Month || q.Loc != time.UTC || q.String() != "10000/month" {
+		t.Fatalf("10000/month: %+v, %v", q, err)
+	}
+}
