@@ -105,3 +105,43 @@ func TestParseQuota(t *testing.T) {
 		t.Fatalf("10000/month: %+v, %v", q, err)
 	}
 }
+
+// A request takes from every limit and every quota, or from none: a
+// refusal by the rate limit takes nothing from the quota, and a refusal
+// by the quota takes nothing from the limit and starts no ban.
+func TestQuotasAndLimitsTakeAllOrNothing(t *testing.T) {
+	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: 1_000_000}, Ban: 60_000_000}
+	q := Quota{N: 3, Period: Day, Loc: time.UTC}
+	ls, qs := []Limit{l}, []Quota{q}
+	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
+	sh := &Shared{Levels: make([]State, 1)}
+	out, qout := make([]Result, 1), make([]Result, 1)
+	for i := range 2 {
+		if !sh.TakeWithQuotas(now, ls, qs, 1, out, qout) {
+			t.Fatalf("request %d refused: %+v %+v", i, out, qout)
+		}
+	}
+	// The limit is empty: refused, and the quota keeps its 1 left. No
+	// ban here: the ban setting is the limit's, and this refusal bans.
+	l.Ban = 0
+	ls[0] = l
+	if sh.TakeWithQuotas(now, ls, qs, 1, out, qout) || qout[0].Remaining != 1 || sh.Quotas[0].Used != 2 {
+		t.Fatalf("refused by the limit: %+v %+v, quota %+v; want the quota untouched", out, qout, sh.Quotas[0])
+	}
+	// A second later the limit has a token: the quota's last one goes.
+	now += 1_000_000
+	if !sh.TakeWithQuotas(now, ls, qs, 1, out, qout) || qout[0].Remaining != 0 {
+		t.Fatalf("the third: %+v %+v", out, qout)
+	}
+	// Then the quota refuses, though the limit has a token again: nothing
+	// taken from the limit, and no ban although the limit has one.
+	now += 1_000_000
+	ls[0].Ban = 60_000_000
+	before := sh.Levels[0]
+	if sh.TakeWithQuotas(now, ls, qs, 1, out, qout) || qout[0].Allowed || out[0].Banned || sh.Levels[0] != before {
+		t.Fatalf("refused by the quota: %+v %+v; the limit %+v, was %+v", out, qout, sh.Levels[0], before)
+	}
+	if want := micros(time.Date(2026, 12, 6, 0, 0, 0, 0, time.UTC)) - now; qout[0].RetryAfter != want {
+		t.Fatalf("Retry-After %d µs, want %d (to midnight)", qout[0].RetryAfter, want)
+	}
+}

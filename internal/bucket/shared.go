@@ -24,6 +24,8 @@ type Shared struct {
 	Levels []State
 	// Held is what each node holds on lease, at most one record a node.
 	Held []Held
+	// Quotas are the counts of the bucket's calendar quotas.
+	Quotas []QuotaState
 }
 
 // Held is what one node holds of a shared bucket.
@@ -183,6 +185,45 @@ func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
 		sh.voidAll()
 	}
 	return allowed
+}
+
+// TakeWithQuotas applies a request to every limit and every quota of a
+// bucket at once: it takes cost from each, or from none. A quota that
+// lacks the cost refuses the request, taking nothing and starting no ban;
+// a limit that refuses it leaves the quotas as they were.
+func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, out, qout []Result) bool {
+	for len(sh.Quotas) < len(qs) {
+		sh.Quotas = append(sh.Quotas, QuotaState{})
+	}
+	next := make([]QuotaState, len(qs))
+	fits := true
+	for i, q := range qs {
+		next[i], qout[i] = TakeQuota(sh.Quotas[i], now, q, cost)
+		fits = fits && qout[i].Allowed
+	}
+	if !fits {
+		sh.settle(now, ls)
+		for i, l := range ls {
+			out[i] = Peek(sh.Levels[i], now, l)
+			out[i].Allowed = false
+		}
+		for i := range qs {
+			if qout[i].Allowed {
+				qout[i] = PeekQuota(sh.Quotas[i], now, qs[i])
+				qout[i].Allowed = false
+			}
+		}
+		return false
+	}
+	if !sh.Take(now, ls, cost, out) {
+		for i := range qs {
+			qout[i] = PeekQuota(sh.Quotas[i], now, qs[i])
+			qout[i].Allowed = false
+		}
+		return false
+	}
+	copy(sh.Quotas, next)
+	return true
 }
 
 // Peek reports each limit as it stands at now, changing nothing stored.
