@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strconv"
 
@@ -48,8 +49,8 @@ var errNoSlot = errors.New("too many requests of this client in flight (concurre
 // validateConcurrency checks a tier's concurrency: a tier may have it
 // beside its limits or instead of them, and then takes no cost.
 func (t *Tier) validateConcurrency() (only bool, err error) {
-	if t.Concurrency < 0 {
-		return false, fmt.Errorf("tier %q: concurrency %d: must be at least 1", t.Name, t.Concurrency)
+	if t.Concurrency < 0 || t.Concurrency > math.MaxInt32 {
+		return false, fmt.Errorf("tier %q: concurrency %d: must be from 1 to %d", t.Name, t.Concurrency, math.MaxInt32)
 	}
 	if t.Concurrency == 0 || t.limitCount() > 0 {
 		return false, nil
@@ -141,8 +142,15 @@ var errClientGone = errors.New("the client went away")
 var errStoreDown = errors.New("rate limit store unavailable")
 
 // appendConcurrencyItem appends the RateLimit item of the tier's in-flight
-// limit: the slots left.
+// limit: the slots left, when the request asked for a slot; it says
+// nothing of the slots of a request refused before it asked.
 func (d *decision) appendConcurrencyItem(buf []byte) []byte {
+	if d.slotFrom == noSlot && d.refusedBy != refusedNoSlot {
+		return buf
+	}
+	if len(d.tier.limits) > 0 {
+		buf = append(buf, ", "...)
+	}
 	buf = append(buf, d.tier.concurrencyName...)
 	buf = append(buf, ";r="...)
 	return strconv.AppendInt(buf, int64(d.slotLeft), 10)

@@ -271,9 +271,6 @@ func (d *decision) appendIETF(buf []byte) []byte {
 		}
 	}
 	if d.tier.Concurrency > 0 {
-		if len(d.tier.limits) > 0 {
-			buf = append(buf, ", "...)
-		}
 		buf = d.appendConcurrencyItem(buf)
 	}
 	return buf

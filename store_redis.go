@@ -193,9 +193,23 @@ func (s *RedisStore) Cleanup() error {
 		return nil
 	}
 	s.engine.Close()
-	_, err := redisPool.Delete(s.poolKey)
+	key := s.poolKey
 	s.poolKey = ""
-	return err
+	// Requests of this config that hold in-flight slots still run; their
+	// slots are renewed and freed on this connection, so it stays open
+	// until the last has ended, even when the new config dials another.
+	idle := s.engine.SlotsIdle()
+	select {
+	case <-idle:
+		_, err := redisPool.Delete(key)
+		return err
+	default:
+		go func() {
+			<-idle
+			_, _ = redisPool.Delete(key)
+		}()
+		return nil
+	}
 }
 
 // validate checks what needs no expansion, for adapt and provision.

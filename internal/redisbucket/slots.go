@@ -34,18 +34,23 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
 local ms = math.floor(ttl / 1000) + 1
+-- The set lives as long as its latest slot: a node with a shorter
+-- slot_ttl never shortens the life of another's.
+local function extend()
+  if redis.call('PTTL', KEYS[1]) < ms then redis.call('PEXPIRE', KEYS[1], ms) end
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if op == 'acquire' then
   local used = redis.call('ZCARD', KEYS[1])
   if used >= tonumber(ARGV[4]) then return {0, used} end
   redis.call('ZADD', KEYS[1], now + ttl, ARGV[5])
-  redis.call('PEXPIRE', KEYS[1], ms)
+  extend()
   return {1, used + 1}
 end
 if op == 'renew' then
   local n = 0
   for i = 4, #ARGV do n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + ttl, ARGV[i]) end
-  if n > 0 then redis.call('PEXPIRE', KEYS[1], ms) end
+  if n > 0 then extend() end
   return {n, redis.call('ZCARD', KEYS[1])}
 end
 if op == 'count' then return {0, redis.call('ZCARD', KEYS[1])} end
@@ -68,9 +73,10 @@ type slotTable struct {
 	// the next renewal frees them.
 	doubt []slotFree
 	// retiring: the store closed; the loops stop when the last slot held
-	// is freed.
-	retiring bool
-	stopOnce sync.Once
+	// is freed. stopped: they stop or have; idle is closed once they have.
+	retiring, stopped bool
+	stopOnce          sync.Once
+	idle              chan struct{}
 
 	frees chan slotFree
 	stop  chan struct{}
@@ -95,7 +101,7 @@ func slotTTL(ttl time.Duration) time.Duration {
 }
 
 func newSlotTable(s *Store, ttl time.Duration) *slotTable {
-	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, frees: make(chan slotFree, 4096), stop: make(chan struct{})}
+	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, frees: make(chan slotFree, 4096), stop: make(chan struct{}), idle: make(chan struct{})}
 	t.done.Add(2)
 	go t.freeLoop()
 	go t.renewLoop()
@@ -123,25 +129,48 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	id = t.seq.Add(1)
 	k := slotKey(key)
 	vals, err := s.runSlots(ctx, k, "acquire", n, t.member(id))
-	if err != nil {
-		// The call may have taken the slot before its answer was lost:
-		// free it, now and once more at the next renewal, in case the
-		// free arrives first.
-		t.mu.Lock()
-		t.doubt = append(t.doubt, slotFree{k, id})
-		t.mu.Unlock()
-		select {
-		case t.frees <- slotFree{k, id}:
-		default:
+	if err != nil || vals[0] != 1 {
+		if err != nil {
+			// The call may have taken the slot before its answer was
+			// lost: free it, now and once more at the next renewal, in
+			// case the free arrives first.
+			t.doubtful(slotFree{k, id})
+			return 0, 0, false, err
 		}
-		return 0, 0, false, err
+		return id, vals[1], false, nil
 	}
-	if vals[0] == 1 {
-		t.mu.Lock()
+	t.mu.Lock()
+	stopped := t.stopped
+	if !stopped {
 		t.held[id] = k
-		t.mu.Unlock()
 	}
-	return id, vals[1], vals[0] == 1, nil
+	t.mu.Unlock()
+	if stopped {
+		// The store closed while the call was out, and its loops are gone:
+		// the slot is freed at once.
+		t.send([]slotFree{{k, id}})
+		return 0, 0, false, errSlotsClosed
+	}
+	return id, vals[1], true, nil
+}
+
+// doubtful frees a slot that a failed call may have taken: now, and at
+// the next renewal.
+func (t *slotTable) doubtful(f slotFree) {
+	t.mu.Lock()
+	stopped := t.stopped
+	if !stopped {
+		t.doubt = append(t.doubt, f)
+	}
+	t.mu.Unlock()
+	if stopped {
+		t.send([]slotFree{f})
+		return
+	}
+	select {
+	case t.frees <- f:
+	default:
+	}
 }
 
 // Release frees the slot id of the bucket at key, pipelined with others.
@@ -165,7 +194,10 @@ func (s *Store) Release(key []byte, id uint64) {
 	default:
 		queued = false
 	}
-	last := t.retiring && len(t.held) == 0
+	last := t.retiring && len(t.held) == 0 && !t.stopped
+	if last {
+		t.stopped = true
+	}
 	t.mu.Unlock()
 	if !queued {
 		// The queue is full: this one goes on its own.
@@ -324,7 +356,10 @@ func (t *slotTable) renew() {
 func (t *slotTable) retire() {
 	t.mu.Lock()
 	t.retiring = true
-	idle := len(t.held) == 0
+	idle := len(t.held) == 0 && !t.stopped
+	if idle {
+		t.stopped = true
+	}
 	t.mu.Unlock()
 	if idle {
 		t.stopLoops()
@@ -351,5 +386,22 @@ func (t *slotTable) stopLoops() {
 			t.send(rest[:n])
 			rest = rest[n:]
 		}
+		close(t.idle)
 	})
+}
+
+// SlotsIdle is closed once the store holds no slot and takes no more:
+// after Close, when the last request that held one has ended. Until then
+// the store renews and frees slots on its connection, which must stay
+// open.
+func (s *Store) SlotsIdle() <-chan struct{} {
+	s.slotsMu.Lock()
+	t := s.slots
+	s.slotsMu.Unlock()
+	if t == nil {
+		done := make(chan struct{})
+		close(done)
+		return done
+	}
+	return t.idle
 }
