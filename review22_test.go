@@ -15,6 +15,7 @@ import (
 // is stale by the whole wait. Breaks DESIGN section 4 ("t is seconds until
 // full") for max_wait's waited requests (section 12).
 func TestReview22IETFResetOfAWaitedRequestIsStaleByItsWait(t *testing.T) {
+	skipUnderShort(t, "real-time")
 	h, done := provisionedHandler(t, `{"name":"review22_ietf","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":2000000000,"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`)
 	defer done()
 	if err := h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {

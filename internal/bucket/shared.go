@@ -192,9 +192,7 @@ func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
 // lacks the cost refuses the request, taking nothing and starting no ban;
 // a limit that refuses it leaves the quotas as they were.
 func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, out, qout []Result) bool {
-	for len(sh.Quotas) < len(qs) {
-		sh.Quotas = append(sh.Quotas, QuotaState{})
-	}
+	sh.quotas(qs)
 	next := make([]QuotaState, len(qs))
 	fits := true
 	for i, q := range qs {
@@ -224,6 +222,38 @@ func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, 
 	}
 	copy(sh.Quotas, next)
 	return true
+}
+
+// quotas makes room for the counts of qs.
+func (sh *Shared) quotas(qs []Quota) {
+	for len(sh.Quotas) < len(qs) {
+		sh.Quotas = append(sh.Quotas, QuotaState{})
+	}
+}
+
+// PeekQuotas reports each quota as it stands at now.
+func (sh *Shared) PeekQuotas(now int64, qs []Quota, qout []Result) {
+	sh.quotas(qs)
+	for i, q := range qs {
+		qout[i] = PeekQuota(sh.Quotas[i], now, q)
+	}
+}
+
+// GiveBackQuotas returns n tokens to each quota's count: a quota counts
+// what was admitted, so a give-back returns there, ban or not.
+func (sh *Shared) GiveBackQuotas(now int64, qs []Quota, n int64) {
+	sh.quotas(qs)
+	for i, q := range qs {
+		sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, q, n)
+	}
+}
+
+// ChargeQuotas counts n more tokens in each quota, after the fact.
+func (sh *Shared) ChargeQuotas(now int64, qs []Quota, n int64) {
+	sh.quotas(qs)
+	for i, q := range qs {
+		sh.Quotas[i] = ChargeQuota(sh.Quotas[i], now, q, n)
+	}
 }
 
 // Peek reports each limit as it stands at now, changing nothing stored.

@@ -18,6 +18,9 @@ import (
 // renewed back (ZADD XX). Breaks: "a slot expires after slot_ttl unless its
 // node renews it" and "at most n in flight", fleet-wide.
 func TestReview23ShorterSlotTTLElsewhereExpiresALiveSlot(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time test: skipped under -short")
+	}
 	srv := redistest.Start(t)
 	long := slotStore(t, 10*time.Second, srv.URL())
 	short := slotStore(t, 300*time.Millisecond, srv.URL())

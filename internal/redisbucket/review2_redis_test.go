@@ -27,7 +27,7 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 	}{{"no hold-off (control)", false}, {"a hold-off pending", true}} {
 		t.Run(tt.name, func(t *testing.T) {
 			srv.Do("FLUSHALL")
-			plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 2 * time.Second})
+			plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 500 * time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -56,9 +56,10 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 			s.Close()
 			s.leases = nil
 			// A lease call in flight at Close may hold the table until it
-			// answers, within the 2 s timeout; an hour's timer holds it longer.
+			// answers, within the 500 ms timeout; an hour's timer holds it
+			// longer.
 			collected := false
-			for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); {
+			for deadline := time.Now().Add(1500 * time.Millisecond); time.Now().Before(deadline); {
 				runtime.GC()
 				if table.Value() == nil {
 					collected = true

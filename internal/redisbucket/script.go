@@ -61,7 +61,22 @@ for i = 1, n do
   local units = c * iv
   L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496 - units)}
 end
-local x = 7 + 3 * n
+-- Quotas (quota.go): for each, its count and the boundaries around the
+-- node's now: the start of the period before, the period's start and end,
+-- and the end of the next. Redis's TIME picks the period among them, so
+-- that nodes whose clocks differ agree at a boundary.
+local nq = tonumber(ARGV[7 + 3 * n])
+local Q = {}
+for j = 1, nq do
+  local y = 8 + 3 * n + 5 * (j - 1)
+  local q = {n = tonumber(ARGV[y]), used = 0}
+  local b0, b1, b2, b3 = tonumber(ARGV[y + 1]), tonumber(ARGV[y + 2]), tonumber(ARGV[y + 3]), tonumber(ARGV[y + 4])
+  if now < b1 then q.start, q.stop = b0, b1
+  elseif now >= b2 then q.start, q.stop = b2, b3
+  else q.start, q.stop = b1, b2 end
+  Q[j] = q
+end
+local x = 8 + 3 * n + 5 * nq
 
 local function bad()
   return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
@@ -80,8 +95,15 @@ if stored then
     local i, body = 1, seg
     if not first then
       local node, a, e, sq, vd = string.match(seg, '^l:([^:]+):(%d+):(%d+):(%d+):([01])$')
+      local qi, qs, qu = string.match(seg, '^q(%d+):(%d+):(%d+)$')
       if node then
         H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(sq), void = vd == '1'}
+        i = nil
+      elseif qi then
+        -- A quota's count, of the period that starts at qs; one of an
+        -- earlier period, or of a quota a reload dropped, goes.
+        local q = Q[tonumber(qi)]
+        if q and q.start == tonumber(qs) then q.used = tonumber(qu) end
         i = nil
       else
         local at, rest = string.match(seg, '^(%d+):(.*)$')
@@ -299,7 +321,7 @@ local function state_text(st)
   return v
 end
 local function save()
-  if n == 1 and #H == 0 and #extra == 0 then
+  if n == 1 and #H == 0 and #extra == 0 and nq == 0 then
     -- The common bucket: one limit, no lease.
     if S[1].full <= now then
       if stored then redis.call('DEL', KEYS[1]) end
@@ -331,45 +353,86 @@ local function save()
     segs[#segs + 1] = string.format('l:%s:%d:%d:%d:%d', h.node, h.tokens, h.expires, h.seq, vd)
     any = true
   end
+  -- A quota's count lives until its period ends, no longer.
+  local qlater = 0
+  for j, q in ipairs(Q) do
+    if q.used > 0 then
+      segs[#segs + 1] = string.format('q%d:%d:%d', j, q.start, q.used)
+      qlater = math.max(qlater, q.stop)
+      any = true
+    end
+  end
   if not any then
     if stored then redis.call('DEL', KEYS[1]) end
     return
   end
   local v = table.concat(segs, ';')
   if v == stored then return end
-  local ttl = math.max(0, later - now, life())
+  local ttl = math.max(0, later - now, qlater - now, life())
   local ok = redis.pcall('SET', KEYS[1], v, 'PX', ceildiv(ttl, 1000) + 1)
   if type(ok) == 'table' and ok.err then
     error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. ok.err)
   end
 end
 
-local function answer(allowed, started, res)
+-- quota_take and quota_peek: quota.go's TakeQuota and PeekQuota (as a
+-- refusal reports it).
+local function quota_take(q, cost)
+  local left = q.n - q.used
+  if q.used + cost > q.n then return {ok = false, rem = left, retry = q.stop - now, reset = q.stop - now} end
+  return {ok = true, rem = left - cost, retry = 0, reset = q.stop - now}
+end
+local function quota_peek(q) return {ok = false, rem = q.n - q.used, retry = 0, reset = q.stop - now} end
+
+local function answer(allowed, started, res, qres)
   local r = {0, 0, now}
   if allowed then r[1] = 1 end
   if started then r[2] = 1 end
-  for i = 1, n do
+  local function put(x)
     local a = 0
-    if res[i].ok then a = 1 end
-    r[#r + 1], r[#r + 2], r[#r + 3], r[#r + 4] = a, res[i].rem, res[i].retry, res[i].reset
+    if x.ok then a = 1 end
+    r[#r + 1], r[#r + 2], r[#r + 3], r[#r + 4] = a, x.rem, x.retry, x.reset
   end
+  for i = 1, n do put(res[i]) end
+  for j = 1, nq do put(qres[j]) end
   return r
 end
 
 if op == 'peek' then
-  local res, allowed = {}, true
+  local res, allowed, qres = {}, true, {}
   for i = 1, n do res[i] = peek(i); allowed = allowed and res[i].ok end
-  return answer(allowed, false, res)
+  for j, q in ipairs(Q) do qres[j] = quota_peek(q); qres[j].ok = q.used < q.n end
+  return answer(allowed, false, res, qres)
 end
 
 if op == 'take' then
   local res, allowed, started = {}, true, false
+  -- The quotas first: one that lacks the cost refuses the request, which
+  -- takes nothing and starts no ban.
+  local qres, fits = {}, true
+  for j, q in ipairs(Q) do
+    qres[j] = quota_take(q, count)
+    fits = fits and qres[j].ok
+  end
+  if not fits then
+    for i = 1, n do res[i] = peek(i); res[i].ok = false end
+    for j, q in ipairs(Q) do
+      if qres[j].ok then qres[j] = quota_peek(q) end
+    end
+    save()
+    return answer(false, false, res, qres)
+  end
   for i = 1, n do
     res[i] = take_one(i, count)
     allowed = allowed and res[i].ok
   end
+  if not allowed then
+    -- A limit refused: the quotas keep their counts.
+    for j, q in ipairs(Q) do qres[j] = quota_peek(q) end
+  end
   if allowed then
     for i = 1, n do S[i] = res[i].state end
+    for _, q in ipairs(Q) do q.used = q.used + count end
   elseif ban > 0 and short(count) then
     for i = 1, n do
       res[i] = ban_one(i, count * L[i].iv)
@@ -382,7 +445,7 @@ if op == 'take' then
     end
   end
   save()
-  return answer(allowed, started, res)
+  return answer(allowed, started, res, qres)
 end
 
 -- report: the least level and the latest reset, for a lease's answer.
@@ -486,6 +549,9 @@ if op == 'giveback' then
   if not any_banned() then
     for i = 1, n do give_back(i, count, floor(i)) end
   end
+  -- A quota counts what was admitted: a give-back returns to it, ban or
+  -- not.
+  for _, q in ipairs(Q) do q.used = math.max(0, q.used - count) end
   save()
   return {count, now}
 end
@@ -503,6 +569,7 @@ if op == 'charge' then
       S[i].banned = b
     end
   end
+  for _, q in ipairs(Q) do q.used = math.min(q.n, q.used + math.max(0, count)) end
   save()
   return {count, now}
 end

@@ -73,6 +73,9 @@ func TestSlotsAcquireUpToNAndFreeEveryOne(t *testing.T) {
 // A node that dies stops renewing: its slots are back within slot_ttl;
 // a node that lives keeps its slots past slot_ttl.
 func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time test: skipped under -short")
+	}
 	srv := redistest.Start(t)
 	ttl := 300 * time.Millisecond
 	live, dead := slotStore(t, ttl, srv.URL()), slotStore(t, ttl, srv.URL())
@@ -117,6 +120,9 @@ func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
 // its requests hold, renewed, until they end: a stream that runs on
 // through a reload keeps its place.
 func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time test: skipped under -short")
+	}
 	srv := redistest.Start(t)
 	ttl := 300 * time.Millisecond
 	old := slotStore(t, ttl, srv.URL())

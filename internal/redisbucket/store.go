@@ -209,12 +209,62 @@ func (s *Store) reserve(ctx context.Context, k string, l bucket.Limit, cost int6
 
 // args are the script's arguments for op on limits ls, and then extra.
 func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
-	args := make([]any, 0, 6+3*len(ls)+len(extra))
+	return s.argsWithQuotas(op, ls, nil, count, extra...)
+}
+
+// argsWithQuotas are the script's arguments for op on limits ls and
+// quotas qs, and then extra. Each quota goes with the boundaries of the
+// periods around this node's now, among which Redis's TIME picks.
+func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, count int64, extra ...any) []any {
+	args := make([]any, 0, 7+3*len(ls)+5*len(qs)+len(extra))
 	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban, ls[0].MaxWait)
 	for _, l := range ls {
 		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
 	}
+	args = append(args, len(qs))
+	now := time.Now().UnixMicro() + s.clockOffset
+	for _, q := range qs {
+		start, end := q.Bounds(now)
+		before, _ := q.Bounds(start - 1)
+		_, after := q.Bounds(end)
+		args = append(args, q.N, before, start, end, after)
+	}
 	return append(args, extra...)
+}
+
+// TakeQuotas decides one request on every limit and every quota of the
+// bucket at key, all or none, in one script call: it writes each limit's
+// result into out and each quota's into qout.
+func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
+	allowed, _, err := s.takeQuotas(ctx, "take", string(key), ls, qs, cost, out, qout)
+	return allowed, err
+}
+
+// takeQuotas runs op, take or peek, on key with quotas, and returns the
+// server's time of the decision too.
+func (s *Store) takeQuotas(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, int64, error) {
+	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, cost), false, 3+4*(len(ls)+len(qs)))
+	if err != nil {
+		return false, 0, err
+	}
+	banned := vals[1] == 1
+	decode := func(v []int64) bucket.Result {
+		r := bucket.Result{Allowed: v[0] == 1, Remaining: v[1], ResetAfter: v[3], Banned: banned}
+		if r.Allowed {
+			r.Wait = v[2]
+		} else {
+			r.RetryAfter = v[2]
+		}
+		return r
+	}
+	for i := range ls {
+		out[i] = decode(vals[3+4*i:])
+	}
+	for j := range qs {
+		qout[j] = decode(vals[3+4*(len(ls)+j):])
+		qout[j].Banned = false
+	}
+	return vals[0] == 1, vals[2], nil
 }
 
 // Charge takes n more tokens from the bucket at key, into debt if need

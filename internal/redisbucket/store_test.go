@@ -25,7 +25,11 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 	// shrinks, so the simulated time runs ahead of the real one and no key
 	// expires before the model's bucket is full.
 	rng := rand.New(rand.NewPCG(5, 6))
-	for i := range 40 {
+	traces := 40
+	if testing.Short() {
+		traces = 15
+	}
+	for i := range traces {
 		tr := bucket.RandomTrace(rng)
 		ref := bucket.NewReference(tr.Limit)
 		key := string(bucketFor("client-" + strconv.Itoa(i)))

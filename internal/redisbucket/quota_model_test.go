@@ -1,0 +1,139 @@
+package redisbucket
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+)
+
+// The bucket script's quotas are quota.go's, step for step: random traces
+// of takes, peeks, give-backs and charges on one or two limits and one or
+// two calendar quotas in several zones, whose clock jumps across
+// boundaries (DST days, month and year ends), against a real redis-server.
+// After each step the answers match, and the key lives no longer than its
+// last period or limit needs.
+func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	rng := rand.New(rand.NewPCG(24, 13))
+	zones := []string{"UTC", "America/New_York", "Europe/Berlin", "Asia/Kolkata", "Australia/Lord_Howe"}
+	// Starting points near the calendar's edges, as Redis's clock sees them.
+	edges := []time.Time{
+		time.Date(2026, 3, 8, 6, 0, 0, 0, time.UTC),    // New York springs forward
+		time.Date(2026, 11, 1, 5, 0, 0, 0, time.UTC),   // New York falls back
+		time.Date(2028, 2, 28, 23, 0, 0, 0, time.UTC),  // a leap February
+		time.Date(2027, 2, 28, 22, 0, 0, 0, time.UTC),  // a common one
+		time.Date(2026, 12, 31, 22, 0, 0, 0, time.UTC), // the turn of the year
+		time.Date(2026, 12, 6, 22, 0, 0, 0, time.UTC),  // Sunday night, Monday next
+	}
+	traces, steps := 40, 150
+	if testing.Short() {
+		traces, steps = 3, 80
+	}
+	for i := range traces {
+		s.clockOffset = edges[rng.IntN(len(edges))].UnixMicro() - time.Now().UnixMicro()
+		ls := []bucket.Limit{bucket.RandomTrace(rng).Limit}
+		if rng.IntN(2) == 0 {
+			ls = append(ls, bucket.RandomTrace(rng).Limit)
+		}
+		for j := range ls {
+			ls[j].MaxWait = ls[0].MaxWait
+		}
+		if rng.IntN(3) == 0 {
+			ban := 1 + rng.Int64N(3*ls[0].Units()/ls[0].Rate.Tokens) // one ban a tier
+			for j := range ls {
+				ls[j].Ban = ban
+			}
+		}
+		var qs []bucket.Quota
+		for range 1 + rng.IntN(2) {
+			loc, err := time.LoadLocation(zones[rng.IntN(len(zones))])
+			if err != nil {
+				t.Fatal(err)
+			}
+			qs = append(qs, bucket.Quota{N: 1 + rng.Int64N(30), Period: bucket.Period(1 + rng.IntN(4)), Loc: loc})
+		}
+		minCap := ls[0].Capacity
+		for _, l := range ls {
+			minCap = min(minCap, l.Capacity)
+		}
+		key := string(bucketFor("quota-" + strconv.Itoa(i)))
+		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		for j := range steps {
+			// Mostly short steps; now and then hours, across a boundary.
+			step := rng.Int64N(2 * ls[0].Units() / ls[0].Rate.Tokens)
+			if rng.IntN(8) == 0 {
+				step = rng.Int64N(30 * 3600 * 1_000_000)
+			}
+			s.clockOffset += step
+			cost := 1 + rng.Int64N(minCap)
+			what := fmt.Sprintf("trace %d step %d (limits %+v, quotas %v)", i, j, ls, qs)
+			before, _ := srv.Do("GET", key).(string)
+			out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
+			want, wantQ := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
+			switch op := rng.IntN(10); {
+			case op < 6:
+				allowed, now, err := s.takeQuotas(bg, "take", key, ls, qs, cost, out, qout)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if w := sh.TakeWithQuotas(now, ls, qs, cost, want, wantQ); allowed != w || !slices.Equal(out, want) || !slices.Equal(qout, wantQ) {
+					t.Fatalf("%s take %d at %s: Redis %v %+v %+v, model %v %+v %+v", what, cost, time.UnixMicro(now).UTC(), allowed, out, qout, w, want, wantQ)
+				}
+			case op < 7:
+				_, now, err := s.takeQuotas(bg, "peek", key, ls, qs, 0, out, qout)
+				if err != nil {
+					t.Fatal(err)
+				}
+				sh.Peek(now, ls, want)
+				sh.PeekQuotas(now, qs, wantQ)
+				if !slices.Equal(out, want) || !slices.Equal(qout, wantQ) {
+					t.Fatalf("%s peek: Redis %+v %+v, model %+v %+v", what, out, qout, want, wantQ)
+				}
+			case op < 9:
+				v, err := s.call(bg, key, s.argsWithQuotas("giveback", ls, qs, cost), false, 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				sh.GiveBack(v[1], ls, cost)
+				sh.GiveBackQuotas(v[1], qs, cost)
+			default:
+				n := rng.Int64N(3 * minCap)
+				v, err := s.call(bg, key, s.argsWithQuotas("charge", ls, qs, n), false, 2)
+				if err != nil {
+					t.Fatal(err)
+				}
+				sh.Charge(v[1], ls, n)
+				sh.ChargeQuotas(v[1], qs, n)
+			}
+			// The key lives until its last period ends, no longer: checked
+			// when this step wrote it (the clock jumps, the TTL does not).
+			after, _ := srv.Do("GET", key).(string)
+			if pttl := srv.Do("PTTL", key).(int64); pttl > 0 && after != before {
+				var last int64
+				now := time.Now().UnixMicro() + s.clockOffset
+				for k, q := range qs {
+					if k < len(sh.Quotas) && sh.Quotas[k].Used > 0 {
+						_, end := q.Bounds(sh.Quotas[k].Start)
+						last = max(last, end-now)
+					}
+				}
+				last = max(last, sh.Life(now, ls))
+				if ms := last/1000 + 2000; pttl > ms {
+					var ends []string
+					for k, q := range qs {
+						st, en := q.Bounds(now)
+						ends = append(ends, fmt.Sprintf("quota %d state %+v, now's period %s to %s", k, sh.Quotas[k], time.UnixMicro(st).In(q.Loc), time.UnixMicro(en).In(q.Loc)))
+					}
+					t.Fatalf("%s: the key lives %d ms, its last period or limit needs %d; now %s; %v; value %q", what, pttl, ms, time.UnixMicro(now).UTC(), ends, srv.Do("GET", key))
+				}
+			}
+		}
+	}
+}
