@@ -55,6 +55,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        cost_from_response <field>
 //	        max_wait <duration>
 //	        concurrency <n>
+//	        quota <n>/<day|week|month|year>
 //	        match { <request matchers> }
 //	        claim <claim> <value...>
 //	        keyer ip|header|cookie|jwt|form|json|placeholder
@@ -74,6 +75,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    ban <duration>
 //	    max_wait <duration>
 //	    max_waiting <n>
+//	    timezone <IANA zone>
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
@@ -95,7 +97,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban", "max_wait", "max_waiting"); err != nil {
+		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban", "max_wait", "max_waiting", "timezone"); err != nil {
 			return err
 		}
 		var err error
@@ -131,6 +133,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = positiveDuration(d, &h.Ban)
 		case "max_wait":
 			err = positiveDuration(d, &h.MaxWait)
+		case "timezone":
+			err = oneArg(d, &h.Timezone)
 		case "max_waiting":
 			var n int64
 			if n, err = intArg(d); err == nil && n < 1 {
@@ -264,6 +268,14 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			err = oneArg(d, &t.CostFromResponse)
 		case "max_wait":
 			err = positiveDuration(d, &t.MaxWait)
+		case "quota":
+			var q string
+			if err = oneArg(d, &q); err == nil {
+				if _, err = bucket.ParseQuota(q, nil); err != nil {
+					err = d.Err(err.Error())
+				}
+				t.Quotas = append(t.Quotas, q)
+			}
 		case "concurrency":
 			if t.Concurrency, err = intArg(d); err == nil && t.Concurrency < 1 {
 				err = d.Errf("concurrency %d: must be at least 1", t.Concurrency)

@@ -55,8 +55,8 @@ func (t *Tier) validateConcurrency() (only bool, err error) {
 	if t.Concurrency == 0 || t.limitCount() > 0 {
 		return false, nil
 	}
-	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" {
-		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost", t.Name)
+	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" || len(t.Quotas) > 0 {
+		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost or quota", t.Name)
 	}
 	return true, nil
 }
@@ -114,8 +114,10 @@ func (d *decision) untake() {
 			d.limits[i].Remaining = min(d.limits[i].Remaining+d.cost, l.Capacity)
 		}
 	}
-	if len(d.tier.limits) > 0 {
+	if int(d.binding) < len(d.tier.limits) {
 		d.result.Remaining = min(d.result.Remaining+d.cost, d.tier.limits[d.binding].Capacity)
+	} else if j := int(d.binding) - len(d.tier.limits); j < len(d.tier.quotas) {
+		d.result.Remaining = min(d.result.Remaining+d.cost, d.tier.quotas[j].N)
 	}
 }
 

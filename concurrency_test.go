@@ -254,7 +254,7 @@ func TestConcurrencyCaddyfile(t *testing.T) {
 		{"tier all {\n\t\t\tconcurrency -2\n\t\t}", "concurrency -2: must be at least 1"},
 		{"tier all {\n\t\t\tconcurrency many\n\t\t}", `concurrency "many"`},
 		{"tier all {\n\t\t\tconcurrency 5\n\t\t\tcost 2\n\t\t}", "a tier with concurrency and no rate limit takes no cost"},
-		{"tier all {\n\t\t\tunlimited\n\t\t\tconcurrency 5\n\t\t}", "takes no capacity, refill, cost or concurrency"},
+		{"tier all {\n\t\t\tunlimited\n\t\t\tconcurrency 5\n\t\t}", "takes no capacity, refill, cost, quota or concurrency"},
 		{"tier all {\n\t\t\tconcurrency 5\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\tslot_ttl 10ms\n\t\t}", "slot_ttl 10ms: must be at least 300ms"},
 	} {
 		if _, err := adaptCaddyfile(site(tt.block)); err == nil || !strings.Contains(err.Error(), tt.want) {

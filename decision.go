@@ -139,6 +139,10 @@ func (h *Handler) render(d *decision) {
 	d.retry[0] = text[at[1]:at[2]]
 	if h.ietfHeaders {
 		v.policy[0] = d.tier.policyText
+		if len(d.tier.quotas) > 0 {
+			// A quota's window is its period's length, which changes.
+			v.policy[0] = string(d.appendQuotaPolicy([]byte(d.tier.policyText), d.start.UnixMicro()))
+		}
 		v.ietf[0] = text[at[2]:]
 	}
 }
@@ -184,6 +188,9 @@ func (d *decision) placeholder(key string) (any, bool) {
 	case "limit":
 		// The limit the X- headers report: with several, the binding one.
 		if d.limits != nil {
+			if j := int(d.binding) - len(d.tier.limits); j >= 0 {
+				return d.tier.quotas[j].N, true
+			}
 			return d.tier.limits[d.binding].Capacity, true
 		}
 		if len(d.tier.limits) == 0 {
@@ -269,6 +276,9 @@ func (d *decision) appendIETF(buf []byte) []byte {
 			}
 			buf = appendIETFItem(buf, d.tier.itemName(i), d.limits[i])
 		}
+	}
+	if len(d.tier.quotas) > 0 && d.limits != nil {
+		buf = d.appendQuotaItems(buf)
 	}
 	if d.tier.Concurrency > 0 {
 		buf = d.appendConcurrencyItem(buf)

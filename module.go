@@ -126,6 +126,11 @@ type Handler struct {
 	// delay=<C - 1>` (nginx does not count a burst's first request).
 	MaxWait caddy.Duration `json:"max_wait,omitempty"`
 
+	// Timezone is the IANA time zone in which the tiers' quotas count
+	// their days, weeks, months and years, such as Europe/Berlin.
+	// Default UTC.
+	Timezone string `json:"timezone,omitempty"`
+
 	// MaxWaiting bounds the requests of this policy that wait at once on
 	// this node (max_wait); one more is refused at once. Default 10000.
 	MaxWaiting int `json:"max_waiting,omitempty"`
@@ -330,6 +335,9 @@ func (h *Handler) validate() error {
 	if err := h.validateWait(); err != nil {
 		return err
 	}
+	if err := h.validateTimezone(); err != nil {
+		return err
+	}
 	switch headers {
 	case "x", "ietf", "both", "none":
 	default:
@@ -401,6 +409,9 @@ func (h *Handler) validateLeaseUse() error {
 		}
 		if t.limitCount() > 1 {
 			return fmt.Errorf("tier %q: several limits need every decision in Redis: leave lease out of the store (strict mode), or give the tier one limit", t.Name)
+		}
+		if len(t.Quotas) > 0 {
+			return fmt.Errorf("tier %q: quotas need every decision in Redis: leave lease out of the store (strict mode)", t.Name)
 		}
 	}
 	return nil

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
@@ -121,7 +122,12 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); ok {
 		l = cur
 	}
-	if err := d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n); err != nil {
+	if qs, ok := d.took.(QuotaStore); ok && len(d.tier.quotas) > 0 {
+		err = qs.ChargeQuotas(context.WithoutCancel(r.Context()), &d.bucket, []bucket.Limit{l}, d.tier.quotas, n)
+	} else {
+		err = d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n)
+	}
+	if err != nil {
 		h.storeLog.Warn("rate limit store: charging the response's cost failed", zap.String("policy", h.Name), zap.Error(err))
 	}
 }
@@ -137,7 +143,11 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	}
 	ctx := context.WithoutCancel(r.Context())
 	var err error
-	if len(d.tier.limits) > 1 {
+	if len(d.tier.quotas) > 0 {
+		if qs, ok := d.took.(QuotaStore); ok && takerLive(h) {
+			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost)
+		}
+	} else if len(d.tier.limits) > 1 {
 		// After a reload, the tier's limits may be others: nothing.
 		if takerLive(h) {
 			err = d.took.GiveBackAll(ctx, &d.bucket, d.tier.limits, d.cost)

@@ -133,6 +133,9 @@ func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) 
 		// Only in-flight requests: the slot decides.
 		return bucket.Result{Allowed: true}, nil
 	}
+	if len(d.tier.quotas) > 0 {
+		return d.takeQuotas(ctx, h.store)
+	}
 	if len(d.tier.limits) > 1 {
 		return d.takeAll(ctx, h.store)
 	}
@@ -153,7 +156,9 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
 	var res bucket.Result
-	if len(d.tier.limits) > 1 {
+	if len(d.tier.quotas) > 0 {
+		res, _ = d.takeQuotas(r.Context(), h.local)
+	} else if len(d.tier.limits) > 1 {
 		res, _ = d.takeAll(r.Context(), h.local)
 	} else {
 		res, _ = h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/prometheus/client_golang/prometheus"
@@ -53,6 +54,12 @@ type Tier struct {
 	// has, for every claim named, one of the values listed.
 	Claims map[string][]string `json:"claims,omitempty"`
 
+	// Quotas are counts a request's tokens must also fit, each per
+	// calendar period in the handler's time zone: "10000/month",
+	// "500/day"; the period is day, week (from Monday), month or year.
+	// A quota starts over at the period's boundary.
+	Quotas []string `json:"quotas,omitempty"`
+
 	// Concurrency, when set, is how many of one client's requests may be
 	// in flight at once: from when rate_limit passes a request on until
 	// the handlers after it return (a streamed or upgraded response holds
@@ -84,6 +91,9 @@ type Tier struct {
 	maxCost int64
 	// ban is the handler's ban (µs), which the tier's limit carries.
 	ban int64
+	// loc is the handler's time zone, and quotas the tier's quotas in it.
+	loc    *time.Location
+	quotas []bucket.Quota
 	// maxWait is the tier's max_wait, or the handler's (µs).
 	maxWait  int64
 	waitTime prometheus.Observer
@@ -117,8 +127,8 @@ func (t *Tier) validate() error {
 		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
 	}
 	if t.Unlimited || t.Deny {
-		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 || t.Concurrency != 0 {
-			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost or concurrency", t.Name)
+		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 || t.Concurrency != 0 || len(t.Quotas) > 0 {
+			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost, quota or concurrency", t.Name)
 		}
 		return nil
 	}
@@ -148,6 +158,9 @@ func (t *Tier) validate() error {
 	}
 	if t.CostFromResponse != "" && len(t.limits) > 1 {
 		return fmt.Errorf("tier %q: cost_from_response works with one limit per tier; this tier has several", t.Name)
+	}
+	if err := t.validateQuotas(); err != nil {
+		return err
 	}
 	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
 	return t.validateKeyer()
@@ -273,6 +286,9 @@ func (t *Tier) provision(ctx caddy.Context) error {
 			t.limitTexts = append(t.limitTexts, text)
 			window := bucket.CeilDiv(l.Units(), l.Rate.Tokens*1e6)
 			items = append(items, t.itemName(i)+";q="+text+";w="+strconv.FormatInt(window, 10))
+		}
+		for _, q := range t.quotas {
+			t.limitTexts = append(t.limitTexts, strconv.FormatInt(q.N, 10))
 		}
 		if t.Concurrency > 0 {
 			t.concurrencyName = strconv.Quote(t.Name + "-concurrency")

@@ -158,3 +158,48 @@ func ChargeQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
 	start, _ := q.Bounds(now)
 	return QuotaState{Start: start, Used: min(q.N, s.used(start)+max(0, n))}
 }
+
+// TakeAllQuotas applies a request to every limit and every quota of a
+// bucket at once, as TakeAll does for limits: it takes cost from each, or
+// from none. A quota that lacks the cost refuses the request, taking
+// nothing and starting no ban; a limit that refuses it leaves the quotas
+// as they were. It updates states and qstates in place.
+func TakeAllQuotas(states []State, qstates []QuotaState, now int64, ls []Limit, qs []Quota, cost int64, out, qout []Result) bool {
+	var next [MaxQuotas]QuotaState
+	fits := true
+	for i, q := range qs {
+		next[i], qout[i] = TakeQuota(qstates[i], now, q, cost)
+		fits = fits && qout[i].Allowed
+	}
+	if !fits {
+		for i, l := range ls {
+			out[i] = Peek(states[i], now, l)
+			out[i].Allowed = false
+		}
+		refuseQuotas(qstates, now, qs, qout)
+		return false
+	}
+	if !TakeAll(states, now, ls, cost, out) {
+		for i := range qs {
+			qout[i] = PeekQuota(qstates[i], now, qs[i])
+		}
+		refuseQuotas(qstates, now, qs, qout)
+		return false
+	}
+	copy(qstates, next[:len(qs)])
+	return true
+}
+
+// refuseQuotas reports, for a refused request, the quotas that had room
+// as they stand.
+func refuseQuotas(qstates []QuotaState, now int64, qs []Quota, qout []Result) {
+	for i := range qs {
+		if qout[i].Allowed {
+			qout[i] = PeekQuota(qstates[i], now, qs[i])
+			qout[i].Allowed = false
+		}
+	}
+}
+
+// MaxQuotas bounds the quotas of one bucket.
+const MaxQuotas = 4

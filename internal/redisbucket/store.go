@@ -240,6 +240,25 @@ func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 	return allowed, err
 }
 
+// GiveBackQuotas returns n tokens to every limit and quota of the bucket
+// at key, in one script call. Leases take no part.
+func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	if n <= 0 {
+		return nil
+	}
+	k := string(key)
+	_, err := s.call(context.WithoutCancel(ctx), k, s.argsWithQuotas("giveback", ls, qs, n), false, 2)
+	s.conn.denied.remove(k)
+	return err
+}
+
+// ChargeQuotas takes n more tokens from every limit and quota of the
+// bucket at key, in one script call.
+func (s *Store) ChargeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	_, err := s.call(context.WithoutCancel(ctx), string(key), s.argsWithQuotas("charge", ls, qs, n), false, 2)
+	return err
+}
+
 // takeQuotas runs op, take or peek, on key with quotas, and returns the
 // server's time of the decision too.
 func (s *Store) takeQuotas(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, int64, error) {

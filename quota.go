@@ -1,0 +1,250 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+)
+
+// Calendar quotas (README: Sell API plans): a tier's quotas count its
+// requests' tokens per day, week, month or year in the handler's time
+// zone; a request must fit every limit and every quota, and takes from all
+// or none.
+
+// QuotaStore is a store that keeps calendar quotas beside a bucket's
+// limits, in the same step.
+type QuotaStore interface {
+	// TakeQuotas applies a request to every limit and every quota of the
+	// bucket, all or none: each limit's result goes into out, each
+	// quota's into qout.
+	TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error)
+	// GiveBackQuotas returns n tokens to every limit and quota.
+	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error
+	// ChargeQuotas takes n more tokens from every limit and quota, after
+	// the fact.
+	ChargeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error
+}
+
+// validateTimezone reads the handler's time zone, and hands it to the
+// tiers, whose quotas count in it.
+func (h *Handler) validateTimezone() error {
+	loc := time.UTC
+	if h.Timezone != "" {
+		var err error
+		if loc, err = time.LoadLocation(h.Timezone); err != nil {
+			return fmt.Errorf("timezone %q: not a time zone of the IANA database, such as Europe/Berlin or America/New_York", h.Timezone)
+		}
+	}
+	for _, t := range h.Tiers {
+		t.loc = loc
+	}
+	return nil
+}
+
+// validateQuotas reads the tier's quotas, each at least the tier's cost.
+func (t *Tier) validateQuotas() error {
+	t.quotas = t.quotas[:0]
+	if len(t.Quotas) > bucket.MaxQuotas || len(t.Quotas)+len(t.limits) > maxLimits {
+		return fmt.Errorf("tier %q: %d quotas beside %d limits: at most %d quotas, and %d limits and quotas in all", t.Name, len(t.Quotas), len(t.limits), bucket.MaxQuotas, maxLimits)
+	}
+	for _, s := range t.Quotas {
+		q, err := bucket.ParseQuota(s, t.loc)
+		if err != nil {
+			return fmt.Errorf("tier %q: %w", t.Name, err)
+		}
+		if q.N < t.cost || t.CostPlaceholder != "" && q.N < t.maxCost {
+			return fmt.Errorf("tier %q: quota %s: smaller than a request's cost, which it could never admit", t.Name, s)
+		}
+		t.quotas = append(t.quotas, q)
+	}
+	return nil
+}
+
+// takeQuotas applies the request to the tier's limits and quotas in one
+// step of store. The result is the binding one's: of the limits and
+// quotas, the one with the least remaining or, refused, the one that makes
+// the client wait longest.
+func (d *decision) takeQuotas(ctx context.Context, store Store) (bucket.Result, error) {
+	qstore, ok := store.(QuotaStore)
+	if !ok {
+		return bucket.Result{}, fmt.Errorf("the store %T keeps no quotas", store)
+	}
+	ls, qs := d.tier.limits, d.tier.quotas
+	// The quotas' results follow the limits' (validation keeps them
+	// within maxLimits in all).
+	d.limits = new([maxLimits]bucket.Result)
+	all := d.limits[:len(ls)+len(qs)]
+	out, qout := all[:len(ls)], all[len(ls):]
+	allowed, err := qstore.TakeQuotas(ctx, &d.bucket, ls, qs, d.cost, out, qout)
+	if err != nil {
+		return bucket.Result{}, err
+	}
+	j := bindingLimit(all, allowed)
+	d.binding = uint8(j)
+	res := all[j]
+	res.Allowed = allowed
+	for _, r := range out {
+		res.Wait = max(res.Wait, r.Wait)
+	}
+	return res, nil
+}
+
+// quotaItems appends the quotas' RateLimit-Policy items: the count and
+// the seconds in the period that holds now.
+func (d *decision) appendQuotaPolicy(buf []byte, now int64) []byte {
+	for _, q := range d.tier.quotas {
+		start, end := q.Bounds(now)
+		buf = append(buf, ", "...)
+		buf = strconv.AppendQuote(buf, d.tier.Name+"-"+q.Period.String())
+		buf = append(buf, ";q="...)
+		buf = strconv.AppendInt(buf, q.N, 10)
+		buf = append(buf, ";w="...)
+		buf = strconv.AppendInt(buf, bucket.CeilDiv(end-start, 1e6), 10)
+	}
+	return buf
+}
+
+// appendQuotaItems appends the quotas' RateLimit items: left, and the
+// seconds to the boundary.
+func (d *decision) appendQuotaItems(buf []byte) []byte {
+	for i, q := range d.tier.quotas {
+		buf = append(buf, ", "...)
+		buf = appendIETFItem(buf, strconv.Quote(d.tier.Name+"-"+q.Period.String()), d.limits[len(d.tier.limits)+i])
+	}
+	return buf
+}
+
+// TakeQuotas implements QuotaStore: the quotas' counts live beside the
+// limits' states, under the same shard lock, each until its period ends.
+func (s *LocalStore) TakeQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
+	return s.buckets.takeQuotas(b, ls, qs, cost, out, qout), nil
+}
+
+// GiveBackQuotas implements QuotaStore.
+func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.GiveBack(st, now, l, n) },
+		func(qs bucket.QuotaState, now int64, q bucket.Quota) bucket.QuotaState {
+			return bucket.GiveBackQuota(qs, now, q, n)
+		})
+	return nil
+}
+
+// ChargeQuotas implements QuotaStore.
+func (s *LocalStore) ChargeQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.Charge(st, now, l, n) },
+		func(qs bucket.QuotaState, now int64, q bucket.Quota) bucket.QuotaState {
+			return bucket.ChargeQuota(qs, now, q, n)
+		})
+	return nil
+}
+
+// quotaID is the table id of a bucket's quota i: after its limits'.
+func quotaID(id uint64, i int) uint64 { return limitID(id, bucket.MaxLimits+i) }
+
+// A quota's count is kept in the table as a State: FullAt the end of its
+// period, when the table may drop it, and Slack the count (below 2^31).
+func quotaState(st bucket.State, q bucket.Quota) bucket.QuotaState {
+	if st.FullAt == 0 {
+		return bucket.QuotaState{}
+	}
+	start, _ := q.Bounds(st.FullAt - 1)
+	return bucket.QuotaState{Start: start, Used: st.Slack}
+}
+
+func tableQuota(qs bucket.QuotaState, q bucket.Quota) bucket.State {
+	if qs.Used == 0 {
+		return bucket.State{}
+	}
+	_, end := q.Bounds(qs.Start)
+	return bucket.State{FullAt: end, Slack: qs.Used}
+}
+
+func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) bool {
+	sh, id := lb.locate(b)
+	var states, olds [bucket.MaxLimits]bucket.State
+	var qstates [bucket.MaxQuotas]bucket.QuotaState
+	var qolds [bucket.MaxQuotas]bucket.State
+	now := lb.now()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i := range ls {
+		states[i], _ = sh.states.get(limitID(id, i))
+	}
+	for i, q := range qs {
+		qolds[i], _ = sh.states.get(quotaID(id, i))
+		qstates[i] = quotaState(qolds[i], q)
+	}
+	olds = states
+	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, ls, qs, cost, out, qout)
+	for i := range ls {
+		if states[i] != olds[i] {
+			lb.putLocked(sh, limitID(id, i), states[i], now)
+		}
+	}
+	for i, q := range qs {
+		if st := tableQuota(qstates[i], q); st != qolds[i] {
+			lb.putLocked(sh, quotaID(id, i), st, now)
+		}
+	}
+	return allowed
+}
+
+// updateQuotas applies f to each limit's state and g to each quota's
+// count, under the bucket's shard lock.
+func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, f func(bucket.State, int64, bucket.Limit) bucket.State, g func(bucket.QuotaState, int64, bucket.Quota) bucket.QuotaState) {
+	sh, id := lb.locate(b)
+	now := lb.now()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i, l := range ls {
+		st, _ := sh.states.get(limitID(id, i))
+		if next := f(st, now, l); next != st {
+			lb.putLocked(sh, limitID(id, i), next, now)
+		}
+	}
+	for i, q := range qs {
+		st, _ := sh.states.get(quotaID(id, i))
+		if next := tableQuota(g(quotaState(st, q), now, q), q); next != st {
+			lb.putLocked(sh, quotaID(id, i), next, now)
+		}
+	}
+}
+
+// putLocked stores st under id, making room for a new entry; the shard's
+// lock is held.
+func (lb *localBuckets) putLocked(sh *localShard, id uint64, st bucket.State, now int64) {
+	if _, found := sh.states.get(id); !found {
+		if lb.count.Load() >= lb.maxKeys.Load() {
+			lb.makeRoom(sh, now, id)
+		}
+		lb.count.Add(1)
+	}
+	sh.states.put(id, st)
+}
+
+// TakeQuotas implements QuotaStore.
+func (s *RedisStore) TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
+	var buf [192]byte
+	return s.engine.TakeQuotas(ctx, s.key(buf[:0], b), ls, qs, cost, out, qout)
+}
+
+// GiveBackQuotas implements QuotaStore.
+func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	var buf [192]byte
+	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, qs, n)
+}
+
+// ChargeQuotas implements QuotaStore.
+func (s *RedisStore) ChargeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	var buf [192]byte
+	return s.engine.ChargeQuotas(ctx, s.key(buf[:0], b), ls, qs, n)
+}
+
+// Interface guards
+var (
+	_ QuotaStore = (*LocalStore)(nil)
+	_ QuotaStore = (*RedisStore)(nil)
+)

@@ -1,0 +1,119 @@
+package ratelimit
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Calendar quotas through real Caddy configs.
+
+// On New York's 23-hour day, `quota 3/day`: 3 pass, the 4th is refused
+// until midnight (2 h, exactly), the headers report the quota that binds,
+// and at midnight the count starts over. A refusal by the rate limit
+// takes nothing from the quota.
+func TestQuotaThroughCaddyOnADSTDay(t *testing.T) {
+	clock := useFakeClock(t)
+	ny, err := time.LoadLocation("America/New_York")
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.micros.Store(time.Date(2026, 3, 8, 22, 0, 0, 0, ny).UnixMicro())
+	s := serve(t, `rate_limit {
+		timezone America/New_York
+		headers both
+		key header X-Key
+		tier all 2 1/m {
+			quota 3/day
+		}
+	}
+	respond ok`)
+	get := func() response { return s.get("/", "X-Key: ann") }
+	for i, want := range []int{200, 200, 429} {
+		if r := get(); r.status != want {
+			t.Fatalf("request %d: %d, want %d (the rate limit: 2, then 1 a minute)", i, r.status, want)
+		}
+	}
+	clock.advance(time.Minute)
+	r := get()
+	if r.status != 200 || r.header.Get("X-Ratelimit-Remaining") != "0" || !strings.Contains(r.header.Get("RateLimit"), `"all-day";r=0;`) {
+		t.Fatalf("the 3rd admitted: %d, remaining %q, RateLimit %q; want 200 with the quota's last (the refused request took nothing)", r.status, r.header.Get("X-Ratelimit-Remaining"), r.header.Get("RateLimit"))
+	}
+	// The window is the length of the day the request is answered in (by
+	// the server's clock, which this fake clock does not move).
+	today := time.Now().In(ny)
+	day := time.Date(today.Year(), today.Month(), today.Day()+1, 0, 0, 0, 0, ny).Sub(time.Date(today.Year(), today.Month(), today.Day(), 0, 0, 0, 0, ny))
+	if got, want := r.header.Get("RateLimit-Policy"), fmt.Sprintf(`"all";q=2;w=120, "all-day";q=3;w=%d`, int(day.Seconds())); got != want {
+		t.Errorf("RateLimit-Policy %q, want %q", got, want)
+	}
+	clock.advance(time.Minute)
+	r = get()
+	left := int64(2*3600 - 2*60)
+	if r.status != 429 || r.header.Get("Retry-After") != strconv.FormatInt(left, 10) || r.header.Get("X-Ratelimit-Limit") != "3" {
+		t.Fatalf("the 4th: %d, Retry-After %q, limit %q; want 429 until midnight, %d s, the quota (3) binding", r.status, r.header.Get("Retry-After"), r.header.Get("X-Ratelimit-Limit"), left)
+	}
+	if got := r.header.Get("RateLimit"); !strings.Contains(got, fmt.Sprintf(`"all-day";r=0;t=%d`, left)) {
+		t.Errorf("RateLimit %q, want the day's item with r=0 and t=%d", got, left)
+	}
+	clock.micros.Store(time.Date(2026, 3, 9, 0, 0, 0, 0, ny).UnixMicro())
+	if r := get(); r.status != 200 || r.header.Get("X-Ratelimit-Remaining") != "1" {
+		t.Fatalf("at midnight: %d, remaining %q; want 200 (a new day; the rate limit binds with 1 left)", r.status, r.header.Get("X-Ratelimit-Remaining"))
+	}
+}
+
+// In Redis, strict: the quota admits exactly n, and refuses until the
+// boundary by Redis's clock.
+func TestQuotaInRedis(t *testing.T) {
+	srv := startRedis(t)
+	s := serve(t, fmt.Sprintf(`rate_limit {
+		key header X-Key
+		tier all 100 100/s {
+			quota 3/day
+		}
+		store redis {
+			address %s
+		}
+	}
+	respond ok`, srv.url()))
+	for i := range 3 {
+		if r := s.get("/", "X-Key: bob"); r.status != 200 {
+			t.Fatalf("request %d: %d", i, r.status)
+		}
+	}
+	r := s.get("/", "X-Key: bob")
+	now := time.Now().UTC()
+	midnight := time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, time.UTC)
+	retry, _ := strconv.Atoi(r.header.Get("Retry-After"))
+	if want := int(midnight.Sub(now).Seconds()); r.status != 429 || retry < want-2 || retry > want+2 {
+		t.Fatalf("the 4th: %d, Retry-After %d; want 429 until midnight UTC, about %d s", r.status, retry, want)
+	}
+	if ttl := srv.do("PTTL", srv.do("KEYS", "rl:*").([]any)[0]).(int64); ttl > midnight.Sub(now).Milliseconds()+3000 {
+		t.Errorf("the key lives %d ms, past the day's end", ttl)
+	}
+}
+
+func TestQuotaSettingsAreChecked(t *testing.T) {
+	site := func(block string) string {
+		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
+	}
+	for _, tt := range []struct{ block, want string }{
+		{"tier all 5 1/s {\n\t\t\tquota 0/day\n\t\t}", `quota "0/day"`},
+		{"tier all 5 1/s {\n\t\t\tquota 5/fortnight\n\t\t}", `period "fortnight"`},
+		{"tier all 5 1/s {\n\t\t\tcost 3\n\t\t\tquota 2/day\n\t\t}", "quota 2/day: smaller than a request's cost"},
+		{"timezone Mars/Olympus\n\t\ttier all 5 1/s {\n\t\t\tquota 5/day\n\t\t}", `timezone "Mars/Olympus"`},
+		{"tier all 5 1/s {\n\t\t\tquota 5/day\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\tlease 50%\n\t\t}", "quotas need every decision in Redis"},
+	} {
+		if _, err := adaptCaddyfile(site(tt.block)); err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("%q: %v, want an error containing %q", tt.block, err, tt.want)
+		}
+	}
+	cfg, err := adaptCaddyfile(site("timezone Europe/Berlin\n\t\ttier all 5 1/s {\n\t\t\tquota 10000/month\n\t\t\tquota 500/day\n\t\t}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(cfg), `"quotas":["10000/month","500/day"]`) || !strings.Contains(string(cfg), `"timezone":"Europe/Berlin"`) {
+		t.Errorf("adapted: %s", cfg)
+	}
+}
