@@ -138,6 +138,9 @@ type bucketState struct {
 	limitState
 	// Limits, for a tier of several limits, shows each, in the tier's order.
 	Limits []limitState `json:"limits,omitempty"`
+	// Quotas, for a tier with quotas, shows each: used and left in the
+	// period, and when it starts over.
+	Quotas []quotaView `json:"quotas,omitempty"`
 	// Concurrency and InFlight, for a tier with concurrency, are its limit
 	// and the client's requests in flight now, fleet-wide with Redis.
 	Concurrency int64  `json:"concurrency,omitempty"`
@@ -149,6 +152,17 @@ type bucketState struct {
 	LayersReset []string `json:"layers_reset,omitempty"`
 	// LayersFailed gives, by layer, why DELETE could not reset it.
 	LayersFailed map[string]string `json:"layers_failed,omitempty"`
+}
+
+// quotaView is one quota of a bucket, as the admin API shows it.
+type quotaView struct {
+	Quota string `json:"quota"`
+	Used  int64  `json:"used"`
+	Left  int64  `json:"left"`
+	// Reset is the Unix second at which the period ends and the count
+	// starts over; ResetAfter the seconds until then.
+	Reset      int64 `json:"reset"`
+	ResetAfter int64 `json:"reset_after"`
 }
 
 // limitState is one limit of a bucket, as the admin API shows it.
@@ -232,6 +246,9 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	if len(tier.limits) == 0 {
 		return nil
 	}
+	if len(tier.quotas) > 0 {
+		return h.readQuotas(ctx, b, tier, state, now)
+	}
 	if len(tier.limits) == 1 {
 		res, err := h.store.Peek(ctx, b, tier.limit)
 		if err != nil {
@@ -249,6 +266,34 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		state.Limits = append(state.Limits, newLimitState(shapes[i], res, now))
 	}
 	state.limitState = state.Limits[bindingLimit(out, allowed)]
+	return nil
+}
+
+// readQuotas fills state with a tier's limits and quotas, read by a take
+// of cost 0, which changes nothing.
+func (h *Handler) readQuotas(ctx context.Context, b *Bucket, tier *Tier, state *bucketState, now int64) error {
+	qs, ok := h.store.(QuotaStore)
+	if !ok {
+		return fmt.Errorf("the store keeps no quotas")
+	}
+	out := make([]bucket.Result, len(tier.limits)+len(tier.quotas))
+	allowed, err := qs.TakeQuotas(ctx, b, tier.limits, tier.quotas, 0, out[:len(tier.limits)], out[len(tier.limits):])
+	if err != nil {
+		return err
+	}
+	shapes := tier.shapes()
+	for i, res := range out[:len(tier.limits)] {
+		state.Limits = append(state.Limits, newLimitState(shapes[i], res, now))
+	}
+	for j, res := range out[len(tier.limits):] {
+		q := tier.quotas[j]
+		state.Quotas = append(state.Quotas, quotaView{Quota: q.String(), Used: q.N - res.Remaining, Left: res.Remaining, ResetAfter: secondsUp(res.ResetAfter), Reset: secondsUp(now + res.ResetAfter)})
+	}
+	if j := bindingLimit(out, allowed); j < len(tier.limits) {
+		state.limitState = state.Limits[j]
+	} else {
+		state.limitState = state.Limits[0]
+	}
 	return nil
 }
 
@@ -358,6 +403,10 @@ type tierView struct {
 	MaxWait string `json:"max_wait,omitempty"`
 	// Concurrency is how many of one client's requests may be in flight.
 	Concurrency int64 `json:"concurrency,omitempty"`
+	// Quotas are the tier's calendar quotas, and Timezone the zone they
+	// count in.
+	Quotas   []string `json:"quotas,omitempty"`
+	Timezone string   `json:"timezone,omitempty"`
 	// Unlimited or Deny mark allow- and block-list tiers.
 	Unlimited bool `json:"unlimited,omitempty"`
 	Deny      bool `json:"deny,omitempty"`
@@ -410,6 +459,9 @@ func (h *Handler) view() policyView {
 			}
 		}
 		tv.Concurrency = t.Concurrency
+		if len(t.quotas) > 0 {
+			tv.Quotas, tv.Timezone = t.Quotas, t.loc.String()
+		}
 		v.Tiers = append(v.Tiers, tv)
 	}
 	v.Store = caddy.GetModuleName(h.store)

@@ -165,9 +165,9 @@ func (c *fakeClock) advance(d time.Duration) { c.micros.Add(d.Microseconds()) }
 func useFakeClock(t testing.TB) *fakeClock {
 	c := new(fakeClock)
 	c.micros.Store(1_000_000)
-	old := localClock
-	localClock = c.now
-	t.Cleanup(func() { localClock = old })
+	old, oldWall := localClock, localWallClock
+	localClock, localWallClock = c.now, c.now
+	t.Cleanup(func() { localClock, localWallClock = old, oldWall })
 	return c
 }
 

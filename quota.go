@@ -145,21 +145,23 @@ func (s *LocalStore) ChargeQuotas(_ context.Context, b *Bucket, ls []bucket.Limi
 func quotaID(id uint64, i int) uint64 { return limitID(id, bucket.MaxLimits+i) }
 
 // A quota's count is kept in the table as a State: FullAt the end of its
-// period, when the table may drop it, and Slack the count (below 2^31).
-func quotaState(st bucket.State, q bucket.Quota) bucket.QuotaState {
+// period by the table's clock, when the table may drop it, and Slack the
+// count (below 2^31). The table's clock is monotonic; off is what to add
+// to it for the wall's, which a calendar needs.
+func quotaState(st bucket.State, q bucket.Quota, off int64) bucket.QuotaState {
 	if st.FullAt == 0 {
 		return bucket.QuotaState{}
 	}
-	start, _ := q.Bounds(st.FullAt - 1)
+	start, _ := q.Bounds(st.FullAt + off - 1)
 	return bucket.QuotaState{Start: start, Used: st.Slack}
 }
 
-func tableQuota(qs bucket.QuotaState, q bucket.Quota) bucket.State {
+func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
 	if qs.Used == 0 {
 		return bucket.State{}
 	}
 	_, end := q.Bounds(qs.Start)
-	return bucket.State{FullAt: end, Slack: qs.Used}
+	return bucket.State{FullAt: end - off, Slack: qs.Used}
 }
 
 func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) bool {
@@ -168,6 +170,7 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 	var qstates [bucket.MaxQuotas]bucket.QuotaState
 	var qolds [bucket.MaxQuotas]bucket.State
 	now := lb.now()
+	off := lb.wall() - now
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i := range ls {
@@ -175,17 +178,17 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 	}
 	for i, q := range qs {
 		qolds[i], _ = sh.states.get(quotaID(id, i))
-		qstates[i] = quotaState(qolds[i], q)
+		qstates[i] = quotaState(qolds[i], q, off)
 	}
 	olds = states
-	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, ls, qs, cost, out, qout)
+	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, now+off, ls, qs, cost, out, qout)
 	for i := range ls {
 		if states[i] != olds[i] {
 			lb.putLocked(sh, limitID(id, i), states[i], now)
 		}
 	}
 	for i, q := range qs {
-		if st := tableQuota(qstates[i], q); st != qolds[i] {
+		if st := tableQuota(qstates[i], q, off); st != qolds[i] {
 			lb.putLocked(sh, quotaID(id, i), st, now)
 		}
 	}
@@ -197,6 +200,7 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, f func(bucket.State, int64, bucket.Limit) bucket.State, g func(bucket.QuotaState, int64, bucket.Quota) bucket.QuotaState) {
 	sh, id := lb.locate(b)
 	now := lb.now()
+	off := lb.wall() - now
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i, l := range ls {
@@ -207,7 +211,7 @@ func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Q
 	}
 	for i, q := range qs {
 		st, _ := sh.states.get(quotaID(id, i))
-		if next := tableQuota(g(quotaState(st, q), now, q), q); next != st {
+		if next := tableQuota(g(quotaState(st, q, off), now+off, q), q, off); next != st {
 			lb.putLocked(sh, quotaID(id, i), next, now)
 		}
 	}

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
@@ -115,5 +116,50 @@ func TestQuotaSettingsAreChecked(t *testing.T) {
 	}
 	if !strings.Contains(string(cfg), `"quotas":["10000/month","500/day"]`) || !strings.Contains(string(cfg), `"timezone":"Europe/Berlin"`) {
 		t.Errorf("adapted: %s", cfg)
+	}
+}
+
+// The admin API shows each quota's used, left and reset, DELETE starts it
+// over, and the policy listing shows the quotas and their zone.
+func TestQuotaAdmin(t *testing.T) {
+	s, admin := serveWithAdmin(t, `rate_limit {
+		name quota_admin
+		timezone Europe/Berlin
+		tier all 100 100/s {
+			quota 5/month
+		}
+	}
+	respond ok`)
+	for range 2 {
+		if r := s.from("127.0.0.2", "/"); r.status != 200 {
+			t.Fatal(r.status)
+		}
+	}
+	var got bucketState
+	if status := getJSON(t, admin+"/rate_limit/buckets?policy=quota_admin&value=127.0.0.2", &got); status != 200 || len(got.Quotas) != 1 {
+		t.Fatalf("GET: %d, %+v", status, got)
+	}
+	q := got.Quotas[0]
+	berlin, _ := time.LoadLocation("Europe/Berlin")
+	now := time.Now().In(berlin)
+	next := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, berlin).Unix()
+	if q.Quota != "5/month" || q.Used != 2 || q.Left != 3 || q.Reset < next || q.Reset > next+1 {
+		t.Fatalf("the quota: %+v; want 2 used, 3 left, reset at %d (the 1st in Berlin)", q, next)
+	}
+	req, _ := http.NewRequest(http.MethodDelete, admin+"/rate_limit/buckets?policy=quota_admin&value=127.0.0.2", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if status := getJSON(t, admin+"/rate_limit/buckets?policy=quota_admin&value=127.0.0.2", &got); status != 200 || got.Quotas[0].Used != 0 {
+		t.Fatalf("after DELETE: %d, %+v", status, got.Quotas)
+	}
+	var views []policyView
+	getJSON(t, admin+"/rate_limit/policies", &views)
+	for _, v := range views {
+		if v.Policy == "quota_admin" && (len(v.Tiers) != 1 || fmt.Sprint(v.Tiers[0].Quotas) != "[5/month]" || v.Tiers[0].Timezone != "Europe/Berlin") {
+			t.Errorf("listing: %+v", v.Tiers)
+		}
 	}
 }

@@ -3,11 +3,13 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"hash/maphash"
 	"math/bits"
 	"sync"
 	"sync/atomic"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -161,6 +163,10 @@ func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // it before they load a config.
 var localClock = monotonicMicros
 
+// localWallClock is the local stores' wall clock, for quotas; tests
+// replace it.
+var localWallClock = func() int64 { return time.Now().UnixMicro() }
+
 // hashSeed keys the local hash, so clients cannot aim for collisions.
 var hashSeed = maphash.MakeSeed()
 
@@ -169,7 +175,10 @@ var hashSeed = maphash.MakeSeed()
 // is kept over the whole table, so that shards that happen to draw more
 // clients than others do not evict early.
 type localBuckets struct {
-	now     func() int64
+	now func() int64
+	// wall is the wall clock (Unix microseconds), which quotas' calendars
+	// read; now may be monotonic.
+	wall    func() int64
 	shards  []localShard
 	shift   uint
 	maxKeys atomic.Int64
@@ -193,7 +202,7 @@ func newLocalBuckets(maxKeys int, now func() int64) *localBuckets {
 	for n < 64 && n*2*256 <= maxKeys {
 		n *= 2
 	}
-	lb := &localBuckets{now: now, shards: make([]localShard, n), shift: uint(64 - bits.TrailingZeros(uint(n)))}
+	lb := &localBuckets{now: now, wall: localWallClock, shards: make([]localShard, n), shift: uint(64 - bits.TrailingZeros(uint(n)))}
 	lb.setMaxKeys(maxKeys)
 	return lb
 }
@@ -337,7 +346,7 @@ func (lb *localBuckets) reset(b *Bucket) {
 	sh, id := lb.locate(b)
 	sh.mu.Lock()
 	before := sh.states.n
-	for i := range bucket.MaxLimits {
+	for i := range bucket.MaxLimits + bucket.MaxQuotas {
 		sh.states.remove(limitID(id, i))
 	}
 	lb.count.Add(int64(sh.states.n - before))

@@ -184,7 +184,7 @@ func TestPoliciesShowWhatRuns(t *testing.T) {
 	if got := fmt.Sprintf("%v %s %d", local.Keyers, local.Store, local.Keys); got != "[header/X-Key ip/32/64] local 2" {
 		t.Errorf("local policy: keyers, store, keys %q; want [header/X-Key ip/32/64] local 2", got)
 	}
-	if got := fmt.Sprintf("%+v", local.Tiers); got != "[{Name:bots Limits:[{Capacity:2 Refill:1/m}] Cost:1 CostPlaceholder: MaxWait: Concurrency:0 Unlimited:false Deny:false} {Name:default Limits:[{Capacity:5 Refill:1/s}] Cost:1 CostPlaceholder: MaxWait: Concurrency:0 Unlimited:false Deny:false}]" {
+	if got := fmt.Sprintf("%+v", local.Tiers); got != "[{Name:bots Limits:[{Capacity:2 Refill:1/m}] Cost:1 CostPlaceholder: MaxWait: Concurrency:0 Quotas:[] Timezone: Unlimited:false Deny:false} {Name:default Limits:[{Capacity:5 Refill:1/s}] Cost:1 CostPlaceholder: MaxWait: Concurrency:0 Quotas:[] Timezone: Unlimited:false Deny:false}]" {
 		t.Errorf("local policy tiers: %s", got)
 	}
 	if shared.Store != "redis" || shared.Breaker != "closed" || shared.Leases != 1 {

@@ -163,12 +163,14 @@ func ChargeQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
 // bucket at once, as TakeAll does for limits: it takes cost from each, or
 // from none. A quota that lacks the cost refuses the request, taking
 // nothing and starting no ban; a limit that refuses it leaves the quotas
-// as they were. It updates states and qstates in place.
-func TakeAllQuotas(states []State, qstates []QuotaState, now int64, ls []Limit, qs []Quota, cost int64, out, qout []Result) bool {
+// as they were. It updates states and qstates in place. The limits read
+// now, the quotas wall: a store may time its limits by a monotonic clock,
+// but a calendar needs the wall's.
+func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []Limit, qs []Quota, cost int64, out, qout []Result) bool {
 	var next [MaxQuotas]QuotaState
 	fits := true
 	for i, q := range qs {
-		next[i], qout[i] = TakeQuota(qstates[i], now, q, cost)
+		next[i], qout[i] = TakeQuota(qstates[i], wall, q, cost)
 		fits = fits && qout[i].Allowed
 	}
 	if !fits {
@@ -176,14 +178,14 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now int64, ls []Limit, 
 			out[i] = Peek(states[i], now, l)
 			out[i].Allowed = false
 		}
-		refuseQuotas(qstates, now, qs, qout)
+		refuseQuotas(qstates, wall, qs, qout)
 		return false
 	}
 	if !TakeAll(states, now, ls, cost, out) {
 		for i := range qs {
-			qout[i] = PeekQuota(qstates[i], now, qs[i])
+			qout[i] = PeekQuota(qstates[i], wall, qs[i])
 		}
-		refuseQuotas(qstates, now, qs, qout)
+		refuseQuotas(qstates, wall, qs, qout)
 		return false
 	}
 	copy(qstates, next[:len(qs)])
