@@ -135,62 +135,83 @@ func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
 	for i, mode := range storeModes(startRedis(t)) {
 		t.Run(mode.name, func(t *testing.T) {
 			origin, s := serveWaiting(t, fmt.Sprint("spaced_", i), 1, mode.store)
-			t0 := time.Now()
-			out := s.burst(30, fmt.Sprint("burst-", i))
-			var served, refused int
-			var refusals []time.Duration
-			atOnce := time.Hour
-			for _, o := range out {
-				switch {
-				case o.err != nil:
-					t.Fatalf("request failed: %v", o.err)
-				case o.status == 200:
-					served++
-					atOnce = min(atOnce, o.took)
-				case o.status == 429:
-					refused++
-					refusals = append(refusals, o.took)
-					if o.retry != "1" {
-						t.Errorf("a refusal's Retry-After %q, want 1", o.retry)
-					}
-				default:
-					t.Fatalf("status %d", o.status)
+			// The counts must hold every time. The timings are the
+			// machine's too: a timer that fires late under a loaded CI
+			// runner gets one more round, on a fresh client.
+			var late error
+			for round := range 2 {
+				if late = burstSpacedAtTheRate(t, s, origin, fmt.Sprint("burst-", i, "-", round)); late == nil {
+					return
 				}
+				t.Logf("round %d: %v", round, late)
+				origin.mu.Lock()
+				origin.at = nil
+				origin.mu.Unlock()
 			}
-			if served != 11 || refused != 19 {
-				t.Fatalf("%d served, %d refused; want 11 and 19", served, refused)
-			}
-			slices.Sort(refusals)
-			// Refused at once: no refusal waits for a token (100 ms). The
-			// 30 requests share this process's 2 CPUs with Caddy, so a
-			// refusal costs what half the burst costs to send and answer,
-			// as the request served at once does: the median refusal comes
-			// within 5 ms of it (25 under the race detector, which slows
-			// each request 3 to 5 times).
-			bound := 5 * time.Millisecond
-			if raceEnabled {
-				bound = 25 * time.Millisecond
-			}
-			if median, slowest := refusals[len(refusals)/2], refusals[len(refusals)-1]; median > atOnce+bound || slowest > 50*time.Millisecond {
-				t.Errorf("refusals took %v (median %v, slowest %v), the request served at once %v; want the median within %v of it", refusals, median, slowest, atOnce, bound)
-			}
-			at := origin.arrivals()
-			if len(at) != 11 {
-				t.Fatalf("%d requests reached the origin, want 11", len(at))
-			}
-			// The first goes on at once (as fast as the request served at
-			// once comes back); the k-th k x 100 ms after it, +- 20 ms.
-			if first := at[0].Sub(t0); first > atOnce+20*time.Millisecond {
-				t.Errorf("the first reached the origin %v after the burst was sent, the request served at once took %v", first, atOnce)
-			}
-			for k, a := range at {
-				if d := a.Sub(at[0]) - time.Duration(k)*100*time.Millisecond; d < -20*time.Millisecond || d > 20*time.Millisecond {
-					t.Errorf("request %d reached the origin %v after the first, want %v +- 20 ms (all: %v)", k, a.Sub(at[0]), time.Duration(k)*100*time.Millisecond, offsets(at, t0))
-				}
-			}
-			t.Logf("refusals: median %v, slowest %v, served at once %v; arrivals %v", refusals[len(refusals)/2], refusals[len(refusals)-1], atOnce, offsets(at, t0))
+			t.Error(late)
 		})
 	}
+}
+
+// burstSpacedAtTheRate sends the burst of TestMaxWaitSpacesABurstAtTheRate
+// as client key, fails the test on a wrong count, and reports a timing
+// out of bounds.
+func burstSpacedAtTheRate(t *testing.T, s *testServer, origin *waitOrigin, key string) error {
+	t.Helper()
+	t0 := time.Now()
+	out := s.burst(30, key)
+	var served, refused int
+	var refusals []time.Duration
+	atOnce := time.Hour
+	for _, o := range out {
+		switch {
+		case o.err != nil:
+			t.Fatalf("request failed: %v", o.err)
+		case o.status == 200:
+			served++
+			atOnce = min(atOnce, o.took)
+		case o.status == 429:
+			refused++
+			refusals = append(refusals, o.took)
+			if o.retry != "1" {
+				t.Errorf("a refusal's Retry-After %q, want 1", o.retry)
+			}
+		default:
+			t.Fatalf("status %d", o.status)
+		}
+	}
+	if served != 11 || refused != 19 {
+		t.Fatalf("%d served, %d refused; want 11 and 19", served, refused)
+	}
+	at := origin.arrivals()
+	if len(at) != 11 {
+		t.Fatalf("%d requests reached the origin, want 11", len(at))
+	}
+	slices.Sort(refusals)
+	t.Logf("refusals: median %v, slowest %v, served at once %v; arrivals %v", refusals[len(refusals)/2], refusals[len(refusals)-1], atOnce, offsets(at, t0))
+	// Refused at once: no refusal waits for a token (100 ms). The 30
+	// requests share this process's 2 CPUs with Caddy, so a refusal costs
+	// what half the burst costs to send and answer, as the request served
+	// at once does: the median refusal comes within 5 ms of it (25 under
+	// the race detector, which slows each request 3 to 5 times).
+	bound := 5 * time.Millisecond
+	if raceEnabled {
+		bound = 25 * time.Millisecond
+	}
+	if median, slowest := refusals[len(refusals)/2], refusals[len(refusals)-1]; median > atOnce+bound || slowest > 50*time.Millisecond {
+		return fmt.Errorf("refusals took %v (median %v, slowest %v), the request served at once %v; want the median within %v of it", refusals, median, slowest, atOnce, bound)
+	}
+	// The first goes on at once (as fast as the request served at once
+	// comes back); the k-th k x 100 ms after it, +- 20 ms.
+	if first := at[0].Sub(t0); first > atOnce+20*time.Millisecond {
+		return fmt.Errorf("the first reached the origin %v after the burst was sent, the request served at once took %v", first, atOnce)
+	}
+	for k, a := range at {
+		if d := a.Sub(at[0]) - time.Duration(k)*100*time.Millisecond; d < -20*time.Millisecond || d > 20*time.Millisecond {
+			return fmt.Errorf("request %d reached the origin %v after the first, want %v +- 20 ms (all: %v)", k, a.Sub(at[0]), time.Duration(k)*100*time.Millisecond, offsets(at, t0))
+		}
+	}
+	return nil
 }
 
 func offsets(at []time.Time, t0 time.Time) []time.Duration {
