@@ -4,13 +4,14 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net"
 	"net/http"
 	"runtime"
 	"strconv"
 	"sync/atomic"
 	"testing"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -108,8 +109,12 @@ func BenchmarkServeHTTPMaxWait(b *testing.B) {
 	}
 }
 
-// benchServe runs b.N requests of one client through h.
+// benchServe runs b.N requests of one client through h, with a next
+// handler that counts the requests let through: all of them must be, so
+// that a refusal or a store failure is never measured as an admission.
 func benchServe(b *testing.B, h *Handler) {
+	passed := 0
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { passed++; return nil })
 	w := &headerSink{h: make(http.Header)}
 	// Each request has its own replacer, as in Caddy; making them is Caddy's
 	// cost, not the handler's, so they are made with the timer stopped, a
@@ -125,9 +130,13 @@ func benchServe(b *testing.B, h *Handler) {
 			}
 			b.StartTimer()
 		}
-		if err := h.ServeHTTP(w, batch[i%len(batch)], nopHandler); err != nil {
+		if err := h.ServeHTTP(w, batch[i%len(batch)], next); err != nil {
 			b.Fatal(err)
 		}
+	}
+	b.StopTimer()
+	if passed != b.N {
+		b.Fatalf("%d of %d requests let through; want all (refused, or the store failed)", passed, b.N)
 	}
 }
 
