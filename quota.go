@@ -21,8 +21,10 @@ type QuotaStore interface {
 	// bucket, all or none: each limit's result goes into out, each
 	// quota's into qout.
 	TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error)
-	// GiveBackQuotas returns n tokens to every limit and quota.
-	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error
+	// GiveBackQuotas returns n tokens a request took at the moment at
+	// (Unix microseconds) to every limit, and to every quota while the
+	// period it was counted in lasts.
+	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error
 	// ChargeQuotas takes n more tokens from every limit and quota, after
 	// the fact.
 	ChargeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error
@@ -50,11 +52,16 @@ func (t *Tier) validateQuotas() error {
 	if len(t.Quotas) > bucket.MaxQuotas || len(t.Quotas)+len(t.limits) > maxLimits {
 		return fmt.Errorf("tier %q: %d quotas beside %d limits: at most %d quotas, and %d limits and quotas in all", t.Name, len(t.Quotas), len(t.limits), bucket.MaxQuotas, maxLimits)
 	}
+	var seen [bucket.Year + 1]bool
 	for _, s := range t.Quotas {
 		q, err := bucket.ParseQuota(s, t.loc)
 		if err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
+		if seen[q.Period] {
+			return fmt.Errorf("tier %q: quota %s: a second quota per %s; give one a period", t.Name, s, q.Period)
+		}
+		seen[q.Period] = true
 		if q.N < t.cost || t.CostPlaceholder != "" && q.N < t.maxCost {
 			return fmt.Errorf("tier %q: quota %s: smaller than a request's cost, which it could never admit", t.Name, s)
 		}
@@ -124,10 +131,10 @@ func (s *LocalStore) TakeQuotas(_ context.Context, b *Bucket, ls []bucket.Limit,
 }
 
 // GiveBackQuotas implements QuotaStore.
-func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
 	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.GiveBack(st, now, l, n) },
 		func(qs bucket.QuotaState, now int64, q bucket.Quota) bucket.QuotaState {
-			return bucket.GiveBackQuota(qs, now, q, n)
+			return bucket.GiveBackQuota(qs, now, at, q, n)
 		})
 	return nil
 }
@@ -141,8 +148,12 @@ func (s *LocalStore) ChargeQuotas(_ context.Context, b *Bucket, ls []bucket.Limi
 	return nil
 }
 
-// quotaID is the table id of a bucket's quota i: after its limits'.
-func quotaID(id uint64, i int) uint64 { return limitID(id, bucket.MaxLimits+i) }
+// quotaID is the table id of a bucket's quota of period p: after its
+// limits', by period, so that a reload that adds, drops or reorders
+// quotas moves no count.
+func quotaID(id uint64, p bucket.Period) uint64 {
+	return limitID(id, bucket.MaxLimits+int(p)-1)
+}
 
 // A quota's count is kept in the table as a State: FullAt the end of its
 // period by the table's clock, when the table may drop it, and Slack the
@@ -152,7 +163,9 @@ func quotaState(st bucket.State, q bucket.Quota, off int64) bucket.QuotaState {
 	if st.FullAt == 0 {
 		return bucket.QuotaState{}
 	}
-	start, _ := q.Bounds(st.FullAt + off - 1)
+	// A minute before the end, not a microsecond: the two clocks are read
+	// one after the other, so off moves a little from call to call.
+	start, _ := q.Bounds(st.FullAt + off - 60_000_000)
 	return bucket.QuotaState{Start: start, Used: st.Slack}
 }
 
@@ -177,7 +190,7 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 		states[i], _ = sh.states.get(limitID(id, i))
 	}
 	for i, q := range qs {
-		qolds[i], _ = sh.states.get(quotaID(id, i))
+		qolds[i], _ = sh.states.get(quotaID(id, q.Period))
 		qstates[i] = quotaState(qolds[i], q, off)
 	}
 	olds = states
@@ -189,7 +202,7 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 	}
 	for i, q := range qs {
 		if st := tableQuota(qstates[i], q, off); st != qolds[i] {
-			lb.putLocked(sh, quotaID(id, i), st, now)
+			lb.putLocked(sh, quotaID(id, q.Period), st, now)
 		}
 	}
 	return allowed
@@ -209,10 +222,10 @@ func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Q
 			lb.putLocked(sh, limitID(id, i), next, now)
 		}
 	}
-	for i, q := range qs {
-		st, _ := sh.states.get(quotaID(id, i))
+	for _, q := range qs {
+		st, _ := sh.states.get(quotaID(id, q.Period))
 		if next := tableQuota(g(quotaState(st, q, off), now+off, q), q, off); next != st {
-			lb.putLocked(sh, quotaID(id, i), next, now)
+			lb.putLocked(sh, quotaID(id, q.Period), next, now)
 		}
 	}
 }
@@ -236,9 +249,9 @@ func (s *RedisStore) TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limi
 }
 
 // GiveBackQuotas implements QuotaStore.
-func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
 	var buf [192]byte
-	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, qs, n)
+	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, qs, n, at)
 }
 
 // ChargeQuotas implements QuotaStore.

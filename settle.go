@@ -145,7 +145,9 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	var err error
 	if len(d.tier.quotas) > 0 {
 		if qs, ok := d.took.(QuotaStore); ok && takerLive(h) {
-			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost)
+			// Counted when decided: before any wait.
+			at := d.start.UnixMicro() - d.result.Wait
+			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost, at)
 		}
 	} else if len(d.tier.limits) > 1 {
 		// After a reload, the tier's limits may be others: nothing.

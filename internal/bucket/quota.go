@@ -82,22 +82,33 @@ func (q Quota) Bounds(t int64) (start, end int64) {
 	var from, to time.Time
 	switch q.Period {
 	case Day:
-		from = time.Date(y, m, d, 0, 0, 0, 0, q.Loc)
-		to = time.Date(y, m, d+1, 0, 0, 0, 0, q.Loc)
+		from, to = dayStart(y, m, d, q.Loc), dayStart(y, m, d+1, q.Loc)
 	case Week:
 		back := (int(at.Weekday()) + 6) % 7 // days since Monday
-		from = time.Date(y, m, d-back, 0, 0, 0, 0, q.Loc)
-		to = time.Date(y, m, d-back+7, 0, 0, 0, 0, q.Loc)
+		from, to = dayStart(y, m, d-back, q.Loc), dayStart(y, m, d-back+7, q.Loc)
 	case Month:
-		from = time.Date(y, m, 1, 0, 0, 0, 0, q.Loc)
-		to = time.Date(y, m+1, 1, 0, 0, 0, 0, q.Loc)
+		from, to = dayStart(y, m, 1, q.Loc), dayStart(y, m+1, 1, q.Loc)
 	default:
-		from = time.Date(y, 1, 1, 0, 0, 0, 0, q.Loc)
-		to = time.Date(y+1, 1, 1, 0, 0, 0, 0, q.Loc)
+		from, to = dayStart(y, 1, 1, q.Loc), dayStart(y+1, 1, 1, q.Loc)
 	}
-	// A zone whose midnight is skipped (a DST change at 00:00) normalizes
-	// to the first moment of the day; the period still holds t.
 	return from.UnixMicro(), to.UnixMicro()
+}
+
+// dayStart is the first moment of a day in loc: its midnight or, in a
+// zone whose clocks skip midnight (a DST change at 00:00, as in Havana or
+// Santiago), the moment they jump to, which time.Date does not give: it
+// answers with a moment of the day before.
+func dayStart(y int, m time.Month, d int, loc *time.Location) time.Time {
+	t := time.Date(y, m, d, 0, 0, 0, 0, loc)
+	want := time.Date(y, m, d, 12, 0, 0, 0, time.UTC) // the same date, normalized
+	for {
+		ty, tm, td := t.Date()
+		if ty == want.Year() && tm == want.Month() && td == want.Day() {
+			return t
+		}
+		// Zones change on whole minutes.
+		t = t.Add(time.Minute)
+	}
 }
 
 // QuotaState is a quota's count: Used tokens in the period that starts at
@@ -121,7 +132,8 @@ func (s QuotaState) used(start int64) int64 {
 func TakeQuota(s QuotaState, now int64, q Quota, cost int64) (QuotaState, Result) {
 	start, end := q.Bounds(now)
 	used := s.used(start)
-	res := Result{Remaining: q.N - used, ResetAfter: end - now}
+	// A reload may have lowered N below what the period used.
+	res := Result{Remaining: max(0, q.N-used), ResetAfter: end - now}
 	if used+cost > q.N {
 		res.RetryAfter = end - now
 		return s, res
@@ -137,15 +149,18 @@ func TakeQuota(s QuotaState, now int64, q Quota, cost int64) (QuotaState, Result
 // PeekQuota reports the quota at now without taking.
 func PeekQuota(s QuotaState, now int64, q Quota) Result {
 	start, end := q.Bounds(now)
-	left := q.N - s.used(start)
+	left := max(0, q.N-s.used(start))
 	return Result{Allowed: left > 0, Remaining: left, ResetAfter: end - now}
 }
 
-// GiveBackQuota returns n tokens to the period's count, never below 0; a
-// count of an earlier period is already gone.
-func GiveBackQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
+// GiveBackQuota returns n tokens that a request took at the moment at to
+// the period's count, never below 0: only while that period lasts, since
+// a count of an earlier period is already gone, and the tokens belong to
+// it, not to the period now.
+func GiveBackQuota(s QuotaState, now, at int64, q Quota, n int64) QuotaState {
 	start, _ := q.Bounds(now)
-	if s.Start != start {
+	taken, _ := q.Bounds(at)
+	if s.Start != start || taken != start {
 		return s
 	}
 	s.Used = max(0, s.Used-n)
@@ -174,10 +189,7 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []L
 		fits = fits && qout[i].Allowed
 	}
 	if !fits {
-		for i, l := range ls {
-			out[i] = Peek(states[i], now, l)
-			out[i].Allowed = false
-		}
+		peekRefused(states, now, ls, cost, out)
 		refuseQuotas(qstates, wall, qs, qout)
 		return false
 	}
@@ -190,6 +202,20 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []L
 	}
 	copy(qstates, next[:len(qs)])
 	return true
+}
+
+// peekRefused reports the limits of a request a quota refused, taking
+// nothing: as they stand, and, for a limit that would refuse too, when it
+// would not, so that Retry-After covers every refusal.
+func peekRefused(states []State, now int64, ls []Limit, cost int64, out []Result) {
+	for i, l := range ls {
+		_, r := take(states[i], now, l, cost)
+		out[i] = Peek(states[i], now, l)
+		if !r.Allowed {
+			out[i].RetryAfter = r.RetryAfter
+		}
+		out[i].Allowed = false
+	}
 }
 
 // refuseQuotas reports, for a refused request, the quotas that had room

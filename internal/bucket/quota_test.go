@@ -82,10 +82,10 @@ func TestQuotaAdmitsNAPeriodAndStartsOverAtTheBoundary(t *testing.T) {
 	}
 	// A give-back returns to this period's count; one of the last period
 	// is gone with it.
-	if got := GiveBackQuota(s, boundary+1, q, 2); got.Used != 1 {
+	if got := GiveBackQuota(s, boundary+1, boundary, q, 2); got.Used != 1 {
 		t.Fatalf("give-back: %+v", got)
 	}
-	if got := GiveBackQuota(before, boundary+1, q, 2); got != before {
+	if got := GiveBackQuota(before, boundary+1, now, q, 2); got != before {
 		t.Fatalf("a give-back of the last period changed %+v to %+v", before, got)
 	}
 	// A charge counts up to N, no further.

@@ -201,10 +201,7 @@ func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, 
 	}
 	if !fits {
 		sh.settle(now, ls)
-		for i, l := range ls {
-			out[i] = Peek(sh.Levels[i], now, l)
-			out[i].Allowed = false
-		}
+		peekRefused(sh.Levels, now, ls, cost, out)
 		for i := range qs {
 			if qout[i].Allowed {
 				qout[i] = PeekQuota(sh.Quotas[i], now, qs[i])
@@ -239,12 +236,13 @@ func (sh *Shared) PeekQuotas(now int64, qs []Quota, qout []Result) {
 	}
 }
 
-// GiveBackQuotas returns n tokens to each quota's count: a quota counts
-// what was admitted, so a give-back returns there, ban or not.
-func (sh *Shared) GiveBackQuotas(now int64, qs []Quota, n int64) {
+// GiveBackQuotas returns n tokens a request took at the moment at to each
+// quota's count, while that period lasts: a quota counts what was
+// admitted, so a give-back returns there, ban or not.
+func (sh *Shared) GiveBackQuotas(now, at int64, qs []Quota, n int64) {
 	sh.quotas(qs)
 	for i, q := range qs {
-		sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, q, n)
+		sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, at, q, n)
 	}
 }
 

@@ -97,15 +97,18 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 					t.Fatalf("%s peek: Redis %+v %+v, model %+v %+v", what, out, qout, want, wantQ)
 				}
 			case op < 9:
-				v, err := s.call(bg, key, s.argsWithQuotas("giveback", ls, qs, cost), false, 2)
+				// Given back for a request taken a moment ago, or (now and
+				// then) one taken before the last boundary.
+				at := time.Now().UnixMicro() + s.clockOffset - rng.Int64N(2)*rng.Int64N(30*3600*1_000_000)
+				v, err := s.call(bg, key, s.argsWithQuotas("giveback", ls, qs, at, cost), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
 				sh.GiveBack(v[1], ls, cost)
-				sh.GiveBackQuotas(v[1], qs, cost)
+				sh.GiveBackQuotas(v[1], at, qs, cost)
 			default:
 				n := rng.Int64N(3 * minCap)
-				v, err := s.call(bg, key, s.argsWithQuotas("charge", ls, qs, n), false, 2)
+				v, err := s.call(bg, key, s.argsWithQuotas("charge", ls, qs, 0, n), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -61,22 +61,32 @@ for i = 1, n do
   local units = c * iv
   L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496 - units)}
 end
--- Quotas (quota.go): for each, its count and the boundaries around the
--- node's now: the start of the period before, the period's start and end,
--- and the end of the next. Redis's TIME picks the period among them, so
--- that nodes whose clocks differ agree at a boundary.
+-- Quotas (quota.go): for each, its count; its period (1 day, 2 week,
+-- 3 month, 4 year), which names its count in the key, so that a reload
+-- that adds, drops or reorders quotas moves no count; the start of the
+-- period a give-back's request was counted in (0 otherwise); and the
+-- boundaries around the node's now: the start of the period before, the
+-- period's start and end, and the end of the next. Redis's TIME picks the
+-- period among them, so that nodes whose clocks differ agree at a
+-- boundary.
 local nq = tonumber(ARGV[7 + 3 * n])
 local Q = {}
 for j = 1, nq do
-  local y = 8 + 3 * n + 5 * (j - 1)
-  local q = {n = tonumber(ARGV[y]), used = 0}
-  local b0, b1, b2, b3 = tonumber(ARGV[y + 1]), tonumber(ARGV[y + 2]), tonumber(ARGV[y + 3]), tonumber(ARGV[y + 4])
+  local y = 8 + 3 * n + 7 * (j - 1)
+  local b0, b1, b2, b3 = tonumber(ARGV[y + 3]), tonumber(ARGV[y + 4]), tonumber(ARGV[y + 5]), tonumber(ARGV[y + 6])
+  local q = {n = tonumber(ARGV[y]), p = tonumber(ARGV[y + 1]), taken = tonumber(ARGV[y + 2]), used = 0}
+  if now < b0 or now >= b3 then
+    -- Redis's clock is more than a period from the node's: neither can
+    -- say which period it is. Nothing is counted; the node's store
+    -- failure setting (on_store_error) decides.
+    return redis.error_reply('rate_limit: the Redis server\'s clock is more than a quota period from this node\'s; check both clocks')
+  end
   if now < b1 then q.start, q.stop = b0, b1
   elseif now >= b2 then q.start, q.stop = b2, b3
   else q.start, q.stop = b1, b2 end
   Q[j] = q
 end
-local x = 8 + 3 * n + 5 * nq
+local x = 8 + 3 * n + 7 * nq
 
 local function bad()
   return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
@@ -102,8 +112,9 @@ if stored then
       elseif qi then
         -- A quota's count, of the period that starts at qs; one of an
         -- earlier period, or of a quota a reload dropped, goes.
-        local q = Q[tonumber(qi)]
-        if q and q.start == tonumber(qs) then q.used = tonumber(qu) end
+        for _, q in ipairs(Q) do
+          if q.p == tonumber(qi) and q.start == tonumber(qs) then q.used = tonumber(qu) end
+        end
         i = nil
       else
         local at, rest = string.match(seg, '^(%d+):(.*)$')
@@ -357,7 +368,7 @@ local function save()
   local qlater = 0
   for j, q in ipairs(Q) do
     if q.used > 0 then
-      segs[#segs + 1] = string.format('q%d:%d:%d', j, q.start, q.used)
+      segs[#segs + 1] = string.format('q%d:%d:%d', q.p, q.start, q.used)
       qlater = math.max(qlater, q.stop)
       any = true
     end
@@ -378,11 +389,11 @@ end
 -- quota_take and quota_peek: quota.go's TakeQuota and PeekQuota (as a
 -- refusal reports it).
 local function quota_take(q, cost)
-  local left = q.n - q.used
+  local left = math.max(0, q.n - q.used)
   if q.used + cost > q.n then return {ok = false, rem = left, retry = q.stop - now, reset = q.stop - now} end
   return {ok = true, rem = left - cost, retry = 0, reset = q.stop - now}
 end
-local function quota_peek(q) return {ok = false, rem = q.n - q.used, retry = 0, reset = q.stop - now} end
+local function quota_peek(q) return {ok = false, rem = math.max(0, q.n - q.used), retry = 0, reset = q.stop - now} end
 
 local function answer(allowed, started, res, qres)
   local r = {0, 0, now}
@@ -415,7 +426,14 @@ if op == 'take' then
     fits = fits and qres[j].ok
   end
   if not fits then
-    for i = 1, n do res[i] = peek(i); res[i].ok = false end
+    -- Nothing taken; a limit that would refuse too says when it would
+    -- not, so that Retry-After covers every refusal.
+    for i = 1, n do
+      local r = take_one(i, count)
+      res[i] = peek(i)
+      if not r.ok then res[i].retry = r.retry end
+      res[i].ok = false
+    end
     for j, q in ipairs(Q) do
       if qres[j].ok then qres[j] = quota_peek(q) end
     end
@@ -550,8 +568,11 @@ if op == 'giveback' then
     for i = 1, n do give_back(i, count, floor(i)) end
   end
   -- A quota counts what was admitted: a give-back returns to it, ban or
-  -- not.
-  for _, q in ipairs(Q) do q.used = math.max(0, q.used - count) end
+  -- not, while the period the request was counted in (the node sent its
+  -- boundaries) lasts.
+  for _, q in ipairs(Q) do
+    if q.start == q.taken then q.used = math.max(0, q.used - count) end
+  end
   save()
   return {count, now}
 end

@@ -209,14 +209,16 @@ func (s *Store) reserve(ctx context.Context, k string, l bucket.Limit, cost int6
 
 // args are the script's arguments for op on limits ls, and then extra.
 func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
-	return s.argsWithQuotas(op, ls, nil, count, extra...)
+	return s.argsWithQuotas(op, ls, nil, 0, count, extra...)
 }
 
 // argsWithQuotas are the script's arguments for op on limits ls and
-// quotas qs, and then extra. Each quota goes with the boundaries of the
-// periods around this node's now, among which Redis's TIME picks.
-func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, count int64, extra ...any) []any {
-	args := make([]any, 0, 7+3*len(ls)+5*len(qs)+len(extra))
+// quotas qs, and then extra. Each quota goes with its period, the start of
+// the period that holds the moment at (for a give-back; 0 for none), and
+// the boundaries of the periods around this node's now, among which
+// Redis's TIME picks.
+func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, at, count int64, extra ...any) []any {
+	args := make([]any, 0, 7+3*len(ls)+7*len(qs)+len(extra))
 	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban, ls[0].MaxWait)
 	for _, l := range ls {
 		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
@@ -227,7 +229,11 @@ func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, 
 		start, end := q.Bounds(now)
 		before, _ := q.Bounds(start - 1)
 		_, after := q.Bounds(end)
-		args = append(args, q.N, before, start, end, after)
+		var taken int64
+		if at != 0 {
+			taken, _ = q.Bounds(at)
+		}
+		args = append(args, q.N, int(q.Period), taken, before, start, end, after)
 	}
 	return append(args, extra...)
 }
@@ -240,14 +246,16 @@ func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 	return allowed, err
 }
 
-// GiveBackQuotas returns n tokens to every limit and quota of the bucket
-// at key, in one script call. Leases take no part.
-func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+// GiveBackQuotas returns n tokens a request took at the moment at
+// (microseconds since the epoch) to every limit and quota of the bucket
+// at key, in one script call: to a quota only while the period it was
+// counted in lasts. Leases take no part.
+func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
 	if n <= 0 {
 		return nil
 	}
 	k := string(key)
-	_, err := s.call(context.WithoutCancel(ctx), k, s.argsWithQuotas("giveback", ls, qs, n), false, 2)
+	_, err := s.call(context.WithoutCancel(ctx), k, s.argsWithQuotas("giveback", ls, qs, at, n), false, 2)
 	s.conn.denied.remove(k)
 	return err
 }
@@ -255,14 +263,14 @@ func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limi
 // ChargeQuotas takes n more tokens from every limit and quota of the
 // bucket at key, in one script call.
 func (s *Store) ChargeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
-	_, err := s.call(context.WithoutCancel(ctx), string(key), s.argsWithQuotas("charge", ls, qs, n), false, 2)
+	_, err := s.call(context.WithoutCancel(ctx), string(key), s.argsWithQuotas("charge", ls, qs, 0, n), false, 2)
 	return err
 }
 
 // takeQuotas runs op, take or peek, on key with quotas, and returns the
 // server's time of the decision too.
 func (s *Store) takeQuotas(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, int64, error) {
-	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, cost), false, 3+4*(len(ls)+len(qs)))
+	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, 0, cost), false, 3+4*(len(ls)+len(qs)))
 	if err != nil {
 		return false, 0, err
 	}
