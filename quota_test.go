@@ -163,3 +163,36 @@ func TestQuotaAdmin(t *testing.T) {
 		}
 	}
 }
+
+// A reload that changes a quota's n keeps the period's count, in the
+// local store and in Redis; a second quota of one period is an error.
+func TestQuotaReloadKeepsTheCount(t *testing.T) {
+	srv := startRedis(t)
+	for i, mode := range storeModes(srv)[:2] {
+		t.Run(mode.name, func(t *testing.T) {
+			conf := func(n int) string {
+				return fmt.Sprintf(`rate_limit {
+		name quota_reload_%d
+		headers ietf
+		key header X-Key
+		tier all 100 100/s {
+			quota %d/month
+		}
+		%s
+	}
+	respond ok`, i, n, mode.store)
+			}
+			s := serve(t, conf(5))
+			for range 3 {
+				s.get("/", "X-Key: carol")
+			}
+			s = serve(t, conf(10))
+			if got := s.get("/", "X-Key: carol").header.Get("RateLimit"); !strings.Contains(got, `"all-month";r=6;`) {
+				t.Fatalf("after the reload to 10/month: RateLimit %q, want 6 left (3 used before, 1 now)", got)
+			}
+		})
+	}
+	if _, err := adaptCaddyfile(fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\ttier all 5 1/s {\n\t\t\tquota 5/day\n\t\t\tquota 9/day\n\t\t}\n\t}\n}\n", freePort(t))); err == nil || !strings.Contains(err.Error(), "a second quota per day") {
+		t.Errorf("two quotas per day: %v", err)
+	}
+}
