@@ -36,7 +36,8 @@ func (h *Handler) validateTimezone() error {
 	loc := time.UTC
 	if h.Timezone != "" {
 		var err error
-		if loc, err = time.LoadLocation(h.Timezone); err != nil {
+		// "Local" is the machine's own zone, which nodes may not share.
+		if loc, err = time.LoadLocation(h.Timezone); err != nil || h.Timezone == "Local" {
 			return fmt.Errorf("timezone %q: not a time zone of the IANA database, such as Europe/Berlin or America/New_York", h.Timezone)
 		}
 	}
