@@ -26,6 +26,9 @@ import (
 // the 100 Redis then has, the fleet takes 150 in 0.36 s, against
 // C + floor(r*T) = 136.
 func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time test (a key's expiry): skipped under -short")
+	}
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}}} // 100 100/s
