@@ -53,9 +53,6 @@ func (h *Handler) validateLogin() error {
 	}
 	for _, t := range h.Tiers {
 		t.ban = time.Duration(h.Ban).Microseconds()
-		if t.limitCount() > 1 && (h.CountStatus != nil || h.Ban != 0) {
-			return fmt.Errorf("tier %q: count_status and ban work with one limit per tier; this tier has several", t.Name)
-		}
 	}
 	return nil
 }

@@ -122,8 +122,18 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); ok {
 		l = cur
 	}
-	if qs, ok := d.took.(QuotaStore); ok && len(d.tier.quotas) > 0 {
-		err = qs.ChargeQuotas(context.WithoutCancel(r.Context()), &d.bucket, []bucket.Limit{l}, d.tier.quotas, n)
+	if qs, ok := d.took.(QuotaStore); ok && (len(d.tier.quotas) > 0 || len(d.tier.limits) > 1) {
+		// Every limit and quota of the tier, in one step. After a reload
+		// that changed them, nothing: the figure is in tokens of limits
+		// that no longer run.
+		if len(d.tier.limits) > 1 && !takerLive(h) {
+			return
+		}
+		ls := d.tier.limits
+		if len(ls) == 1 {
+			ls = []bucket.Limit{l}
+		}
+		err = qs.ChargeQuotas(context.WithoutCancel(r.Context()), &d.bucket, ls, d.tier.quotas, n)
 	} else {
 		err = d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n)
 	}

@@ -156,9 +156,6 @@ func (t *Tier) validate() error {
 	if err := t.validateLimits(); err != nil {
 		return err
 	}
-	if t.CostFromResponse != "" && len(t.limits) > 1 {
-		return fmt.Errorf("tier %q: cost_from_response works with one limit per tier; this tier has several", t.Name)
-	}
 	if err := t.validateQuotas(); err != nil {
 		return err
 	}
