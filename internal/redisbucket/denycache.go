@@ -1,6 +1,8 @@
 package redisbucket
 
 import (
+	"slices"
+
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"sync"
 	"sync/atomic"
@@ -29,9 +31,13 @@ type denyShard struct {
 }
 
 type denyEntry struct {
-	limit   bucket.Limit
-	cost    int64
-	result  bucket.Result
+	limit  bucket.Limit
+	cost   int64
+	result bucket.Result
+	// limits and results are a tier's several limits and each one's
+	// answer, when it has several; limit and result are then unused.
+	limits  []bucket.Limit
+	results []bucket.Result
 	until   int64 // monotonic µs at which the client may retry
 	resetAt int64 // monotonic µs at which the bucket is full
 }
@@ -70,6 +76,7 @@ func (c *denyCache) get(key string, l bucket.Limit, cost, now int64) (bucket.Res
 	c.hits.Add(1)
 	denyCacheHitsTotal.Add(1)
 	res := e.result
+	res.Banned = false // the denial that started a ban was Redis's, not this one
 	res.RetryAfter = e.until - now
 	res.ResetAfter = max(res.RetryAfter, e.resetAt-now)
 	return res, epoch, true
@@ -91,6 +98,46 @@ func (c *denyCache) put(key string, epoch uint64, l bucket.Limit, cost, start in
 	}
 	sh.entries[key] = denyEntry{limit: l, cost: cost, result: res, until: start + res.RetryAfter, resetAt: start + res.ResetAfter}
 	sh.mu.Unlock()
+}
+
+// getAll is get for a tier of several limits: out gets each limit's
+// answer, as Redis gave it, with the time left.
+func (c *denyCache) getAll(key string, ls []bucket.Limit, cost, now int64, out []bucket.Result) (uint64, bool) {
+	sh := c.shard(key)
+	sh.mu.Lock()
+	e, ok := sh.entries[key]
+	epoch := sh.epoch
+	sh.mu.Unlock()
+	if !ok || now >= e.until || e.cost != cost || !slices.Equal(e.limits, ls) {
+		return epoch, false
+	}
+	c.hits.Add(1)
+	denyCacheHitsTotal.Add(1)
+	for i, r := range e.results {
+		// Each limit's times count down from the denial.
+		elapsed := now - (e.until - e.result.RetryAfter)
+		r.RetryAfter = max(0, r.RetryAfter-elapsed)
+		r.ResetAfter = max(0, r.ResetAfter-elapsed)
+		r.Banned = false // the denial that started a ban was Redis's
+		out[i] = r
+	}
+	return epoch, true
+}
+
+// putAll is put for a tier of several limits: res is the answer of the
+// limit that makes the client wait longest; out holds every limit's.
+func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, cost, start int64, res bucket.Result, out []bucket.Result) {
+	sh := c.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if sh.epoch != epoch {
+		return
+	}
+	if _, ok := sh.entries[key]; !ok && len(sh.entries) >= sh.max {
+		sh.makeRoom(start)
+	}
+	sh.entries[key] = denyEntry{cost: cost, result: res, until: start + res.RetryAfter, resetAt: start + res.ResetAfter,
+		limits: slices.Clone(ls), results: slices.Clone(out)}
 }
 
 // remove forgets the key's denial, and any a Take in flight would put.

@@ -162,9 +162,26 @@ func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64
 }
 
 // TakeAll decides one request on every limit of the bucket at key, with
-// one script call: the key's hash holds every limit. Leases take no part.
+// one script call: the key holds every limit. Leases take no part. A
+// denial is remembered until the retry time of the limit that makes the
+// client wait longest, as for one limit: until then, no call.
 func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	allowed, _, err := s.takeAll(ctx, "take", string(key), ls, cost, out, false)
+	k := string(key)
+	start := s.conn.now()
+	epoch, ok := s.conn.denied.getAll(k, ls, cost, start, out)
+	if ok {
+		return false, nil
+	}
+	allowed, _, err := s.takeAll(ctx, "take", k, ls, cost, out, false)
+	if err == nil && !allowed {
+		worst := out[0]
+		for _, r := range out[1:] {
+			if r.RetryAfter > worst.RetryAfter {
+				worst = r
+			}
+		}
+		s.conn.denied.putAll(k, epoch, ls, cost, start, worst, out)
+	}
 	return allowed, err
 }
 
