@@ -1,7 +1,9 @@
 package ratelimit
 
 import (
+	"context"
 	"fmt"
+	"net/http/httptest"
 	"strconv"
 	"testing"
 )
@@ -62,5 +64,24 @@ func TestCostFromResponseWithSeveralLimits(t *testing.T) {
 				t.Errorf("after a charge of 40: RateLimit %q; want both limits charged", got)
 			}
 		})
+	}
+}
+
+// A client that hangs up while Redis decides is no store failure: no
+// store error is counted, and the access log gets 499.
+func TestClientGoneWhileTheStoreDecidesIsNoStoreError(t *testing.T) {
+	srv := startRedis(t)
+	h, done := provisionedHandler(t, fmt.Sprintf(`{"name":"gone_client","store":{"store":"redis","addresses":[%q]},"tiers":[{"name":"default","capacity":5,"refill":"1/s"}]}`, srv.url()))
+	defer done()
+	before := counterValue(t, storeErrorsTotal.WithLabelValues("redis"))
+	r := benchRequest("127.0.0.1")
+	ctx, cancel := context.WithCancel(r.Context())
+	cancel()
+	w := httptest.NewRecorder()
+	if err := h.ServeHTTP(w, r.WithContext(ctx), nopHandler); err != nil || w.Code != 499 {
+		t.Fatalf("a request whose client is gone: %d, %v; want 499", w.Code, err)
+	}
+	if n := counterValue(t, storeErrorsTotal.WithLabelValues("redis")) - before; n != 0 {
+		t.Errorf("%v store errors counted for a client that went away", n)
 	}
 }

@@ -144,6 +144,13 @@ func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) 
 
 // storeFailed applies on_store_error.
 func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, err error) error {
+	if r.Context().Err() != nil {
+		// The client went away while the store decided: no store failed.
+		// As reverse_proxy does, the access log gets 499.
+		d.decide(outcomeError)
+		w.WriteHeader(499)
+		return nil
+	}
 	h.storeErrors.Inc()
 	h.storeLog.Warn("rate limit store failed", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
 	switch h.OnStoreError {
