@@ -258,9 +258,21 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		return nil
 	}
 	out := make([]bucket.Result, len(tier.limits))
-	allowed, err := h.store.TakeAll(ctx, b, tier.limits, 0, out)
-	if err != nil {
-		return err
+	allowed := true
+	if qs, ok := h.store.(QuotaStore); ok {
+		// A peek: a take of cost 0 could start a ban (with max_wait, on
+		// a bucket in debt).
+		if err := qs.PeekQuotas(ctx, b, tier.limits, nil, out, nil); err != nil {
+			return err
+		}
+		for _, r := range out {
+			allowed = allowed && r.Allowed
+		}
+	} else {
+		var err error
+		if allowed, err = h.store.TakeAll(ctx, b, tier.limits, 0, out); err != nil {
+			return err
+		}
 	}
 	for i, res := range out {
 		state.Limits = append(state.Limits, newLimitState(shapes[i], res, now))
@@ -277,9 +289,12 @@ func (h *Handler) readQuotas(ctx context.Context, b *Bucket, tier *Tier, state *
 		return fmt.Errorf("the store keeps no quotas")
 	}
 	out := make([]bucket.Result, len(tier.limits)+len(tier.quotas))
-	allowed, err := qs.TakeQuotas(ctx, b, tier.limits, tier.quotas, 0, out[:len(tier.limits)], out[len(tier.limits):])
-	if err != nil {
+	if err := qs.PeekQuotas(ctx, b, tier.limits, tier.quotas, out[:len(tier.limits)], out[len(tier.limits):]); err != nil {
 		return err
+	}
+	allowed := true
+	for _, r := range out {
+		allowed = allowed && r.Allowed
 	}
 	shapes := tier.shapes()
 	for i, res := range out[:len(tier.limits)] {

@@ -25,6 +25,9 @@ type QuotaStore interface {
 	// (Unix microseconds) to every limit, and to every quota while the
 	// period it was counted in lasts.
 	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error
+	// PeekQuotas reports every limit and quota of the bucket as it
+	// stands, changing nothing and starting no ban.
+	PeekQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error
 	// ChargeQuotas takes n more tokens from every limit and quota, after
 	// the fact.
 	ChargeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error
@@ -129,6 +132,25 @@ func (d *decision) appendQuotaItems(buf []byte) []byte {
 // limits' states, under the same shard lock, each until its period ends.
 func (s *LocalStore) TakeQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
 	return s.buckets.takeQuotas(b, ls, qs, cost, out, qout), nil
+}
+
+// PeekQuotas implements QuotaStore.
+func (s *LocalStore) PeekQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
+	lb := s.buckets
+	sh, id := lb.locate(b)
+	now := lb.now()
+	off := lb.wall() - now
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i, l := range ls {
+		st, _ := sh.states.get(limitID(id, i))
+		out[i] = bucket.Peek(st, now, l)
+	}
+	for i, q := range qs {
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		qout[i] = bucket.PeekQuota(quotaState(st, q, off), now+off, q)
+	}
+	return nil
 }
 
 // GiveBackQuotas implements QuotaStore.
@@ -253,6 +275,12 @@ func (s *RedisStore) TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limi
 func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
 	var buf [192]byte
 	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, qs, n, at)
+}
+
+// PeekQuotas implements QuotaStore.
+func (s *RedisStore) PeekQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
+	var buf [192]byte
+	return s.engine.PeekQuotas(ctx, s.key(buf[:0], b), ls, qs, out, qout)
 }
 
 // ChargeQuotas implements QuotaStore.

@@ -126,7 +126,7 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 		// Every limit and quota of the tier, in one step. After a reload
 		// that changed them, nothing: the figure is in tokens of limits
 		// that no longer run.
-		if len(d.tier.limits) > 1 && !takerLive(h) {
+		if len(d.tier.limits) > 1 && !sameLimitsRun(h, d.tier) {
 			return
 		}
 		ls := d.tier.limits
@@ -154,14 +154,14 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	ctx := context.WithoutCancel(r.Context())
 	var err error
 	if len(d.tier.quotas) > 0 {
-		if qs, ok := d.took.(QuotaStore); ok && takerLive(h) {
+		if qs, ok := d.took.(QuotaStore); ok && sameLimitsRun(h, d.tier) {
 			// Counted when decided: before any wait.
 			at := d.start.UnixMicro() - d.result.Wait
 			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost, at)
 		}
 	} else if len(d.tier.limits) > 1 {
-		// After a reload, the tier's limits may be others: nothing.
-		if takerLive(h) {
+		// After a reload that changed the tier's limits: nothing.
+		if sameLimitsRun(h, d.tier) {
 			err = d.took.GiveBackAll(ctx, &d.bucket, d.tier.limits, d.cost)
 		}
 	} else {
@@ -182,11 +182,21 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	}
 }
 
-// takerLive reports whether h still runs (or runs outside a server, in
-// tests): the limits it took under are the ones that run.
-func takerLive(h *Handler) bool {
+// sameLimitsRun reports whether the limits a request of tier t took under
+// h still run: h runs (or runs outside a server, in tests), or the newest
+// config of its policy has a tier of that name with the same limits, as
+// after a reload that did not change them.
+func sameLimitsRun(h *Handler, t *Tier) bool {
 	liveHandlers.Lock()
 	defer liveHandlers.Unlock()
 	hs := liveHandlers.byPolicy[h.Name]
-	return len(hs) == 0 || slices.Contains(hs, h)
+	if len(hs) == 0 || slices.Contains(hs, h) {
+		return true
+	}
+	for _, x := range hs[len(hs)-1].Tiers {
+		if x.Name == t.Name {
+			return slices.Equal(x.limits, t.limits)
+		}
+	}
+	return false
 }

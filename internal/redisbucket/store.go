@@ -263,6 +263,13 @@ func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 	return allowed, err
 }
 
+// PeekQuotas reports every limit and quota of the bucket at key as it
+// stands, in one script call that changes nothing.
+func (s *Store) PeekQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
+	_, _, err := s.takeQuotas(ctx, "peek", string(key), ls, qs, 0, out, qout)
+	return err
+}
+
 // GiveBackQuotas returns n tokens a request took at the moment at
 // (microseconds since the epoch) to every limit and quota of the bucket
 // at key, in one script call: to a quota only while the period it was
