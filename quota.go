@@ -134,22 +134,18 @@ func (s *LocalStore) TakeQuotas(_ context.Context, b *Bucket, ls []bucket.Limit,
 	return s.buckets.takeQuotas(b, ls, qs, cost, out, qout), nil
 }
 
-// PeekQuotas implements QuotaStore.
+// PeekQuotas implements QuotaStore: each state read, none changed.
 func (s *LocalStore) PeekQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
-	lb := s.buckets
-	sh, id := lb.locate(b)
-	now := lb.now()
-	off := lb.wall() - now
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	for i, l := range ls {
-		st, _ := sh.states.get(limitID(id, i))
+	i, j := 0, 0
+	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State {
 		out[i] = bucket.Peek(st, now, l)
-	}
-	for i, q := range qs {
-		st, _ := sh.states.get(quotaID(id, q.Period))
-		qout[i] = bucket.PeekQuota(quotaState(st, q, off), now+off, q)
-	}
+		i++
+		return st
+	}, func(qst bucket.QuotaState, now int64, q bucket.Quota) bucket.QuotaState {
+		qout[j] = bucket.PeekQuota(qst, now, q)
+		j++
+		return qst
+	})
 	return nil
 }
 

@@ -127,6 +127,7 @@ func TestReview25ChargeOfSeveralLimitsSurvivesAReloadThatChangesNothing(t *testi
 // of a bucket" as a read (DESIGN §14), and "ban ... several limits too"
 // (a ban starts at a refused request).
 func TestReview25AdminReadOfSeveralLimitsStartsNoBan(t *testing.T) {
+	skipUnderShort(t, "real-time")
 	srv := startRedis(t)
 	for i, mode := range storeModes(srv)[:2] {
 		t.Run(mode.name, func(t *testing.T) {
