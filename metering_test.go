@@ -138,7 +138,6 @@ func TestSeveralLimitsMistakes(t *testing.T) {
 		{"limit 5", "limit: want <capacity> <refill>"},
 		{"limit 5 fast", `refill "fast"`},
 		{"limit 5 1/s\n limit 9 1/m\n store redis {\n lease 10%\n }", "several limits need every decision in Redis"},
-		{"tier llm 5 1/s {\n cost_from_response X-Used\n }\n store redis {\n lease 10%\n }", "cost_from_response needs every charge in Redis"},
 		{"tier batch 5 1/s {\n cost many\n }", `cost "many"`},
 	} {
 		_, err := adaptSite("rate_limit {\n " + tt.block + "\n }")

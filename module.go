@@ -404,9 +404,6 @@ func (h *Handler) validateLeaseUse() error {
 		return nil
 	}
 	for _, t := range h.Tiers {
-		if t.CostFromResponse != "" {
-			return fmt.Errorf("tier %q: cost_from_response needs every charge in Redis: leave lease out of the store (strict mode)", t.Name)
-		}
 		if t.limitCount() > 1 {
 			return fmt.Errorf("tier %q: several limits need every decision in Redis: leave lease out of the store (strict mode), or give the tier one limit", t.Name)
 		}

@@ -49,6 +49,29 @@ func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
 	return n - put
 }
 
+// chargeHeld spends up to n of the tokens this node holds on lease for
+// the bucket at key, for a cost reported after the fact, as a request
+// spends them. It reports how many it could not spend, which the shared
+// bucket is charged instead.
+func (t *leaseTable) chargeHeld(key []byte, n int64) int64 {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[string(key)]
+	if e == nil || t.closed.Load() || t.now()-e.leasedAt >= t.ttl {
+		return n
+	}
+	spent := min(n, e.tokens)
+	e.tokens -= spent
+	if e.tokens == 0 && e.recorded > 0 && e.limit.Ban > 0 && e.call == nil {
+		// As spend does: under a ban setting, a lease spent is said so at
+		// once, so that a refusal elsewhere does not count these tokens
+		// as held.
+		t.giveBackLater([]leaseReturn{e.takeBack()})
+	}
+	return n - spent
+}
+
 // reset drops this node's lease on the bucket at key: its tokens are not
 // given back, since the shared bucket is reset too.
 func (t *leaseTable) reset(key []byte) {

@@ -320,7 +320,17 @@ func (s *Store) takeQuotas(ctx context.Context, op, key string, ls []bucket.Limi
 
 // Charge takes n more tokens from the bucket at key, into debt if need
 // be, in one script call. Leases take no part.
+//
+// With leases, the charge is taken from the tokens this node holds on
+// lease for the bucket when they cover it, with no call, as a request's
+// cost is; what they do not cover is charged to the shared bucket by one
+// call, into debt as in strict mode.
 func (s *Store) Charge(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
+	if s.leases != nil && n > 0 {
+		if n = s.leases.chargeHeld(key, n); n == 0 {
+			return nil
+		}
+	}
 	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", []bucket.Limit{l}, n), false, 2)
 	return err
 }

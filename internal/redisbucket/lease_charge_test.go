@@ -1,0 +1,130 @@
+package redisbucket
+
+import (
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+	"go.uber.org/zap"
+)
+
+// cost_from_response with leases (issue 25): two nodes lease from one
+// bucket; every allowed request is charged a reported cost after it. A
+// charge is taken from the node's lease when it covers it, else the shared
+// bucket is charged. No token is made or lost: allowed + charged + held on
+// lease + left in Redis = the capacity (no refill: one token an hour),
+// and again once the nodes have given their leases back.
+func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
+	srv := redistest.Start(t)
+	l := bucket.Limit{Capacity: 5000, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	var nodes [2]*Store
+	for i := range nodes {
+		nodes[i] = newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "10%"})
+		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, LeaseSize{percent: 10}, time.Hour, 5*time.Second, 1000, zap.NewNop())
+	}
+	b := bucketFor("charged")
+	var mu sync.Mutex
+	var allowed, charged int64
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(g), 25))
+			for range 40 {
+				node := nodes[g%2]
+				res, err := node.Take(bg, b, l, 1)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if !res.Allowed {
+					continue
+				}
+				n := rng.Int64N(6)
+				if err := node.Charge(bg, b, l, n); err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				allowed++
+				charged += n
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	key := string(b)
+	held := int64(0)
+	for _, n := range nodes {
+		n.leases.calls.Wait()
+		if e := n.leases.shard([]byte(key)).m[key]; e != nil {
+			held += e.tokens
+		}
+	}
+	peek := func() int64 {
+		res, err := nodes[0].Peek(bg, b, l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Remaining
+	}
+	if got := allowed + charged + held + peek(); got != l.Capacity {
+		t.Errorf("allowed %d + charged %d + held %d + in Redis %d = %d, want the capacity %d", allowed, charged, held, peek(), got, l.Capacity)
+	}
+	for _, n := range nodes {
+		n.leases.close()
+	}
+	if got := allowed + charged + peek(); got != l.Capacity {
+		t.Errorf("after both gave back: allowed %d + charged %d + in Redis %d = %d, want %d", allowed, charged, peek(), got, l.Capacity)
+	}
+	t.Logf("%d allowed, %d charged, %d held before the give-back", allowed, charged, held)
+}
+
+// A charge the lease covers makes no call; one it does not is charged to
+// the shared bucket, into debt: the client is refused until it refilled.
+func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 20, 1/s
+	tb := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
+	defer tb.close()
+	key := []byte("charge-me")
+	// A few requests, so that the leases grow (they double from the cost).
+	for range 4 {
+		if res, err := tb.take(bg, key, l, 1); err != nil || !res.Allowed {
+			t.Fatal(res, err)
+		}
+		tableSync(tb)
+	}
+	sh := tb.shard(key)
+	sh.mu.Lock()
+	e := sh.m[string(key)]
+	held, leased := e.tokens, e.recorded
+	sh.mu.Unlock()
+	if held < 1 {
+		t.Fatalf("the node holds %d after its first lease", held)
+	}
+	calls := m.calls
+	// A charge the held tokens cover comes from them, with no call.
+	if rest := tb.chargeHeld(key, held); rest != 0 || m.calls != calls {
+		t.Fatalf("a charge of %d against %d held: %d left over, %d calls; want 0 and none", held, held, rest, m.calls-calls)
+	}
+	// Nothing held: a charge of 30 goes to the shared bucket, which lent
+	// the node its lease and now owes 30 - (20 - leased).
+	rest := tb.chargeHeld(key, 30)
+	if rest != 30 {
+		t.Fatalf("a charge of 30 with nothing held: %d left over, want 30", rest)
+	}
+	level := m.level(string(key), l)
+	m.mu.Lock()
+	m.bucket(string(key), 1).Charge(clock.now(), []bucket.Limit{l}, rest)
+	var out [1]bucket.Result
+	allowed := m.bucket(string(key), 1).Take(clock.now(), []bucket.Limit{l}, 1, out[:])
+	m.mu.Unlock()
+	if want := (30 - level + 1) * 1_000_000; allowed || out[0].RetryAfter != want {
+		t.Fatalf("after a charge of 30 on %d left (%d leased): %+v; want refused until the debt and one more token refill: %d µs", level, leased, out[0], want)
+	}
+}
