@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -281,8 +282,22 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 // capacity between them; and once both give back, Redis holds every
 // token not spent.
 func TestLeasingNodesConserveEveryToken(t *testing.T) {
+	allowed, _ := conserveTokens(t, 100, 0)
+	if allowed > 100 || allowed < 80 {
+		t.Errorf("%d allowed of a bucket of 100 over 320 requests, want at most 100 and near it", allowed)
+	}
+}
+
+// conserveTokens runs 8 clients of 40 requests each through two nodes
+// that lease 10% of one bucket of capacity c (refilling a token an hour),
+// each allowed request charged up to maxCharge more after it (0: none).
+// It checks that no token is made or lost: allowed + charged + held on
+// lease + left in Redis = c, and again once the nodes gave their leases
+// back. It returns what was allowed and charged.
+func conserveTokens(t *testing.T, c, maxCharge int64) (allowed, charged int64) {
+	t.Helper()
 	srv := redistest.Start(t)
-	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	l := bucket.Limit{Capacity: c, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	var nodes [2]*Store
 	for i := range nodes {
 		nodes[i] = newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "10%"})
@@ -290,21 +305,32 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 	}
 	b := bucketFor("shared")
 	var mu sync.Mutex
-	allowed := 0
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(g), 25))
 			for range 40 {
-				res, err := nodes[g%2].Take(bg, b, l, 1)
+				node := nodes[g%2]
+				res, err := node.Take(bg, b, l, 1)
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				if res.Allowed {
-					mu.Lock()
-					allowed++
-					mu.Unlock()
+				if !res.Allowed {
+					continue
 				}
+				var n int64
+				if maxCharge > 0 {
+					n = rng.Int64N(maxCharge + 1)
+					if err := node.Charge(bg, b, l, n); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+				mu.Lock()
+				allowed++
+				charged += n
+				mu.Unlock()
 			}
 		})
 	}
@@ -324,19 +350,17 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 		}
 		return res.Remaining
 	}
-	if got := int64(allowed) + held + peek(); got != l.Capacity {
-		t.Errorf("allowed %d + held %d + in Redis %d = %d, want the capacity %d", allowed, held, peek(), got, l.Capacity)
-	}
-	if allowed > 100 || allowed < 80 {
-		t.Errorf("%d allowed of a bucket of 100 over 320 requests, want at most 100 and near it", allowed)
+	if got := allowed + charged + held + peek(); got != c {
+		t.Errorf("allowed %d + charged %d + held %d + in Redis %d = %d, want the capacity %d", allowed, charged, held, peek(), got, c)
 	}
 	for _, n := range nodes {
 		n.leases.close()
 	}
-	if got := int64(allowed) + peek(); got != l.Capacity {
-		t.Errorf("after both gave back: allowed %d + in Redis %d = %d, want %d", allowed, peek(), got, l.Capacity)
+	if got := allowed + charged + peek(); got != c {
+		t.Errorf("after both gave back: allowed %d + charged %d + in Redis %d = %d, want %d", allowed, charged, peek(), got, c)
 	}
-	t.Logf("%d allowed, %d held before the give-back", allowed, held)
+	t.Logf("%d allowed, %d charged, %d held before the give-back", allowed, charged, held)
+	return allowed, charged
 }
 
 // BenchmarkRedisLeaseTake is BenchmarkRedisTake's serial and parallel
