@@ -15,8 +15,10 @@ redis-server --bind 127.0.0.1 --port "$port" --save "" --appendonly no \
 trap 'kill "$(cat "$dir/redis.pid")" 2>/dev/null; rm -rf "$dir"' EXIT
 until redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null 2>&1; do sleep 0.1; done
 
-# The script, as internal/redisbucket/script.go holds it.
-script=$(sed -n '/^const bucketLua = `/,/^`$/p' internal/redisbucket/script.go | sed '1d;$d')
+# The script, as internal/redisbucket holds it: its state part
+# (script.go), then its operations (script_ops.go).
+script="$(sed -n '/^const bucketLuaState = `/,/^`$/p' internal/redisbucket/script.go | sed '1d;$d')
+$(sed -n '/^const bucketLuaOps = `/,/^`$/p' internal/redisbucket/script_ops.go | sed '1d;$d')"
 sha=$(redis-cli -h 127.0.0.1 -p "$port" SCRIPT LOAD "$script")
 
 # One bucket that never denies (capacity 1e9, 1 token per µs), cost 1: every
@@ -24,7 +26,7 @@ sha=$(redis-cli -h 127.0.0.1 -p "$port" SCRIPT LOAD "$script")
 for c in 1 32; do
 	echo "redis-benchmark, EVALSHA $sha, $c connection(s):"
 	redis-benchmark -h 127.0.0.1 -p "$port" -n 200000 -c "$c" -q \
-		EVALSHA "$sha" 1 rl:bench:default:0123456789abcdef0123456789abcdef take 1 1 0 0 1000000000 1 1 |
+		EVALSHA "$sha" 1 rl:bench:default:0123456789abcdef0123456789abcdef take 1 1 0 0 0 1000000000 1 1 0 |
 		tr '\r' '\n' | tail -n 1
 done
 

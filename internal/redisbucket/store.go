@@ -192,17 +192,23 @@ func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, 
 	if err != nil {
 		return false, 0, err
 	}
-	banned := vals[1] == 1
 	for i := range ls {
-		v := vals[3+4*i:]
-		out[i] = bucket.Result{Allowed: v[0] == 1, Remaining: v[1], ResetAfter: v[3], Banned: banned}
-		if out[i].Allowed {
-			out[i].Wait = v[2]
-		} else {
-			out[i].RetryAfter = v[2]
-		}
+		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1)
 	}
 	return vals[0] == 1, vals[2], nil
+}
+
+// decodeResult reads one limit's or quota's answer, four values: allowed,
+// remaining, retry after (when allowed: the wait), reset after; banned
+// says whether the call started a ban.
+func decodeResult(v []int64, banned bool) bucket.Result {
+	r := bucket.Result{Allowed: v[0] == 1, Remaining: v[1], ResetAfter: v[3], Banned: banned}
+	if r.Allowed {
+		r.Wait = v[2]
+	} else {
+		r.RetryAfter = v[2]
+	}
+	return r
 }
 
 // reserve decides one request on the bucket at key by one script call,
@@ -227,95 +233,6 @@ func (s *Store) reserve(ctx context.Context, k string, l bucket.Limit, cost int6
 // args are the script's arguments for op on limits ls, and then extra.
 func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
 	return s.argsWithQuotas(op, ls, nil, 0, count, extra...)
-}
-
-// argsWithQuotas are the script's arguments for op on limits ls and
-// quotas qs, and then extra. Each quota goes with its period, the start of
-// the period that holds the moment at (for a give-back; 0 for none), and
-// the boundaries of the periods around this node's now, among which
-// Redis's TIME picks.
-func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, at, count int64, extra ...any) []any {
-	args := make([]any, 0, 7+3*len(ls)+7*len(qs)+len(extra))
-	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban, ls[0].MaxWait)
-	for _, l := range ls {
-		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
-	}
-	args = append(args, len(qs))
-	now := time.Now().UnixMicro() + s.clockOffset
-	for _, q := range qs {
-		start, end := q.Bounds(now)
-		before, _ := q.Bounds(start - 1)
-		_, after := q.Bounds(end)
-		var taken int64
-		if at != 0 {
-			taken, _ = q.Bounds(at)
-		}
-		args = append(args, q.N, int(q.Period), taken, before, start, end, after)
-	}
-	return append(args, extra...)
-}
-
-// TakeQuotas decides one request on every limit and every quota of the
-// bucket at key, all or none, in one script call: it writes each limit's
-// result into out and each quota's into qout.
-func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
-	allowed, _, err := s.takeQuotas(ctx, "take", string(key), ls, qs, cost, out, qout)
-	return allowed, err
-}
-
-// PeekQuotas reports every limit and quota of the bucket at key as it
-// stands, in one script call that changes nothing.
-func (s *Store) PeekQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
-	_, _, err := s.takeQuotas(ctx, "peek", string(key), ls, qs, 0, out, qout)
-	return err
-}
-
-// GiveBackQuotas returns n tokens a request took at the moment at
-// (microseconds since the epoch) to every limit and quota of the bucket
-// at key, in one script call: to a quota only while the period it was
-// counted in lasts. Leases take no part.
-func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
-	if n <= 0 {
-		return nil
-	}
-	k := string(key)
-	_, err := s.call(context.WithoutCancel(ctx), k, s.argsWithQuotas("giveback", ls, qs, at, n), false, 2)
-	s.conn.denied.remove(k)
-	return err
-}
-
-// ChargeQuotas takes n more tokens from every limit and quota of the
-// bucket at key, in one script call.
-func (s *Store) ChargeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
-	_, err := s.call(context.WithoutCancel(ctx), string(key), s.argsWithQuotas("charge", ls, qs, 0, n), false, 2)
-	return err
-}
-
-// takeQuotas runs op, take or peek, on key with quotas, and returns the
-// server's time of the decision too.
-func (s *Store) takeQuotas(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, int64, error) {
-	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, 0, cost), false, 3+4*(len(ls)+len(qs)))
-	if err != nil {
-		return false, 0, err
-	}
-	banned := vals[1] == 1
-	decode := func(v []int64) bucket.Result {
-		r := bucket.Result{Allowed: v[0] == 1, Remaining: v[1], ResetAfter: v[3], Banned: banned}
-		if r.Allowed {
-			r.Wait = v[2]
-		} else {
-			r.RetryAfter = v[2]
-		}
-		return r
-	}
-	for i := range ls {
-		out[i] = decode(vals[3+4*i:])
-	}
-	for j := range qs {
-		qout[j] = decode(vals[3+4*(len(ls)+j):])
-		qout[j].Banned = false
-	}
-	return vals[0] == 1, vals[2], nil
 }
 
 // Charge takes n more tokens from the bucket at key, into debt if need

@@ -1,0 +1,217 @@
+package redisbucket
+
+// bucketLuaOps is the second part of the bucket script (script.go): the
+// operations, each of which answers and ends the script: peek, take,
+// lease, return, giveback and charge.
+const bucketLuaOps = `
+-- quota_take and quota_peek: quota.go's TakeQuota and PeekQuota (as a
+-- refusal reports it).
+local function quota_take(q, cost)
+  local left = math.max(0, q.n - q.used)
+  if q.used + cost > q.n then return {ok = false, rem = left, retry = q.stop - now, reset = q.stop - now} end
+  return {ok = true, rem = left - cost, retry = 0, reset = q.stop - now}
+end
+local function quota_peek(q) return {ok = false, rem = math.max(0, q.n - q.used), retry = 0, reset = q.stop - now} end
+
+local function answer(allowed, started, res, qres)
+  local r = {0, 0, now}
+  if allowed then r[1] = 1 end
+  if started then r[2] = 1 end
+  local function put(x)
+    local a = 0
+    if x.ok then a = 1 end
+    r[#r + 1], r[#r + 2], r[#r + 3], r[#r + 4] = a, x.rem, x.retry, x.reset
+  end
+  for i = 1, n do put(res[i]) end
+  for j = 1, nq do put(qres[j]) end
+  return r
+end
+
+if op == 'peek' then
+  local res, allowed, qres = {}, true, {}
+  for i = 1, n do res[i] = peek(i); allowed = allowed and res[i].ok end
+  for j, q in ipairs(Q) do qres[j] = quota_peek(q); qres[j].ok = q.used < q.n end
+  return answer(allowed, false, res, qres)
+end
+
+if op == 'take' then
+  local res, allowed, started = {}, true, false
+  -- The quotas first: one that lacks the cost refuses the request, which
+  -- takes nothing and starts no ban.
+  local qres, fits = {}, true
+  for j, q in ipairs(Q) do
+    qres[j] = quota_take(q, count)
+    fits = fits and qres[j].ok
+  end
+  if not fits then
+    -- Nothing taken; a limit that would refuse too says when it would
+    -- not, so that Retry-After covers every refusal.
+    for i = 1, n do
+      local r = take_one(i, count)
+      res[i] = peek(i)
+      if not r.ok then res[i].retry = r.retry end
+      res[i].ok = false
+    end
+    for j, q in ipairs(Q) do
+      if qres[j].ok then qres[j] = quota_peek(q) end
+    end
+    save()
+    return answer(false, false, res, qres)
+  end
+  for i = 1, n do
+    res[i] = take_one(i, count)
+    allowed = allowed and res[i].ok
+  end
+  if not allowed then
+    -- A limit refused: the quotas keep their counts.
+    for j, q in ipairs(Q) do qres[j] = quota_peek(q) end
+  end
+  if allowed then
+    for i = 1, n do S[i] = res[i].state end
+    for _, q in ipairs(Q) do q.used = q.used + count end
+  elseif ban > 0 and short(count) then
+    for i = 1, n do
+      res[i] = ban_one(i, count * L[i].iv)
+      started = started or res[i].started
+    end
+    if started then void_all() end
+  else
+    for i = 1, n do
+      if res[i].ok then res[i] = peek(i); res[i].ok = false end
+    end
+  end
+  save()
+  return answer(allowed, started, res, qres)
+end
+
+-- report: the least level and the latest reset, for a lease's answer.
+local function report()
+  local rem, reset = nil, 0
+  for i = 1, n do
+    local r = peek(i)
+    if banned(i) then r.rem, r.reset = 0, S[i].full - now end
+    if rem == nil or r.rem < rem then rem = r.rem end
+    reset = math.max(reset, r.reset)
+  end
+  return rem, reset
+end
+local function wait_all(k)
+  local w = 0
+  for i = 1, n do w = math.max(w, wait(i, k * L[i].iv)) end
+  return w
+end
+
+if op == 'lease' then
+  local node, seq, held, want, hold = ARGV[x], tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
+  local spend = tonumber(ARGV[x + 5])
+  local prefetch = ARGV[x + 6] == '1'
+  local drop, started = false, false
+  local mine = find(node)
+  if mine then
+    if H[mine].void then
+      drop = true
+      H[mine].tokens = 0
+    else
+      H[mine].tokens = math.min(H[mine].tokens, math.max(held, 0))
+    end
+  end
+  local allowed = true
+  for i = 1, n do allowed = allowed and take_one(i, count, true).ok end
+  if not allowed then
+    local w = want
+    if ban > 0 and not prefetch and short(count) then
+      for i = 1, n do
+        if ban_one(i, count * L[i].iv).started then started = true end
+      end
+      if started then void_all() end
+      drop, w = true, count
+      if mine then H[mine].tokens = 0 end
+    end
+    if mine and H[mine].tokens == 0 then
+      table.remove(H, mine)
+    elseif mine then
+      H[mine].seq = seq -- the node's next give-back names this call
+    end
+    local retry = wait_all(count)
+    local hold_off = math.max(retry, wait_all(w))
+    local rem, reset = report()
+    save()
+    local b, d = 0, 0
+    if started then b = 1 end
+    if drop then d = 1 end
+    return {0, rem, retry, hold_off, reset, b, d, now}
+  end
+  local mincap = L[1].cap
+  for i = 2, n do mincap = math.min(mincap, L[i].cap) end
+  local grant = math.min(want, idiv(mincap, 2) - out())
+  for i = 1, n do grant = math.min(grant, idiv(L[i].units - deficit(i, now), L[i].iv)) end
+  grant = math.max(grant, count)
+  for i = 1, n do S[i] = state_at(now, deficit(i, now) + grant * L[i].iv, L[i]) end
+  if not mine then
+    H[#H + 1] = {node = node, tokens = 0}
+    mine = #H
+  end
+  local h = H[mine]
+  h.tokens, h.expires, h.seq, h.void = h.tokens + grant - math.min(spend, grant), now + hold, seq, false
+  if h.tokens == 0 then table.remove(H, mine) end
+  local hold_off = 0
+  if grant < want then hold_off = wait_all(want) end
+  local retry = wait_all(count)
+  local rem, reset = report()
+  save()
+  local d = 0
+  if drop then d = 1 end
+  return {grant, rem, retry, hold_off, reset, 0, d, now}
+end
+
+if op == 'return' then
+  local node, seq = ARGV[x], tonumber(ARGV[x + 1])
+  local j = find(node)
+  local back = 0
+  if j and H[j].seq == seq then
+    local h = table.remove(H, j)
+    back = math.min(count, h.tokens)
+    if h.void or back <= 0 or any_banned() then
+      back = 0
+    else
+      for i = 1, n do give_back(i, back, floor(i)) end
+    end
+  end
+  save()
+  return {back, now}
+end
+
+if op == 'giveback' then
+  if not any_banned() then
+    for i = 1, n do give_back(i, count, floor(i)) end
+  end
+  -- A quota counts what was admitted: a give-back returns to it, ban or
+  -- not, while the period the request was counted in (the node sent its
+  -- boundaries) lasts.
+  for _, q in ipairs(Q) do
+    if q.start == q.taken then q.used = math.max(0, q.used - count) end
+  end
+  save()
+  return {count, now}
+end
+
+if op == 'charge' then
+  for i = 1, n do
+    local l = L[i]
+    local k = math.min(count, idiv(l.maxd, l.iv))
+    local raw = math.min(raw_deficit(i) + k * l.iv, l.maxd)
+    if raw <= 0 then
+      S[i] = {full = 0, slack = 0, banned = false}
+    else
+      local b = S[i].banned and S[i].full > now
+      S[i] = state_at(now, raw, l)
+      S[i].banned = b
+    end
+  end
+  for _, q in ipairs(Q) do q.used = math.min(q.n, q.used + math.max(0, count)) end
+  save()
+  return {count, now}
+end
+
+return redis.error_reply('rate_limit: unknown operation ' .. tostring(op))
+`
