@@ -100,63 +100,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban", "max_wait", "max_waiting", "timezone"); err != nil {
 			return err
 		}
-		var err error
-		switch sub := d.Val(); sub {
-		case "name":
-			err = oneArg(d, &h.Name)
-		case "key":
-			err = h.parseKey(d)
-		case "tier":
-			err = h.parseTier(d)
-		case "store":
-			err = h.parseStore(d)
-		case "on_store_error":
-			err = oneArg(d, &h.OnStoreError)
-		case "headers":
-			err = oneArg(d, &h.Headers)
-		case "upstream_headers":
-			err = flag(d, &h.UpstreamHeaders)
-		case "dry_run":
-			err = flag(d, &h.DryRun)
-		case "key_secret":
-			err = oneArg(d, &h.KeySecret)
-		case "no_key":
-			err = oneArg(d, &h.NoKey)
-		case "count_status":
-			if h.CountStatus = d.RemainingArgs(); len(h.CountStatus) == 0 {
-				return d.Err("count_status: want one or more status codes or classes, such as 401 or 4xx")
-			}
-			if _, err := parseStatusSet(h.CountStatus); err != nil {
-				return d.Err(err.Error())
-			}
-		case "ban":
-			err = positiveDuration(d, &h.Ban)
-		case "max_wait":
-			err = positiveDuration(d, &h.MaxWait)
-		case "timezone":
-			err = oneArg(d, &h.Timezone)
-		case "max_waiting":
-			var n int64
-			if n, err = intArg(d); err == nil && n < 1 {
-				err = d.Errf("max_waiting %d: must be at least 1", n)
-			}
-			h.MaxWaiting = int(n)
-		case "status":
-			var n int64
-			if n, err = intArg(d); err == nil {
-				h.Status = int(n)
-			}
-		case "jwt":
-			err = parseJWT(h, d)
-		case "limit":
-			if catchAll == nil {
-				catchAll = &Tier{Name: "default"}
-			}
-			err = parseLimit(d, &catchAll.Limits)
-		default:
-			return d.Errf("rate_limit: unknown subdirective %q", sub)
-		}
-		if err != nil {
+		if err := h.parseSetting(d, &catchAll); err != nil {
 			return err
 		}
 	}
@@ -168,6 +112,68 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.Errf("rate_limit: %v", err)
 	}
 	return nil
+}
+
+// parseSetting reads one subdirective of the rate_limit block; a `limit`
+// line adds to the catch-all tier, made on first use.
+func (h *Handler) parseSetting(d *caddyfile.Dispenser, catchAll **Tier) error {
+	var err error
+	switch sub := d.Val(); sub {
+	case "name":
+		err = oneArg(d, &h.Name)
+	case "key":
+		err = h.parseKey(d)
+	case "tier":
+		err = h.parseTier(d)
+	case "store":
+		err = h.parseStore(d)
+	case "on_store_error":
+		err = oneArg(d, &h.OnStoreError)
+	case "headers":
+		err = oneArg(d, &h.Headers)
+	case "upstream_headers":
+		err = flag(d, &h.UpstreamHeaders)
+	case "dry_run":
+		err = flag(d, &h.DryRun)
+	case "key_secret":
+		err = oneArg(d, &h.KeySecret)
+	case "no_key":
+		err = oneArg(d, &h.NoKey)
+	case "count_status":
+		if h.CountStatus = d.RemainingArgs(); len(h.CountStatus) == 0 {
+			return d.Err("count_status: want one or more status codes or classes, such as 401 or 4xx")
+		}
+		if _, err := parseStatusSet(h.CountStatus); err != nil {
+			return d.Err(err.Error())
+		}
+	case "ban":
+		err = positiveDuration(d, &h.Ban)
+	case "max_wait":
+		err = positiveDuration(d, &h.MaxWait)
+	case "timezone":
+		err = oneArg(d, &h.Timezone)
+	case "max_waiting":
+		var n int64
+		if n, err = intArg(d); err == nil && n < 1 {
+			err = d.Errf("max_waiting %d: must be at least 1", n)
+		}
+		h.MaxWaiting = int(n)
+	case "status":
+		var n int64
+		if n, err = intArg(d); err == nil {
+			h.Status = int(n)
+		}
+	case "jwt":
+		err = parseJWT(h, d)
+	case "limit":
+		if *catchAll == nil {
+			*catchAll = &Tier{Name: "default"}
+		}
+		err = parseLimit(d, &(*catchAll).Limits)
+	default:
+		return d.Errf("rate_limit: unknown subdirective %q", sub)
+	}
+	return err
 }
 
 // parseShape reads `<capacity> <refill>` into t.
