@@ -3,13 +3,13 @@ package ratelimit
 import (
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
@@ -29,12 +29,7 @@ type testServer struct {
 // freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 func freePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return redistest.FreePort(t)
 }
 
 // serve loads a site on a free loopback port whose body is directives, and

@@ -94,17 +94,22 @@ func (b *redisBatcher) loop() {
 		case <-b.stop:
 			return
 		}
-	fill:
-		for len(batch) < b.maxBatch {
-			select {
-			case c := <-b.queue:
-				batch = append(batch, c)
-			default:
-				break fill
-			}
-		}
-		b.send(batch)
+		b.send(drain(b.queue, batch, b.maxBatch))
 	}
+}
+
+// drain appends to batch what already waits on ch, up to most in all,
+// without waiting for more.
+func drain[T any](ch <-chan T, batch []T, most int) []T {
+	for len(batch) < most {
+		select {
+		case v := <-ch:
+			batch = append(batch, v)
+		default:
+			return batch
+		}
+	}
+	return batch
 }
 
 // send runs one batch. The pipeline may take as long as the most patient

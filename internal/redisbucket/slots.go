@@ -262,17 +262,7 @@ func (t *slotTable) freeLoop() {
 	for {
 		select {
 		case f := <-t.frees:
-			batch = append(batch[:0], f)
-		drain:
-			for len(batch) < maxFreeBatch {
-				select {
-				case f := <-t.frees:
-					batch = append(batch, f)
-				default:
-					break drain
-				}
-			}
-			t.send(batch)
+			t.send(drain(t.frees, append(batch[:0], f), maxFreeBatch))
 		case <-t.stop:
 			return
 		}
@@ -371,20 +361,8 @@ func (t *slotTable) stopLoops() {
 	t.stopOnce.Do(func() {
 		close(t.stop)
 		t.done.Wait()
-		var rest []slotFree
-		for {
-			select {
-			case f := <-t.frees:
-				rest = append(rest, f)
-				continue
-			default:
-			}
-			break
-		}
-		for len(rest) > 0 {
-			n := min(len(rest), maxFreeBatch)
-			t.send(rest[:n])
-			rest = rest[n:]
+		for batch := drain(t.frees, nil, maxFreeBatch); len(batch) > 0; batch = drain(t.frees, batch[:0], maxFreeBatch) {
+			t.send(batch)
 		}
 		close(t.idle)
 	})
