@@ -43,7 +43,7 @@ func FreePort(t testing.TB) int {
 // Tests that need Redis start real redis-server processes on free loopback
 // ports, each with its own temporary directory and no persistence.
 
-// needRedis returns the redis-server binary, or skips the test without one
+// need returns the redis-server binary, or skips the test without one
 // (and fails it in CI, where it must be installed).
 func need(t testing.TB) string {
 	t.Helper()
@@ -238,6 +238,9 @@ func StartCluster(t testing.TB, n int) []*Server {
 	cli, err := exec.LookPath("redis-cli")
 	if err != nil {
 		need(t)
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("redis-cli is not installed: %v", err)
+		}
 		t.Skipf("redis-cli is not installed: %v", err)
 	}
 	var nodes []*Server
