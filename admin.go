@@ -98,22 +98,33 @@ func handlerFor(q url.Values) (*Handler, error) {
 // and false when no handler has the tier any more, or it no longer limits.
 func liveLimit(policy, tier string, l bucket.Limit, taker *Handler) (bucket.Limit, bool) {
 	liveHandlers.Lock()
+	runs := slices.Contains(liveHandlers.byPolicy[policy], taker)
+	liveHandlers.Unlock()
+	t, running := liveTier(policy, tier)
+	switch {
+	case runs || !running:
+		return l, true
+	case t == nil:
+		return bucket.Limit{}, false
+	}
+	return t.limit, !t.Unlimited && !t.Deny
+}
+
+// liveTier is the tier of that name in the newest handler of policy that
+// has it, nil when none has; running is false when no handler of the
+// policy runs (a shutdown).
+func liveTier(policy, tier string) (t *Tier, running bool) {
+	liveHandlers.Lock()
 	defer liveHandlers.Unlock()
 	hs := liveHandlers.byPolicy[policy]
-	if len(hs) == 0 {
-		return l, true
-	}
-	if slices.Contains(hs, taker) {
-		return l, true
-	}
 	for i := len(hs) - 1; i >= 0; i-- {
 		for _, t := range hs[i].Tiers {
 			if t.Name == tier {
-				return t.limit, !t.Unlimited && !t.Deny
+				return t, true
 			}
 		}
 	}
-	return bucket.Limit{}, false
+	return nil, len(hs) > 0
 }
 
 func latestHandler(policy string) *Handler {

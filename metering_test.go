@@ -137,7 +137,6 @@ func TestSeveralLimitsMistakes(t *testing.T) {
 		{"limit 0 1/s", "limit: capacity 0"},
 		{"limit 5", "limit: want <capacity> <refill>"},
 		{"limit 5 fast", `refill "fast"`},
-		{"limit 5 1/s\n limit 9 1/m\n store redis {\n lease 10%\n }", "several limits need every decision in Redis"},
 		{"tier batch 5 1/s {\n cost many\n }", `cost "many"`},
 	} {
 		_, err := adaptSite("rate_limit {\n " + tt.block + "\n }")

@@ -18,8 +18,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -329,9 +327,6 @@ func (h *Handler) validate() error {
 	if err := h.validateLogin(); err != nil {
 		return err
 	}
-	if err := h.validateLeaseUse(); err != nil {
-		return err
-	}
 	if err := h.validateWait(); err != nil {
 		return err
 	}
@@ -388,29 +383,6 @@ func (h *Handler) provisionKeySecret() error {
 		return fmt.Errorf("key_secret: %s is %d bytes long; want at least %d", shown, len(secret), minKeySecret)
 	}
 	h.keySecret = []byte(secret)
-	return nil
-}
-
-// validateLeaseUse refuses what leases do not support: a tier of several
-// limits, whose requests take from all or none in one Redis call.
-func (h *Handler) validateLeaseUse() error {
-	var store struct {
-		Lease string `json:"lease"`
-	}
-	if h.StoreRaw == nil || json.Unmarshal(h.StoreRaw, &store) != nil {
-		return nil
-	}
-	if size, err := redisbucket.ParseLeaseSize(store.Lease); err != nil || size.Strict() {
-		return nil
-	}
-	for _, t := range h.Tiers {
-		if t.limitCount() > 1 {
-			return fmt.Errorf("tier %q: several limits need every decision in Redis: leave lease out of the store (strict mode), or give the tier one limit", t.Name)
-		}
-		if len(t.Quotas) > 0 {
-			return fmt.Errorf("tier %q: quotas need every decision in Redis: leave lease out of the store (strict mode)", t.Name)
-		}
-	}
 	return nil
 }
 

@@ -105,7 +105,6 @@ func TestQuotaSettingsAreChecked(t *testing.T) {
 		{"tier all 5 1/s {\n\t\t\tcost 3\n\t\t\tquota 2/day\n\t\t}", "quota 2/day: smaller than a request's cost"},
 		{"timezone Mars/Olympus\n\t\ttier all 5 1/s {\n\t\t\tquota 5/day\n\t\t}", `timezone "Mars/Olympus"`},
 		{"timezone Local\n\t\ttier all 5 1/s {\n\t\t\tquota 5/day\n\t\t}", `timezone "Local"`},
-		{"tier all 5 1/s {\n\t\t\tquota 5/day\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\tlease 50%\n\t\t}", "quotas need every decision in Redis"},
 	} {
 		if _, err := adaptCaddyfile(site(tt.block)); err == nil || !strings.Contains(err.Error(), tt.want) {
 			t.Errorf("%q: %v, want an error containing %q", tt.block, err, tt.want)

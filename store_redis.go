@@ -170,12 +170,19 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = plan.Key
 	store.Logger = ctx.Logger()
-	store.Current = func(key string, l bucket.Limit) (bucket.Limit, bool) {
+	store.Current = func(key string, tr redisbucket.Tier) (redisbucket.Tier, bool) {
 		policy, tier, ok := s.engine.SplitKey(key)
 		if !ok {
-			return l, true
+			return tr, true
 		}
-		return liveLimit(policy, tier, l, nil)
+		t, running := liveTier(policy, tier)
+		switch {
+		case !running:
+			return tr, true
+		case t == nil || t.Unlimited || t.Deny:
+			return redisbucket.Tier{}, false
+		}
+		return redisbucket.Tier{Limits: t.limits, Quotas: t.quotas}, true
 	}
 	store.OnBan = func(key string) {
 		if policy, tier, ok := s.engine.SplitKey(key); ok {

@@ -42,6 +42,12 @@ type Held struct {
 	// Void is set when a ban starts: the tokens stay out until they expire
 	// or the node reports them spent, but a give-back returns nothing.
 	Void bool
+	// QStop is, when the bucket's quotas counted the tokens, the end of
+	// the earliest of their periods: the node may not spend them past it,
+	// and only before it does a give-back return them to the quotas that
+	// Mask names (a bit 1<<Period each). 0 when no quota counted them.
+	QStop int64
+	Mask  uint8
 }
 
 // LeaseAsk is one node's lease call.
@@ -83,9 +89,14 @@ type LeaseResult struct {
 	ResetAfter int64
 	// Banned says that this refusal started a ban.
 	Banned bool
-	// Drop says that a ban started since the node's last call: it must
+	// Drop says that a ban started since the node's last call, or that
+	// what it holds was counted in a quota period that has ended: it must
 	// drop what it holds.
 	Drop bool
+	// Until, with quotas, is the microseconds until the end of the quota
+	// period that counted the tokens: the node may not spend them after.
+	// 0 without quotas.
+	Until int64
 }
 
 // Out is the tokens out on lease.
@@ -276,18 +287,40 @@ func (sh Shared) Peek(now int64, ls []Limit, out []Result) {
 // hold tokens, and a client under its limit would be banned). A short or refused lease says how long until the
 // bucket holds what was asked.
 func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
+	return sh.LeaseQuotas(now, ls, nil, a)
+}
+
+// LeaseQuotas is Lease on a bucket with calendar quotas too: each counts
+// the tokens granted when they are granted, and bounds the grant by what
+// it has left. A quota that lacks the cost refuses the lease, starting no
+// ban, and holds the node off until its period ends. Leased tokens may be
+// spent until the end of the quota period that counted them (Until): a
+// node's tokens of a period that has ended are dropped.
+func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) LeaseResult {
 	sh.settle(now, ls)
+	sh.quotas(qs)
 	var res LeaseResult
+	qstop, mask := quotaStop(now, qs)
 	mine := sh.find(a.Node)
 	if mine >= 0 {
 		h := &sh.Held[mine]
-		if h.Void {
+		switch {
+		case h.Void, h.Mask != 0 && h.QStop <= now:
 			res.Drop, h.Tokens = true, 0
-		} else {
+		default:
 			h.Tokens = min(h.Tokens, max(a.Held, 0))
 		}
 	}
-	allowed := true
+	if len(qs) > 0 {
+		res.Until = qstop - now
+	}
+	var quotaWait int64
+	for i, q := range qs {
+		if _, r := TakeQuota(sh.Quotas[i], now, q, a.Cost); !r.Allowed {
+			quotaWait = max(quotaWait, r.RetryAfter)
+		}
+	}
+	allowed := quotaWait == 0
 	for i, l := range ls {
 		l.MaxWait = 0 // a lease takes only tokens that are there
 		_, r := take(sh.Levels[i], now, l, a.Cost)
@@ -295,7 +328,7 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	}
 	if !allowed {
 		want := a.Want
-		if ls[0].Ban > 0 && !a.Prefetch && short(sh.Levels, now, ls, a.Cost, sh.Out()) {
+		if quotaWait == 0 && ls[0].Ban > 0 && !a.Prefetch && short(sh.Levels, now, ls, a.Cost, sh.Out()) {
 			for i, l := range ls {
 				var r Result
 				sh.Levels[i], r = ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
@@ -317,18 +350,25 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 			// The node's next give-back names this call.
 			sh.Held[mine].Seq = a.Seq
 		}
-		res.RetryAfter = sh.wait(now, ls, a.Cost)
+		res.RetryAfter = max(sh.wait(now, ls, a.Cost), quotaWait)
 		res.HoldOff = max(res.RetryAfter, sh.wait(now, ls, want))
-		sh.report(now, ls, &res)
+		sh.report(now, ls, qs, &res)
 		return res
 	}
 	grant := min(a.Want, sh.room(ls)-sh.Out())
 	for i, l := range ls {
 		grant = min(grant, (l.Units()-sh.Levels[i].deficit(now, l))/l.Rate.Interval)
 	}
+	for i, q := range qs {
+		start, _ := q.Bounds(now)
+		grant = min(grant, q.N-sh.Quotas[i].used(start))
+	}
 	grant = max(grant, a.Cost)
 	for i, l := range ls {
 		sh.Levels[i] = stateAt(now, sh.Levels[i].deficit(now, l)+grant*l.Rate.Interval, l)
+	}
+	for i, q := range qs {
+		sh.Quotas[i], _ = TakeQuota(sh.Quotas[i], now, q, grant)
 	}
 	if mine < 0 {
 		sh.Held = append(sh.Held, Held{Node: a.Node})
@@ -337,17 +377,43 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 	h := &sh.Held[mine]
 	h.Tokens += grant - min(a.Spend, grant)
 	h.Expires, h.Seq, h.Void = now+a.Hold, a.Seq, false
+	h.QStop, h.Mask = qstop, mask
 	if h.Tokens == 0 {
 		// All spent at once: nothing is out.
 		sh.Held = slices.Delete(sh.Held, mine, mine+1)
 	}
 	res.Granted = grant
 	if grant < a.Want {
-		res.HoldOff = sh.wait(now, ls, a.Want)
+		res.HoldOff = max(sh.wait(now, ls, a.Want), sh.quotaWait(now, qs, a.Want))
 	}
 	res.RetryAfter = sh.wait(now, ls, a.Cost)
-	sh.report(now, ls, &res)
+	sh.report(now, ls, qs, &res)
 	return res
+}
+
+// quotaStop is the end of the earliest of the quotas' periods at now, and
+// the quotas as a mask of their periods' bits; 0, 0 for none.
+func quotaStop(now int64, qs []Quota) (stop int64, mask uint8) {
+	for i, q := range qs {
+		_, end := q.Bounds(now)
+		if i == 0 || end < stop {
+			stop = end
+		}
+		mask |= 1 << q.Period
+	}
+	return stop, mask
+}
+
+// quotaWait is the microseconds until every quota has x tokens left: 0
+// when they do, else the end of the period of one that has not.
+func (sh *Shared) quotaWait(now int64, qs []Quota, x int64) int64 {
+	var w int64
+	for i, q := range qs {
+		if _, r := TakeQuota(sh.Quotas[i], now, q, x); !r.Allowed {
+			w = max(w, r.RetryAfter)
+		}
+	}
+	return w
 }
 
 // room is the most tokens that may be out on lease at once: half the
@@ -372,8 +438,8 @@ func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
 }
 
 // report fills in the levels a lease result tells the node: the least
-// remaining and the latest reset.
-func (sh *Shared) report(now int64, ls []Limit, res *LeaseResult) {
+// remaining, of limits and quotas, and the latest reset of a limit.
+func (sh *Shared) report(now int64, ls []Limit, qs []Quota, res *LeaseResult) {
 	for i, l := range ls {
 		r := Peek(sh.Levels[i], now, l)
 		if banned(sh.Levels[i], now, l) {
@@ -384,6 +450,9 @@ func (sh *Shared) report(now int64, ls []Limit, res *LeaseResult) {
 		}
 		res.ResetAfter = max(res.ResetAfter, r.ResetAfter)
 	}
+	for i, q := range qs {
+		res.Remaining = min(res.Remaining, PeekQuota(sh.Quotas[i], now, q).Remaining)
+	}
 }
 
 // Return is a node's give-back of the unused tokens of its lease: the lease
@@ -392,7 +461,15 @@ func (sh *Shared) report(now int64, ls []Limit, res *LeaseResult) {
 // rewrote, or that expired, returns nothing: those tokens are lost, which
 // only ever admits less. It reports the tokens returned.
 func (sh *Shared) Return(now int64, ls []Limit, node string, seq, n int64) int64 {
+	return sh.ReturnQuotas(now, ls, nil, node, seq, n)
+}
+
+// ReturnQuotas is Return on a bucket with quotas too: the tokens go back
+// to each quota that counted them, ban or not, while the period that
+// counted them lasts (a quota counts what was admitted).
+func (sh *Shared) ReturnQuotas(now int64, ls []Limit, qs []Quota, node string, seq, n int64) int64 {
 	sh.settle(now, ls)
+	sh.quotas(qs)
 	j := sh.find(node)
 	if j < 0 || sh.Held[j].Seq != seq {
 		return 0
@@ -400,6 +477,13 @@ func (sh *Shared) Return(now int64, ls []Limit, node string, seq, n int64) int64
 	h := sh.Held[j]
 	sh.Held = slices.Delete(sh.Held, j, j+1)
 	n = min(n, h.Tokens)
+	if n > 0 && now < h.QStop {
+		for i, q := range qs {
+			if h.Mask&(1<<q.Period) != 0 {
+				sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, now, q, n)
+			}
+		}
+	}
 	if h.Void || n <= 0 || sh.Banned(now) {
 		return 0
 	}

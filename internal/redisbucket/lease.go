@@ -42,11 +42,62 @@ const leaseShards = 64
 // leaseRemote is the shared store as leases see it: the Redis store, or
 // a model of it in tests.
 type leaseRemote interface {
-	lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error)
+	lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.LeaseResult, error)
 	giveBack(node string, back []leaseReturn) (int64, error)
 	// reserve decides a request in the shared bucket as strict mode
 	// does, waiting included: for max_wait, when leases do not cover it.
-	reserve(ctx context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, error)
+	reserve(ctx context.Context, key string, tr Tier, cost int64) (bucket.Result, error)
+}
+
+// Tier is what one bucket's key holds: a tier's limits, every one of
+// which a request takes from (one at least; the first names the ban and
+// max_wait, which are the tier's), and its calendar quotas. A lease takes
+// from them all at once, and its size is bounded by the smallest.
+type Tier struct {
+	Limits []bucket.Limit
+	Quotas []bucket.Quota
+	// lone is the limit of a tier of one limit and no slice (Limits nil),
+	// which a lease entry keeps with no allocation.
+	lone bucket.Limit
+}
+
+// loneLimit is the tier of one limit l.
+func loneLimit(l bucket.Limit) Tier { return Tier{lone: l} }
+
+// first is the tier's first limit, which carries its ban and max_wait.
+func (tr Tier) first() bucket.Limit {
+	if tr.Limits == nil {
+		return tr.lone
+	}
+	return tr.Limits[0]
+}
+
+// all is the tier's limits, as a slice.
+func (tr Tier) all() []bucket.Limit {
+	if tr.Limits == nil {
+		return []bucket.Limit{tr.lone}
+	}
+	return tr.Limits
+}
+
+// leaseSize is the lease size for the tier: the least of its limits'.
+func (tr Tier) leaseSize(z LeaseSize) int64 {
+	n := z.Of(tr.first())
+	for _, l := range tr.Limits {
+		n = min(n, z.Of(l))
+	}
+	return n
+}
+
+// refill is how long the slowest of the tier's limits takes to refill n
+// tokens (µs).
+func (tr Tier) refill(n int64) int64 {
+	l := tr.first()
+	w := bucket.CeilDiv(n*l.Rate.Interval, l.Rate.Tokens)
+	for _, l := range tr.Limits {
+		w = max(w, bucket.CeilDiv(n*l.Rate.Interval, l.Rate.Tokens))
+	}
+	return w
 }
 
 // leaseTable is one store's leases, by Redis key.
@@ -79,7 +130,7 @@ type leaseTable struct {
 	// current, when set, says what the running config's limit is for the
 	// bucket at key, whose lease was taken under l; false when the bucket's
 	// tier is gone. A table closed by a reload gives back under it.
-	current func(key string, l bucket.Limit) (bucket.Limit, bool)
+	current func(key string, tr Tier) (Tier, bool)
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -97,8 +148,8 @@ type leaseShard struct {
 
 // lease is what this node holds of one shared bucket.
 type lease struct {
-	key   string
-	limit bucket.Limit
+	key  string
+	tier Tier
 	// tokens are the leased tokens not yet spent, and recorded what the
 	// shared store's record of them says at least: tokens never exceed it.
 	tokens, recorded int64
@@ -107,8 +158,9 @@ type lease struct {
 	// size is the size of the last lease asked for, 0 before the first.
 	size int64
 	// leasedAt is when the call that last granted tokens was sent: they
-	// may be spent until lease_ttl after it.
-	leasedAt int64
+	// may be spent until lease_ttl after it, and, with quotas, before
+	// spendBy, when the quota period that counted them ends (0: no end).
+	leasedAt, spendBy int64
 	// level and resetAt are the shared bucket as the last call saw it.
 	level   int64
 	resetAt int64
@@ -201,12 +253,12 @@ func (t *leaseTable) shard(key []byte) *leaseShard {
 }
 
 // entry finds or adds the entry for key, under its shard's lock.
-func (t *leaseTable) entry(sh *leaseShard, key []byte, l bucket.Limit, now int64) *lease {
+func (t *leaseTable) entry(sh *leaseShard, key []byte, tr Tier, now int64) *lease {
 	e := sh.m[string(key)]
 	if e == nil {
-		e = t.insert(sh, string(key), l, now)
+		e = t.insert(sh, string(key), tr, now)
 	}
-	e.limit, e.lastUsed = l, now
+	e.tier, e.lastUsed = tr, now
 	t.expire(e, now)
 	return e
 }
@@ -216,14 +268,19 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, l bucket.Limit, now int64
 // request the leases refuse takes its tokens in the shared bucket as
 // strict mode does, waiting, or is refused by it.
 func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
-	res, err := t.takeHeld(ctx, key, l, cost)
-	if err != nil || res.Allowed || l.MaxWait == 0 || res.Banned {
+	return t.takeTier(ctx, key, loneLimit(l), cost)
+}
+
+// takeTier is take on every limit and quota of a tier at once.
+func (t *leaseTable) takeTier(ctx context.Context, key []byte, tr Tier, cost int64) (bucket.Result, error) {
+	res, err := t.takeHeld(ctx, key, tr, cost)
+	if err != nil || res.Allowed || tr.first().MaxWait == 0 || res.Banned {
 		return res, err
 	}
 	// The refusal may be this node's hold-off, which spaces its calls,
 	// not the shared bucket's level: ask the shared bucket, as strict
 	// mode does; the deny cache keeps a flood of refusals off Redis.
-	res, err = t.store.reserve(ctx, string(key), l, cost)
+	res, err = t.store.reserve(ctx, string(key), tr, cost)
 	if err == nil && res.Allowed {
 		t.reserved(key, cost)
 	}
@@ -243,7 +300,7 @@ func (t *leaseTable) reserved(key []byte, cost int64) {
 }
 
 // takeHeld is take without max_wait: from the tokens held, or refused.
-func (t *leaseTable) takeHeld(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
+func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int64) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {
@@ -253,15 +310,16 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, l bucket.Limit, c
 		return bucket.Result{}, errLeasesClosed
 	}
 	now := t.now()
-	e := t.entry(sh, key, l, now)
+	e := t.entry(sh, key, tr, now)
+	ban := tr.first().Ban
 	waited := false
 	for {
-		if e.tokens >= cost && now-e.leasedAt < t.ttl {
-			res := t.spend(e, l, cost, now)
+		if e.tokens >= cost && !t.lapsed(e, now) {
+			res := t.spend(e, cost, now)
 			sh.mu.Unlock()
 			return res, nil
 		}
-		if t.refuses(e, l, now, waited) {
+		if t.refuses(e, ban, now, waited) {
 			res := e.result(now, false, cost)
 			sh.mu.Unlock()
 			return res, nil
@@ -295,8 +353,8 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, l bucket.Limit, c
 		// Under a ban setting, a request refused by a call made for
 		// another (a prefetch, another request's cost) asks the shared
 		// store itself, which bans if one bucket would.
-		now, waited = t.now(), c.short && (l.Ban == 0 || mine)
-		if next := t.entry(sh, key, l, now); next != e {
+		now, waited = t.now(), c.short && (ban == 0 || mine)
+		if next := t.entry(sh, key, tr, now); next != e {
 			e, waited = next, false
 		}
 	}
@@ -306,12 +364,12 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, l bucket.Limit, c
 // the background when they fall to half; under a ban setting, a lease
 // spent is said so at once, so that a refusal on another node does not
 // take these tokens for held, and bans when one bucket would.
-func (t *leaseTable) spend(e *lease, l bucket.Limit, cost, now int64) bucket.Result {
+func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 	e.tokens -= cost
 	switch {
 	case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil:
 		t.fetch(e, cost, now, true)
-	case e.tokens == 0 && e.recorded > 0 && l.Ban > 0 && e.call == nil:
+	case e.tokens == 0 && e.recorded > 0 && e.tier.first().Ban > 0 && e.call == nil:
 		t.giveBackLater([]leaseReturn{e.takeBack()})
 	}
 	return e.result(now, true, cost)
@@ -325,8 +383,15 @@ func (t *leaseTable) spend(e *lease, l bucket.Limit, cost, now int64) bucket.Res
 // that finds them all spent and a call in flight is refused at once rather
 // than wait on it; what the call brings stays for the next requests, so
 // nothing is lost, and allowed requests do not wait.
-func (t *leaseTable) refuses(e *lease, l bucket.Limit, now int64, waited bool) bool {
-	return waited || now < e.banUntil || l.Ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer)
+func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
+	return waited || now < e.banUntil || ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer)
+}
+
+// lapsed says whether the tokens e holds may no longer be spent: lease_ttl
+// has passed since they were leased, or the quota period that counted
+// them has ended.
+func (t *leaseTable) lapsed(e *lease, now int64) bool {
+	return now-e.leasedAt >= t.ttl || e.spendBy != 0 && now >= e.spendBy
 }
 
 // await waits for the call c, or for the request's end. A request that made
@@ -358,9 +423,8 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 		return res
 	}
 	res.Remaining = e.tokens
-	l := e.limit
-	res.RetryAfter = max(e.retryAt-now+bucket.CeilDiv((cost-e.retryCost)*l.Rate.Interval, l.Rate.Tokens), e.banUntil-now)
-	if l.Ban == 0 {
+	res.RetryAfter = max(e.retryAt-now+e.tier.refill(cost-e.retryCost), e.banUntil-now)
+	if e.tier.first().Ban == 0 {
 		// No call before the hold-off ends: a retry before then would
 		// be refused again.
 		res.RetryAfter = max(res.RetryAfter, e.holdUntil-now)
@@ -368,17 +432,17 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 	if res.RetryAfter <= 0 {
 		// The call in flight gave too little for every request that
 		// waited on it: the shared bucket is empty for now.
-		res.RetryAfter = bucket.CeilDiv(cost*l.Rate.Interval, l.Rate.Tokens)
+		res.RetryAfter = e.tier.refill(cost)
 	}
 	return res
 }
 
 // insert adds an entry for key, first making room in a full shard.
-func (t *leaseTable) insert(sh *leaseShard, key string, l bucket.Limit, now int64) *lease {
+func (t *leaseTable) insert(sh *leaseShard, key string, tr Tier, now int64) *lease {
 	if len(sh.m) >= t.perShard {
 		t.evict(sh, now)
 	}
-	e := &lease{key: key, limit: l}
+	e := &lease{key: key, tier: tr}
 	if done, ok := sh.returning[key]; ok {
 		e.returning = done
 		delete(sh.returning, key)

@@ -17,7 +17,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			share /= 2
 		}
 		if now-e.leasedAt <= share {
-			want = min(2*e.size, max(cost, t.size.Of(e.limit)))
+			want = min(2*e.size, max(cost, e.tier.leaseSize(t.size)))
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
@@ -31,18 +31,18 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	}
 	t.calls.Add(1)
 	returning := e.returning
-	go func(key string, l bucket.Limit) {
+	go func(key string, tr Tier) {
 		defer t.calls.Done()
 		if returning != nil {
 			<-returning
 		}
-		lr, err := t.store.lease(key, l, ask)
+		lr, err := t.store.lease(key, tr, ask)
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
 		e.rtt = t.now() - now
 		if err == nil {
 			t.apply(e, lr, ask, now)
-			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && l.Ban > 0 {
+			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && tr.first().Ban > 0 {
 				// Spent while the call was out: say so, as take does.
 				t.giveBackLater([]leaseReturn{e.takeBack()})
 			}
@@ -62,7 +62,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		c.finished = true
 		sh.mu.Unlock()
 		close(c.done)
-	}(e.key, e.limit)
+	}(e.key, e.tier)
 	return c
 }
 
@@ -79,7 +79,10 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 	if lr.Granted > 0 {
 		e.tokens += lr.Granted - ask.Spend
 		e.recorded += lr.Granted - ask.Spend
-		e.leasedAt = sent
+		e.leasedAt, e.spendBy = sent, 0
+		if lr.Until > 0 {
+			e.spendBy = sent + lr.Until
+		}
 		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
 	} else {
 		leasesTotal.WithLabelValues("refused").Inc()

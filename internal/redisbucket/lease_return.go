@@ -4,7 +4,6 @@ import (
 	"errors"
 	"time"
 
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"go.uber.org/zap"
 )
 
@@ -13,7 +12,7 @@ import (
 // here any more. With a call in flight they stay, unspendable, until it
 // says whether they were leased anew.
 func (t *leaseTable) expire(e *lease, now int64) {
-	if e.tokens > 0 && now-e.leasedAt >= t.ttl && e.call == nil {
+	if e.tokens > 0 && t.lapsed(e, now) && e.call == nil {
 		t.giveBackLater([]leaseReturn{e.takeBack()})
 	}
 }
@@ -21,7 +20,7 @@ func (t *leaseTable) expire(e *lease, now int64) {
 // takeBack empties the entry into a give-back that names its last call,
 // which the caller sends.
 func (e *lease) takeBack() leaseReturn {
-	back := leaseReturn{key: e.key, limit: e.limit, tokens: e.tokens, seq: e.seq, done: make(chan struct{})}
+	back := leaseReturn{key: e.key, tier: e.tier, tokens: e.tokens, seq: e.seq, done: make(chan struct{})}
 	e.tokens, e.recorded, e.returning = 0, 0, back.done
 	return back
 }
@@ -41,7 +40,7 @@ func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
 	}
 	shared := min(n, e.reserved)
 	e.reserved -= shared
-	if t.now()-e.leasedAt >= t.ttl {
+	if t.lapsed(e, t.now()) {
 		return n
 	}
 	put := min(n-shared, e.recorded-e.tokens)
@@ -58,12 +57,12 @@ func (t *leaseTable) chargeHeld(key []byte, n int64) int64 {
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	e := sh.m[string(key)]
-	if e == nil || t.closed.Load() || t.now()-e.leasedAt >= t.ttl {
+	if e == nil || t.closed.Load() || t.lapsed(e, t.now()) {
 		return n
 	}
 	spent := min(n, e.tokens)
 	e.tokens -= spent
-	if e.tokens == 0 && e.recorded > 0 && e.limit.Ban > 0 && e.call == nil {
+	if e.tokens == 0 && e.recorded > 0 && e.tier.first().Ban > 0 && e.call == nil {
 		// As spend does: under a ban setting, a lease spent is said so at
 		// once, so that a refusal elsewhere does not count these tokens
 		// as held.
@@ -105,7 +104,7 @@ func (t *leaseTable) held() int {
 // naming the call that wrote the lease's record.
 type leaseReturn struct {
 	key    string
-	limit  bucket.Limit
+	tier   Tier
 	tokens int64
 	seq    int64
 	// done is closed once the shared store has answered.
@@ -141,7 +140,7 @@ func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 			if e.call != nil {
 				continue
 			}
-			if e.tokens > 0 && (all || now-e.leasedAt >= t.ttl) {
+			if e.tokens > 0 && (all || t.lapsed(e, now)) {
 				back = append(back, e.takeBack())
 			}
 			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
@@ -209,10 +208,19 @@ func (t *leaseTable) close() {
 		// the new one counts it, or not at all if its tier is gone.
 		kept := back[:0]
 		for _, b := range back {
-			if cur, ok := t.current(b.key, b.limit); ok {
-				b.tokens, b.limit = cur.Converted(b.tokens, b.limit), cur
+			old := Tier{Limits: b.tier.all(), Quotas: b.tier.Quotas}
+			if cur, ok := t.current(b.key, old); ok && len(cur.Limits) == len(old.Limits) {
+				// In the new limits' tokens, the fewest any of them
+				// would count: no limit gets back more than it lent.
+				n := b.tokens
+				for i, l := range cur.Limits {
+					n = min(n, l.Converted(b.tokens, old.Limits[i]))
+				}
+				b.tokens, b.tier = n, cur
 				kept = append(kept, b)
 			} else {
+				// The tier is gone, or its limits are others: giving
+				// back could lift a limit that never lent them.
 				close(b.done)
 			}
 		}

@@ -49,7 +49,7 @@ func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
 	return sh
 }
 
-func (m *sharedModel) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
+func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
 	if m.gate != nil {
 		<-m.gate
 	}
@@ -59,8 +59,9 @@ func (m *sharedModel) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (buck
 	if m.down {
 		return bucket.LeaseResult{}, errBreakerOpen
 	}
-	sh := m.bucket(key, 1)
-	res := sh.Lease(m.now(), []bucket.Limit{l}, a)
+	ls := tr.all()
+	sh := m.bucket(key, len(ls))
+	res := sh.LeaseQuotas(m.now(), ls, tr.Quotas, a)
 	if m.mutate != nil {
 		m.mutate(sh, &res)
 	}
@@ -78,7 +79,8 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	}
 	var n int64
 	for _, g := range back {
-		n += m.bucket(g.key, 1).Return(m.now(), []bucket.Limit{g.limit}, node, g.seq, g.tokens)
+		ls := g.tier.all()
+		n += m.bucket(g.key, len(ls)).ReturnQuotas(m.now(), ls, g.tier.Quotas, node, g.seq, g.tokens)
 	}
 	if m.onReturn != nil && n > 0 {
 		m.onReturn(n)
@@ -86,23 +88,25 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	return n, nil
 }
 
-func (m *sharedModel) reserve(_ context.Context, key string, l bucket.Limit, cost int64) (bucket.Result, error) {
+func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64) (bucket.Result, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++
 	if m.down {
 		return bucket.Result{}, errBreakerOpen
 	}
-	var out [1]bucket.Result
-	sh := m.bucket(key, 1)
-	sh.Take(m.now(), []bucket.Limit{l}, cost, out[:])
+	ls := tr.all()
+	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
+	sh := m.bucket(key, len(ls))
+	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
+	res := Binding(all, allowed)
 	if m.mutateWait != nil {
-		m.mutateWait(sh, &out[0])
+		m.mutateWait(sh, &res)
 	}
 	if m.onReserve != nil {
-		m.onReserve(key, sh, out[0])
+		m.onReserve(key, sh, res)
 	}
-	return out[0], nil
+	return res, nil
 }
 
 // level is the shared bucket's whole tokens at now.

@@ -40,7 +40,19 @@ func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, 
 // TakeQuotas decides one request on every limit and every quota of the
 // bucket at key, all or none, in one script call: it writes each limit's
 // result into out and each quota's into qout.
+//
+// With leases, the request is decided from this node's lease, which takes
+// from every limit and quota at once; each result is then the lease's.
 func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
+	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls, Quotas: qs}, cost); ok {
+		for i := range out {
+			out[i] = res
+		}
+		for j := range qout {
+			qout[j] = res
+		}
+		return res.Allowed, err
+	}
 	allowed, _, err := s.takeQuotas(ctx, "take", string(key), ls, qs, cost, out, qout)
 	return allowed, err
 }
@@ -54,10 +66,12 @@ func (s *Store) PeekQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 
 // GiveBackQuotas returns n tokens a request took at the moment at
 // (microseconds since the epoch) to every limit and quota of the bucket
-// at key, in one script call: to a quota only while the period it was
-// counted in lasts. Leases take no part.
+// at key: into this node's lease when it holds one (its tokens stay
+// counted in the quotas, to be spent in the period that counted them), and
+// the rest in one script call, to a quota only while the period it was
+// counted in lasts.
 func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
-	if n <= 0 {
+	if n = s.fromLease(key, n, true); n <= 0 {
 		return nil
 	}
 	k := string(key)
@@ -67,8 +81,12 @@ func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limi
 }
 
 // ChargeQuotas takes n more tokens from every limit and quota of the
-// bucket at key, in one script call.
+// bucket at key: from this node's lease when it covers them, as Charge
+// does, and the rest in one script call.
 func (s *Store) ChargeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
+	if n = s.fromLease(key, n, false); n == 0 && s.leases != nil {
+		return nil
+	}
 	_, err := s.call(context.WithoutCancel(ctx), string(key), s.argsWithQuotas("charge", ls, qs, 0, n), false, 2)
 	return err
 }

@@ -12,8 +12,9 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
-// The bucket script's quotas are quota.go's, step for step: random traces
-// of takes, peeks, give-backs and charges on one or two limits and one or
+// The bucket script's quotas are quota.go's and shared.go's, step for
+// step: random traces of takes, peeks, leases of several nodes and their
+// give-backs, give-backs and charges on one or two limits and one or
 // two calendar quotas in several zones, whose clock jumps across
 // boundaries (DST days, month and year ends), against a real redis-server.
 // After each step the answers match, and the key lives no longer than its
@@ -36,6 +37,9 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 	if testing.Short() {
 		traces, steps = 3, 80
 	}
+	// What the traces reached: leases granted, refused by a quota, given
+	// back to a quota.
+	var granted, quotaRefused, returned int
 	for i := range traces {
 		s.clockOffset = edges[rng.IntN(len(edges))].UnixMicro() - time.Now().UnixMicro()
 		ls := []bucket.Limit{bucket.RandomTrace(rng).Limit}
@@ -51,13 +55,14 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 				ls[j].Ban = ban
 			}
 		}
+		// One quota a period, as validation allows, in one zone a tier.
 		var qs []bucket.Quota
-		for range 1 + rng.IntN(2) {
-			loc, err := time.LoadLocation(zones[rng.IntN(len(zones))])
-			if err != nil {
-				t.Fatal(err)
-			}
-			qs = append(qs, bucket.Quota{N: 1 + rng.Int64N(30), Period: bucket.Period(1 + rng.IntN(4)), Loc: loc})
+		loc, err := time.LoadLocation(zones[rng.IntN(len(zones))])
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range rng.Perm(4)[:1+rng.IntN(2)] {
+			qs = append(qs, bucket.Quota{N: 1 + rng.Int64N(30), Period: bucket.Period(1 + p), Loc: loc})
 		}
 		minCap := ls[0].Capacity
 		for _, l := range ls {
@@ -65,6 +70,8 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 		}
 		key := string(bucketFor("quota-" + strconv.Itoa(i)))
 		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		nodes := []string{"a1", "b2"}
+		seq := map[string]int64{}
 		for j := range steps {
 			// Mostly short steps; now and then hours, across a boundary.
 			step := rng.Int64N(2 * ls[0].Units() / ls[0].Rate.Tokens)
@@ -77,7 +84,44 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 			before, _ := srv.Do("GET", key).(string)
 			out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
 			want, wantQ := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
-			switch op := rng.IntN(10); {
+			switch op := rng.IntN(13); {
+			case op >= 10:
+				node := nodes[rng.IntN(len(nodes))]
+				if op == 12 {
+					// The give-back of a lease, named by its call, or
+					// by the one before.
+					n, at := 1+rng.Int64N(minCap), seq[node]-rng.Int64N(2)
+					v, err := s.call(bg, key, s.argsWithQuotas("return", ls, qs, 0, n, node, at), false, 2)
+					if err != nil {
+						t.Fatal(err)
+					}
+					used := quotaUsed(sh)
+					if w := sh.ReturnQuotas(v[1], ls, qs, node, at, n); v[0] != w {
+						t.Fatalf("%s return %d of %s seq %d: Redis %d, model %d", what, n, node, at, v[0], w)
+					}
+					if quotaUsed(sh) < used {
+						returned++
+					}
+					break
+				}
+				seq[node]++
+				a := bucket.LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * 3600 * 1_000_000), Prefetch: rng.IntN(3) == 0}
+				if !a.Prefetch && rng.IntN(2) == 0 {
+					a.Spend = cost
+				}
+				got, now, err := s.leaseAt(key, ls, qs, a)
+				if err != nil {
+					t.Fatal(err)
+				}
+				used := quotaUsed(sh)
+				if w := sh.LeaseQuotas(now, ls, qs, a); got != w {
+					t.Fatalf("%s lease %+v at %s: Redis %+v, model %+v", what, a, time.UnixMicro(now).UTC(), got, w)
+				}
+				if got.Granted > 0 {
+					granted++
+				} else if quotaUsed(sh) == used && got.RetryAfter > 3_600_000_000 {
+					quotaRefused++
+				}
 			case op < 6:
 				allowed, now, err := s.takeQuotas(bg, "take", key, ls, qs, cost, out, qout)
 				if err != nil {
@@ -139,4 +183,16 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 			}
 		}
 	}
+	if granted == 0 || quotaRefused == 0 || returned == 0 {
+		t.Errorf("the traces granted %d leases, had %d refused by a quota and gave %d back to a quota; want some of each", granted, quotaRefused, returned)
+	}
+}
+
+// quotaUsed is what a shared bucket's quotas have counted, in all.
+func quotaUsed(sh *bucket.Shared) int64 {
+	var n int64
+	for _, q := range sh.Quotas {
+		n += q.Used
+	}
+	return n
 }

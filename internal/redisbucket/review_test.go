@@ -57,7 +57,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		clock.micros.Store(now - 2*second)
 		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
 		node := newModelTable(m, LeaseSize{tokens: 5}, time.Hour)
-		node.current = func(string, bucket.Limit) (bucket.Limit, bool) { return cur, true }
+		node.current = func(string, Tier) (Tier, bool) { return Tier{Limits: []bucket.Limit{cur}}, true }
 		for range 3 { // leases of 1, 2, 4: 3 held
 			if res, _ := node.take(bg, []byte("k"), old, 1); !res.Allowed {
 				t.Fatal("denied from a full bucket")

@@ -13,17 +13,20 @@ import "github.com/redis/go-redis/v9"
 // limit 1's state, "<fullAt> <slack>" (with " b" after it when a ban wrote
 // it; fullAt in microseconds of the server's TIME), or nothing when it is
 // full; then each other limit that is not full, as "<i>:<state>"; then what
-// each node holds on lease, as "l:<node>:<tokens>:<expires>:<seq>:<void>".
-// A bucket that is full with nothing on lease has no key: it expires when
-// every limit is full and every lease has expired. A bucket of one limit
+// each node holds on lease, as "l:<node>:<tokens>:<expires>:<seq>:<void>",
+// followed by ":<qstop>:<mask>" when quotas counted them (shared.go's
+// Held); then each quota's count, as "q<period>:<start>:<used>". A bucket
+// that is full with nothing on lease has no key: it expires when every
+// limit is full and every lease has expired. A bucket of one limit
 // and no lease is "<fullAt> <slack>", as versions before leases kept it.
 //
 // ARGV: the operation (take, peek, lease, return, giveback or charge); the
 // number of limits n; a count of tokens (the cost, or the tokens given back
 // or charged); microseconds to add to TIME, which only tests set; the ban
 // (µs, 0 for none); max_wait (µs, 0 for none); then for each limit its
-// capacity, rate tokens and rate interval (µs); then, for lease, the node, the call's seq, the tokens the
-// node still holds, the tokens it wants, how long the record lives (µs),
+// capacity, rate tokens and rate interval (µs); then the quotas (see
+// below); then, for lease, the node, the call's seq, the tokens the node
+// still holds, the tokens it wants, how long the record lives (µs),
 // the tokens it spends at once, and 1 for a prefetch (0 otherwise); for
 // return, the node and the seq of its lease.
 //
@@ -32,7 +35,8 @@ import "github.com/redis/go-redis/v9"
 //     limit {allowed, remaining, retry after (when allowed: the wait),
 //     reset after}}
 //   - lease: {granted, remaining, retry after, hold-off, reset after,
-//     banned, drop, now}
+//     banned, drop, now, until (with quotas: when the tokens' quota
+//     period ends, 0 without)}
 //   - return, giveback, charge: {tokens, now}
 //
 // It reads TIME and then writes, which Redis before 5 refuses unless the
@@ -109,10 +113,17 @@ if stored then
   for seg in string.gmatch(stored .. ';', '([^;]*);') do
     local i, body = 1, seg
     if not first then
-      local node, a, e, sq, vd = string.match(seg, '^l:([^:]+):(%d+):(%d+):(%d+):([01])$')
+      local node, a, e, sq, vd, qrest = string.match(seg, '^l:([^:]+):(%d+):(%d+):(%d+):([01])(.*)$')
       local qi, qs, qu = string.match(seg, '^q(%d+):(%d+):(%d+)$')
       if node then
-        H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(sq), void = vd == '1'}
+        -- A lease that quotas counted ends with ":<qstop>:<mask>".
+        local qstop, mask = 0, 0
+        if qrest ~= '' then
+          local a2, m2 = string.match(qrest, '^:(%d+):(%d+)$')
+          if not a2 then return bad() end
+          qstop, mask = tonumber(a2), tonumber(m2)
+        end
+        H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(sq), void = vd == '1', qstop = qstop, mask = mask}
         i = nil
       elseif qi then
         -- A quota's count, of the period that starts at qs; one of an
@@ -227,7 +238,7 @@ local function life()
   S, H = {}, {}
   for i = 1, n do S[i] = {full = s0[i].full, slack = s0[i].slack, banned = s0[i].banned} end
   for k, h in ipairs(h0) do
-    H[k] = {node = h.node, tokens = h.tokens, expires = h.expires, seq = h.seq, void = h.void}
+    H[k] = {node = h.node, tokens = h.tokens, expires = h.expires, seq = h.seq, void = h.void, qstop = h.qstop, mask = h.mask}
     last = math.max(last, h.expires)
   end
   settle_to(last)
@@ -366,7 +377,9 @@ local function save()
   for _, h in ipairs(H) do
     local vd = 0
     if h.void then vd = 1 end
-    segs[#segs + 1] = string.format('l:%s:%d:%d:%d:%d', h.node, h.tokens, h.expires, h.seq, vd)
+    local seg = string.format('l:%s:%d:%d:%d:%d', h.node, h.tokens, h.expires, h.seq, vd)
+    if h.qstop > 0 then seg = seg .. string.format(':%d:%d', h.qstop, h.mask) end
+    segs[#segs + 1] = seg
     any = true
   end
   -- A quota's count lives until its period ends, no longer.

@@ -47,6 +47,9 @@ func encodeShared(sh *bucket.Shared, now int64) map[string]string {
 			void = 1
 		}
 		m["l:"+h.Node] = fmt.Sprintf("%d:%d:%d:%d", h.Tokens, h.Expires, h.Seq, void)
+		if h.QStop > 0 {
+			m["l:"+h.Node] += fmt.Sprintf(":%d:%d", h.QStop, h.Mask)
+		}
 	}
 	return m
 }
@@ -158,18 +161,16 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				node := nodes[rng.IntN(len(nodes))]
 				seq[node]++
 				a := bucket.LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(minCap), Cost: cost, Want: cost + rng.Int64N(minCap-cost+1), Hold: rng.Int64N(3 * ls[0].Units() / ls[0].Rate.Tokens)}
-				prefetch := 0
 				if rng.IntN(2) == 0 {
 					a.Spend = cost
 				} else if rng.IntN(2) == 0 {
-					a.Prefetch, prefetch = true, 1
+					a.Prefetch = true
 				}
-				v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch), false, 8)
+				got, at, err := s.leaseAt(key, ls, nil, a)
 				if err != nil {
 					t.Fatal(err)
 				}
-				now = v[7]
-				got := bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}
+				now = at
 				if want := sh.Lease(now, ls, a); got != want {
 					t.Fatalf("%s lease %+v: Redis %+v, model %+v", step, a, got, want)
 				}

@@ -84,7 +84,8 @@ if op == 'take' then
   return answer(allowed, started, res, qres)
 end
 
--- report: the least level and the latest reset, for a lease's answer.
+-- report: the least level, of limits and quotas, and the latest reset of
+-- a limit, for a lease's answer.
 local function report()
   local rem, reset = nil, 0
   for i = 1, n do
@@ -93,7 +94,17 @@ local function report()
     if rem == nil or r.rem < rem then rem = r.rem end
     reset = math.max(reset, r.reset)
   end
+  for _, q in ipairs(Q) do rem = math.min(rem, math.max(0, q.n - q.used)) end
   return rem, reset
+end
+-- quota_wait: the microseconds until every quota has k tokens left, 0
+-- when they do.
+local function quota_wait(k)
+  local w = 0
+  for _, q in ipairs(Q) do
+    if q.used + k > q.n then w = math.max(w, q.stop - now) end
+  end
+  return w
 end
 local function wait_all(k)
   local w = 0
@@ -106,20 +117,30 @@ if op == 'lease' then
   local spend = tonumber(ARGV[x + 5])
   local prefetch = ARGV[x + 6] == '1'
   local drop, started = false, false
+  -- Quotas count leased tokens when granted; the node may spend them
+  -- until the earliest of the quotas' periods ends (qstop), and a record
+  -- of a period that has ended is dropped.
+  local qstop, mask, spend_for = 0, 0, 0
+  for j, q in ipairs(Q) do
+    if j == 1 or q.stop < qstop then qstop = q.stop end
+    mask = mask + 2 ^ q.p
+  end
+  if nq > 0 then spend_for = qstop - now end
   local mine = find(node)
   if mine then
-    if H[mine].void then
+    if H[mine].void or (H[mine].mask > 0 and H[mine].qstop <= now) then
       drop = true
       H[mine].tokens = 0
     else
       H[mine].tokens = math.min(H[mine].tokens, math.max(held, 0))
     end
   end
-  local allowed = true
-  for i = 1, n do allowed = allowed and take_one(i, count, true).ok end
+  local qwait = quota_wait(count)
+  local allowed = qwait == 0
+  for i = 1, n do allowed = take_one(i, count, true).ok and allowed end
   if not allowed then
     local w = want
-    if ban > 0 and not prefetch and short(count) then
+    if qwait == 0 and ban > 0 and not prefetch and short(count) then
       for i = 1, n do
         if ban_one(i, count * L[i].iv).started then started = true end
       end
@@ -132,36 +153,39 @@ if op == 'lease' then
     elseif mine then
       H[mine].seq = seq -- the node's next give-back names this call
     end
-    local retry = wait_all(count)
+    local retry = math.max(wait_all(count), qwait)
     local hold_off = math.max(retry, wait_all(w))
     local rem, reset = report()
     save()
     local b, d = 0, 0
     if started then b = 1 end
     if drop then d = 1 end
-    return {0, rem, retry, hold_off, reset, b, d, now}
+    return {0, rem, retry, hold_off, reset, b, d, now, spend_for}
   end
   local mincap = L[1].cap
   for i = 2, n do mincap = math.min(mincap, L[i].cap) end
   local grant = math.min(want, idiv(mincap, 2) - out())
   for i = 1, n do grant = math.min(grant, idiv(L[i].units - deficit(i, now), L[i].iv)) end
+  for _, q in ipairs(Q) do grant = math.min(grant, q.n - q.used) end
   grant = math.max(grant, count)
   for i = 1, n do S[i] = state_at(now, deficit(i, now) + grant * L[i].iv, L[i]) end
+  for _, q in ipairs(Q) do q.used = q.used + grant end
   if not mine then
     H[#H + 1] = {node = node, tokens = 0}
     mine = #H
   end
   local h = H[mine]
   h.tokens, h.expires, h.seq, h.void = h.tokens + grant - math.min(spend, grant), now + hold, seq, false
+  h.qstop, h.mask = qstop, mask
   if h.tokens == 0 then table.remove(H, mine) end
   local hold_off = 0
-  if grant < want then hold_off = wait_all(want) end
+  if grant < want then hold_off = math.max(wait_all(want), quota_wait(want)) end
   local retry = wait_all(count)
   local rem, reset = report()
   save()
   local d = 0
   if drop then d = 1 end
-  return {grant, rem, retry, hold_off, reset, 0, d, now}
+  return {grant, rem, retry, hold_off, reset, 0, d, now, spend_for}
 end
 
 if op == 'return' then
@@ -171,6 +195,13 @@ if op == 'return' then
   if j and H[j].seq == seq then
     local h = table.remove(H, j)
     back = math.min(count, h.tokens)
+    -- To each quota that counted the tokens, ban or not, while the period
+    -- that counted them lasts.
+    if back > 0 and now < h.qstop then
+      for _, q in ipairs(Q) do
+        if math.floor(h.mask / 2 ^ q.p) % 2 == 1 then q.used = math.max(0, q.used - back) end
+      end
+    end
     if h.void or back <= 0 or any_banned() then
       back = 0
     else

@@ -52,11 +52,11 @@ type StoreOptions struct {
 	// SlotTTL is how long an in-flight slot lives unless its node renews
 	// it. Default DefaultSlotTTL.
 	SlotTTL time.Duration
-	// Current, when set, says what the running config's limit is for the
-	// bucket at key, whose lease was taken under l, and false when the
-	// bucket's tier is gone: leases given back when the config unloads
-	// count in it.
-	Current func(key string, l bucket.Limit) (bucket.Limit, bool)
+	// Current, when set, says what the running config's limits and quotas
+	// are for the bucket at key, whose lease was taken under tr, and false
+	// when the bucket's tier is gone: leases given back when the config
+	// unloads count in it.
+	Current func(key string, tr Tier) (Tier, bool)
 	// OnBan, when set, hears of each ban a lease call started, by the
 	// bucket's key: with leases, the request that started it may be gone,
 	// so results do not report it.
@@ -158,15 +158,41 @@ func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64
 			return res, err
 		}
 	}
-	return s.reserve(ctx, string(key), l, cost)
+	return s.reserveOne(ctx, string(key), l, cost)
+}
+
+// leased decides a request from this node's leases when they are on and
+// larger than the cost, as Take does for one limit; false when the
+// request goes to Redis by one script call instead.
+func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64) (bucket.Result, bool, error) {
+	if s.leases == nil || cost <= 0 || tr.leaseSize(s.leases.size) <= cost {
+		return bucket.Result{}, false, nil
+	}
+	res, err := s.leases.takeTier(ctx, key, tr, cost)
+	if errors.Is(err, errLeasesClosed) {
+		return bucket.Result{}, false, nil
+	}
+	return res, true, err
 }
 
 // TakeAll decides one request on every limit of the bucket at key, with
-// one script call: the key holds every limit. Leases take no part. A
-// denial is remembered until the retry time of the limit that makes the
-// client wait longest, as for one limit: until then, no call.
+// one script call: the key holds every limit. With leases, from this
+// node's lease, which takes from every limit at once; each limit's result
+// is then the lease's. A denial is remembered until the retry time of the
+// limit that makes the client wait longest, as for one limit: until then,
+// no call.
 func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	k := string(key)
+	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls}, cost); ok {
+		for i := range ls {
+			out[i] = res
+		}
+		return res.Allowed, err
+	}
+	return s.takeAllStrict(ctx, string(key), ls, cost, out)
+}
+
+// takeAllStrict is TakeAll by one script call, or the deny cache.
+func (s *Store) takeAllStrict(ctx context.Context, k string, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
 	start := s.conn.now()
 	epoch, ok := s.conn.denied.getAll(k, ls, cost, start, out)
 	if ok {
@@ -211,11 +237,51 @@ func decodeResult(v []int64, banned bool) bucket.Result {
 	return r
 }
 
-// reserve decides one request on the bucket at key by one script call,
-// as strict mode does, unless the deny cache already knows the answer:
-// for a strict store, and for a request that leases refused and that may
-// wait (max_wait).
-func (s *Store) reserve(ctx context.Context, k string, l bucket.Limit, cost int64) (bucket.Result, error) {
+// reserve decides one request on the tier at key as strict mode does,
+// for a request that leases refused and that may wait (max_wait): one
+// script call, unless the deny cache already knows the answer. The result
+// is the binding limit's or quota's, with the longest wait.
+func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64) (bucket.Result, error) {
+	if len(tr.Limits) <= 1 && len(tr.Quotas) == 0 {
+		return s.reserveOne(ctx, k, tr.first(), cost)
+	}
+	all := make([]bucket.Result, len(tr.Limits)+len(tr.Quotas))
+	out, qout := all[:len(tr.Limits)], all[len(tr.Limits):]
+	var allowed bool
+	var err error
+	if len(tr.Quotas) == 0 {
+		allowed, err = s.takeAllStrict(ctx, k, tr.Limits, cost, out)
+	} else {
+		allowed, _, err = s.takeQuotas(ctx, "take", k, tr.Limits, tr.Quotas, cost, out, qout)
+	}
+	if err != nil {
+		return bucket.Result{}, err
+	}
+	return Binding(all, allowed), nil
+}
+
+// Binding is the one result that stands for several limits' and quotas'
+// (the X- headers report it): when allowed, the one with the least
+// remaining; when refused, the one that makes the client wait longest;
+// the first of equals. Its Wait is the longest.
+func Binding(all []bucket.Result, allowed bool) bucket.Result {
+	j := 0
+	var wait int64
+	for i, r := range all {
+		if allowed && r.Remaining < all[j].Remaining || !allowed && r.RetryAfter > all[j].RetryAfter {
+			j = i
+		}
+		wait = max(wait, r.Wait)
+	}
+	res := all[j]
+	res.Allowed, res.Wait = allowed, wait
+	return res
+}
+
+// reserveOne decides one request on the bucket at key, of one limit, by
+// one script call, as strict mode does, unless the deny cache already
+// knows the answer.
+func (s *Store) reserveOne(ctx context.Context, k string, l bucket.Limit, cost int64) (bucket.Result, error) {
 	start := s.conn.now()
 	res, epoch, ok := s.conn.denied.get(k, l, cost, start)
 	if ok {
@@ -236,33 +302,40 @@ func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []
 }
 
 // Charge takes n more tokens from the bucket at key, into debt if need
-// be, in one script call. Leases take no part.
+// be, in one script call.
 //
 // With leases, the charge is taken from the tokens this node holds on
 // lease for the bucket when they cover it, with no call, as a request's
 // cost is; what they do not cover is charged to the shared bucket by one
 // call, into debt as in strict mode.
 func (s *Store) Charge(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
-	if s.leases != nil && n > 0 {
-		if n = s.leases.chargeHeld(key, n); n == 0 {
-			return nil
-		}
+	if n = s.fromLease(key, n, false); n == 0 && s.leases != nil {
+		return nil
 	}
 	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", []bucket.Limit{l}, n), false, 2)
 	return err
+}
+
+// fromLease is, with leases, how many of n tokens this node's lease on
+// the bucket at key does not take back (give) or spend (charge): the rest
+// goes to the shared bucket by one call.
+func (s *Store) fromLease(key []byte, n int64, give bool) int64 {
+	switch {
+	case s.leases == nil || n <= 0:
+		return n
+	case give:
+		return s.leases.giveBackHeld(key, n)
+	default:
+		return s.leases.chargeHeld(key, n)
+	}
 }
 
 // GiveBack returns n tokens a request took: into this node's lease when
 // it holds one for the bucket, up to what the lease's record counts, and
 // the rest by one script call.
 func (s *Store) GiveBack(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
-	if n <= 0 {
+	if n = s.fromLease(key, n, true); n <= 0 {
 		return nil
-	}
-	if s.leases != nil {
-		if n = s.leases.giveBackHeld(key, n); n == 0 {
-			return nil
-		}
 	}
 	return s.giveBackShared(ctx, string(key), []bucket.Limit{l}, n)
 }
@@ -276,14 +349,11 @@ func (s *Store) giveBackShared(ctx context.Context, k string, ls []bucket.Limit,
 	return err
 }
 
-// GiveBackAll returns n tokens to every limit of the bucket at key, in one
-// script call; one limit is GiveBack. Leases take no part in tiers of
-// several limits.
+// GiveBackAll returns n tokens to every limit of the bucket at key: into
+// this node's lease when it holds one, as GiveBack does, and the rest in
+// one script call.
 func (s *Store) GiveBackAll(ctx context.Context, key []byte, ls []bucket.Limit, n int64) error {
-	if len(ls) == 1 {
-		return s.GiveBack(ctx, key, ls[0], n)
-	}
-	if n <= 0 {
+	if n = s.fromLease(key, n, true); n <= 0 {
 		return nil
 	}
 	return s.giveBackShared(ctx, string(key), ls, n)
@@ -298,17 +368,23 @@ func (s *Store) Peek(ctx context.Context, key []byte, l bucket.Limit) (bucket.Re
 
 // lease is a lease call on the bucket at key, within the timeout and
 // through the breaker.
-func (s *Store) lease(key string, l bucket.Limit, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
+func (s *Store) lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
+	lr, _, err := s.leaseAt(key, tr.all(), tr.Quotas, a)
+	return lr, err
+}
+
+// leaseAt is lease, and also returns the server's time of the call.
+func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a bucket.LeaseAsk) (bucket.LeaseResult, int64, error) {
 	prefetch := 0
 	if a.Prefetch {
 		prefetch = 1
 	}
-	args := s.args("lease", []bucket.Limit{l}, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
-	v, err := s.call(context.Background(), key, args, false, 8)
+	args := s.argsWithQuotas("lease", ls, qs, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
+	v, err := s.call(context.Background(), key, args, false, 9)
 	if err != nil {
-		return bucket.LeaseResult{}, err
+		return bucket.LeaseResult{}, 0, err
 	}
-	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1}, nil
+	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1, Until: v[8]}, v[7], nil
 }
 
 // giveBack returns the unused tokens of node's leases to their buckets in
@@ -321,7 +397,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
 	args := func(g leaseReturn) []any {
-		return s.args("return", []bucket.Limit{g.limit}, g.tokens, node, g.seq)
+		return s.argsWithQuotas("return", g.tier.all(), g.tier.Quotas, 0, g.tokens, node, g.seq)
 	}
 	cmds := make([]*redis.Cmd, len(back))
 	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
