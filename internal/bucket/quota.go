@@ -189,7 +189,7 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []L
 		fits = fits && qout[i].Allowed
 	}
 	if !fits {
-		peekRefused(states, now, ls, cost, out)
+		peekRefused(states, now, ls, cost, nil, out)
 		refuseQuotas(qstates, wall, qs, qout)
 		return false
 	}
@@ -207,9 +207,9 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []L
 // peekRefused reports the limits of a request a quota refused, taking
 // nothing: as they stand, and, for a limit that would refuse too, when it
 // would not, so that Retry-After covers every refusal.
-func peekRefused(states []State, now int64, ls []Limit, cost int64, out []Result) {
+func peekRefused(states []State, now int64, ls []Limit, cost int64, held []Held, out []Result) {
 	for i, l := range ls {
-		_, r := take(states[i], now, l, cost)
+		_, r := take(states[i], now, l, cost, held)
 		out[i] = Peek(states[i], now, l)
 		if !r.Allowed {
 			out[i].RetryAfter = r.RetryAfter

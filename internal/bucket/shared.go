@@ -100,9 +100,12 @@ type LeaseResult struct {
 }
 
 // Out is the tokens out on lease.
-func (sh *Shared) Out() int64 {
+func (sh *Shared) Out() int64 { return outOf(sh.Held) }
+
+// outOf is the tokens the records hold.
+func outOf(held []Held) int64 {
 	var n int64
-	for _, h := range sh.Held {
+	for _, h := range held {
 		n += h.Tokens
 	}
 	return n
@@ -191,7 +194,7 @@ func (sh *Shared) Banned(now int64) bool {
 // voids every lease's give-back.
 func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
 	sh.settle(now, ls)
-	allowed := takeAll(sh.Levels, now, ls, cost, out, sh.Out())
+	allowed := takeAll(sh.Levels, now, ls, cost, out, sh.Held)
 	if slices.ContainsFunc(out[:len(ls)], func(r Result) bool { return r.Banned }) {
 		sh.voidAll()
 	}
@@ -212,7 +215,7 @@ func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, 
 	}
 	if !fits {
 		sh.settle(now, ls)
-		peekRefused(sh.Levels, now, ls, cost, out)
+		peekRefused(sh.Levels, now, ls, cost, sh.Held, out)
 		for i := range qs {
 			if qout[i].Allowed {
 				qout[i] = PeekQuota(sh.Quotas[i], now, qs[i])
@@ -300,7 +303,7 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	sh.settle(now, ls)
 	sh.quotas(qs)
 	var res LeaseResult
-	qstop, mask := quotaStop(now, qs)
+	qstop, mask := QuotaStop(now, qs)
 	mine := sh.find(a.Node)
 	if mine >= 0 {
 		h := &sh.Held[mine]
@@ -323,7 +326,7 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	allowed := quotaWait == 0
 	for i, l := range ls {
 		l.MaxWait = 0 // a lease takes only tokens that are there
-		_, r := take(sh.Levels[i], now, l, a.Cost)
+		_, r := take(sh.Levels[i], now, l, a.Cost, nil)
 		allowed = allowed && r.Allowed
 	}
 	if !allowed {
@@ -391,9 +394,9 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	return res
 }
 
-// quotaStop is the end of the earliest of the quotas' periods at now, and
+// QuotaStop is the end of the earliest of the quotas' periods at now, and
 // the quotas as a mask of their periods' bits; 0, 0 for none.
-func quotaStop(now int64, qs []Quota) (stop int64, mask uint8) {
+func QuotaStop(now int64, qs []Quota) (stop int64, mask uint8) {
 	for i, q := range qs {
 		_, end := q.Bounds(now)
 		if i == 0 || end < stop {

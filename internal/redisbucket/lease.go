@@ -161,6 +161,9 @@ type lease struct {
 	// may be spent until lease_ttl after it, and, with quotas, before
 	// spendBy, when the quota period that counted them ends (0: no end).
 	leasedAt, spendBy int64
+	// periodFrom is when the call that first granted tokens of the
+	// current quota period was sent (periodOf).
+	periodFrom int64
 	// level and resetAt are the shared bucket as the last call saw it.
 	level   int64
 	resetAt int64

@@ -79,10 +79,8 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 	if lr.Granted > 0 {
 		e.tokens += lr.Granted - ask.Spend
 		e.recorded += lr.Granted - ask.Spend
-		e.leasedAt, e.spendBy = sent, 0
-		if lr.Until > 0 {
-			e.spendBy = sent + lr.Until
-		}
+		e.leasedAt = sent
+		t.periodOf(e, lr, sent)
 		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
 	} else {
 		leasesTotal.WithLabelValues("refused").Inc()
@@ -131,6 +129,24 @@ func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
 	}
 	t.expire(e, now)
 	t.fetch(e, max(1, e.retryCost), now, true).timer = true
+}
+
+// periodOf records the quota period of tokens granted by a call sent at
+// sent: they may be spent until it ends (spendBy). A grant whose period
+// ends later than the last one's by more than any round trip is of the
+// next period, which starts periodFrom: a give-back of a request taken
+// before then may not go into this lease, whose tokens the quotas counted
+// in another period.
+func (t *leaseTable) periodOf(e *lease, lr bucket.LeaseResult, sent int64) {
+	if lr.Until <= 0 {
+		e.spendBy, e.periodFrom = 0, 0
+		return
+	}
+	end := sent + lr.Until
+	if e.spendBy == 0 || lr.Drop || end > e.spendBy+time.Minute.Microseconds() {
+		e.periodFrom = sent
+	}
+	e.spendBy = end
 }
 
 func leaseOutcome(granted, want int64) string {

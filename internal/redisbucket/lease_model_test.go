@@ -32,6 +32,8 @@ import (
 // events of a trace, the give-back of an earlier one's cost.
 type admission struct {
 	at, cost int64
+	// from is, for a give-back, when the request it returns was decided.
+	from int64
 	// due is when the request goes on: at, plus its wait.
 	due      int64
 	node     int
@@ -47,7 +49,11 @@ type banStart struct {
 
 // fleetRound is one random trace's settings.
 type fleetRound struct {
-	limit  bucket.Limit
+	limit bucket.Limit
+	// more are the tier's other limits, and quotas its quotas: a lease
+	// takes from them all at once.
+	more   []bucket.Limit
+	quotas []bucket.Quota
 	size   LeaseSize
 	ttl    time.Duration
 	nodes  int
@@ -90,8 +96,22 @@ func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
 func runFleet(rng *rand.Rand, r fleetRound) error {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000 + rng.Int64N(1_000_000_000))
+	if len(r.quotas) > 0 {
+		// A few minutes before a period ends, so that traces cross it.
+		_, end := r.quotas[0].Bounds(clock.now())
+		clock.micros.Store(end - rng.Int64N(200_000_000))
+	}
 	l := r.limit
-	ls := []bucket.Limit{l}
+	ls := append([]bucket.Limit{l}, r.more...)
+	qs := r.quotas
+	tr := loneLimit(l)
+	if len(ls) > 1 || len(qs) > 0 {
+		tr = Tier{Limits: ls, Quotas: qs}
+	}
+	minCap := l.Capacity
+	for _, x := range r.more {
+		minCap = min(minCap, x.Capacity)
+	}
 	key := "bucket"
 	var bans []banStart
 	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
@@ -110,12 +130,28 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	}
 	// A random state: part spent, and tokens out on a dead node's lease.
 	now := clock.now()
-	start := &bucket.Shared{Levels: []bucket.State{{}}}
-	if k := rng.Int64N(l.Capacity + 1); k > 0 {
-		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
+	start := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+	for i, x := range ls {
+		if k := rng.Int64N(x.Capacity + 1); k > 0 {
+			start.Levels[i], _ = bucket.Take(bucket.State{}, now, x, k)
+		}
+	}
+	// Each quota part used: what its period may admit from here.
+	used0 := make([]int64, len(qs))
+	start0, _ := bucket.QuotaStop(now, nil)
+	for i, q := range qs {
+		start0, _ = q.Bounds(now)
+		used0[i] = rng.Int64N(q.N + 1)
+		start.Quotas = append(start.Quotas, bucket.QuotaState{Start: start0, Used: used0[i]})
 	}
 	if rng.IntN(2) == 0 {
-		start.Held = append(start.Held, bucket.Held{Node: "dead", Tokens: rng.Int64N(l.Capacity/2 + 1), Expires: now + rng.Int64N(3*int64(r.ttl/time.Microsecond)), Seq: 1})
+		dead := bucket.Held{Node: "dead", Tokens: rng.Int64N(minCap/2 + 1), Expires: now + rng.Int64N(3*int64(r.ttl/time.Microsecond)), Seq: 1}
+		if len(qs) > 0 {
+			// Counted in the quotas when leased.
+			dead.QStop, dead.Mask = bucket.QuotaStop(now, qs)
+			dead.Tokens = min(dead.Tokens, slices.Min(used0))
+		}
+		start.Held = append(start.Held, dead)
 	}
 	m.states[key] = start
 
@@ -138,9 +174,9 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 		switch op := rng.IntN(100); {
 		case op < 60:
 			i := rng.IntN(len(tables))
-			cost := 1 + rng.Int64N(min(3, l.Capacity))
+			cost := 1 + rng.Int64N(min(3, minCap))
 			before := len(bans)
-			res, err := tables[i].take(bg, []byte(key), l, cost)
+			res, err := tables[i].takeTier(bg, []byte(key), tr, cost)
 			tableSync(tables[i])
 			if err == nil && res.Allowed {
 				// Allowed from the tokens held, before the prefetch it
@@ -156,17 +192,19 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 		case op < 65:
 			// A request in strict mode: a node without leases, or a cost
 			// as large as the lease.
-			cost := 1 + rng.Int64N(l.Capacity)
+			cost := 1 + rng.Int64N(minCap)
 			m.mu.Lock()
-			var out [1]bucket.Result
-			sh := m.bucket(key, 1)
-			allowed := sh.Take(clock.now(), ls, cost, out[:])
+			out := make([]bucket.Result, len(ls)+len(qs))
+			sh := m.bucket(key, len(ls))
+			allowed := sh.TakeWithQuotas(clock.now(), ls, qs, cost, out[:len(ls)], out[len(ls):])
 			if out[0].Banned {
 				bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
 			}
 			m.mu.Unlock()
 			if allowed {
-				adm = append(adm, admission{at: clock.now(), due: clock.now() + out[0].Wait, cost: cost, node: -1})
+				// It goes on when the slowest limit lets it.
+				w := Binding(out, true).Wait
+				adm = append(adm, admission{at: clock.now(), due: clock.now() + w, cost: cost, node: -1})
 			}
 		case op < 80:
 			step := rng.Int64N(int64(r.ttl))
@@ -196,16 +234,18 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 				// A waiter that hung up: it never went on.
 				adm[k].cost = 0
 			} else {
-				adm = append(adm, admission{at: clock.now(), due: clock.now(), cost: -a.cost, node: a.node, returned: true})
+				adm = append(adm, admission{at: clock.now(), from: a.at, due: clock.now(), cost: -a.cost, node: a.node, returned: true})
 			}
 			rest := a.cost
 			if a.node >= 0 {
-				rest = tables[a.node].giveBackHeld([]byte(key), a.cost)
+				rest = tables[a.node].giveBackHeldSince([]byte(key), a.cost, a.at)
 			}
 			if rest > 0 {
 				m.mu.Lock()
 				if !m.down {
-					m.bucket(key, 1).GiveBack(clock.now(), ls, rest)
+					sh := m.bucket(key, len(ls))
+					sh.GiveBack(clock.now(), ls, rest)
+					sh.GiveBackQuotas(clock.now(), a.at, qs, rest)
 				}
 				m.mu.Unlock()
 			}
@@ -219,7 +259,39 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			m.mu.Unlock()
 		}
 	}
-	return checkFleet(adm, backs, bans, l, r.ttl)
+	for _, x := range ls {
+		if err := checkFleet(adm, backs, bans, x, r.ttl); err != nil {
+			return fmt.Errorf("limit %+v: %w", x, err)
+		}
+	}
+	for i, q := range qs {
+		if err := checkQuota(adm, q, start0, used0[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkQuota checks that no period of q admits more than its N, net of
+// the give-backs made within the period of requests it admitted; in the
+// first, of which used0 was used from start0 on, no more than the rest.
+func checkQuota(adm []admission, q bucket.Quota, start0, used0 int64) error {
+	net := map[int64]int64{start0: used0}
+	for _, a := range adm {
+		at := a.at
+		if a.cost < 0 {
+			at = a.from
+		}
+		p, _ := q.Bounds(at)
+		if now, _ := q.Bounds(a.at); now != p {
+			continue // given back in a later period: counted where taken
+		}
+		net[p] += a.cost
+		if a.cost > 0 && net[p] > q.N {
+			return fmt.Errorf("quota %s: %d admitted, net, in the period from %d µs", q, net[p], p)
+		}
+	}
+	return nil
 }
 
 // checkFleet checks the bound over every window between two admissions'
@@ -281,17 +353,27 @@ func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl tim
 }
 
 func TestLeasesNeverAdmitMoreThanOneBucketOverAnyWindow(t *testing.T) {
-	rng := rand.New(rand.NewPCG(20, 3))
-	rounds, steps := 300, 1500
+	playRounds(t, rand.New(rand.NewPCG(20, 3)), 300, func(rng *rand.Rand, steps int) fleetRound { return randomFleetRound(rng, steps) })
+}
+
+// playRounds plays random traces, as many as rounds (a fifth under
+// -short, and shorter), of the rounds round makes, and fails at the first
+// breach. It returns the rounds played.
+func playRounds(t *testing.T, rng *rand.Rand, rounds int, round func(rng *rand.Rand, steps int) fleetRound) []fleetRound {
+	t.Helper()
+	steps := 1500
 	if testing.Short() {
-		rounds, steps = 60, 800
+		rounds, steps = rounds/5, 800
 	}
-	for round := range rounds {
-		r := randomFleetRound(rng, steps)
+	var played []fleetRound
+	for i := range rounds {
+		r := round(rng, steps)
 		if err := runFleet(rng, r); err != nil {
-			t.Fatalf("round %d (limit %+v, lease %+v, ttl %s, %d nodes): %v", round, r.limit, r.size, r.ttl, r.nodes, err)
+			t.Fatalf("round %d (limits %+v %+v, quotas %v, lease %+v, ttl %s, %d nodes): %v", i, r.limit, r.more, r.quotas, r.size, r.ttl, r.nodes, err)
 		}
+		played = append(played, r)
 	}
+	return played
 }
 
 // The property test fails on a store that breaks the guarantee: one that
@@ -328,4 +410,160 @@ func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 			t.Fatal("no round caught the broken store")
 		})
 	}
+}
+
+// withTier makes r's tier one of two or three limits, at times with a
+// daily quota: each limit another capacity and refill, the ban and
+// max_wait the tier's.
+func withTier(rng *rand.Rand, r fleetRound) fleetRound {
+	for range 1 + rng.IntN(2) {
+		x := randomFleetRound(rng, 0).limit
+		x.Ban, x.MaxWait = r.limit.Ban, r.limit.MaxWait
+		r.more = append(r.more, x)
+	}
+	if rng.IntN(2) == 0 {
+		r.quotas = []bucket.Quota{{N: 5 + rng.Int64N(3*r.limit.Capacity), Period: bucket.Day, Loc: time.UTC}}
+	}
+	return r
+}
+
+// The guarantee on tiers of two and three limits and a quota: a lease
+// takes from every limit and the quota at once, so the fleet admits no
+// more than one bucket of each limit over any window, and no quota period
+// more than its N, with leases spent across a period's end.
+func TestLeasesOnTiersNeverAdmitMoreThanEachLimitOrQuota(t *testing.T) {
+	played := playRounds(t, rand.New(rand.NewPCG(25, 14)), 200, func(rng *rand.Rand, steps int) fleetRound {
+		return withTier(rng, randomFleetRound(rng, steps))
+	})
+	if !slices.ContainsFunc(played, func(r fleetRound) bool { return len(r.quotas) > 0 }) {
+		t.Fatal("no round had a quota")
+	}
+}
+
+// The tier property fails on a store that grants one token more than it
+// records, and on one whose quota counts a lease's grant one token short.
+func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		quota  bool
+		mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+	}{
+		{"one token more", false, func(_ *bucket.Shared, res *bucket.LeaseResult) {
+			if res.Granted > 0 {
+				res.Granted++
+			}
+		}},
+		{"a quota counts one token fewer", true, func(sh *bucket.Shared, res *bucket.LeaseResult) {
+			if res.Granted > 0 && len(sh.Quotas) > 0 && sh.Quotas[0].Used > 0 {
+				sh.Quotas[0].Used--
+			}
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(25, 14))
+			for round := range 400 {
+				r := withTier(rng, randomFleetRound(rng, 800))
+				if tt.quota && len(r.quotas) == 0 {
+					continue
+				}
+				r.mutate = tt.mutate
+				if err := runFleet(rng, r); err != nil {
+					t.Logf("caught in round %d: %v", round, err)
+					return
+				}
+			}
+			t.Fatal("no round caught the broken store")
+		})
+	}
+}
+
+// A request that waits (max_wait) while a node holds leased tokens: the
+// level never refills over those tokens, so the request goes on only when
+// the level holds its cost beside them. Before, it went on when the
+// uncapped level held its cost, and the node spent its lease in the same
+// instant: 15 tokens at once from a bucket of 10. The property test found
+// it (round 352 of 3000 of the single-limit traces).
+func TestAWaiterDoesNotGoOnBesideTokensOutOnLease(t *testing.T) {
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}, MaxWait: 5_000_000}
+	ls := []bucket.Limit{l}
+	sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	const start = 1_000_000
+	// A node leases 5 of the 10 for a second.
+	lr := sh.Lease(start, ls, bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 5, Want: 5, Hold: 1_000_000})
+	if lr.Granted != 5 {
+		t.Fatalf("lease: %+v, want 5 granted", lr)
+	}
+	// A request of the whole bucket waits.
+	var out [1]bucket.Result
+	if !sh.Take(start, ls, 10, out[:]) {
+		t.Fatalf("the waiting request was refused: %+v", out[0])
+	}
+	due := start + out[0].Wait
+	// The node spends its lease at once, or later, before it expires.
+	for _, spent := range []int64{start, start + 600_000, start + 900_000} {
+		adm := []admission{{at: spent, due: spent, cost: 5}, {at: start, due: due, cost: 10}}
+		slices.SortFunc(adm, func(a, b admission) int { return cmp.Compare(a.due, b.due) })
+		if err := checkFleet(adm, nil, nil, l, time.Second); err != nil {
+			t.Errorf("lease spent at %d µs, the request due at %d µs (wait %d µs): %v", spent, due, out[0].Wait, err)
+		}
+	}
+}
+
+// A node may not spend leased tokens past the end of the quota period that
+// counted them: after midnight its requests take from a lease the new day
+// counts, and the day's count is what it admitted. A give-back of a
+// request taken the day before does not go into the new day's lease.
+func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
+	clock := new(fakeClock)
+	q := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
+	_, midnight := q.Bounds(1_000_000)
+	clock.micros.Store(midnight - 200_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	tr := Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
+	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
+	defer node.close()
+	take := func() {
+		t.Helper()
+		if res, err := node.takeTier(bg, []byte("k"), tr, 1); err != nil || !res.Allowed {
+			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
+		}
+		tableSync(node)
+	}
+	// The day before: leases grow while requests spend them.
+	for range 8 {
+		take()
+	}
+	before := clock.now()
+	held := node.heldTokens("k")
+	if held == 0 {
+		t.Fatal("the node holds no leased tokens before midnight")
+	}
+	clock.advance(300 * time.Millisecond) // past midnight
+	for range 5 {
+		take()
+	}
+	// The request of the day before, given back after midnight.
+	if rest := node.giveBackHeldSince([]byte("k"), 1, before); rest != 1 {
+		t.Errorf("a request of the day before went back into the new day's lease: %d of 1 left over", rest)
+	}
+	m.mu.Lock()
+	used := m.states["k"].Quotas[0]
+	m.mu.Unlock()
+	if used.Start != midnight || used.Used < 5 {
+		t.Errorf("the new day counts %+v; want at least the 5 requests admitted since midnight (%d)", used, midnight)
+	}
+	if spent := node.heldTokens("k"); used.Used-spent != 5 {
+		t.Errorf("the new day counts %d, the node holds %d of them: %d spent, want 5", used.Used, spent, used.Used-spent)
+	}
+}
+
+// heldTokens is the tokens the table holds on lease for key.
+func (t *leaseTable) heldTokens(key string) int64 {
+	sh := t.shard([]byte(key))
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if e := sh.m[key]; e != nil {
+		return e.tokens
+	}
+	return 0
 }

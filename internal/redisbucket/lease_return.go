@@ -31,6 +31,14 @@ func (e *lease) takeBack() leaseReturn {
 // the lease's: those go back there first. It reports how many it could
 // not take, which go to the shared bucket instead.
 func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
+	return t.giveBackHeldSince(key, n, 0)
+}
+
+// giveBackHeldSince is giveBackHeld for a request taken at took (the
+// table's clock), on a tier with quotas: its tokens go into the lease
+// only if they were taken in the quota period of the tokens the lease
+// holds, or the quotas would admit them twice.
+func (t *leaseTable) giveBackHeldSince(key []byte, n, took int64) int64 {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -40,7 +48,7 @@ func (t *leaseTable) giveBackHeld(key []byte, n int64) int64 {
 	}
 	shared := min(n, e.reserved)
 	e.reserved -= shared
-	if t.lapsed(e, t.now()) {
+	if t.lapsed(e, t.now()) || e.spendBy != 0 && took < e.periodFrom {
 		return n
 	}
 	put := min(n-shared, e.recorded-e.tokens)

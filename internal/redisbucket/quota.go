@@ -71,7 +71,7 @@ func (s *Store) PeekQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 // the rest in one script call, to a quota only while the period it was
 // counted in lasts.
 func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
-	if n = s.fromLease(key, n, true); n <= 0 {
+	if n = s.fromLease(key, n, true, at); n <= 0 {
 		return nil
 	}
 	k := string(key)
@@ -84,7 +84,7 @@ func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limi
 // bucket at key: from this node's lease when it covers them, as Charge
 // does, and the rest in one script call.
 func (s *Store) ChargeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
-	if n = s.fromLease(key, n, false); n == 0 && s.leases != nil {
+	if n = s.fromLease(key, n, false, 0); n == 0 && s.leases != nil {
 		return nil
 	}
 	_, err := s.call(context.WithoutCancel(ctx), string(key), s.argsWithQuotas("charge", ls, qs, 0, n), false, 2)

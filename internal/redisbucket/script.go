@@ -162,9 +162,9 @@ local function deficit(i, at)
   if d < 0 then return 0 end
   return d
 end
-local function raw_deficit(i)
+local function raw_deficit(i, at)
   local s, l = S[i], L[i]
-  local gap = s.full - now
+  local gap = s.full - (at or now)
   if gap <= 0 then return 0 end
   if gap > idiv(l.maxd + s.slack, l.tok) + 1 then return l.maxd end
   return math.min(math.max(0, gap * l.tok - s.slack), l.maxd)
@@ -247,14 +247,53 @@ local function life()
   return last - now
 end
 
+-- floor_at, settled and wait_settled: bucket.go's floorAt,
+-- settledDeficit and waitSettled, on the leases H.
+local function floor_at(i, t, at_too)
+  local o = 0
+  for _, h in ipairs(H) do
+    if h.expires > t or (at_too and h.expires == t) then o = o + h.tokens end
+  end
+  return math.min(o, L[i].cap) * L[i].iv
+end
+local function settled(i, t)
+  local d = math.max(raw_deficit(i, t), floor_at(i, t, false))
+  for _, h in ipairs(H) do
+    if h.expires > now and h.expires <= t then
+      d = math.max(d, floor_at(i, h.expires, true) - (t - h.expires) * L[i].tok)
+    end
+  end
+  return d
+end
+local function wait_settled(i, need, w)
+  local l = L[i]
+  for _ = 1, 2 * #H + 2 do
+    local t = now + w
+    local d = settled(i, t)
+    local lack = d + need - l.units
+    if lack <= 0 then return w end
+    local nxt = nil
+    if d == floor_at(i, t, false) then
+      for _, h in ipairs(H) do
+        if h.expires > t and (nxt == nil or h.expires < nxt) then nxt = h.expires end
+      end
+    end
+    if nxt then w = nxt - now else w = w + ceildiv(lack, l.tok) end
+  end
+  return w
+end
+
 -- take_waiting is take_one with max_wait, for a limit no ban holds: the
 -- level may go below zero by max_wait's refill, and retry says the wait.
+-- With leases out, it reckons with the cap they keep the level under.
 local function take_waiting(i, cost)
   local l = L[i]
   local raw = raw_deficit(i)
   local need = cost * l.iv
   local w = 0
-  if raw + need - l.units > 0 then w = ceildiv(raw + need - l.units, l.tok) end
+  local lack = raw + need - l.units
+  if lack > 0 then w = ceildiv(lack, l.tok) end
+  if #H > 0 then w = wait_settled(i, need, w) end
   if w > maxwait then
     return {ok = false, rem = idiv(math.max(0, l.units - raw), l.iv), retry = w - maxwait, reset = ceildiv(raw, l.tok)}
   end
@@ -262,6 +301,7 @@ local function take_waiting(i, cost)
     return {ok = true, rem = idiv(math.max(0, l.units - raw), l.iv), retry = w, reset = ceildiv(raw, l.tok), state = S[i]}
   end
   local st = state_at(now, raw + need, l)
+  if #H > 0 then st = state_at(now + w, settled(i, now + w) + need, l) end
   return {ok = true, rem = idiv(math.max(0, l.units - raw - need), l.iv), retry = w, reset = st.full - now, state = st}
 end
 local function take_one(i, cost, nowait)

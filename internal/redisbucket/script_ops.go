@@ -67,7 +67,19 @@ if op == 'take' then
     for j, q in ipairs(Q) do qres[j] = quota_peek(q) end
   end
   if allowed then
-    for i = 1, n do S[i] = res[i].state end
+    -- bucket.go's goTogether: a request that waits takes from every limit
+    -- when the slowest lets it go on.
+    local w = 0
+    if maxwait > 0 and count > 0 then
+      for i = 1, n do w = math.max(w, res[i].retry) end
+    end
+    for i = 1, n do
+      if res[i].retry < w then
+        S[i] = state_at(now + w, settled(i, now + w) + count * L[i].iv, L[i])
+      else
+        S[i] = res[i].state
+      end
+    end
     for _, q in ipairs(Q) do q.used = q.used + count end
   elseif ban > 0 and short(count) then
     for i = 1, n do

@@ -309,7 +309,7 @@ func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []
 // cost is; what they do not cover is charged to the shared bucket by one
 // call, into debt as in strict mode.
 func (s *Store) Charge(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
-	if n = s.fromLease(key, n, false); n == 0 && s.leases != nil {
+	if n = s.fromLease(key, n, false, 0); n == 0 && s.leases != nil {
 		return nil
 	}
 	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", []bucket.Limit{l}, n), false, 2)
@@ -319,10 +319,17 @@ func (s *Store) Charge(ctx context.Context, key []byte, l bucket.Limit, n int64)
 // fromLease is, with leases, how many of n tokens this node's lease on
 // the bucket at key does not take back (give) or spend (charge): the rest
 // goes to the shared bucket by one call.
-func (s *Store) fromLease(key []byte, n int64, give bool) int64 {
+//
+// A give-back on a tier with quotas names when the request was taken (at,
+// µs of the wall clock; 0 otherwise).
+func (s *Store) fromLease(key []byte, n int64, give bool, at int64) int64 {
 	switch {
 	case s.leases == nil || n <= 0:
 		return n
+	case give && at != 0:
+		// When it was taken by the table's clock.
+		took := s.conn.now() - (time.Now().UnixMicro() + s.clockOffset - at)
+		return s.leases.giveBackHeldSince(key, n, took)
 	case give:
 		return s.leases.giveBackHeld(key, n)
 	default:
@@ -334,7 +341,7 @@ func (s *Store) fromLease(key []byte, n int64, give bool) int64 {
 // it holds one for the bucket, up to what the lease's record counts, and
 // the rest by one script call.
 func (s *Store) GiveBack(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
-	if n = s.fromLease(key, n, true); n <= 0 {
+	if n = s.fromLease(key, n, true, 0); n <= 0 {
 		return nil
 	}
 	return s.giveBackShared(ctx, string(key), []bucket.Limit{l}, n)
@@ -353,7 +360,7 @@ func (s *Store) giveBackShared(ctx context.Context, k string, ls []bucket.Limit,
 // this node's lease when it holds one, as GiveBack does, and the rest in
 // one script call.
 func (s *Store) GiveBackAll(ctx context.Context, key []byte, ls []bucket.Limit, n int64) error {
-	if n = s.fromLease(key, n, true); n <= 0 {
+	if n = s.fromLease(key, n, true, 0); n <= 0 {
 		return nil
 	}
 	return s.giveBackShared(ctx, string(key), ls, n)
