@@ -14,7 +14,7 @@ import (
 // nothing. In the local store and in Redis.
 func TestCostFromAPlaceholder(t *testing.T) {
 	srv := startRedis(t)
-	for _, tt := range storeModes(srv)[:2] { // local and Redis strict
+	for _, tt := range storeModes(srv) {
 		t.Run(tt.name, func(t *testing.T) {
 			useFakeClock(t)
 			srv.do("FLUSHALL")
@@ -59,7 +59,7 @@ func TestCostFromAPlaceholder(t *testing.T) {
 // others as they were. Local and Redis alike.
 func TestSeveralLimitsTakeFromAllOrNone(t *testing.T) {
 	srv := startRedis(t)
-	for _, store := range storeModes(srv)[:2] { // local and Redis strict
+	for _, store := range storeModes(srv) {
 		for _, order := range []struct{ name, limits, want string }{
 			{"small first", "limit 3 1/h\n limit 10 1/h", `"default";r=0;t=10800, "default-2";r=7;t=10800`},
 			{"big first", "limit 10 1/h\n limit 3 1/h", `"default";r=7;t=10800, "default-2";r=0;t=10800`},
@@ -187,7 +187,7 @@ func streamingOrigin(t *testing.T, used string) string {
 // to the cost. A malformed report takes nothing more.
 func TestCostFromResponse(t *testing.T) {
 	srv := startRedis(t)
-	for _, store := range storeModes(srv)[:2] { // local and Redis strict
+	for _, store := range storeModes(srv) {
 		for _, via := range []string{"trailer", "header"} {
 			t.Run(store.name+"/"+via, func(t *testing.T) {
 				useFakeClock(t)

@@ -168,7 +168,7 @@ func TestQuotaAdmin(t *testing.T) {
 // local store and in Redis; a second quota of one period is an error.
 func TestQuotaReloadKeepsTheCount(t *testing.T) {
 	srv := startRedis(t)
-	for i, mode := range storeModes(srv)[:2] {
+	for i, mode := range storeModes(srv) {
 		t.Run(mode.name, func(t *testing.T) {
 			conf := func(n int) string {
 				return fmt.Sprintf(`rate_limit {

@@ -440,6 +440,23 @@ func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
 	return w
 }
 
+// ReportEach writes what a lease call tells the node of each limit and
+// then each quota: its remaining (0 for a banned limit) and reset after.
+func (sh *Shared) ReportEach(now int64, ls []Limit, qs []Quota, out []Result) {
+	sh.quotas(qs)
+	for i, l := range ls {
+		r := Peek(sh.Levels[i], now, l)
+		if banned(sh.Levels[i], now, l) {
+			r.Remaining, r.ResetAfter = 0, sh.Levels[i].FullAt-now
+		}
+		out[i] = Result{Remaining: r.Remaining, ResetAfter: r.ResetAfter}
+	}
+	for j, q := range qs {
+		r := PeekQuota(sh.Quotas[j], now, q)
+		out[len(ls)+j] = Result{Remaining: r.Remaining, ResetAfter: r.ResetAfter}
+	}
+}
+
 // report fills in the levels a lease result tells the node: the least
 // remaining, of limits and quotas, and the latest reset of a limit.
 func (sh *Shared) report(now int64, ls []Limit, qs []Quota, res *LeaseResult) {

@@ -42,11 +42,14 @@ const leaseShards = 64
 // leaseRemote is the shared store as leases see it: the Redis store, or
 // a model of it in tests.
 type leaseRemote interface {
-	lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.LeaseResult, error)
+	// lease writes each limit's and quota's remaining and reset into
+	// each, when given.
+	lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error)
 	giveBack(node string, back []leaseReturn) (int64, error)
 	// reserve decides a request in the shared bucket as strict mode
 	// does, waiting included: for max_wait, when leases do not cover it.
-	reserve(ctx context.Context, key string, tr Tier, cost int64) (bucket.Result, error)
+	// It writes each limit's and quota's result into out, when given.
+	reserve(ctx context.Context, key string, tr Tier, cost int64, out []bucket.Result) (bucket.Result, error)
 }
 
 // Tier is what one bucket's key holds: a tier's limits, every one of
@@ -78,6 +81,15 @@ func (tr Tier) all() []bucket.Limit {
 		return []bucket.Limit{tr.lone}
 	}
 	return tr.Limits
+}
+
+// parts is how many limits and quotas the tier has, when more than one:
+// the results a request on it reports; 0 for a tier of one limit.
+func (tr Tier) parts() int {
+	if n := len(tr.Limits) + len(tr.Quotas); n > 1 {
+		return n
+	}
+	return 0
 }
 
 // leaseSize is the lease size for the tier: the least of its limits'.
@@ -164,9 +176,11 @@ type lease struct {
 	// periodFrom is when the call that first granted tokens of the
 	// current quota period was sent (periodOf).
 	periodFrom int64
-	// level and resetAt are the shared bucket as the last call saw it.
+	// level and resetAt are the shared bucket as the last call saw it;
+	// each, on a tier of several limits or quotas, each one's.
 	level   int64
 	resetAt int64
+	each    []levelAt
 	// retryAt is when the shared bucket holds retryCost, as the last call
 	// saw it; holdUntil: no call for this bucket before then.
 	retryAt, retryCost int64
@@ -191,6 +205,10 @@ type lease struct {
 	// overtake the give-back and leave it naming a lease no longer there.
 	returning chan struct{}
 }
+
+// levelAt is one limit's or quota's level, and when it is full again or
+// starts over.
+type levelAt struct{ level, resetAt int64 }
 
 // leaseCall is one lease call in flight, which requests share.
 type leaseCall struct {
@@ -271,19 +289,20 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, tr Tier, now int64) *leas
 // request the leases refuse takes its tokens in the shared bucket as
 // strict mode does, waiting, or is refused by it.
 func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
-	return t.takeTier(ctx, key, loneLimit(l), cost)
+	return t.takeTier(ctx, key, loneLimit(l), cost, nil)
 }
 
-// takeTier is take on every limit and quota of a tier at once.
-func (t *leaseTable) takeTier(ctx context.Context, key []byte, tr Tier, cost int64) (bucket.Result, error) {
-	res, err := t.takeHeld(ctx, key, tr, cost)
+// takeTier is take on every limit and quota of a tier at once. On a tier
+// of several, it writes each one's result into out (tr.parts() of them).
+func (t *leaseTable) takeTier(ctx context.Context, key []byte, tr Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
+	res, err := t.takeHeld(ctx, key, tr, cost, out)
 	if err != nil || res.Allowed || tr.first().MaxWait == 0 || res.Banned {
 		return res, err
 	}
 	// The refusal may be this node's hold-off, which spaces its calls,
 	// not the shared bucket's level: ask the shared bucket, as strict
 	// mode does; the deny cache keeps a flood of refusals off Redis.
-	res, err = t.store.reserve(ctx, string(key), tr, cost)
+	res, err = t.store.reserve(ctx, string(key), tr, cost, out)
 	if err == nil && res.Allowed {
 		t.reserved(key, cost)
 	}
@@ -303,7 +322,7 @@ func (t *leaseTable) reserved(key []byte, cost int64) {
 }
 
 // takeHeld is take without max_wait: from the tokens held, or refused.
-func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int64) (bucket.Result, error) {
+func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {
@@ -319,11 +338,13 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int
 	for {
 		if e.tokens >= cost && !t.lapsed(e, now) {
 			res := t.spend(e, cost, now)
+			e.fill(out, res, now)
 			sh.mu.Unlock()
 			return res, nil
 		}
 		if t.refuses(e, ban, now, waited) {
 			res := e.result(now, false, cost)
+			e.fill(out, res, now)
 			sh.mu.Unlock()
 			return res, nil
 		}
@@ -341,6 +362,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int
 		if mine && (c.spent || c.banned) {
 			res := e.result(t.now(), c.spent, cost)
 			res.Banned = c.banned
+			e.fill(out, res, t.now())
 			sh.mu.Unlock()
 			return res, nil
 		}
@@ -438,6 +460,22 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 		res.RetryAfter = e.tier.refill(cost)
 	}
 	return res
+}
+
+// fill writes into out each limit's and quota's result for a request
+// decided from e at now as res: the same decision, each with its own
+// level (beside the tokens held) and reset.
+func (e *lease) fill(out []bucket.Result, res bucket.Result, now int64) {
+	for i := range out {
+		out[i] = res
+		if i < len(e.each) {
+			x := e.each[i]
+			out[i].ResetAfter = max(0, x.resetAt-now)
+			if res.Allowed {
+				out[i].Remaining = e.tokens + x.level
+			}
+		}
+	}
 }
 
 // insert adds an entry for key, first making room in a full shard.

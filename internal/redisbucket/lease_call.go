@@ -36,12 +36,20 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		if returning != nil {
 			<-returning
 		}
-		lr, err := t.store.lease(key, tr, ask)
+		var each []bucket.Result
+		if n := tr.parts(); n > 0 {
+			each = make([]bucket.Result, n)
+		}
+		lr, err := t.store.lease(key, tr, ask, each)
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
 		e.rtt = t.now() - now
 		if err == nil {
 			t.apply(e, lr, ask, now)
+			e.each = e.each[:0]
+			for _, r := range each {
+				e.each = append(e.each, levelAt{r.Remaining, now + r.ResetAfter})
+			}
 			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && tr.first().Ban > 0 {
 				// Spent while the call was out: say so, as take does.
 				t.giveBackLater([]leaseReturn{e.takeBack()})

@@ -49,7 +49,7 @@ func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
 	return sh
 }
 
-func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
+func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
 	if m.gate != nil {
 		<-m.gate
 	}
@@ -62,6 +62,9 @@ func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.Leas
 	ls := tr.all()
 	sh := m.bucket(key, len(ls))
 	res := sh.LeaseQuotas(m.now(), ls, tr.Quotas, a)
+	if each != nil {
+		sh.ReportEach(m.now(), ls, tr.Quotas, each)
+	}
 	if m.mutate != nil {
 		m.mutate(sh, &res)
 	}
@@ -88,7 +91,7 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	return n, nil
 }
 
-func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64) (bucket.Result, error) {
+func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64, each []bucket.Result) (bucket.Result, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++
@@ -99,6 +102,7 @@ func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64
 	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
 	sh := m.bucket(key, len(ls))
 	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
+	copy(each, all)
 	res := Binding(all, allowed)
 	if m.mutateWait != nil {
 		m.mutateWait(sh, &res)

@@ -109,13 +109,15 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 				if !a.Prefetch && rng.IntN(2) == 0 {
 					a.Spend = cost
 				}
-				got, now, err := s.leaseAt(key, ls, qs, a)
+				each, wantEach := make([]bucket.Result, len(ls)+len(qs)), make([]bucket.Result, len(ls)+len(qs))
+				got, now, err := s.leaseAt(key, ls, qs, a, each)
 				if err != nil {
 					t.Fatal(err)
 				}
 				used := quotaUsed(sh)
-				if w := sh.LeaseQuotas(now, ls, qs, a); got != w {
-					t.Fatalf("%s lease %+v at %s: Redis %+v, model %+v", what, a, time.UnixMicro(now).UTC(), got, w)
+				w := sh.LeaseQuotas(now, ls, qs, a)
+				if sh.ReportEach(now, ls, qs, wantEach); got != w || !slices.Equal(each, wantEach) {
+					t.Fatalf("%s lease %+v at %s: Redis %+v %+v, model %+v %+v", what, a, time.UnixMicro(now).UTC(), got, each, w, wantEach)
 				}
 				if got.Granted > 0 {
 					granted++

@@ -36,7 +36,8 @@ import "github.com/redis/go-redis/v9"
 //     reset after}}
 //   - lease: {granted, remaining, retry after, hold-off, reset after,
 //     banned, drop, now, until (with quotas: when the tokens' quota
-//     period ends, 0 without)}
+//     period ends, 0 without), then each limit's and each quota's
+//     {remaining, reset after}}
 //   - return, giveback, charge: {tokens, now}
 //
 // It reads TIME and then writes, which Redis before 5 refuses unless the

@@ -166,13 +166,15 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				} else if rng.IntN(2) == 0 {
 					a.Prefetch = true
 				}
-				got, at, err := s.leaseAt(key, ls, nil, a)
+				each, wantEach := make([]bucket.Result, len(ls)), make([]bucket.Result, len(ls))
+				got, at, err := s.leaseAt(key, ls, nil, a, each)
 				if err != nil {
 					t.Fatal(err)
 				}
 				now = at
-				if want := sh.Lease(now, ls, a); got != want {
-					t.Fatalf("%s lease %+v: Redis %+v, model %+v", step, a, got, want)
+				want := sh.Lease(now, ls, a)
+				if sh.ReportEach(now, ls, nil, wantEach); got != want || !slices.Equal(each, wantEach) {
+					t.Fatalf("%s lease %+v: Redis %+v %+v, model %+v %+v", step, a, got, each, want, wantEach)
 				}
 			case op < 8:
 				node := nodes[rng.IntN(len(nodes))]

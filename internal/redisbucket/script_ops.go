@@ -109,6 +109,19 @@ local function report()
   for _, q in ipairs(Q) do rem = math.min(rem, math.max(0, q.n - q.used)) end
   return rem, reset
 end
+-- each_level appends to the answer r each limit's level and reset, then
+-- each quota's (shared.go's ReportEach).
+local function each_level(r)
+  for i = 1, n do
+    local x = peek(i)
+    if banned(i) then x.rem, x.reset = 0, S[i].full - now end
+    r[#r + 1], r[#r + 2] = x.rem, x.reset
+  end
+  for _, q in ipairs(Q) do
+    r[#r + 1], r[#r + 2] = math.max(0, q.n - q.used), q.stop - now
+  end
+  return r
+end
 -- quota_wait: the microseconds until every quota has k tokens left, 0
 -- when they do.
 local function quota_wait(k)
@@ -172,7 +185,7 @@ if op == 'lease' then
     local b, d = 0, 0
     if started then b = 1 end
     if drop then d = 1 end
-    return {0, rem, retry, hold_off, reset, b, d, now, spend_for}
+    return each_level({0, rem, retry, hold_off, reset, b, d, now, spend_for})
   end
   local mincap = L[1].cap
   for i = 2, n do mincap = math.min(mincap, L[i].cap) end
@@ -197,7 +210,7 @@ if op == 'lease' then
   save()
   local d = 0
   if drop then d = 1 end
-  return {grant, rem, retry, hold_off, reset, 0, d, now, spend_for}
+  return each_level({grant, rem, retry, hold_off, reset, 0, d, now, spend_for})
 end
 
 if op == 'return' then

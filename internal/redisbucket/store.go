@@ -164,11 +164,13 @@ func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64
 // leased decides a request from this node's leases when they are on and
 // larger than the cost, as Take does for one limit; false when the
 // request goes to Redis by one script call instead.
-func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64) (bucket.Result, bool, error) {
+//
+// It writes each limit's and quota's result into out.
+func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64, out []bucket.Result) (bucket.Result, bool, error) {
 	if s.leases == nil || cost <= 0 || tr.leaseSize(s.leases.size) <= cost {
 		return bucket.Result{}, false, nil
 	}
-	res, err := s.leases.takeTier(ctx, key, tr, cost)
+	res, err := s.leases.takeTier(ctx, key, tr, cost, out)
 	if errors.Is(err, errLeasesClosed) {
 		return bucket.Result{}, false, nil
 	}
@@ -182,10 +184,7 @@ func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64) (bu
 // limit that makes the client wait longest, as for one limit: until then,
 // no call.
 func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls}, cost); ok {
-		for i := range ls {
-			out[i] = res
-		}
+	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls}, cost, out[:len(ls)]); ok {
 		return res.Allowed, err
 	}
 	return s.takeAllStrict(ctx, string(key), ls, cost, out)
@@ -241,8 +240,8 @@ func decodeResult(v []int64, banned bool) bucket.Result {
 // for a request that leases refused and that may wait (max_wait): one
 // script call, unless the deny cache already knows the answer. The result
 // is the binding limit's or quota's, with the longest wait.
-func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64) (bucket.Result, error) {
-	if len(tr.Limits) <= 1 && len(tr.Quotas) == 0 {
+func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64, each []bucket.Result) (bucket.Result, error) {
+	if tr.parts() == 0 {
 		return s.reserveOne(ctx, k, tr.first(), cost)
 	}
 	all := make([]bucket.Result, len(tr.Limits)+len(tr.Quotas))
@@ -257,6 +256,7 @@ func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64) (buc
 	if err != nil {
 		return bucket.Result{}, err
 	}
+	copy(each, all)
 	return Binding(all, allowed), nil
 }
 
@@ -375,21 +375,26 @@ func (s *Store) Peek(ctx context.Context, key []byte, l bucket.Limit) (bucket.Re
 
 // lease is a lease call on the bucket at key, within the timeout and
 // through the breaker.
-func (s *Store) lease(key string, tr Tier, a bucket.LeaseAsk) (bucket.LeaseResult, error) {
-	lr, _, err := s.leaseAt(key, tr.all(), tr.Quotas, a)
+// It writes each limit's and quota's remaining and reset into each, when
+// given.
+func (s *Store) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	lr, _, err := s.leaseAt(key, tr.all(), tr.Quotas, a, each)
 	return lr, err
 }
 
 // leaseAt is lease, and also returns the server's time of the call.
-func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a bucket.LeaseAsk) (bucket.LeaseResult, int64, error) {
+func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
 	prefetch := 0
 	if a.Prefetch {
 		prefetch = 1
 	}
 	args := s.argsWithQuotas("lease", ls, qs, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
-	v, err := s.call(context.Background(), key, args, false, 9)
+	v, err := s.call(context.Background(), key, args, false, 9+2*(len(ls)+len(qs)))
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
+	}
+	for i := range each {
+		each[i] = bucket.Result{Remaining: v[9+2*i], ResetAfter: v[10+2*i]}
 	}
 	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1, Until: v[8]}, v[7], nil
 }
