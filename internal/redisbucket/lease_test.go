@@ -298,20 +298,44 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 
 // conserveTokens runs 8 clients of 40 requests each through two nodes
 // that lease 10% of one bucket of capacity c (refilling a token an hour),
-// each allowed request charged up to maxCharge more after it (0: none).
-// It checks that no token is made or lost: allowed + charged + held on
-// lease + left in Redis = c, and again once the nodes gave their leases
-// back. It returns what was allowed and charged.
+// each allowed request charged up to maxCharge more after it (0: none),
+// and checks that no token is made or lost (conserveTier). It returns
+// what was allowed and charged.
 func conserveTokens(t *testing.T, c, maxCharge int64) (allowed, charged int64) {
 	t.Helper()
+	return conserveTier(t, Tier{Limits: []bucket.Limit{{Capacity: c, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}}}, maxCharge)
+}
+
+// conserveTier runs 8 clients of 40 requests each through two nodes that
+// lease 10% of one bucket of tier tr: a request takes from every limit and
+// quota, one of a lone limit as Take does. Each allowed request is charged
+// up to maxCharge more after it (0: none). For each limit and quota,
+// allowed + charged + held on lease + left in Redis = its size, and again
+// once the nodes gave their leases back.
+func conserveTier(t *testing.T, tr Tier, maxCharge int64) (allowed, charged int64) {
+	t.Helper()
 	srv := redistest.Start(t)
-	l := bucket.Limit{Capacity: c, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	ls, qs := tr.Limits, tr.Quotas
+	lone := len(ls) == 1 && len(qs) == 0
 	var nodes [2]*Store
 	for i := range nodes {
 		nodes[i] = newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "10%"})
 		nodes[i].leases = newLeaseTable(nodes[i], nodes[i].conn.now, LeaseSize{percent: 10}, time.Hour, 5*time.Second, 1000, zap.NewNop())
 	}
 	b := bucketFor("shared")
+	take := func(node *Store) (bool, error) {
+		if lone {
+			res, err := node.Take(bg, b, ls[0], 1)
+			return res.Allowed, err
+		}
+		return node.TakeQuotas(bg, b, ls, qs, 1, make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs)))
+	}
+	charge := func(node *Store, n int64) error {
+		if lone {
+			return node.Charge(bg, b, ls[0], n)
+		}
+		return node.ChargeQuotas(bg, b, ls, qs, n)
+	}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for g := range 8 {
@@ -319,18 +343,18 @@ func conserveTokens(t *testing.T, c, maxCharge int64) (allowed, charged int64) {
 			rng := rand.New(rand.NewPCG(uint64(g), 25))
 			for range 40 {
 				node := nodes[g%2]
-				res, err := node.Take(bg, b, l, 1)
+				ok, err := take(node)
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				if !res.Allowed {
+				if !ok {
 					continue
 				}
 				var n int64
 				if maxCharge > 0 {
 					n = rng.Int64N(maxCharge + 1)
-					if err := node.Charge(bg, b, l, n); err != nil {
+					if err := charge(node, n); err != nil {
 						t.Error(err)
 						return
 					}
@@ -351,21 +375,36 @@ func conserveTokens(t *testing.T, c, maxCharge int64) (allowed, charged int64) {
 			held += e.tokens
 		}
 	}
-	peek := func() int64 {
-		res, err := nodes[0].Peek(bg, b, l)
-		if err != nil {
+	var sizes []int64
+	for _, l := range ls {
+		sizes = append(sizes, l.Capacity)
+	}
+	for _, q := range qs {
+		sizes = append(sizes, q.N)
+	}
+	left := func() []int64 {
+		out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
+		if err := nodes[0].PeekQuotas(bg, b, ls, qs, out, qout); err != nil {
 			t.Fatal(err)
 		}
-		return res.Remaining
+		var l []int64
+		for _, r := range append(out, qout...) {
+			l = append(l, r.Remaining)
+		}
+		return l
 	}
-	if got := allowed + charged + held + peek(); got != c {
-		t.Errorf("allowed %d + charged %d + held %d + in Redis %d = %d, want the capacity %d", allowed, charged, held, peek(), got, c)
+	for i, x := range left() {
+		if got := allowed + charged + held + x; got != sizes[i] {
+			t.Errorf("limit or quota %d: allowed %d + charged %d + held %d + in Redis %d = %d, want its size %d", i, allowed, charged, held, x, got, sizes[i])
+		}
 	}
 	for _, n := range nodes {
 		n.leases.close()
 	}
-	if got := allowed + charged + peek(); got != c {
-		t.Errorf("after both gave back: allowed %d + charged %d + in Redis %d = %d, want %d", allowed, charged, peek(), got, c)
+	for i, x := range left() {
+		if got := allowed + charged + x; got != sizes[i] {
+			t.Errorf("after both gave back, limit or quota %d: allowed %d + charged %d + in Redis %d = %d, want %d", i, allowed, charged, x, got, sizes[i])
+		}
 	}
 	t.Logf("%d allowed, %d charged, %d held before the give-back", allowed, charged, held)
 	return allowed, charged
