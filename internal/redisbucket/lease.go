@@ -49,7 +49,22 @@ type leaseRemote interface {
 	// reserve decides a request in the shared bucket as strict mode
 	// does, waiting included: for max_wait, when leases do not cover it.
 	// It writes each limit's and quota's result into out, when given.
-	reserve(ctx context.Context, key string, tr Tier, cost int64, out []bucket.Result) (bucket.Result, error)
+	reserve(ctx context.Context, key string, tr Tier, cost int64, out results) (bucket.Result, error)
+}
+
+// results are where a request on a tier of several limits or quotas
+// reports each one's result: the limits' in out, the quotas' in qout.
+type results struct{ out, qout []bucket.Result }
+
+// len is how many results there are room for.
+func (rs results) len() int { return len(rs.out) + len(rs.qout) }
+
+// at is the i-th result, the limits' first.
+func (rs results) at(i int) *bucket.Result {
+	if i < len(rs.out) {
+		return &rs.out[i]
+	}
+	return &rs.qout[i-len(rs.out)]
 }
 
 // Tier is what one bucket's key holds: a tier's limits, every one of
@@ -289,12 +304,12 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, tr Tier, now int64) *leas
 // request the leases refuse takes its tokens in the shared bucket as
 // strict mode does, waiting, or is refused by it.
 func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
-	return t.takeTier(ctx, key, loneLimit(l), cost, nil)
+	return t.takeTier(ctx, key, loneLimit(l), cost, results{})
 }
 
 // takeTier is take on every limit and quota of a tier at once. On a tier
-// of several, it writes each one's result into out (tr.parts() of them).
-func (t *leaseTable) takeTier(ctx context.Context, key []byte, tr Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
+// of several, it writes each one's result into out.
+func (t *leaseTable) takeTier(ctx context.Context, key []byte, tr Tier, cost int64, out results) (bucket.Result, error) {
 	res, err := t.takeHeld(ctx, key, tr, cost, out)
 	if err != nil || res.Allowed || tr.first().MaxWait == 0 || res.Banned {
 		return res, err
@@ -322,7 +337,7 @@ func (t *leaseTable) reserved(key []byte, cost int64) {
 }
 
 // takeHeld is take without max_wait: from the tokens held, or refused.
-func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
+func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int64, out results) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {
@@ -465,14 +480,15 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 // fill writes into out each limit's and quota's result for a request
 // decided from e at now as res: the same decision, each with its own
 // level (beside the tokens held) and reset.
-func (e *lease) fill(out []bucket.Result, res bucket.Result, now int64) {
-	for i := range out {
-		out[i] = res
+func (e *lease) fill(out results, res bucket.Result, now int64) {
+	for i := range out.len() {
+		r := out.at(i)
+		*r = res
 		if i < len(e.each) {
 			x := e.each[i]
-			out[i].ResetAfter = max(0, x.resetAt-now)
+			r.ResetAfter = max(0, x.resetAt-now)
 			if res.Allowed {
-				out[i].Remaining = e.tokens + x.level
+				r.Remaining = e.tokens + x.level
 			}
 		}
 	}

@@ -176,7 +176,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			i := rng.IntN(len(tables))
 			cost := 1 + rng.Int64N(min(3, minCap))
 			before := len(bans)
-			res, err := tables[i].takeTier(bg, []byte(key), tr, cost, make([]bucket.Result, tr.parts()))
+			res, err := tables[i].takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
 			tableSync(tables[i])
 			if err == nil && res.Allowed {
 				// Allowed from the tokens held, before the prefetch it
@@ -524,7 +524,7 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 	defer node.close()
 	take := func() {
 		t.Helper()
-		if res, err := node.takeTier(bg, []byte("k"), tr, 1, nil); err != nil || !res.Allowed {
+		if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
 			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
 		}
 		tableSync(node)

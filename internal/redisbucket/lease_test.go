@@ -91,7 +91,7 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	return n, nil
 }
 
-func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64, each []bucket.Result) (bucket.Result, error) {
+func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64, each results) (bucket.Result, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++
@@ -102,7 +102,9 @@ func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64
 	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
 	sh := m.bucket(key, len(ls))
 	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
-	copy(each, all)
+	for i := range min(each.len(), len(all)) {
+		*each.at(i) = all[i]
+	}
 	res := Binding(all, allowed)
 	if m.mutateWait != nil {
 		m.mutateWait(sh, &res)
@@ -416,6 +418,9 @@ func conserveTier(t *testing.T, tr Tier, maxCharge int64) (allowed, charged int6
 func BenchmarkRedisLeaseTake(b *testing.B) {
 	srv := redistest.Start(b)
 	l := bucket.Limit{Capacity: 1_000_000, Rate: bucket.Rate{Tokens: 1_000_000, Interval: 1_000_000}} // never denies
+	// A tier of two limits and a monthly quota, none of which denies.
+	ls := []bucket.Limit{l, {Capacity: 10_000_000, Rate: bucket.Rate{Tokens: 10_000_000, Interval: 60_000_000}}}
+	qs := []bucket.Quota{{N: 1 << 40, Period: bucket.Month, Loc: time.UTC}}
 	var buckets [1000][]byte
 	for i := range buckets {
 		buckets[i] = bucketFor("client-" + strconv.Itoa(i))
@@ -423,29 +428,42 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 	for _, lease := range []string{"1", "10%"} {
 		s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Lease: lease})
 		name := map[string]string{"1": "strict", "10%": "lease-10%"}[lease]
-		b.Run(name+"/serial", func(b *testing.B) {
-			b.ReportAllocs()
-			i := 0
-			for b.Loop() {
-				if _, err := s.Take(bg, buckets[i%len(buckets)], l, 1); err != nil {
-					b.Fatal(err)
+		for _, tier := range []bool{false, true} {
+			take := func(key []byte, out []bucket.Result) error {
+				if tier {
+					_, err := s.TakeQuotas(bg, key, ls, qs, 1, out[:2], out[2:])
+					return err
 				}
-				i++
+				_, err := s.Take(bg, key, l, 1)
+				return err
 			}
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-		})
-		b.Run(name+"/parallel", func(b *testing.B) {
-			b.SetParallelism(16)
-			b.RunParallel(func(pb *testing.PB) {
-				for i := 0; pb.Next(); i++ {
-					if _, err := s.Take(bg, buckets[i%len(buckets)], l, 1); err != nil {
-						b.Error(err)
-						return
+			shape := map[bool]string{false: "", true: "/tier"}[tier]
+			b.Run(name+shape+"/serial", func(b *testing.B) {
+				b.ReportAllocs()
+				var out [3]bucket.Result
+				i := 0
+				for b.Loop() {
+					if err := take(buckets[i%len(buckets)], out[:]); err != nil {
+						b.Fatal(err)
 					}
+					i++
 				}
+				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
 			})
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
-		})
+			b.Run(name+shape+"/parallel", func(b *testing.B) {
+				b.SetParallelism(16)
+				b.RunParallel(func(pb *testing.PB) {
+					var out [3]bucket.Result
+					for i := 0; pb.Next(); i++ {
+						if err := take(buckets[i%len(buckets)], out[:]); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
+			})
+		}
 	}
 }
 

@@ -44,10 +44,7 @@ func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, 
 // With leases, the request is decided from this node's lease, which takes
 // from every limit and quota at once; each result is then the lease's.
 func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
-	var all [bucket.MaxLimits + bucket.MaxQuotas]bucket.Result
-	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls, Quotas: qs}, cost, all[:len(ls)+len(qs)]); ok {
-		copy(out, all[:len(ls)])
-		copy(qout, all[len(ls):])
+	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls, Quotas: qs}, cost, results{out[:len(ls)], qout[:len(qs)]}); ok {
 		return res.Allowed, err
 	}
 	allowed, _, err := s.takeQuotas(ctx, "take", string(key), ls, qs, cost, out, qout)

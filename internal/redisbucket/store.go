@@ -166,7 +166,7 @@ func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64
 // request goes to Redis by one script call instead.
 //
 // It writes each limit's and quota's result into out.
-func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64, out []bucket.Result) (bucket.Result, bool, error) {
+func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64, out results) (bucket.Result, bool, error) {
 	if s.leases == nil || cost <= 0 || tr.leaseSize(s.leases.size) <= cost {
 		return bucket.Result{}, false, nil
 	}
@@ -184,7 +184,7 @@ func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64, out
 // limit that makes the client wait longest, as for one limit: until then,
 // no call.
 func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls}, cost, out[:len(ls)]); ok {
+	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls}, cost, results{out: out[:len(ls)]}); ok {
 		return res.Allowed, err
 	}
 	return s.takeAllStrict(ctx, string(key), ls, cost, out)
@@ -240,7 +240,7 @@ func decodeResult(v []int64, banned bool) bucket.Result {
 // for a request that leases refused and that may wait (max_wait): one
 // script call, unless the deny cache already knows the answer. The result
 // is the binding limit's or quota's, with the longest wait.
-func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64, each []bucket.Result) (bucket.Result, error) {
+func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64, each results) (bucket.Result, error) {
 	if tr.parts() == 0 {
 		return s.reserveOne(ctx, k, tr.first(), cost)
 	}
@@ -256,7 +256,9 @@ func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64, each
 	if err != nil {
 		return bucket.Result{}, err
 	}
-	copy(each, all)
+	for i := range min(each.len(), len(all)) {
+		*each.at(i) = all[i]
+	}
 	return Binding(all, allowed), nil
 }
 
