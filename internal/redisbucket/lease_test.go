@@ -263,26 +263,41 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "1000000"})
 	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
-	b := bucketFor("steady")
-	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
-		t.Fatalf("first request: %+v, %v", res, err)
-	}
-	s.leases.calls.Wait()
-	// Hold a lease as a long-running client would, with no prefetch due.
-	key := string(b)
-	e := s.leases.shard([]byte(key)).m[key]
-	e.tokens, e.size = 1<<30, 1<<30
-	calls := srv.Info("commandstats", "cmdstat_evalsha")
-	allocs := testing.AllocsPerRun(1000, func() {
-		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
-			t.Fatalf("%+v, %v", res, err)
+	// A tier of two limits and a quota, decided from its lease too.
+	ls := []bucket.Limit{l, {Capacity: 1 << 41, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
+	qs := []bucket.Quota{{N: 1 << 50, Period: bucket.Month, Loc: time.UTC}}
+	var out [3]bucket.Result
+	for _, tt := range []struct {
+		name string
+		take func(b []byte) (bool, error)
+	}{
+		{"one limit", func(b []byte) (bool, error) {
+			res, err := s.Take(bg, b, l, 1)
+			return res.Allowed, err
+		}},
+		{"two limits and a quota", func(b []byte) (bool, error) { return s.TakeQuotas(bg, b, ls, qs, 1, out[:2], out[2:]) }},
+	} {
+		b := bucketFor("steady " + tt.name)
+		if ok, err := tt.take(b); err != nil || !ok {
+			t.Fatalf("%s: first request: %v, %v", tt.name, ok, err)
 		}
-	})
-	if allocs != 0 {
-		t.Errorf("%.1f allocations a leased decision, want 0", allocs)
-	}
-	if after := srv.Info("commandstats", "cmdstat_evalsha"); after != calls {
-		t.Errorf("leased decisions called Redis: commandstats %q, then %q", calls, after)
+		s.leases.calls.Wait()
+		// Hold a lease as a long-running client would, with no prefetch due.
+		key := string(b)
+		e := s.leases.shard([]byte(key)).m[key]
+		e.tokens, e.size = 1<<30, 1<<30
+		calls := srv.Info("commandstats", "cmdstat_evalsha")
+		allocs := testing.AllocsPerRun(1000, func() {
+			if ok, err := tt.take(b); err != nil || !ok {
+				t.Fatalf("%s: %v, %v", tt.name, ok, err)
+			}
+		})
+		if allocs != 0 {
+			t.Errorf("%s: %.1f allocations a leased decision, want 0", tt.name, allocs)
+		}
+		if after := srv.Info("commandstats", "cmdstat_evalsha"); after != calls {
+			t.Errorf("%s: leased decisions called Redis: commandstats %q, then %q", tt.name, calls, after)
+		}
 	}
 }
 
