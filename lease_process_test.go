@@ -35,6 +35,9 @@ type fleetPolicy struct {
 	timeout  string // per decision
 	more     string // more lines for the store block
 	ban      string // the ban setting, "" for none
+	// limits are the tier's limits after the first, each "<capacity>
+	// <refill>" for a `limit` line, such as "100 1/m".
+	limits []string
 }
 
 // refillPerSecond is the policy's refill as a rate.
@@ -111,6 +114,10 @@ func (f *leaseFleet) caddyfile(node fleetNode, p fleetPolicy) string {
 	if p.ban != "" {
 		ban = "ban " + p.ban
 	}
+	var limits strings.Builder
+	for _, l := range p.limits {
+		limits.WriteString("\n\t\tlimit " + l)
+	}
 	return fmt.Sprintf(`{
 	admin 127.0.0.1:%d
 	persist_config off
@@ -130,11 +137,11 @@ http://127.0.0.1:%d {
 			%s
 		}
 		on_store_error deny
-		%s
+		%s%s
 	}
 	respond "ok"
 }
-`, node.admin, node.port, p.capacity, p.refill, node.proxy.addr(), p.timeout, lease, p.more, ban)
+`, node.admin, node.port, p.capacity, p.refill, node.proxy.addr(), p.timeout, lease, p.more, ban, limits.String())
 }
 
 // reload loads p on every node through its admin API, forcing a reload
@@ -221,11 +228,15 @@ func (f *leaseFleet) pacedOn(nodes []int, key string, rate float64, d time.Durat
 // warmUp waits until every node has allowed a request, so that its
 // connections to Redis are open and its scripts loaded: a cold start costs
 // several round trips, which a short timeout would count as Redis down.
-func (f *leaseFleet) warmUp() {
+func (f *leaseFleet) warmUp() { f.warmUpOn("warm-up") }
+
+// warmUpOn is warmUp with requests for key: a policy that a few warm-ups
+// would exhaust needs a fresh key for each.
+func (f *leaseFleet) warmUpOn(key string) {
 	f.t.Helper()
 	for i, node := range f.nodes {
 		waitFor(f.t, 10*time.Second, fmt.Sprintf("node %d to allow a request", node.port), func() bool {
-			return f.get(i, "warm-up").status == 200
+			return f.get(i, key).status == 200
 		})
 	}
 }
@@ -664,19 +675,37 @@ func (p fleetPolicy) limit(t *testing.T) bucket.Limit {
 	return l
 }
 
-// strictAdmits is what one bucket of limit l, full at the start, admits of
-// the requests in out, each a unit of cost arriving when it was sent.
-func strictAdmits(l bucket.Limit, out []answer) int {
+// tier is the policy's limits, for the bucket math: its first limit, then
+// those of its `limit` lines.
+func (p fleetPolicy) tier(t *testing.T) []bucket.Limit {
+	t.Helper()
+	ls := []bucket.Limit{p.limit(t)}
+	for _, line := range p.limits {
+		capacity, refill, _ := strings.Cut(line, " ")
+		c, err := strconv.ParseInt(capacity, 10, 64)
+		rate, rerr := bucket.ParseRate(refill)
+		if err != nil || rerr != nil {
+			t.Fatalf("limit %q: want <capacity> <refill>", line)
+		}
+		ls = append(ls, bucket.Limit{Capacity: c, Rate: rate})
+	}
+	return ls
+}
+
+// strictAdmits is what one bucket of limits ls, full at the start, admits
+// of the requests in out, each a unit of cost arriving when it was sent
+// and taken from every limit or none.
+func strictAdmits(ls []bucket.Limit, out []answer) int {
 	sent := make([]time.Time, len(out))
 	for i, o := range out {
 		sent[i] = o.sent
 	}
 	slices.SortFunc(sent, func(a, b time.Time) int { return a.Compare(b) })
-	var s bucket.State
+	states := make([]bucket.State, len(ls))
+	results := make([]bucket.Result, len(ls))
 	admitted := 0
 	for _, at := range sent {
-		var r bucket.Result
-		if s, r = bucket.Take(s, at.Sub(sent[0]).Microseconds(), l, 1); r.Allowed {
+		if bucket.TakeAll(states, at.Sub(sent[0]).Microseconds(), ls, 1, results) {
 			admitted++
 		}
 	}
@@ -781,7 +810,7 @@ func TestLeaseBurstAfterRefillLeavesOutWhatNodesHold(t *testing.T) {
 	wall, _ := span(all)
 	t.Logf("4 requests on each of %d nodes: statuses %v; shared level 0.1 s before the burst %d (capacity %d); burst of %d sent over %s: statuses %v, admitted ones answered within %s, bound C + floor(r*T) over that %d; in all %d over %s: one bucket on the same arrivals %d, C + floor(r*T) %d; %s",
 		len(f.nodes), tally(first), level, p.capacity, len(burst), sending.Round(time.Millisecond), tally(burst), decided.Round(time.Millisecond), allowance(p, r, decided),
-		admitted, wall.Round(time.Millisecond), strictAdmits(p.limit(t), all), allowance(p, r, wall), f.leaseCounts())
+		admitted, wall.Round(time.Millisecond), strictAdmits(p.tier(t), all), allowance(p, r, wall), f.leaseCounts())
 	if c := tally(first); c[200] != len(first) {
 		t.Errorf("before the pause, statuses %v: want all %d allowed", c, len(first))
 	}
@@ -817,7 +846,7 @@ func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
 	f.warmUp()
 
 	out := f.paced("banned", 20, 5*time.Second)
-	admitted, strict := tally(out)[200], strictAdmits(l, out)
+	admitted, strict := tally(out)[200], strictAdmits([]bucket.Limit{l}, out)
 	bans := f.metric("caddy_http_rate_limit_bans_total", `policy="fleet"`)
 
 	// The first answer that says the ban: a wait of the ban or more.
