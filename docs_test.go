@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"bytes"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -9,6 +10,11 @@ import (
 	"strings"
 	"testing"
 	"unicode"
+
+	"github.com/yuin/goldmark"
+	gast "github.com/yuin/goldmark/ast"
+	"github.com/yuin/goldmark/extension"
+	"github.com/yuin/goldmark/text"
 )
 
 // The documentation is README.md and docs/*.md. These tests keep it one
@@ -35,30 +41,31 @@ func TestDocsReadmeIsShort(t *testing.T) {
 	}
 }
 
-// TestDocsLinksLand checks every relative link of README.md and docs/*.md,
-// [text](path), [text](path#anchor) and [text](#anchor): the file exists,
-// and the anchor is a heading of the target, as the code host makes them.
+// TestDocsLinksLand checks every relative link of README.md, docs/*.md and
+// bench/README.md, as the code host reads them: the file exists in the
+// repository, and the anchor is a heading of the target.
 func TestDocsLinksLand(t *testing.T) {
 	checked := 0
-	for _, file := range docFiles(t) {
+	for _, file := range append(docFiles(t), "bench/README.md") {
 		data, err := os.ReadFile(file)
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, l := range markdownLinks(string(data)) {
-			if err := checkLink(file, l.target); err != nil {
+			if err := checkLinkIn(file, string(data), l.target); err != nil {
 				t.Errorf("%s:%d: [%s](%s): %v", file, l.line, l.text, l.target, err)
 			}
 			checked++
 		}
 	}
 	if checked < 50 {
-		t.Errorf("only %d relative links found; the pattern may have broken", checked)
+		t.Errorf("only %d relative links found; the parser may have broken", checked)
 	}
 }
 
 // TestDocsLinkCheckerFindsBrokenLinks makes sure the checker above is not
-// vacuous: a missing file, a missing anchor and a second heading's slug.
+// vacuous: each form a broken link can take is caught, and the same forms
+// that land pass.
 func TestDocsLinkCheckerFindsBrokenLinks(t *testing.T) {
 	for _, tt := range []struct {
 		target string
@@ -71,9 +78,11 @@ func TestDocsLinkCheckerFindsBrokenLinks(t *testing.T) {
 		{"docs/caddyfile.md#max_wait-and-max_waiting", true},
 		{"docs/metering-and-quotas.md#sell-api-plans-per-second-limits-and-a-monthly-quota", true},
 		{"docs/metering-and-quotas.md#across-a-fleet-with-redis", true},
+		{"bench/README.md", true},
 		{"docs/no-such-page.md", false},
 		{"docs/fleet.md#no-such-heading", false},
 		{"docs/fleet.md#Sizing", false},
+		{"../main/README.md", false}, // outside the repository, wherever it is checked out
 		{"#an-example", true},
 		{"#no-such-heading", false},
 	} {
@@ -81,8 +90,52 @@ func TestDocsLinkCheckerFindsBrokenLinks(t *testing.T) {
 			t.Errorf("%s: error %v, want ok %v", tt.target, err, tt.ok)
 		}
 	}
-	slugs := headingSlugs("# Seeing it\n## Seeing it\n```sh\n# Seeing it\n```\n### `no_key` and *ban*: [here](x.md)\n")
-	for _, want := range []string{"seeing-it", "seeing-it-1", "no_key-and-ban-here"} {
+
+	// Each document has one link, in a form a line-by-line pattern misses;
+	// the first of each pair is broken, the second lands.
+	for _, tt := range []struct{ form, broken, lands string }{
+		{"reference",
+			"See [the fleet page][fleet].\n\n[fleet]: docs/no-such-page.md\n",
+			"See [the fleet page][fleet].\n\n[fleet]: docs/fleet.md\n"},
+		{"title in single quotes",
+			"See [the fleet page](docs/no-such-page.md 'a title').\n",
+			"See [the fleet page](docs/fleet.md 'a title').\n"},
+		{"title in parentheses",
+			"See [the fleet page](docs/no-such-page.md (a title)).\n",
+			"See [the fleet page](docs/fleet.md (a title)).\n"},
+		{"text across lines",
+			"See [Share limits across\na fleet](docs/no-such-page.md).\n",
+			"See [Share limits across\na fleet](docs/fleet.md).\n"},
+		{"brackets in the text",
+			"See [the [fleet] page](docs/no-such-page.md).\n",
+			"See [the [fleet] page](docs/fleet.md).\n"},
+		{"a heading in a ~~~ fence",
+			"~~~\n## Hidden heading\n~~~\nSee [here](#hidden-heading).\n",
+			"~~~\n## Hidden heading\n~~~\n## Hidden heading\nSee [here](#hidden-heading).\n"},
+		{"a heading in an indented code block",
+			"Some code:\n\n    ## Indented heading\n\nSee [here](#indented-heading).\n",
+			"Some code:\n\n## Indented heading\n\nSee [here](#indented-heading).\n"},
+		{"a path out of the repository",
+			"See [the main README](../main/README.md).\n",
+			"See [the main README](docs/../README.md).\n"},
+		{"a combining mark",
+			"## Cafe\u0301 hours\n\nSee [here](#cafe-hours).\n",
+			"## Cafe\u0301 hours\n\nSee [here](#cafe\u0301-hours).\n"},
+	} {
+		for doc, ok := range map[string]bool{tt.broken: false, tt.lands: true} {
+			links := markdownLinks(doc)
+			if len(links) != 1 {
+				t.Errorf("%s: %d links found in %q, want 1", tt.form, len(links), doc)
+				continue
+			}
+			if err := checkLinkIn("README.md", doc, links[0].target); (err == nil) != ok {
+				t.Errorf("%s: %q: error %v, want ok %v", tt.form, doc, err, ok)
+			}
+		}
+	}
+
+	slugs := headingSlugs("# Seeing it\n## Seeing it\n```sh\n# Seeing it\n```\n### `no_key` and *ban*: [here](x.md)\nSet up\n---\n")
+	for _, want := range []string{"seeing-it", "seeing-it-1", "no_key-and-ban-here", "set-up"} {
 		if !slugs[want] {
 			t.Errorf("slug %q missing from %v", want, slugs)
 		}
@@ -127,109 +180,139 @@ func TestDocsDrawTheirPictures(t *testing.T) {
 	}
 }
 
+// markdown reads a document as the code host renders it: CommonMark, with
+// GitHub's tables.
+var markdown = goldmark.New(goldmark.WithExtensions(extension.Table))
+
 // link is a relative Markdown link.
 type link struct {
 	line         int
 	text, target string
 }
 
-var (
-	markdownLink = regexp.MustCompile(`!?\[([^\]]*)\]\(([^)\s]+)(?:\s+"[^"]*")?\)`)
-	codeSpan     = regexp.MustCompile("`[^`\n]*`")
-	externalLink = regexp.MustCompile(`^[a-z][a-z0-9+.-]*:`)
-)
+var externalLink = regexp.MustCompile(`^[a-z][a-z0-9+.-]*:`)
 
-// markdownLinks are the relative links outside code blocks and code spans.
+// markdownLinks are the relative links and images of doc: inline or by
+// reference, with or without a title, their text on one line or several;
+// none in code.
 func markdownLinks(doc string) []link {
+	src := []byte(doc)
 	var links []link
-	for i, line := range proseLines(doc) {
-		line = codeSpan.ReplaceAllStringFunc(line, func(s string) string {
-			return strings.Repeat("`", len(s)) // keeps [`text`](x) a link, empties `[a](b)`
-		})
-		for _, m := range markdownLink.FindAllStringSubmatch(line, -1) {
-			if !externalLink.MatchString(m[2]) {
-				links = append(links, link{i + 1, m[1], m[2]})
-			}
+	_ = gast.Walk(markdown.Parser().Parse(text.NewReader(src)), func(n gast.Node, entering bool) (gast.WalkStatus, error) {
+		var target string
+		switch n := n.(type) {
+		case *gast.Link:
+			target = string(n.Destination)
+		case *gast.Image:
+			target = string(n.Destination)
+		default:
+			return gast.WalkContinue, nil
 		}
-	}
+		if entering && !externalLink.MatchString(target) {
+			line := 1 + bytes.Count(src[:max(n.Pos(), 0)], []byte("\n"))
+			links = append(links, link{line, inlineText(n, src), target})
+		}
+		return gast.WalkContinue, nil
+	})
 	return links
 }
 
-// proseLines are the lines of doc, with those inside fenced code blocks
-// blanked, so that line numbers stay right.
-func proseLines(doc string) []string {
-	lines := strings.Split(doc, "\n")
-	fenced := false
-	for i, line := range lines {
-		if strings.HasPrefix(strings.TrimLeft(line, " "), "```") {
-			fenced = !fenced
-			lines[i] = ""
-		} else if fenced {
-			lines[i] = ""
-		}
+// checkLink resolves a link target written in file, as it is on disk.
+func checkLink(file, target string) error {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return err
 	}
-	return lines
+	return checkLinkIn(file, string(data), target)
 }
 
-// checkLink resolves a link target written in file.
-func checkLink(file, target string) error {
+// checkLinkIn resolves a link target written in file, whose text is doc:
+// the path stays in the repository and exists, and the anchor is a
+// heading's, of doc itself when the path is empty.
+func checkLinkIn(file, doc, target string) error {
 	path, anchor, _ := strings.Cut(target, "#")
 	resolved := file
 	if path != "" {
 		resolved = filepath.Join(filepath.Dir(file), path)
+		if !filepath.IsLocal(resolved) {
+			return fmt.Errorf("%s is outside the repository", resolved)
+		}
 		if _, err := os.Stat(resolved); err != nil {
 			return fmt.Errorf("no file %s", resolved)
 		}
+		if anchor == "" {
+			return nil
+		}
+		if !strings.HasSuffix(resolved, ".md") {
+			return fmt.Errorf("an anchor into %s, which is not Markdown", resolved)
+		}
+		data, err := os.ReadFile(resolved)
+		if err != nil {
+			return err
+		}
+		doc = string(data)
 	}
-	if anchor == "" {
-		return nil
-	}
-	if !strings.HasSuffix(resolved, ".md") {
-		return fmt.Errorf("an anchor into %s, which is not Markdown", resolved)
-	}
-	data, err := os.ReadFile(resolved)
-	if err != nil {
-		return err
-	}
-	if !headingSlugs(string(data))[anchor] {
+	if anchor != "" && !headingSlugs(doc)[anchor] {
 		return fmt.Errorf("%s has no heading whose anchor is #%s", resolved, anchor)
 	}
 	return nil
 }
 
-var (
-	atxHeading  = regexp.MustCompile(`^#{1,6}\s+(.*?)\s*#*\s*$`)
-	headingLink = regexp.MustCompile(`\[([^\]]*)\]\([^)]*\)`)
-)
-
-// headingSlugs are the anchors GitHub makes for a document's headings: the
-// heading's text, lowercased, with every character but letters, digits,
-// spaces, - and _ removed and spaces made -; a repeated slug gets -1, -2...
+// headingSlugs are the anchors GitHub makes for a document's headings (ATX
+// or setext, none in code): the heading's text, lowercased, with every
+// character but letters, marks, digits, connector punctuation such as _,
+// spaces and - removed, and spaces made -; a repeated slug gets -1, -2...
 func headingSlugs(doc string) map[string]bool {
+	src := []byte(doc)
 	slugs := map[string]bool{}
 	seen := map[string]int{}
-	for _, line := range proseLines(doc) {
-		m := atxHeading.FindStringSubmatch(line)
-		if m == nil {
-			continue
+	_ = gast.Walk(markdown.Parser().Parse(text.NewReader(src)), func(n gast.Node, entering bool) (gast.WalkStatus, error) {
+		if _, ok := n.(*gast.Heading); !ok || !entering {
+			return gast.WalkContinue, nil
 		}
-		text := headingLink.ReplaceAllString(m[1], "$1")
 		var sb strings.Builder
-		for _, r := range strings.ToLower(text) {
+		for _, r := range strings.ToLower(inlineText(n, src)) {
 			switch {
-			case unicode.IsLetter(r) || unicode.IsDigit(r) || r == '-' || r == '_':
+			case unicode.In(r, unicode.L, unicode.M, unicode.Nd, unicode.Pc) || r == '-':
 				sb.WriteRune(r)
 			case r == ' ':
 				sb.WriteRune('-')
 			}
 		}
 		slug := sb.String()
-		if n := seen[slug]; n > 0 {
-			slugs[fmt.Sprintf("%s-%d", slug, n)] = true
+		if k := seen[slug]; k > 0 {
+			slugs[fmt.Sprintf("%s-%d", slug, k)] = true
 		} else {
 			slugs[slug] = true
 		}
 		seen[slug]++
-	}
+		return gast.WalkSkipChildren, nil
+	})
 	return slugs
+}
+
+// inlineText is the text n shows: that of its text, code spans, emphasis
+// and links, without markup, images or raw HTML tags.
+func inlineText(n gast.Node, src []byte) string {
+	var sb strings.Builder
+	_ = gast.Walk(n, func(c gast.Node, entering bool) (gast.WalkStatus, error) {
+		if !entering {
+			return gast.WalkContinue, nil
+		}
+		switch c := c.(type) {
+		case *gast.Image:
+			return gast.WalkSkipChildren, nil
+		case *gast.Text:
+			sb.Write(c.Segment.Value(src))
+			if c.SoftLineBreak() || c.HardLineBreak() {
+				sb.WriteByte(' ')
+			}
+		case *gast.String:
+			sb.Write(c.Value)
+		case *gast.AutoLink:
+			sb.Write(c.Label(src))
+		}
+		return gast.WalkContinue, nil
+	})
+	return sb.String()
 }
