@@ -21,6 +21,9 @@ import (
 // placeholders, lazily, for as long as the request's replacer lives.
 type decision struct {
 	handler *Handler
+	// later is the decision of the next rate_limit handler the request
+	// went through, on a route that stacks several (placeholder).
+	later   *decision
 	start   time.Time
 	tier    *Tier
 	bucket  Bucket
@@ -47,7 +50,7 @@ type decision struct {
 	// The response's header values, rendered once into text.
 	resp  headerValues
 	retry [1]string
-	text  [96]byte
+	text  [88]byte
 }
 
 // refusal is why a request was refused, when not for its tokens.
@@ -152,10 +155,25 @@ var limitHeaderNames = []string{"X-Ratelimit-Limit", "X-Ratelimit-Remaining", "X
 
 const placeholderPrefix = "http.rate_limit."
 
+// decisionRef is the placeholder name under which the first rate_limit
+// handler of a request answers its decision, for the later ones to find:
+// a Caddyfile cannot name it.
+const decisionRef = "\x00decision"
+
+// placeholder answers the request's rate_limit placeholders: from the
+// decision of the last rate_limit handler the request went through, when
+// several are stacked on its route, which is the one that refused it if
+// one did.
 func (d *decision) placeholder(key string) (any, bool) {
 	name, ok := strings.CutPrefix(key, placeholderPrefix)
 	if !ok {
 		return nil, false
+	}
+	if name == decisionRef {
+		return d, true
+	}
+	for d.later != nil {
+		d = d.later
 	}
 	if claim, ok := strings.CutPrefix(name, "claim."); ok {
 		return strings.Join(d.claims.Claim(claim), ","), true
@@ -306,7 +324,18 @@ func (h *Handler) newDecision(r *http.Request) *decision {
 		}
 	}
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-		repl.Map(d.placeholder)
+		// Only the first handler of the request answers the placeholders,
+		// since Caddy asks its providers in order: it answers from this
+		// decision, the latest.
+		if v, ok := repl.Get(placeholderPrefix + decisionRef); ok {
+			first := v.(*decision)
+			for first.later != nil {
+				first = first.later
+			}
+			first.later = d
+		} else {
+			repl.Map(d.placeholder)
+		}
 	}
 	return d
 }
@@ -357,6 +386,9 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			w.WriteHeader(499)
 			return nil
 		} else if err != nil {
+			// Nothing was decided: the placeholders of a failed store are
+			// empty, whatever the rate limit allowed before.
+			d.result, d.limits = bucket.Result{}, nil
 			d.decide(outcomeError)
 			w.Header()["Retry-After"] = []string{"1"}
 			return rejection(http.StatusServiceUnavailable, err)

@@ -155,8 +155,8 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	var err error
 	if len(d.tier.quotas) > 0 {
 		if qs, ok := d.took.(QuotaStore); ok && sameLimitsRun(h, d.tier) {
-			// Counted when decided: before any wait.
-			at := d.start.UnixMicro() - d.result.Wait
+			// Counted when decided, in the store's period.
+			at := bucket.CountedAt(d.start.UnixMicro(), d.limits[len(d.tier.limits):len(d.tier.limits)+len(d.tier.quotas)])
 			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost, at)
 		}
 	} else if len(d.tier.limits) > 1 {

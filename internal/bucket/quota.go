@@ -167,6 +167,20 @@ func GiveBackQuota(s QuotaState, now, at int64, q Quota, n int64) QuotaState {
 	return s
 }
 
+// CountedAt is a moment, by the clock of the node that decided a request
+// at start (µs), in the quota periods that counted it, from its quotas'
+// results: each says how long its period had left by the store's clock,
+// which decides the period. A give-back names it, so that a node whose
+// clock is off by less than an hour names the store's period, not its
+// own, near a boundary.
+func CountedAt(start int64, qout []Result) int64 {
+	left := qout[0].ResetAfter
+	for _, r := range qout[1:] {
+		left = min(left, r.ResetAfter)
+	}
+	return start + left - time.Hour.Microseconds()
+}
+
 // ChargeQuota counts n more tokens after the fact (cost_from_response),
 // up to the quota: a client that used it up waits for the next period.
 func ChargeQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {

@@ -34,12 +34,17 @@ type denyEntry struct {
 	limit  bucket.Limit
 	cost   int64
 	result bucket.Result
-	// limits and results are a tier's several limits and each one's
-	// answer, when it has several; limit and result are then unused.
+	// limits, quotas and results are a tier's several limits and its
+	// quotas, and each one's answer, limits first, when it has several or
+	// quotas; limit and result are then unused.
 	limits  []bucket.Limit
+	quotas  []bucket.Quota
 	results []bucket.Result
 	until   int64 // monotonic µs at which the client may retry
 	resetAt int64 // monotonic µs at which the bucket is full
+	// probe, once the denial has expired, is the one request of this node
+	// that asks Redis again, closed when it has its answer (claim).
+	probe chan struct{}
 }
 
 func newDenyCache(size int) *denyCache {
@@ -100,15 +105,15 @@ func (c *denyCache) put(key string, epoch uint64, l bucket.Limit, cost, start in
 	sh.mu.Unlock()
 }
 
-// getAll is get for a tier of several limits: out gets each limit's
-// answer, as Redis gave it, with the time left.
-func (c *denyCache) getAll(key string, ls []bucket.Limit, cost, now int64, out []bucket.Result) (uint64, bool) {
+// getAll is get for a tier of several limits or quotas: out gets each
+// one's answer, limits first, as Redis gave it, with the time left.
+func (c *denyCache) getAll(key string, ls []bucket.Limit, qs []bucket.Quota, cost, now int64, out []bucket.Result) (uint64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	e, ok := sh.entries[key]
 	epoch := sh.epoch
 	sh.mu.Unlock()
-	if !ok || now >= e.until || e.cost != cost || !slices.Equal(e.limits, ls) {
+	if !ok || now >= e.until || e.cost != cost || !slices.Equal(e.limits, ls) || !slices.Equal(e.quotas, qs) {
 		return epoch, false
 	}
 	c.hits.Add(1)
@@ -124,9 +129,10 @@ func (c *denyCache) getAll(key string, ls []bucket.Limit, cost, now int64, out [
 	return epoch, true
 }
 
-// putAll is put for a tier of several limits: res is the answer of the
-// limit that makes the client wait longest; out holds every limit's.
-func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, cost, start int64, res bucket.Result, out []bucket.Result) {
+// putAll is put for a tier of several limits or quotas: res is the
+// answer of the one that makes the client wait longest; out holds every
+// one's, limits first.
+func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, qs []bucket.Quota, cost, start int64, res bucket.Result, out []bucket.Result) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -137,7 +143,44 @@ func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, cost, st
 		sh.makeRoom(start)
 	}
 	sh.entries[key] = denyEntry{cost: cost, result: res, until: start + res.RetryAfter, resetAt: start + res.ResetAfter,
-		limits: slices.Clone(ls), results: slices.Clone(out)}
+		limits: slices.Clone(ls), quotas: slices.Clone(qs), results: slices.Clone(out)}
+}
+
+// claim is for a request the cache did not answer. Once a client's denial
+// has expired, a flood of its requests would all ask Redis in the round
+// trip before the next denial is known: one asks (probe is its done,
+// which it calls with its answer), and the others wait for it (wait) and
+// look again. Neither is set when no expired denial is there: the request
+// asks Redis as usual. done(room) says whether the answer left room for
+// another request: then the entry goes, and the client's requests no
+// longer take turns; otherwise the next one probes.
+func (c *denyCache) claim(key string, now int64) (done func(room bool), wait <-chan struct{}) {
+	sh := c.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e, ok := sh.entries[key]
+	switch {
+	case !ok || now < e.until:
+		return nil, nil
+	case e.probe != nil:
+		return nil, e.probe
+	}
+	ch := make(chan struct{})
+	e.probe = ch
+	sh.entries[key] = e
+	return func(room bool) {
+		sh.mu.Lock()
+		if cur, ok := sh.entries[key]; ok && cur.probe == ch {
+			if room {
+				delete(sh.entries, key)
+			} else {
+				cur.probe = nil
+				sh.entries[key] = cur
+			}
+		}
+		sh.mu.Unlock()
+		close(ch)
+	}, nil
 }
 
 // remove forgets the key's denial, and any a Take in flight would put.

@@ -142,9 +142,10 @@ func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
 // periodOf records the quota period of tokens granted by a call sent at
 // sent: they may be spent until it ends (spendBy). A grant whose period
 // ends later than the last one's by more than any round trip is of the
-// next period, which starts periodFrom: a give-back of a request taken
-// before then may not go into this lease, whose tokens the quotas counted
-// in another period.
+// next period, whose tokens this node holds from now (periodFrom): a
+// give-back of a request taken before then, from the last period's
+// tokens (spendable while the call was out), may not go into this lease,
+// whose tokens the quotas counted in another period.
 func (t *leaseTable) periodOf(e *lease, lr bucket.LeaseResult, sent int64) {
 	if lr.Until <= 0 {
 		e.spendBy, e.periodFrom = 0, 0
@@ -152,7 +153,7 @@ func (t *leaseTable) periodOf(e *lease, lr bucket.LeaseResult, sent int64) {
 	}
 	end := sent + lr.Until
 	if e.spendBy == 0 || lr.Drop || end > e.spendBy+time.Minute.Microseconds() {
-		e.periodFrom = sent
+		e.periodFrom = t.now()
 	}
 	e.spendBy = end
 }

@@ -47,7 +47,10 @@ func (s *Store) TakeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls, Quotas: qs}, cost, results{out[:len(ls)], qout[:len(qs)]}); ok {
 		return res.Allowed, err
 	}
-	allowed, _, err := s.takeQuotas(ctx, "take", string(key), ls, qs, cost, out, qout)
+	all := make([]bucket.Result, len(ls)+len(qs))
+	allowed, err := s.decide(ctx, string(key), ls, qs, cost, all)
+	copy(out, all[:len(ls)])
+	copy(qout, all[len(ls):])
 	return allowed, err
 }
 

@@ -47,37 +47,52 @@ func TestReview24RedisReloadAddingAQuotaKeepsTheMonthsCount(t *testing.T) {
 // 00:00:00.1 refunds a token of the new day, which then admits n+1.
 // Breaks "a quota is a count that starts over at the boundary" (n a
 // period) and "count_status give-backs return to quotas".
+//
+// And (review of issue 25) the same when the node's clock runs 150 ms
+// ahead of Redis's: a request Redis counted at 23:59:59.95 was decided at
+// 00:00:00.1 by the node's clock; a give-back named by the node's clock
+// alone refunded the new day. It names the moment from the quota's answer
+// (bucket.CountedAt), as settle.go does.
 func TestReview24RedisGiveBackAfterTheBoundaryDoesNotRefundTheNewDay(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
-	key := bucketFor("review24-giveback")
-	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
-	qs := []bucket.Quota{{N: 2, Period: bucket.Day, Loc: time.UTC}}
-	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
-	taken := time.Date(2026, 5, 4, 23, 59, 59, 900_000_000, time.UTC).UnixMicro()
-	s.clockOffset = taken - time.Now().UnixMicro()
-	if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || !ok {
-		t.Fatalf("yesterday's request: %v %v", ok, err)
-	}
-	s.clockOffset += 200_000 // 00:00:00.1
-	admitted := 0
-	for range 2 {
+	midnight := time.Date(2026, 5, 5, 0, 0, 0, 0, time.UTC).UnixMicro()
+	for _, tt := range []struct {
+		name        string
+		redis, node int64 // the clocks at the request, from midnight (µs)
+	}{
+		{"the clocks agree", -100_000, -100_000},
+		{"the node's runs 150 ms ahead", -50_000, 100_000},
+	} {
+		key := bucketFor("review24-giveback " + tt.name)
+		ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
+		qs := []bucket.Quota{{N: 2, Period: bucket.Day, Loc: time.UTC}}
+		out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
+		s.clockOffset = midnight + tt.redis - time.Now().UnixMicro()
+		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || !ok {
+			t.Fatalf("%s: yesterday's request (by Redis's clock): %v %v", tt.name, ok, err)
+		}
+		at := bucket.CountedAt(midnight+tt.node, qout)
+		s.clockOffset += 200_000 // past midnight, by Redis's clock
+		admitted := 0
+		for range 2 {
+			if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
+				t.Fatal(err)
+			} else if ok {
+				admitted++
+			}
+		}
+		if err := s.GiveBackQuotas(bg, key, ls, qs, 1, at); err != nil { // yesterday's request did not count
+			t.Fatal(err)
+		}
 		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
 			t.Fatal(err)
 		} else if ok {
 			admitted++
 		}
-	}
-	if err := s.GiveBackQuotas(bg, key, ls, qs, 1, taken); err != nil { // yesterday's request did not count
-		t.Fatal(err)
-	}
-	if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
-		t.Fatal(err)
-	} else if ok {
-		admitted++
-	}
-	if admitted != 2 {
-		t.Errorf("the new day admitted %d; quota 2/day admits 2", admitted)
+		if admitted != 2 {
+			t.Errorf("%s: the new day admitted %d; quota 2/day admits 2", tt.name, admitted)
+		}
 	}
 }
 

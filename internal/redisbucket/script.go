@@ -15,7 +15,7 @@ import "github.com/redis/go-redis/v9"
 // full; then each other limit that is not full, as "<i>:<state>"; then what
 // each node holds on lease, as "l:<node>:<tokens>:<expires>:<seq>:<void>",
 // followed by ":<qstop>:<mask>" when quotas counted them (shared.go's
-// Held); then each quota's count, as "q<period>:<start>:<used>". A bucket
+// Held); then each quota's count, as "q<period>:<start>:<used>:<end>". A bucket
 // that is full with nothing on lease has no key: it expires when every
 // limit is full and every lease has expired. A bucket of one limit
 // and no lease is "<fullAt> <slack>", as versions before leases kept it.
@@ -106,7 +106,7 @@ end
 -- n of this call (a reload dropped them, or a call names fewer) keep their
 -- segments, in extra, and the key lives as long as they need: later is the
 -- latest moment one of them is full.
-local S, H, extra, later = {}, {}, {}, 0
+local S, H, extra, qextra, later = {}, {}, {}, {}, 0
 for i = 1, n do S[i] = {full = 0, slack = 0, banned = false} end
 local stored = redis.call('GET', KEYS[1])
 if stored then
@@ -115,7 +115,7 @@ if stored then
     local i, body = 1, seg
     if not first then
       local node, a, e, sq, vd, qrest = string.match(seg, '^l:([^:]+):(%d+):(%d+):(%d+):([01])(.*)$')
-      local qi, qs, qu = string.match(seg, '^q(%d+):(%d+):(%d+)$')
+      local qi, qs, qu, qe = string.match(seg, '^q(%d+):(%d+):(%d+):?(%d*)$')
       if node then
         -- A lease that quotas counted ends with ":<qstop>:<mask>".
         local qstop, mask = 0, 0
@@ -127,10 +127,22 @@ if stored then
         H[#H + 1] = {node = node, tokens = tonumber(a), expires = tonumber(e), seq = tonumber(sq), void = vd == '1', qstop = qstop, mask = mask}
         i = nil
       elseif qi then
-        -- A quota's count, of the period that starts at qs; one of an
-        -- earlier period, or of a quota a reload dropped, goes.
+        -- A quota's count, of the period that starts at qs and ends at qe
+        -- (versions before it did not write the end); one of an earlier
+        -- period goes. The count of a quota this call does not name (a
+        -- call made under a config before a reload added it, or after one
+        -- dropped it) stays until its period ends: no call but the
+        -- quota's own may lose it.
+        local named = false
         for _, q in ipairs(Q) do
-          if q.p == tonumber(qi) and q.start == tonumber(qs) then q.used = tonumber(qu) end
+          if q.p == tonumber(qi) then
+            named = true
+            if q.start == tonumber(qs) then q.used = tonumber(qu) end
+          end
+        end
+        if not named and (qe == '' or tonumber(qe) > now) then
+          qextra[#qextra + 1] = seg
+          if qe ~= '' then later = math.max(later, tonumber(qe)) end
         end
         i = nil
       else
@@ -389,7 +401,7 @@ local function state_text(st)
   return v
 end
 local function save()
-  if n == 1 and #H == 0 and #extra == 0 and nq == 0 then
+  if n == 1 and #H == 0 and #extra == 0 and nq == 0 and #qextra == 0 then
     -- The common bucket: one limit, no lease.
     if S[1].full <= now then
       if stored then redis.call('DEL', KEYS[1]) end
@@ -427,10 +439,14 @@ local function save()
   local qlater = 0
   for j, q in ipairs(Q) do
     if q.used > 0 then
-      segs[#segs + 1] = string.format('q%d:%d:%d', q.p, q.start, q.used)
+      segs[#segs + 1] = string.format('q%d:%d:%d:%d', q.p, q.start, q.used, q.stop)
       qlater = math.max(qlater, q.stop)
       any = true
     end
+  end
+  for _, seg in ipairs(qextra) do
+    segs[#segs + 1] = seg
+    any = true
   end
   if not any then
     if stored then redis.call('DEL', KEYS[1]) end

@@ -192,22 +192,57 @@ func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost
 
 // takeAllStrict is TakeAll by one script call, or the deny cache.
 func (s *Store) takeAllStrict(ctx context.Context, k string, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	start := s.conn.now()
-	epoch, ok := s.conn.denied.getAll(k, ls, cost, start, out)
-	if ok {
-		return false, nil
-	}
-	allowed, _, err := s.takeAll(ctx, "take", k, ls, cost, out, false)
-	if err == nil && !allowed {
-		worst := out[0]
-		for _, r := range out[1:] {
-			if r.RetryAfter > worst.RetryAfter {
-				worst = r
+	return s.decide(ctx, k, ls, nil, cost, out)
+}
+
+// decide is strict mode's decision of one request on the tier at k, of
+// limits ls and quotas qs: from the deny cache when it knows the answer,
+// else by one script call (a lone limit's through the batcher). Once a
+// client's denial has expired, one request of this node asks Redis and
+// the others wait for its answer (denyCache.claim). out gets each limit's
+// and quota's result, limits first. A denial is remembered until the
+// retry time of the one that makes the client wait longest.
+func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out []bucket.Result) (bool, error) {
+	lone := len(ls) == 1 && len(qs) == 0
+	for {
+		start := s.conn.now()
+		var epoch uint64
+		var hit bool
+		if lone {
+			out[0], epoch, hit = s.conn.denied.get(k, ls[0], cost, start)
+		} else {
+			epoch, hit = s.conn.denied.getAll(k, ls, qs, cost, start, out)
+		}
+		if hit {
+			return false, nil
+		}
+		done, wait := s.conn.denied.claim(k, start)
+		if wait != nil {
+			select {
+			case <-wait:
+				continue
+			case <-ctx.Done():
+				return false, s.wrap(ctx.Err())
 			}
 		}
-		s.conn.denied.putAll(k, epoch, ls, cost, start, worst, out)
+		var allowed bool
+		var err error
+		if len(qs) == 0 {
+			allowed, _, err = s.takeAll(ctx, "take", k, ls, cost, out, lone)
+		} else {
+			allowed, _, err = s.takeQuotas(ctx, "take", k, ls, qs, cost, out[:len(ls)], out[len(ls):])
+		}
+		switch {
+		case err == nil && !allowed && lone:
+			s.conn.denied.put(k, epoch, ls[0], cost, start, out[0])
+		case err == nil && !allowed:
+			s.conn.denied.putAll(k, epoch, ls, qs, cost, start, Binding(out, false), out)
+		}
+		if done != nil {
+			done(err == nil && allowed && Binding(out, true).Remaining >= cost)
+		}
+		return allowed, err
 	}
-	return allowed, err
 }
 
 // takeAll runs op, take or peek, on key, and also returns the server's
@@ -245,14 +280,7 @@ func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64, each
 		return s.reserveOne(ctx, k, tr.first(), cost)
 	}
 	all := make([]bucket.Result, len(tr.Limits)+len(tr.Quotas))
-	out, qout := all[:len(tr.Limits)], all[len(tr.Limits):]
-	var allowed bool
-	var err error
-	if len(tr.Quotas) == 0 {
-		allowed, err = s.takeAllStrict(ctx, k, tr.Limits, cost, out)
-	} else {
-		allowed, _, err = s.takeQuotas(ctx, "take", k, tr.Limits, tr.Quotas, cost, out, qout)
-	}
+	allowed, err := s.decide(ctx, k, tr.Limits, tr.Quotas, cost, all)
 	if err != nil {
 		return bucket.Result{}, err
 	}
@@ -284,18 +312,9 @@ func Binding(all []bucket.Result, allowed bool) bucket.Result {
 // one script call, as strict mode does, unless the deny cache already
 // knows the answer.
 func (s *Store) reserveOne(ctx context.Context, k string, l bucket.Limit, cost int64) (bucket.Result, error) {
-	start := s.conn.now()
-	res, epoch, ok := s.conn.denied.get(k, l, cost, start)
-	if ok {
-		return res, nil
-	}
 	var out [1]bucket.Result
-	_, _, err := s.takeAll(ctx, "take", k, []bucket.Limit{l}, cost, out[:], true)
-	res = out[0]
-	if err == nil && !res.Allowed {
-		s.conn.denied.put(k, epoch, l, cost, start, res)
-	}
-	return res, err
+	_, err := s.decide(ctx, k, []bucket.Limit{l}, nil, cost, out[:])
+	return out[0], err
 }
 
 // args are the script's arguments for op on limits ls, and then extra.
