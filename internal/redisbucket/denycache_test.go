@@ -58,3 +58,42 @@ func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
 		t.Fatal("a denial from after the reset was dropped")
 	}
 }
+
+// Once a denial expires, one request of the node asks Redis (the probe)
+// and the others wait for its answer, then look again: a flood costs one
+// call, not one per request in the round trip. An answer that leaves room
+// for another request ends the turns; one that does not keeps them.
+func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
+	c := newDenyCache(100)
+	l := slowLimit(1)
+	if done, wait := c.claim("k", 0); done != nil || wait != nil {
+		t.Fatal("a client never denied takes no turns")
+	}
+	c.put("k", 0, l, 1, 0, bucket.Result{RetryAfter: 100})
+	if done, wait := c.claim("k", 50); done != nil || wait != nil {
+		t.Fatal("before the retry time the cache answers; claim has nothing to say")
+	}
+	done, wait := c.claim("k", 100)
+	if done == nil || wait != nil {
+		t.Fatal("the first request after the denial expired is not the probe")
+	}
+	other, wait2 := c.claim("k", 101)
+	if other != nil || wait2 == nil {
+		t.Fatal("a second request while the probe is out does not wait for it")
+	}
+	select {
+	case <-wait2:
+		t.Fatal("the wait ended before the probe's answer")
+	default:
+	}
+	done(false) // allowed, the bucket empty again
+	<-wait2
+	next, _ := c.claim("k", 102)
+	if next == nil {
+		t.Fatal("after an answer that left no room, the next request is not the probe")
+	}
+	next(true) // room for another: the turns end
+	if done, wait := c.claim("k", 103); done != nil || wait != nil {
+		t.Fatal("after an answer with room, requests still take turns")
+	}
+}
