@@ -407,6 +407,14 @@ func QuotaStop(now int64, qs []Quota) (stop int64, mask uint8) {
 	return stop, mask
 }
 
+// Next is, after an allowed take of cost, the microseconds until every
+// limit and quota holds cost again: 0 when they do now. Until then the
+// same request is denied, which a node's deny cache may remember.
+func (sh *Shared) Next(now int64, ls []Limit, qs []Quota, cost int64) int64 {
+	sh.quotas(qs)
+	return max(sh.wait(now, ls, cost), sh.quotaWait(now, qs, cost))
+}
+
 // quotaWait is the microseconds until every quota has x tokens left: 0
 // when they do, else the end of the period of one that has not.
 func (sh *Shared) quotaWait(now int64, qs []Quota, x int64) int64 {

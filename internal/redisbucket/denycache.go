@@ -148,13 +148,14 @@ func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, qs []buc
 
 // claim is for a request the cache did not answer. Once a client's denial
 // has expired, a flood of its requests would all ask Redis in the round
-// trip before the next denial is known: one asks (probe is its done,
-// which it calls with its answer), and the others wait for it (wait) and
-// look again. Neither is set when no expired denial is there: the request
-// asks Redis as usual. done(room) says whether the answer left room for
-// another request: then the entry goes, and the client's requests no
-// longer take turns; otherwise the next one probes.
-func (c *denyCache) claim(key string, now int64) (done func(room bool), wait <-chan struct{}) {
+// trip before the next denial is known: one asks (done is set, which it
+// calls once it has its answer and put any denial), and the others wait
+// for it (wait) and look again. Neither is set when no expired denial is
+// there: the request asks Redis as usual. After the answer the expired
+// entry goes, unless a denial replaced it: the requests that waited then
+// find that denial, or ask Redis each, since the bucket may hold more
+// than one request's cost.
+func (c *denyCache) claim(key string, now int64) (done func(), wait <-chan struct{}) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -168,15 +169,10 @@ func (c *denyCache) claim(key string, now int64) (done func(room bool), wait <-c
 	ch := make(chan struct{})
 	e.probe = ch
 	sh.entries[key] = e
-	return func(room bool) {
+	return func() {
 		sh.mu.Lock()
 		if cur, ok := sh.entries[key]; ok && cur.probe == ch {
-			if room {
-				delete(sh.entries, key)
-			} else {
-				cur.probe = nil
-				sh.entries[key] = cur
-			}
+			delete(sh.entries, key)
 		}
 		sh.mu.Unlock()
 		close(ch)

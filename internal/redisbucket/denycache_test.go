@@ -61,8 +61,9 @@ func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
 
 // Once a denial expires, one request of the node asks Redis (the probe)
 // and the others wait for its answer, then look again: a flood costs one
-// call, not one per request in the round trip. An answer that leaves room
-// for another request ends the turns; one that does not keeps them.
+// call, not one per request in the round trip. A denial the probe put is
+// what they find; without one, the expired entry goes, and they ask Redis
+// each.
 func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 	c := newDenyCache(100)
 	l := slowLimit(1)
@@ -86,14 +87,21 @@ func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 		t.Fatal("the wait ended before the probe's answer")
 	default:
 	}
-	done(false) // allowed, the bucket empty again
+	// The probe's answer: allowed, and the bucket lacks the cost again
+	// until 1100, which it remembers.
+	c.put("k", 0, l, 1, 100, bucket.Result{RetryAfter: 1000})
+	done()
 	<-wait2
-	next, _ := c.claim("k", 102)
-	if next == nil {
-		t.Fatal("after an answer that left no room, the next request is not the probe")
+	if _, _, ok := c.get("k", l, 1, 102); !ok {
+		t.Fatal("the request that waited does not find the probe's denial")
 	}
-	next(true) // room for another: the turns end
-	if done, wait := c.claim("k", 103); done != nil || wait != nil {
+	// A probe whose answer leaves room puts nothing: the entry goes.
+	probe, _ := c.claim("k", 1100)
+	if probe == nil {
+		t.Fatal("no probe after the second denial expired")
+	}
+	probe()
+	if done, wait := c.claim("k", 1101); done != nil || wait != nil {
 		t.Fatal("after an answer with room, requests still take turns")
 	}
 }

@@ -91,15 +91,9 @@ func (s *Store) ChargeQuotas(ctx context.Context, key []byte, ls []bucket.Limit,
 // takeQuotas runs op, take or peek, on key with quotas, and returns the
 // server's time of the decision too.
 func (s *Store) takeQuotas(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, int64, error) {
-	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, 0, cost), false, 3+4*(len(ls)+len(qs)))
-	if err != nil {
-		return false, 0, err
-	}
-	for i := range ls {
-		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1)
-	}
-	for j := range qs {
-		qout[j] = decodeResult(vals[3+4*(len(ls)+j):], false) // a quota starts no ban
-	}
-	return vals[0] == 1, vals[2], nil
+	all := make([]bucket.Result, len(ls)+len(qs))
+	v, err := s.decideBy(ctx, op, key, ls, qs, cost, all, false)
+	copy(out, all[:len(ls)])
+	copy(qout, all[len(ls):])
+	return v.allowed, v.now, err
 }

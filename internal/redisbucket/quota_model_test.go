@@ -125,12 +125,20 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 					quotaRefused++
 				}
 			case op < 6:
-				allowed, now, err := s.takeQuotas(bg, "take", key, ls, qs, cost, out, qout)
+				all := make([]bucket.Result, len(ls)+len(qs))
+				v, err := s.decideBy(bg, "take", key, ls, qs, cost, all, false)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if w := sh.TakeWithQuotas(now, ls, qs, cost, want, wantQ); allowed != w || !slices.Equal(out, want) || !slices.Equal(qout, wantQ) {
-					t.Fatalf("%s take %d at %s: Redis %v %+v %+v, model %v %+v %+v", what, cost, time.UnixMicro(now).UTC(), allowed, out, qout, w, want, wantQ)
+				copy(out, all)
+				copy(qout, all[len(ls):])
+				w := sh.TakeWithQuotas(v.now, ls, qs, cost, want, wantQ)
+				var next int64
+				if w {
+					next = sh.Next(v.now, ls, qs, cost)
+				}
+				if v.allowed != w || !slices.Equal(out, want) || !slices.Equal(qout, wantQ) || v.next != next {
+					t.Fatalf("%s take %d at %s: Redis %+v %+v %+v, model %v %+v %+v next %d", what, cost, time.UnixMicro(v.now).UTC(), v, out, qout, w, want, wantQ, next)
 				}
 			case op < 7:
 				_, now, err := s.takeQuotas(bg, "peek", key, ls, qs, 0, out, qout)

@@ -136,14 +136,19 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				if rng.IntN(5) == 0 {
 					cost = 0
 				}
-				allowed, at, err := s.takeAll(bg, "take", key, ls, cost, out, false)
+				v, err := s.decideBy(bg, "take", key, ls, nil, cost, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
-				now = at
+				now = v.now
 				want := make([]bucket.Result, len(ls))
-				if wantAllowed := sh.Take(now, ls, cost, want); allowed != wantAllowed || !slices.Equal(out, want) {
-					t.Fatalf("%s take %d: Redis %v %+v, model %v %+v", step, cost, allowed, out, wantAllowed, want)
+				wantAllowed := sh.Take(now, ls, cost, want)
+				var next int64
+				if wantAllowed {
+					next = sh.Next(now, ls, nil, cost)
+				}
+				if v.allowed != wantAllowed || !slices.Equal(out, want) || v.next != next {
+					t.Fatalf("%s take %d: Redis %+v %+v, model %v %+v, next %d", step, cost, v, out, wantAllowed, want, next)
 				}
 			case op < 4:
 				out := make([]bucket.Result, len(ls))

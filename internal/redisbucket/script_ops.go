@@ -13,6 +13,26 @@ local function quota_take(q, cost)
 end
 local function quota_peek(q) return {ok = false, rem = math.max(0, q.n - q.used), retry = 0, reset = q.stop - now} end
 
+-- wait_all: the microseconds until every limit holds k tokens, 0 when
+-- they do.
+local function wait_all(k)
+  local w = 0
+  for i = 1, n do w = math.max(w, wait(i, k * L[i].iv)) end
+  return w
+end
+-- quota_wait: the microseconds until every quota has k tokens left, 0
+-- when they do.
+local function quota_wait(k)
+  local w = 0
+  for _, q in ipairs(Q) do
+    if q.used + k > q.n then w = math.max(w, q.stop - now) end
+  end
+  return w
+end
+-- answer is a take's or a peek's: allowed, banned, now, each limit's and
+-- each quota's result, then, when allowed, how long until every limit and
+-- quota holds the cost again (shared.go's Next), for the node's deny
+-- cache; 0 otherwise.
 local function answer(allowed, started, res, qres)
   local r = {0, 0, now}
   if allowed then r[1] = 1 end
@@ -24,6 +44,9 @@ local function answer(allowed, started, res, qres)
   end
   for i = 1, n do put(res[i]) end
   for j = 1, nq do put(qres[j]) end
+  local nxt = 0
+  if allowed and op == 'take' then nxt = math.max(wait_all(count), quota_wait(count)) end
+  r[#r + 1] = nxt
   return r
 end
 
@@ -121,20 +144,6 @@ local function each_level(r)
     r[#r + 1], r[#r + 2] = math.max(0, q.n - q.used), q.stop - now
   end
   return r
-end
--- quota_wait: the microseconds until every quota has k tokens left, 0
--- when they do.
-local function quota_wait(k)
-  local w = 0
-  for _, q in ipairs(Q) do
-    if q.used + k > q.n then w = math.max(w, q.stop - now) end
-  end
-  return w
-end
-local function wait_all(k)
-  local w = 0
-  for i = 1, n do w = math.max(w, wait(i, k * L[i].iv)) end
-  return w
 end
 
 if op == 'lease' then

@@ -225,37 +225,73 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 				return false, s.wrap(ctx.Err())
 			}
 		}
-		var allowed bool
-		var err error
-		if len(qs) == 0 {
-			allowed, _, err = s.takeAll(ctx, "take", k, ls, cost, out, lone)
-		} else {
-			allowed, _, err = s.takeQuotas(ctx, "take", k, ls, qs, cost, out[:len(ls)], out[len(ls):])
-		}
+		v, err := s.decideBy(ctx, "take", k, ls, qs, cost, out, lone)
 		switch {
-		case err == nil && !allowed && lone:
-			s.conn.denied.put(k, epoch, ls[0], cost, start, out[0])
-		case err == nil && !allowed:
-			s.conn.denied.putAll(k, epoch, ls, qs, cost, start, Binding(out, false), out)
+		case err != nil:
+		case !v.allowed:
+			s.remember(k, epoch, ls, qs, cost, start, out)
+		case v.next > 0 && ls[0].MaxWait == 0 && ls[0].Ban == 0:
+			// The take left less than its cost: the same request is
+			// denied until next, as Redis said, and one that asks sooner
+			// need not. (Not with max_wait, where it could wait, nor
+			// with a ban, which only Redis's refusal starts.)
+			denied := make([]bucket.Result, len(out))
+			for i, r := range out {
+				// The ones left short of the cost make the client wait.
+				r.Allowed, r.RetryAfter = false, 0
+				if r.Remaining < cost {
+					r.RetryAfter = v.next
+				}
+				denied[i] = r
+			}
+			s.remember(k, epoch, ls, qs, cost, start, denied)
 		}
 		if done != nil {
-			done(err == nil && allowed && Binding(out, true).Remaining >= cost)
+			done()
 		}
-		return allowed, err
+		return v.allowed, err
 	}
+}
+
+// remember puts a denial of a request sent at start, each limit's and
+// quota's result in out, into the deny cache.
+func (s *Store) remember(k string, epoch uint64, ls []bucket.Limit, qs []bucket.Quota, cost, start int64, out []bucket.Result) {
+	if len(ls) == 1 && len(qs) == 0 {
+		s.conn.denied.put(k, epoch, ls[0], cost, start, out[0])
+		return
+	}
+	s.conn.denied.putAll(k, epoch, ls, qs, cost, start, Binding(out, false), out)
 }
 
 // takeAll runs op, take or peek, on key, and also returns the server's
 // time of the decision. A single limit's take goes through the batcher.
 func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, cost int64, out []bucket.Result, batched bool) (bool, int64, error) {
-	vals, err := s.call(ctx, key, s.args(op, ls, cost), batched, 3+4*len(ls))
+	v, err := s.decideBy(ctx, op, key, ls, nil, cost, out, batched)
+	return v.allowed, v.now, err
+}
+
+// verdict is the script's answer to a take or a peek, besides each
+// limit's and quota's result: whether it was allowed, the server's time
+// of the decision, and, for an allowed take, how long until every limit
+// and quota holds the cost again (0 when they do).
+type verdict struct {
+	allowed   bool
+	now, next int64
+}
+
+// decideBy runs op, take or peek, on the tier at key, of limits ls and
+// quotas qs: out gets each one's result, limits first.
+func (s *Store) decideBy(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out []bucket.Result, batched bool) (verdict, error) {
+	n := len(ls) + len(qs)
+	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, 0, cost), batched, 4+4*n)
 	if err != nil {
-		return false, 0, err
+		return verdict{}, err
 	}
-	for i := range ls {
-		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1)
+	for i := range n {
+		// A quota starts no ban.
+		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1 && i < len(ls))
 	}
-	return vals[0] == 1, vals[2], nil
+	return verdict{allowed: vals[0] == 1, now: vals[2], next: vals[3+4*n]}, nil
 }
 
 // decodeResult reads one limit's or quota's answer, four values: allowed,
