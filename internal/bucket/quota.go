@@ -97,19 +97,20 @@ func (q Quota) Bounds(t int64) (start, end int64) {
 // dayStart is the first moment of a day in loc: its midnight or, in a
 // zone whose clocks skip midnight (a DST change at 00:00, as in Havana or
 // Santiago), the moment they jump to, which time.Date does not give: it
-// answers with a moment of the day before.
+// answers with a moment of the day before. A day the zone skipped
+// altogether (Pacific/Apia's 2011-12-30) starts when the next one does.
 func dayStart(y int, m time.Month, d int, loc *time.Location) time.Time {
 	t := time.Date(y, m, d, 0, 0, 0, 0, loc)
-	want := time.Date(y, m, d, 12, 0, 0, 0, time.UTC) // the same date, normalized
-	for {
-		ty, tm, td := t.Date()
-		if ty == want.Year() && tm == want.Month() && td == want.Day() {
-			return t
-		}
+	want := dateKey(time.Date(y, m, d, 12, 0, 0, 0, time.UTC).Date()) // the same date, normalized
+	for dateKey(t.Date()) < want {
 		// Zones change on whole minutes.
 		t = t.Add(time.Minute)
 	}
+	return t
 }
+
+// dateKey orders dates.
+func dateKey(y int, m time.Month, d int) int { return y*10000 + int(m)*100 + d }
 
 // QuotaState is a quota's count: Used tokens in the period that starts at
 // Start (microseconds since the epoch). A count of another period is 0.

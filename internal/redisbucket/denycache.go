@@ -43,8 +43,15 @@ type denyEntry struct {
 	until   int64 // monotonic µs at which the client may retry
 	resetAt int64 // monotonic µs at which the bucket is full
 	// probe, once the denial has expired, is the one request of this node
-	// that asks Redis again, closed when it has its answer (claim).
-	probe chan struct{}
+	// that asks Redis again (claim).
+	probe *probe
+}
+
+// probe is one request's call to Redis for a client whose denial expired;
+// done is closed when it has its answer, and err is then its failure.
+type probe struct {
+	done chan struct{}
+	err  error
 }
 
 func newDenyCache(size int) *denyCache {
@@ -149,13 +156,14 @@ func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, qs []buc
 // claim is for a request the cache did not answer. Once a client's denial
 // has expired, a flood of its requests would all ask Redis in the round
 // trip before the next denial is known: one asks (done is set, which it
-// calls once it has its answer and put any denial), and the others wait
-// for it (wait) and look again. Neither is set when no expired denial is
-// there: the request asks Redis as usual. After the answer the expired
-// entry goes, unless a denial replaced it: the requests that waited then
-// find that denial, or ask Redis each, since the bucket may hold more
-// than one request's cost.
-func (c *denyCache) claim(key string, now int64) (done func(), wait <-chan struct{}) {
+// calls once it has its answer and put any denial, with the call's
+// error), and the others wait for it (wait) and look again, or fail as it
+// did, within the one call's timeout. Neither is set when no expired
+// denial is there: the request asks Redis as usual. After the answer the
+// expired entry goes, unless a denial replaced it: the requests that
+// waited then find that denial, or ask Redis each, since the bucket may
+// hold more than one request's cost.
+func (c *denyCache) claim(key string, now int64) (done func(err error), wait *probe) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -166,16 +174,17 @@ func (c *denyCache) claim(key string, now int64) (done func(), wait <-chan struc
 	case e.probe != nil:
 		return nil, e.probe
 	}
-	ch := make(chan struct{})
-	e.probe = ch
+	p := &probe{done: make(chan struct{})}
+	e.probe = p
 	sh.entries[key] = e
-	return func() {
+	return func(err error) {
 		sh.mu.Lock()
-		if cur, ok := sh.entries[key]; ok && cur.probe == ch {
+		if cur, ok := sh.entries[key]; ok && cur.probe == p {
 			delete(sh.entries, key)
 		}
+		p.err = err
 		sh.mu.Unlock()
-		close(ch)
+		close(p.done)
 	}, nil
 }
 

@@ -83,15 +83,15 @@ func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 		t.Fatal("a second request while the probe is out does not wait for it")
 	}
 	select {
-	case <-wait2:
+	case <-wait2.done:
 		t.Fatal("the wait ended before the probe's answer")
 	default:
 	}
 	// The probe's answer: allowed, and the bucket lacks the cost again
 	// until 1100, which it remembers.
 	c.put("k", 0, l, 1, 100, bucket.Result{RetryAfter: 1000})
-	done()
-	<-wait2
+	done(nil)
+	<-wait2.done
 	if _, _, ok := c.get("k", l, 1, 102); !ok {
 		t.Fatal("the request that waited does not find the probe's denial")
 	}
@@ -100,7 +100,7 @@ func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 	if probe == nil {
 		t.Fatal("no probe after the second denial expired")
 	}
-	probe()
+	probe(nil)
 	if done, wait := c.claim("k", 1101); done != nil || wait != nil {
 		t.Fatal("after an answer with room, requests still take turns")
 	}

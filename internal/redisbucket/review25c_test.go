@@ -118,10 +118,16 @@ func TestReview25cDefectDenyCacheWaitersWaitPastTheTimeout(t *testing.T) {
 // is seen within the cap. (An admin DELETE on another node has the same
 // effect; docs/operating.md allows "until the Retry-After they gave",
 // which for a quota is the period's end.)
+//
+// Fixed: a quota's refusal is cached for quotaDenyFor at most (store.go's
+// remember); node B sees the give-back once that has passed on its clock.
 func TestReview25cDefectQuotaDenialOutlivesAnotherNodesGiveBack(t *testing.T) {
 	srv := redistest.Start(t)
 	nodeA := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	nodeB := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	clockB := new(fakeClock)
+	clockB.micros.Store(1_000_000)
+	nodeB.conn.now = clockB.now
 	mid := time.Date(2026, 5, 15, 12, 0, 0, 0, time.UTC).UnixMicro() - time.Now().UnixMicro()
 	nodeA.clockOffset, nodeB.clockOffset = mid, mid
 	key := bucketFor("review25c-quota-giveback")
@@ -149,8 +155,12 @@ func TestReview25cDefectQuotaDenialOutlivesAnotherNodesGiveBack(t *testing.T) {
 	if err := nodeA.PeekQuotas(bg, key, ls, qs, out, qout); err != nil || qout[0].Remaining != 1 {
 		t.Fatalf("Redis after the give-back: quota %d left (%v); want 1", qout[0].Remaining, err)
 	}
+	if take(nodeB) {
+		t.Fatal("node B asked Redis at once: its refusal was not cached at all")
+	}
+	clockB.advance(quotaDenyFor)
 	if !take(nodeB) {
-		t.Errorf("node B refuses a request the quota has room for (Redis: 1 left): its cached refusal lasts until the month ends (retry after %s)", time.Duration(qout[0].RetryAfter)*time.Microsecond)
+		t.Errorf("node B refuses a request the quota has room for (Redis: 1 left) %s after it cached the refusal: it lasts until the month ends (retry after %s)", quotaDenyFor, time.Duration(qout[0].RetryAfter)*time.Microsecond)
 	}
 }
 

@@ -132,7 +132,10 @@ if stored then
         -- period goes. The count of a quota this call does not name (a
         -- call made under a config before a reload added it, or after one
         -- dropped it) stays until its period ends: no call but the
-        -- quota's own may lose it.
+        -- quota's own may lose it. One that says no end, which a version
+        -- before this one wrote, ends when the key would have (the old
+        -- version kept the key until the period's end), or a period's
+        -- longest after its start, whichever is first.
         local named = false
         for _, q in ipairs(Q) do
           if q.p == tonumber(qi) then
@@ -140,9 +143,19 @@ if stored then
             if q.start == tonumber(qs) then q.used = tonumber(qu) end
           end
         end
-        if not named and (qe == '' or tonumber(qe) > now) then
+        if not named and qe == '' then
+          -- At most a period's longest after its start: a day of 25 hours,
+          -- a week, a month of 31 days, a year of 366, and an hour more.
+          local longest = ({90000, 608400, 2682000, 31626000})[tonumber(qi)]
+          local pttl = redis.call('PTTL', KEYS[1])
+          if longest and pttl > 0 then
+            qe = string.format('%d', math.min(now + pttl * 1000, tonumber(qs) + longest * 1000000))
+            seg = string.format('q%s:%s:%s:%s', qi, qs, qu, qe)
+          end
+        end
+        if not named and qe ~= '' and tonumber(qe) > now then
           qextra[#qextra + 1] = seg
-          if qe ~= '' then later = math.max(later, tonumber(qe)) end
+          later = math.max(later, tonumber(qe))
         end
         i = nil
       else

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -219,7 +220,10 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 		done, wait := s.conn.denied.claim(k, start)
 		if wait != nil {
 			select {
-			case <-wait:
+			case <-wait.done:
+				if wait.err != nil {
+					return false, wait.err
+				}
 				continue
 			case <-ctx.Done():
 				return false, s.wrap(ctx.Err())
@@ -247,21 +251,30 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 			s.remember(k, epoch, ls, qs, cost, start, denied)
 		}
 		if done != nil {
-			done()
+			done(err)
 		}
 		return v.allowed, err
 	}
 }
 
 // remember puts a denial of a request sent at start, each limit's and
-// quota's result in out, into the deny cache.
+// quota's result in out, into the deny cache: until its retry time or, a
+// quota's (a period's end), for quotaDenyFor at most, since a give-back or
+// a reset on another node may return the quota sooner.
 func (s *Store) remember(k string, epoch uint64, ls []bucket.Limit, qs []bucket.Quota, cost, start int64, out []bucket.Result) {
 	if len(ls) == 1 && len(qs) == 0 {
 		s.conn.denied.put(k, epoch, ls[0], cost, start, out[0])
 		return
 	}
-	s.conn.denied.putAll(k, epoch, ls, qs, cost, start, Binding(out, false), out)
+	worst := Binding(out, false)
+	if slices.IndexFunc(out[len(ls):], func(r bucket.Result) bool { return r.RetryAfter == worst.RetryAfter }) >= 0 {
+		worst.RetryAfter = min(worst.RetryAfter, quotaDenyFor.Microseconds())
+	}
+	s.conn.denied.putAll(k, epoch, ls, qs, cost, start, worst, out)
 }
+
+// quotaDenyFor bounds how long the deny cache keeps a quota's refusal.
+const quotaDenyFor = 5 * time.Second
 
 // takeAll runs op, take or peek, on key, and also returns the server's
 // time of the decision. A single limit's take goes through the batcher.
