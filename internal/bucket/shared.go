@@ -201,73 +201,6 @@ func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
 	return allowed
 }
 
-// TakeWithQuotas applies a request to every limit and every quota of a
-// bucket at once: it takes cost from each, or from none. A quota that
-// lacks the cost refuses the request, taking nothing and starting no ban;
-// a limit that refuses it leaves the quotas as they were.
-func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, out, qout []Result) bool {
-	sh.quotas(qs)
-	next := make([]QuotaState, len(qs))
-	fits := true
-	for i, q := range qs {
-		next[i], qout[i] = TakeQuota(sh.Quotas[i], now, q, cost)
-		fits = fits && qout[i].Allowed
-	}
-	if !fits {
-		sh.settle(now, ls)
-		peekRefused(sh.Levels, now, ls, cost, sh.Held, out)
-		for i := range qs {
-			if qout[i].Allowed {
-				qout[i] = PeekQuota(sh.Quotas[i], now, qs[i])
-				qout[i].Allowed = false
-			}
-		}
-		return false
-	}
-	if !sh.Take(now, ls, cost, out) {
-		for i := range qs {
-			qout[i] = PeekQuota(sh.Quotas[i], now, qs[i])
-			qout[i].Allowed = false
-		}
-		return false
-	}
-	copy(sh.Quotas, next)
-	return true
-}
-
-// quotas makes room for the counts of qs.
-func (sh *Shared) quotas(qs []Quota) {
-	for len(sh.Quotas) < len(qs) {
-		sh.Quotas = append(sh.Quotas, QuotaState{})
-	}
-}
-
-// PeekQuotas reports each quota as it stands at now.
-func (sh *Shared) PeekQuotas(now int64, qs []Quota, qout []Result) {
-	sh.quotas(qs)
-	for i, q := range qs {
-		qout[i] = PeekQuota(sh.Quotas[i], now, q)
-	}
-}
-
-// GiveBackQuotas returns n tokens a request took at the moment at to each
-// quota's count, while that period lasts: a quota counts what was
-// admitted, so a give-back returns there, ban or not.
-func (sh *Shared) GiveBackQuotas(now, at int64, qs []Quota, n int64) {
-	sh.quotas(qs)
-	for i, q := range qs {
-		sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, at, q, n)
-	}
-}
-
-// ChargeQuotas counts n more tokens in each quota, after the fact.
-func (sh *Shared) ChargeQuotas(now int64, qs []Quota, n int64) {
-	sh.quotas(qs)
-	for i, q := range qs {
-		sh.Quotas[i] = ChargeQuota(sh.Quotas[i], now, q, n)
-	}
-}
-
 // Peek reports each limit as it stands at now, changing nothing stored.
 func (sh Shared) Peek(now int64, ls []Limit, out []Result) {
 	sh.Levels = slices.Clone(sh.Levels)
@@ -394,39 +327,6 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	return res
 }
 
-// QuotaStop is the end of the earliest of the quotas' periods at now, and
-// the quotas as a mask of their periods' bits; 0, 0 for none.
-func QuotaStop(now int64, qs []Quota) (stop int64, mask uint8) {
-	for i, q := range qs {
-		_, end := q.Bounds(now)
-		if i == 0 || end < stop {
-			stop = end
-		}
-		mask |= 1 << q.Period
-	}
-	return stop, mask
-}
-
-// Next is, after an allowed take of cost, the microseconds until every
-// limit and quota holds cost again: 0 when they do now. Until then the
-// same request is denied, which a node's deny cache may remember.
-func (sh *Shared) Next(now int64, ls []Limit, qs []Quota, cost int64) int64 {
-	sh.quotas(qs)
-	return max(sh.wait(now, ls, cost), sh.quotaWait(now, qs, cost))
-}
-
-// quotaWait is the microseconds until every quota has x tokens left: 0
-// when they do, else the end of the period of one that has not.
-func (sh *Shared) quotaWait(now int64, qs []Quota, x int64) int64 {
-	var w int64
-	for i, q := range qs {
-		if _, r := TakeQuota(sh.Quotas[i], now, q, x); !r.Allowed {
-			w = max(w, r.RetryAfter)
-		}
-	}
-	return w
-}
-
 // room is the most tokens that may be out on lease at once: half the
 // smallest capacity.
 func (sh *Shared) room(ls []Limit) int64 {
@@ -446,23 +346,6 @@ func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
 		w = max(w, wait(sh.Levels[i], now, l, x*l.Rate.Interval))
 	}
 	return w
-}
-
-// ReportEach writes what a lease call tells the node of each limit and
-// then each quota: its remaining (0 for a banned limit) and reset after.
-func (sh *Shared) ReportEach(now int64, ls []Limit, qs []Quota, out []Result) {
-	sh.quotas(qs)
-	for i, l := range ls {
-		r := Peek(sh.Levels[i], now, l)
-		if banned(sh.Levels[i], now, l) {
-			r.Remaining, r.ResetAfter = 0, sh.Levels[i].FullAt-now
-		}
-		out[i] = Result{Remaining: r.Remaining, ResetAfter: r.ResetAfter}
-	}
-	for j, q := range qs {
-		r := PeekQuota(sh.Quotas[j], now, q)
-		out[len(ls)+j] = Result{Remaining: r.Remaining, ResetAfter: r.ResetAfter}
-	}
 }
 
 // report fills in the levels a lease result tells the node: the least

@@ -1,9 +1,12 @@
 package redisbucket
 
 import (
+	"context"
+	"fmt"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/redis/go-redis/v9"
 )
 
 // fetch starts a lease call for e, which the caller holds the shard's
@@ -163,4 +166,77 @@ func leaseOutcome(granted, want int64) string {
 		return "partial"
 	}
 	return "granted"
+}
+
+// lease is a lease call on the bucket at key, within the timeout and
+// through the breaker.
+// It writes each limit's and quota's remaining and reset into each, when
+// given.
+func (s *Store) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	lr, _, err := s.leaseAt(key, tr.all(), tr.Quotas, a, each)
+	return lr, err
+}
+
+// leaseAt is lease, and also returns the server's time of the call.
+func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
+	prefetch := 0
+	if a.Prefetch {
+		prefetch = 1
+	}
+	args := s.argsWithQuotas("lease", ls, qs, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
+	v, err := s.call(context.Background(), key, args, false, 9+2*(len(ls)+len(qs)))
+	if err != nil {
+		return bucket.LeaseResult{}, 0, err
+	}
+	for i := range each {
+		each[i] = bucket.Result{Remaining: v[9+2*i], ResetAfter: v[10+2*i]}
+	}
+	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1, Until: v[8]}, v[7], nil
+}
+
+// giveBack returns the unused tokens of node's leases to their buckets in
+// one pipeline, and reports how many went back.
+func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return 0, errBreakerOpen
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	args := func(g leaseReturn) []any {
+		return s.argsWithQuotas("return", g.tier.all(), g.tier.Quotas, 0, g.tokens, node, g.seq)
+	}
+	cmds := make([]*redis.Cmd, len(back))
+	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+		for i, g := range back {
+			cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
+		}
+		return nil
+	})
+	var returned int64
+	var failed error
+	for i, cmd := range cmds {
+		if isNoScript(cmd.Err()) {
+			// Redis lost its scripts (a restart, a failover): EVAL loads it.
+			cmd = bucketScript.Run(ctx, s.conn.client, []string{back[i].key}, args(back[i])...)
+		}
+		vals, err := cmd.Int64Slice()
+		switch {
+		case err == nil && len(vals) == 2:
+			returned += vals[0]
+		case failed != nil:
+		case err != nil:
+			failed = err
+		default:
+			failed = fmt.Errorf("script answered %d values, want 2", len(vals))
+		}
+	}
+	if failed == nil && err != nil && !isNoScript(err) {
+		failed = err
+	}
+	s.record(ctx, probe, failed)
+	if failed != nil {
+		return returned, s.wrap(failed)
+	}
+	return returned, nil
 }
