@@ -156,7 +156,10 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	if len(d.tier.quotas) > 0 {
 		if qs, ok := d.took.(QuotaStore); ok && sameLimitsRun(h, d.tier) {
 			// Counted when decided, in the store's period.
-			at := bucket.CountedAt(d.start.UnixMicro(), d.limits[len(d.tier.limits):len(d.tier.limits)+len(d.tier.quotas)])
+			at := d.start.UnixMicro()
+			if d.limits != nil {
+				at = bucket.CountedAt(at, d.limits[len(d.tier.limits):len(d.tier.limits)+len(d.tier.quotas)])
+			}
 			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost, at)
 		}
 	} else if len(d.tier.limits) > 1 {
