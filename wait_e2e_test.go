@@ -224,8 +224,8 @@ func offsets(at []time.Time, t0 time.Time) []time.Duration {
 
 // The 5 last of 11 waiters hang up at 250 ms: their tokens go back, so 5
 // requests sent at 300 ms are all served (without the give-back only 3
-// would fit), and the origin never sees two requests closer than the rate
-// allows.
+// would fit), and the origin never sees requests faster than one bucket
+// admits.
 func TestAWaiterThatHangsUpGivesItsTokensBack(t *testing.T) {
 	skipUnderShort(t, "real-time")
 	for i, mode := range storeModes(startRedis(t)) {
@@ -264,10 +264,8 @@ func TestAWaiterThatHangsUpGivesItsTokensBack(t *testing.T) {
 			if len(at) != 11 {
 				t.Fatalf("%d requests reached the origin, want 11 (6, then the 5 sent at 300 ms): %v", len(at), offsets(at, t0))
 			}
-			for k := 1; k < len(at); k++ {
-				if gap := at[k].Sub(at[k-1]); gap < 80*time.Millisecond {
-					t.Errorf("requests %d and %d reached the origin %v apart, closer than the rate allows (100 ms): %v", k-1, k, gap, offsets(at, t0))
-				}
+			if err := fasterThanOneBucket(at, t0, 1, 100*time.Millisecond); err != nil {
+				t.Error(err)
 			}
 		})
 	}
@@ -297,14 +295,8 @@ func TestMaxWaitWithLeasesOfManyTokens(t *testing.T) {
 	if served != len(at) || served > 20 || served < 18 {
 		t.Fatalf("%d served, %d at the origin; want 20 (10 at once, 10 waiting), never more: %v", served, len(at), offsets(at, t0))
 	}
-	// Over any window, at most C + r*T, with 20 ms for the timers.
-	for i := range at {
-		for j := i; j < len(at); j++ {
-			span := at[j].Sub(at[i]) + 20*time.Millisecond
-			if n, bound := j-i+1, 10+int(span/(100*time.Millisecond)); n > bound {
-				t.Fatalf("%d requests reached the origin within %v, more than one bucket allows (%d): %v", n, at[j].Sub(at[i]), bound, offsets(at, t0))
-			}
-		}
+	if err := fasterThanOneBucket(at, t0, 10, 100*time.Millisecond); err != nil {
+		t.Fatal(err)
 	}
 	t.Logf("%d served: %v", served, offsets(at, t0))
 }
@@ -406,5 +398,54 @@ func TestMaxWaitingBoundsAFlood(t *testing.T) {
 	}
 	if wait := time.Duration(res.Wait) * time.Microsecond; !res.Allowed || wait > 10*time.Minute || wait < 9*time.Minute {
 		t.Fatalf("after every waiter went, the next request: %+v; want it to wait one token's 10 minutes", res)
+	}
+}
+
+// fasterThanOneBucket reports a window of the arrivals at in which more
+// requests reached the origin than one bucket of capacity refilling a token
+// every interval admits: C + floor(T/interval). A request's trip from the
+// handler to the origin is late by a scheduler's whim on a loaded machine
+// (28 ms was seen with three suites on two cores), which shortens the window
+// it starts; 50 ms is allowed for that, half the interval, so that two
+// requests let go together are still caught.
+func fasterThanOneBucket(at []time.Time, t0 time.Time, capacity int, interval time.Duration) error {
+	const late = 50 * time.Millisecond
+	for i := range at {
+		for j := i; j < len(at); j++ {
+			span := at[j].Sub(at[i]) + late
+			if n, bound := j-i+1, capacity+int(span/interval); n > bound {
+				return fmt.Errorf("%d requests reached the origin within %v, more than one bucket of %d at one token every %v allows (%d): %v", n, at[j].Sub(at[i]), capacity, interval, bound, offsets(at, t0))
+			}
+		}
+	}
+	return nil
+}
+
+// The window check passes arrivals at the rate with a late one among them,
+// and fails two let go together or a burst beyond the capacity.
+func TestFasterThanOneBucketCatchesWhatTheBucketForbids(t *testing.T) {
+	t0 := time.Now()
+	ms := func(offsets ...int) []time.Time {
+		var at []time.Time
+		for _, o := range offsets {
+			at = append(at, t0.Add(time.Duration(o)*time.Millisecond))
+		}
+		return at
+	}
+	for _, c := range []struct {
+		name     string
+		capacity int
+		at       []time.Time
+		fails    bool
+	}{
+		{"at the rate, one 28 ms late", 1, ms(1, 102, 206, 328, 403, 502), false},
+		{"two let go together", 1, ms(1, 102, 206, 210, 403), true},
+		{"a full bucket, then the rate", 3, ms(0, 1, 2, 100, 200), false},
+		{"one more than the capacity at once", 3, ms(0, 1, 2, 3), true},
+		{"a second full bucket too soon", 3, ms(0, 1, 2, 150, 151, 152), true},
+	} {
+		if err := fasterThanOneBucket(c.at, t0, c.capacity, 100*time.Millisecond); (err != nil) != c.fails {
+			t.Errorf("%s: %v, want a failure %v", c.name, err, c.fails)
+		}
 	}
 }
