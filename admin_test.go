@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -67,6 +68,42 @@ func TestAdminBucketShowsEveryLimit(t *testing.T) {
 			}
 			if got.adminLimit != got.Limits[1] {
 				t.Errorf("top level %+v, want the binding limit's %+v", got.adminLimit, got.Limits[1])
+			}
+		})
+	}
+}
+
+// GET on a banned bucket says it is full when the ban ends, as Retry-After
+// does, in every store mode: it said one refill of the capacity from now
+// (a minute here), as if the hour's ban were not there.
+func TestAdminBucketUnderABanResetsWhenTheBanEnds(t *testing.T) {
+	srv := startRedis(t)
+	for i, mode := range storeModes(srv) {
+		t.Run(mode.name, func(t *testing.T) {
+			useFakeClock(t)
+			srv.do("FLUSHALL")
+			name := fmt.Sprint("admin_ban_", i)
+			s, admin := serveWithAdmin(t, fmt.Sprintf(`
+	rate_limit 2 1/m {
+		name %s
+		ban 1h
+		%s
+	}
+	respond "ok"`, name, mode.store))
+			var retry int
+			for range 3 {
+				r := s.from("127.0.0.2", "/")
+				retry, _ = strconv.Atoi(r.header.Get("Retry-After"))
+			}
+			if retry <= 3600 {
+				t.Fatalf("the third request's Retry-After %d, want the ban's hour and more", retry)
+			}
+			var got adminBucket
+			if status := getJSON(t, admin+"/rate_limit/buckets?policy="+name+"&value=127.0.0.2", &got); status != 200 {
+				t.Fatalf("GET: %d", status)
+			}
+			if got.Remaining != 0 || got.ResetAfter < 3600 || got.ResetAfter > int64(retry)+60 {
+				t.Errorf("GET under the ban: %+v; want 0 remaining, full again when the ban ends (Retry-After %d)", got.adminLimit, retry)
 			}
 		})
 	}

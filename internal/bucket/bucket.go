@@ -317,14 +317,20 @@ func wait(s State, now int64, l Limit, x int64) int64 {
 }
 
 // Peek reports the bucket as it stands at now, without taking: Allowed says
-// whether a unit-cost request would pass.
+// whether a unit-cost request would pass. A bucket that lacks more than its
+// capacity (a ban, a debt, waiters queued past empty) is full again when
+// its state says, not one refill of the capacity from now.
 func Peek(s State, now int64, l Limit) Result {
 	deficit := s.deficit(now, l)
 	level := l.Units() - deficit
+	reset := CeilDiv(deficit, l.Rate.Tokens)
+	if deficit == l.Units() {
+		reset = max(reset, s.FullAt-now)
+	}
 	return Result{
 		Allowed:    level >= l.Rate.Interval,
 		Remaining:  level / l.Rate.Interval,
-		ResetAfter: CeilDiv(deficit, l.Rate.Tokens),
+		ResetAfter: reset,
 	}
 }
 

@@ -137,3 +137,49 @@ func TestCostZeroWaitsOutABanAndADebt(t *testing.T) {
 		t.Fatalf("cost 0 on a full bucket: %+v, %+v; want allowed, nothing written", r, next)
 	}
 }
+
+// Peek's reset is when the bucket is full again, also for a bucket that
+// lacks more than its capacity: a ban, a debt, waiters queued past empty.
+// It used to say one refill of the capacity from now, so the admin API
+// showed a bucket banned for an hour full within seconds.
+func TestPeekResetIsWhenTheBucketIsFullAgain(t *testing.T) {
+	rate := Rate{Tokens: 1, Interval: second}
+	now := 100 * second
+	l := Limit{Capacity: 10, Rate: rate, Ban: 3600 * second}
+	banned, r := Take(State{FullAt: now + 10*second}, now, l, 1)
+	if !r.Banned {
+		t.Fatalf("an empty bucket's refusal under a ban: %+v", r)
+	}
+	debt := Charge(State{}, now, Limit{Capacity: 10, Rate: rate}, 500)
+	waiting := Limit{Capacity: 10, Rate: rate, MaxWait: 60 * second}
+	queued := State{}
+	for range 15 {
+		queued, r = Take(queued, now, waiting, 1)
+		if !r.Allowed {
+			t.Fatalf("a waiter within max_wait refused: %+v", r)
+		}
+	}
+	for _, c := range []struct {
+		name string
+		s    State
+		l    Limit
+		want int64
+	}{
+		{"banned for an hour", banned, l, 3600*second + 10*second},
+		{"500 tokens in debt", debt, Limit{Capacity: 10, Rate: rate}, 500 * second},
+		{"5 waiters past empty", queued, waiting, 15 * second},
+		{"3 taken of 10", State{FullAt: now + 3*second}, l, 3 * second},
+	} {
+		got := Peek(c.s, now, c.l)
+		if got.ResetAfter != c.want {
+			t.Errorf("%s: reset after %d µs, want %d", c.name, got.ResetAfter, c.want)
+		}
+		// Full at the reset and not a microsecond before.
+		if full := Peek(c.s, now+got.ResetAfter, c.l); full.Remaining != c.l.Capacity || full.ResetAfter != 0 {
+			t.Errorf("%s: at the reset %+v, want full", c.name, full)
+		}
+		if before := Peek(c.s, now+got.ResetAfter-1, c.l); before.ResetAfter != 1 {
+			t.Errorf("%s: 1 µs before the reset %+v, want 1 µs to go", c.name, before)
+		}
+	}
+}

@@ -353,9 +353,6 @@ func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
 func (sh *Shared) report(now int64, ls []Limit, qs []Quota, res *LeaseResult) {
 	for i, l := range ls {
 		r := Peek(sh.Levels[i], now, l)
-		if banned(sh.Levels[i], now, l) {
-			r.Remaining, r.ResetAfter = 0, sh.Levels[i].FullAt-now
-		}
 		if i == 0 || r.Remaining < res.Remaining {
 			res.Remaining = r.Remaining
 		}

@@ -109,9 +109,6 @@ func (sh *Shared) ReportEach(now int64, ls []Limit, qs []Quota, out []Result) {
 	sh.quotas(qs)
 	for i, l := range ls {
 		r := Peek(sh.Levels[i], now, l)
-		if banned(sh.Levels[i], now, l) {
-			r.Remaining, r.ResetAfter = 0, sh.Levels[i].FullAt-now
-		}
 		out[i] = Result{Remaining: r.Remaining, ResetAfter: r.ResetAfter}
 	}
 	for j, q := range qs {

@@ -353,7 +353,9 @@ local function peek(i)
   local d = deficit(i, now)
   local level = l.units - d
   local ok = level >= l.iv
-  return {ok = ok, rem = idiv(level, l.iv), retry = 0, reset = ceildiv(d, l.tok)}
+  local reset = ceildiv(d, l.tok)
+  if d == l.units then reset = math.max(reset, S[i].full - now) end
+  return {ok = ok, rem = idiv(level, l.iv), retry = 0, reset = reset}
 end
 -- ban_one empties limit i for the ban from now, unless a ban holds it;
 -- it answers as a denial and says whether it started one.

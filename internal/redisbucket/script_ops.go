@@ -125,7 +125,6 @@ local function report()
   local rem, reset = nil, 0
   for i = 1, n do
     local r = peek(i)
-    if banned(i) then r.rem, r.reset = 0, S[i].full - now end
     if rem == nil or r.rem < rem then rem = r.rem end
     reset = math.max(reset, r.reset)
   end
@@ -137,7 +136,6 @@ end
 local function each_level(r)
   for i = 1, n do
     local x = peek(i)
-    if banned(i) then x.rem, x.reset = 0, S[i].full - now end
     r[#r + 1], r[#r + 2] = x.rem, x.reset
   end
   for _, q in ipairs(Q) do
