@@ -145,8 +145,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		return nil
 	}
 	out := make([]bucket.Result, len(tier.limits)+len(tier.quotas))
-	allowed, err := h.peekAll(ctx, b, tier, out)
-	if err != nil {
+	if err := h.peekAll(ctx, b, tier, out); err != nil {
 		return err
 	}
 	for i, res := range out[:len(tier.limits)] {
@@ -158,7 +157,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	}
 	// The top-level fields show a limit: the binding one, or the first
 	// when a quota binds.
-	j := bindingLimit(out, allowed)
+	j := peekedBinding(out)
 	if j >= len(tier.limits) {
 		j = 0
 	}
@@ -166,26 +165,35 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	return nil
 }
 
+// peekedBinding is the binding one of peeked results: the least remaining
+// and, of equals, the one full last. A peek says no Retry-After, by which
+// bindingLimit picks among the limits that refuse a take; the latest
+// reset is the one a client refused by all waits for (a ban on an hour's
+// limit outlasts the one on a minute's).
+func peekedBinding(out []bucket.Result) int {
+	j := 0
+	for i, r := range out {
+		if r.Remaining < out[j].Remaining || r.Remaining == out[j].Remaining && r.ResetAfter > out[j].ResetAfter {
+			j = i
+		}
+	}
+	return j
+}
+
 // peekAll reads every limit and quota of a tier into out, the quotas'
-// after the limits', and says whether a unit request would pass all.
-func (h *Handler) peekAll(ctx context.Context, b *Bucket, tier *Tier, out []bucket.Result) (bool, error) {
+// after the limits'.
+func (h *Handler) peekAll(ctx context.Context, b *Bucket, tier *Tier, out []bucket.Result) error {
 	qs, ok := h.store.(QuotaStore)
 	if !ok {
 		if len(tier.quotas) > 0 {
-			return false, fmt.Errorf("the store keeps no quotas")
+			return fmt.Errorf("the store keeps no quotas")
 		}
 		// A store of another module: read by a take of cost 0.
-		return h.store.TakeAll(ctx, b, tier.limits, 0, out)
+		_, err := h.store.TakeAll(ctx, b, tier.limits, 0, out)
+		return err
 	}
 	n := len(tier.limits)
-	if err := qs.PeekQuotas(ctx, b, tier.limits, tier.quotas, out[:n], out[n:]); err != nil {
-		return false, err
-	}
-	allowed := true
-	for _, r := range out {
-		allowed = allowed && r.Allowed
-	}
-	return allowed, nil
+	return qs.PeekQuotas(ctx, b, tier.limits, tier.quotas, out[:n], out[n:])
 }
 
 func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {

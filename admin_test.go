@@ -73,39 +73,94 @@ func TestAdminBucketShowsEveryLimit(t *testing.T) {
 	}
 }
 
-// GET on a banned bucket says it is full when the ban ends, as Retry-After
-// does, in every store mode: it said one refill of the capacity from now
-// (a minute here), as if the hour's ban were not there.
-func TestAdminBucketUnderABanResetsWhenTheBanEnds(t *testing.T) {
+// GET says a bucket is full when it really is, and never before the
+// client may come back (Retry-After), in every store mode: under a ban, in
+// debt, and for a tier of several limits, where the top level is the
+// binding limit's. It said one refill of the capacity from now (two
+// minutes for an hour's ban), and a refused tier's top level was its first
+// limit's, however full (the review of issue 27's tests).
+func TestAdminResetCoversRetryAfter(t *testing.T) {
 	srv := startRedis(t)
-	for i, mode := range storeModes(srv) {
-		t.Run(mode.name, func(t *testing.T) {
-			useFakeClock(t)
-			srv.do("FLUSHALL")
-			name := fmt.Sprint("admin_ban_", i)
-			s, admin := serveWithAdmin(t, fmt.Sprintf(`
-	rate_limit 2 1/m {
-		name %s
-		ban 1h
-		%s
-	}
-	respond "ok"`, name, mode.store))
-			var retry int
-			for range 3 {
-				r := s.from("127.0.0.2", "/")
-				retry, _ = strconv.Atoi(r.header.Get("Retry-After"))
-			}
-			if retry <= 3600 {
-				t.Fatalf("the third request's Retry-After %d, want the ban's hour and more", retry)
-			}
-			var got adminBucket
-			if status := getJSON(t, admin+"/rate_limit/buckets?policy="+name+"&value=127.0.0.2", &got); status != 200 {
-				t.Fatalf("GET: %d", status)
-			}
-			if got.Remaining != 0 || got.ResetAfter < 3600 || got.ResetAfter > int64(retry)+60 {
-				t.Errorf("GET under the ban: %+v; want 0 remaining, full again when the ban ends (Retry-After %d)", got.adminLimit, retry)
-			}
-		})
+	origin := streamingOrigin(t, "60")
+	for ci, c := range []struct {
+		name, body, query string
+		requests          int
+		// check sees the last request's answer and Retry-After, and GET's.
+		check func(t *testing.T, r response, retry int, got adminBucket)
+	}{
+		{"one limit banned an hour", "rate_limit 2 1/m {\n name %s\n ban 1h\n %s\n }\n respond \"ok\"", "", 3,
+			func(t *testing.T, r response, retry int, got adminBucket) {
+				if retry <= 3600 {
+					t.Fatalf("the third request's Retry-After %d, want the ban's hour and more", retry)
+				}
+				if got.Remaining != 0 || got.ResetAfter < 3600 || got.ResetAfter > int64(retry)+60 {
+					t.Errorf("GET under the ban: %+v; want 0 remaining, full again when the ban ends", got.adminLimit)
+				}
+			}},
+		// 100 at 1/s, two requests that the origin says used 60 each:
+		// 22 in debt. The refusal says 23 s (the debt and the cost); GET
+		// about 122 s, the debt and then the whole capacity.
+		{"22 tokens in debt", "rate_limit {\n name %s\n tier llm 100 1/s {\n cost_from_response X-Tokens-Used\n }\n %s\n }\n reverse_proxy " + origin, "&tier=llm", 3,
+			func(t *testing.T, r response, retry int, got adminBucket) {
+				if r.status != 429 || retry < 22 || retry > 24 {
+					t.Fatalf("third request %d, Retry-After %d; want 429 and about 23", r.status, retry)
+				}
+				if got.Remaining != 0 || got.ResetAfter < int64(retry)+99-3 || got.ResetAfter > int64(retry)+99+3 {
+					t.Errorf("GET in debt: %+v; want 0 remaining, full in about %d s (Retry-After %d + 99)", got.adminLimit, retry+99, retry)
+				}
+			}},
+		// The fourth request is refused by the minute's limit: the top
+		// level is that limit's, as X-RateLimit-* report.
+		{"a tier refused by its second limit", "rate_limit {\n name %s\n tier api {\n limit 100 1/s\n limit 3 1/m\n }\n %s\n }\n respond \"ok\"", "&tier=api", 4,
+			func(t *testing.T, r response, retry int, got adminBucket) {
+				if r.status != 429 || retry < 58 || r.header.Get("X-RateLimit-Remaining") != "0" {
+					t.Fatalf("fourth request %d, Retry-After %d, remaining %q; want 429, about 60 s, 0", r.status, retry, r.header.Get("X-RateLimit-Remaining"))
+				}
+				if len(got.Limits) != 2 || got.Limits[1].Remaining != 0 || got.Limits[1].ResetAfter < 170 {
+					t.Fatalf("limits %+v; want the minute's empty, full in about 180 s", got.Limits)
+				}
+				if got.adminLimit != got.Limits[1] || got.ResetAfter < int64(retry) {
+					t.Errorf("top level %+v; want the binding limit's %+v (Retry-After %d)", got.adminLimit, got.Limits[1], retry)
+				}
+			}},
+		// Every limit is empty for the ban and refills after it: the
+		// hour's first token is back in 2 h (Retry-After), and the hour's
+		// limit is full in 11 h.
+		{"a banned tier of two limits", "rate_limit {\n name %s\n ban 1h\n tier api {\n limit 2 1/m\n limit 10 1/h\n }\n %s\n }\n respond \"ok\"", "&tier=api", 3,
+			func(t *testing.T, r response, retry int, got adminBucket) {
+				if r.status != 429 || retry < 7190 {
+					t.Fatalf("third request %d, Retry-After %d; want 429 and the ban's hour plus the hour's token", r.status, retry)
+				}
+				for j, l := range got.Limits {
+					if l.Remaining != 0 || l.ResetAfter < 3600 {
+						t.Errorf("limit %d under the ban: %+v; want 0 remaining, full after the ban", j+1, l)
+					}
+				}
+				if got.Remaining != 0 || got.ResetAfter < int64(retry) {
+					t.Errorf("top level under the ban %+v: full in %d s, before the client may come back (Retry-After %d); limits %+v", got.adminLimit, got.ResetAfter, retry, got.Limits)
+				}
+			}},
+	} {
+		for i, mode := range storeModes(srv) {
+			t.Run(c.name+"/"+mode.name, func(t *testing.T) {
+				useFakeClock(t)
+				srv.do("FLUSHALL")
+				// A policy of its own: the local store keeps buckets
+				// across a reload that keeps the name.
+				name := fmt.Sprint("admin_reset_", ci, "_", i)
+				s, admin := serveWithAdmin(t, fmt.Sprintf(c.body, name, mode.store))
+				var r response
+				for range c.requests {
+					r = s.from("127.0.0.2", "/?header=1")
+				}
+				retry, _ := strconv.Atoi(r.header.Get("Retry-After"))
+				var got adminBucket
+				if status := getJSON(t, admin+"/rate_limit/buckets?policy="+name+c.query+"&value=127.0.0.2", &got); status != 200 {
+					t.Fatalf("GET: %d", status)
+				}
+				c.check(t, r, retry, got)
+			})
+		}
 	}
 }
 

@@ -171,3 +171,31 @@ func TestMaxWaitDryRunAndMaxWaiting(t *testing.T) {
 		t.Fatalf("after the waiter went, the next request: %+v, %v; want allowed after exactly 1 s", res, err)
 	}
 }
+
+// A request that waits answers its RateLimit fields from when it goes on,
+// for every limit of its tier: the slowest limit's reset less the wait,
+// and a limit that had room taken when the request goes on, as its level
+// then says. They spoke from the decision: the minute's limit said 8 left
+// and 2 s to full, where 9 and 1 s were true when the headers went out.
+func TestAWaiterAnswersEachLimitFromWhenItGoesOn(t *testing.T) {
+	useFakeClock(t)
+	h, done := provisionedHandler(t, `{"name":"waited_items","headers":"ietf","max_wait":2000000000,"tiers":[{"name":"default","limits":[{"capacity":1,"refill":"1/s"},{"capacity":10,"refill":"1/s"}]}]}`)
+	defer done()
+	var got []string
+	for range 2 {
+		w := httptest.NewRecorder()
+		if err := h.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, w.Header().Get("RateLimit"))
+	}
+	// The first goes at once; the second waits 1 s for the first limit's
+	// token, and takes from the second limit when it goes on, when the
+	// first request's token is back there.
+	want := []string{`"default";r=0;t=1, "default-2";r=9;t=1`, `"default";r=0;t=1, "default-2";r=9;t=1`}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("request %d: RateLimit %q, want %q", i+1, got[i], want[i])
+		}
+	}
+}

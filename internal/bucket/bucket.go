@@ -325,7 +325,7 @@ func Peek(s State, now int64, l Limit) Result {
 	level := l.Units() - deficit
 	reset := CeilDiv(deficit, l.Rate.Tokens)
 	if deficit == l.Units() {
-		reset = max(reset, s.FullAt-now)
+		reset = max(reset, untilLevel(s, now, l, l.Units()))
 	}
 	return Result{
 		Allowed:    level >= l.Rate.Interval,

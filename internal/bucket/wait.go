@@ -115,7 +115,10 @@ func goTogether(states, next []State, now int64, ls []Limit, cost int64, out []R
 	}
 	for i, l := range ls {
 		if out[i].Wait < w {
-			next[i] = stateAt(now+w, settledDeficit(states[i], now, now+w, l, held)+cost*l.Rate.Interval, l)
+			d, need := settledDeficit(states[i], now, now+w, l, held), cost*l.Rate.Interval
+			next[i] = stateAt(now+w, d+need, l)
+			// Its answer speaks of that take, as the slowest limit's does.
+			out[i] = Result{Allowed: true, Wait: w, Remaining: max(0, l.Units()-d-need) / l.Rate.Interval, ResetAfter: next[i].FullAt - now}
 		}
 	}
 }

@@ -354,7 +354,7 @@ local function peek(i)
   local level = l.units - d
   local ok = level >= l.iv
   local reset = ceildiv(d, l.tok)
-  if d == l.units then reset = math.max(reset, S[i].full - now) end
+  if d == l.units then reset = math.max(reset, until_level(i, l.units)) end
   return {ok = ok, rem = idiv(level, l.iv), retry = 0, reset = reset}
 end
 -- ban_one empties limit i for the ban from now, unless a ban holds it;

@@ -98,7 +98,9 @@ if op == 'take' then
     end
     for i = 1, n do
       if res[i].retry < w then
-        S[i] = state_at(now + w, settled(i, now + w) + count * L[i].iv, L[i])
+        local d, need = settled(i, now + w), count * L[i].iv
+        S[i] = state_at(now + w, d + need, L[i])
+        res[i] = {ok = true, rem = idiv(math.max(0, L[i].units - d - need), L[i].iv), retry = w, reset = S[i].full - now, state = S[i]}
       else
         S[i] = res[i].state
       end
