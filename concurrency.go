@@ -91,7 +91,8 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 	}
 	if !ok {
 		d.refusedBy = refusedNoSlot
-		refused := bucket.Result{Remaining: res.Remaining, RetryAfter: 1e6, ResetAfter: res.ResetAfter}
+		// Wait: it may have waited for its tokens first (goingOn).
+		refused := bucket.Result{Remaining: res.Remaining, RetryAfter: 1e6, ResetAfter: res.ResetAfter, Wait: res.Wait}
 		if h.DryRun {
 			// Let through, as a dry run does, with the tokens it took.
 			return refused, nil

@@ -115,7 +115,7 @@ func (h *Handler) render(d *decision) {
 	buf := d.text[:0]
 	var at [3]int // where the x values and Retry-After end
 	if h.xHeaders {
-		buf = strconv.AppendInt(buf, d.result.Remaining, 10)
+		buf = strconv.AppendInt(buf, d.goingOn(int(d.binding), d.result).Remaining, 10)
 		at[0] = len(buf)
 		buf = strconv.AppendInt(buf, d.resetEpoch(), 10)
 		at[1] = len(buf)
@@ -144,7 +144,7 @@ func (h *Handler) render(d *decision) {
 		v.policy[0] = d.tier.policyText
 		if len(d.tier.quotas) > 0 {
 			// A quota's window is its period's length, which changes.
-			v.policy[0] = string(d.appendQuotaPolicy([]byte(d.tier.policyText), d.start.UnixMicro()))
+			v.policy[0] = string(d.appendQuotaPolicy([]byte(d.tier.policyText), d.start.UnixMicro()+d.result.Wait))
 		}
 		v.ietf[0] = text[at[2]:]
 	}
@@ -217,7 +217,7 @@ func (d *decision) placeholder(key string) (any, bool) {
 		}
 		return d.tier.limit.Capacity, true
 	case "remaining":
-		return d.result.Remaining, true
+		return d.goingOn(int(d.binding), d.result).Remaining, true
 	case "reset":
 		return d.resetEpoch(), true
 	case "retry_after":
@@ -236,7 +236,33 @@ func (d *decision) keyID() string { return keyID(&d.bucket) }
 
 // resetEpoch is the Unix second at which the bucket is full again.
 func (d *decision) resetEpoch() int64 {
-	return secondsUp(d.start.UnixMicro() + d.result.ResetAfter)
+	return secondsUp(d.start.UnixMicro() + d.result.Wait + d.goingOn(int(d.binding), d.result).ResetAfter)
+}
+
+// goingOn is result r of the tier's i-th limit (or, past the limits, its
+// quota) as it stands when the request goes on, after it waited for its
+// tokens (max_wait): the store answered at the decision, d.start, and the
+// headers go out Wait later. Its reset counts from then; a quota whose
+// period ended meanwhile speaks of the next period, which did not count
+// the request (the one before did), so all of it is left.
+func (d *decision) goingOn(i int, r bucket.Result) bucket.Result {
+	if d.result.Wait == 0 {
+		// Most requests: inlined, nothing to do.
+		return r
+	}
+	return d.afterWait(i, r)
+}
+
+// afterWait is goingOn for a request that waited.
+func (d *decision) afterWait(i int, r bucket.Result) bucket.Result {
+	w := d.result.Wait
+	if j := i - len(d.tier.limits); d.limits != nil && j >= 0 && r.ResetAfter <= w {
+		q, at := d.tier.quotas[j], d.start.UnixMicro()+w
+		_, end := q.Bounds(at)
+		return bucket.Result{Allowed: r.Allowed, Remaining: q.N, ResetAfter: end - at}
+	}
+	r.ResetAfter = max(0, r.ResetAfter-w)
+	return r
 }
 
 // retryAfterSeconds is Retry-After: whole seconds, at least 1.
@@ -286,13 +312,13 @@ func (d *decision) appendIETF(buf []byte) []byte {
 	switch {
 	case len(d.tier.limits) == 0:
 	case d.limits == nil:
-		buf = appendIETFItem(buf, d.tier.quotedName, d.result)
+		buf = appendIETFItem(buf, d.tier.quotedName, d.goingOn(0, d.result))
 	default:
 		for i := range d.tier.limits {
 			if i > 0 {
 				buf = append(buf, ", "...)
 			}
-			buf = appendIETFItem(buf, d.tier.itemName(i), d.limits[i])
+			buf = appendIETFItem(buf, d.tier.itemName(i), d.goingOn(i, d.limits[i]))
 		}
 	}
 	if len(d.tier.quotas) > 0 && d.limits != nil {

@@ -123,7 +123,8 @@ func (d *decision) appendQuotaPolicy(buf []byte, now int64) []byte {
 func (d *decision) appendQuotaItems(buf []byte) []byte {
 	for i, q := range d.tier.quotas {
 		buf = append(buf, ", "...)
-		buf = appendIETFItem(buf, strconv.Quote(d.tier.Name+"-"+q.Period.String()), d.limits[len(d.tier.limits)+i])
+		j := len(d.tier.limits) + i
+		buf = appendIETFItem(buf, strconv.Quote(d.tier.Name+"-"+q.Period.String()), d.goingOn(j, d.limits[j]))
 	}
 	return buf
 }

@@ -78,15 +78,9 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 	select {
 	case <-timer.C:
 		d.tier.waitTime.Observe(float64(res.Wait) / 1e6)
-		// The headers speak from when the request goes on.
-		d.start = d.start.Add(time.Duration(res.Wait) * time.Microsecond)
-		res.ResetAfter = max(0, res.ResetAfter-res.Wait)
-		if d.limits != nil {
-			// And so does each limit's and quota's RateLimit item.
-			for i := range d.limits[:len(d.tier.limits)+len(d.tier.quotas)] {
-				d.limits[i].ResetAfter = max(0, d.limits[i].ResetAfter-res.Wait)
-			}
-		}
+		// The results still speak from the decision, which a give-back
+		// names its quota period by; the headers from when the request
+		// goes on (decision.goingOn).
 		return res, nil
 	case <-r.Context().Done():
 		h.giveBackTaken(r, d, "client gone")

@@ -110,11 +110,15 @@ func goTogether(states, next []State, now int64, ls []Limit, cost int64, out []R
 	for i := range ls {
 		w = max(w, out[i].Wait)
 	}
-	if w == 0 || cost == 0 {
+	if w == 0 {
 		return
 	}
 	for i, l := range ls {
-		if out[i].Wait < w {
+		if out[i].Wait < w && cost == 0 {
+			// Nothing to take: its level when the request goes on.
+			out[i].Wait = w
+			out[i].Remaining = max(0, l.Units()-settledDeficit(states[i], now, now+w, l, held)) / l.Rate.Interval
+		} else if out[i].Wait < w {
 			d, need := settledDeficit(states[i], now, now+w, l, held), cost*l.Rate.Interval
 			next[i] = stateAt(now+w, d+need, l)
 			// Its answer speaks of that take, as the slowest limit's does.

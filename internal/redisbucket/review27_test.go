@@ -85,7 +85,8 @@ func r27State(rng *rand.Rand, base int64, l bucket.Limit) bucket.State {
 	return bucket.State{FullAt: base + 2*second + gap, Slack: rng.Int64N(writer.Rate.Tokens), Banned: rng.IntN(3) == 0}
 }
 
-// r27Text is the key's value for sh, as the script writes it.
+// r27Text is the key's value for sh, as the script writes it, the leases'
+// quota marks included.
 func r27Text(sh *bucket.Shared, qs []bucket.Quota) string {
 	st := func(s bucket.State) string {
 		if s.FullAt == 0 {
@@ -108,7 +109,11 @@ func r27Text(sh *bucket.Shared, qs []bucket.Quota) string {
 		if h.Void {
 			void = 1
 		}
-		segs = append(segs, fmt.Sprintf("l:%s:%d:%d:%d:%d", h.Node, h.Tokens, h.Expires, h.Seq, void))
+		seg := fmt.Sprintf("l:%s:%d:%d:%d:%d", h.Node, h.Tokens, h.Expires, h.Seq, void)
+		if h.QStop > 0 {
+			seg += fmt.Sprintf(":%d:%d", h.QStop, h.Mask)
+		}
+		segs = append(segs, seg)
 	}
 	for j, q := range sh.Quotas {
 		if q.Used > 0 {

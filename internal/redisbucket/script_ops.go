@@ -93,11 +93,15 @@ if op == 'take' then
     -- bucket.go's goTogether: a request that waits takes from every limit
     -- when the slowest lets it go on.
     local w = 0
-    if maxwait > 0 and count > 0 then
+    if maxwait > 0 then
       for i = 1, n do w = math.max(w, res[i].retry) end
     end
     for i = 1, n do
-      if res[i].retry < w then
+      if res[i].retry < w and count == 0 then
+        res[i].rem = idiv(math.max(0, L[i].units - settled(i, now + w)), L[i].iv)
+        res[i].retry = w
+        S[i] = res[i].state
+      elseif res[i].retry < w then
         local d, need = settled(i, now + w), count * L[i].iv
         S[i] = state_at(now + w, d + need, L[i])
         res[i] = {ok = true, rem = idiv(math.max(0, L[i].units - d - need), L[i].iv), retry = w, reset = S[i].full - now, state = S[i]}
