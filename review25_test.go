@@ -37,6 +37,30 @@ func review25Remaining(t *testing.T, h *Handler, ip string) string {
 	return rec.Header().Get("X-RateLimit-Remaining")
 }
 
+// reloadMidRequest serves one request from ip through a handler of cfg
+// whose origin reloads the same config (the new handler provisioned, the
+// old cleaned up, as Caddy does), sets the response's headers with
+// answer, and answers 200. It returns the handler that runs after.
+func reloadMidRequest(t *testing.T, cfg, ip string, answer func(http.ResponseWriter)) *Handler {
+	t.Helper()
+	old, doneOld := provisionedHandler(t, cfg)
+	t.Cleanup(doneOld)
+	var running *Handler
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		var doneNew func()
+		running, doneNew = provisionedHandler(t, cfg)
+		t.Cleanup(doneNew)
+		_ = old.Cleanup()
+		answer(w)
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	if code := review25Serve(t, old, ip, next); code != 200 {
+		t.Fatalf("the request: %d", code)
+	}
+	return running
+}
+
 // Defect: settle.go giveBackTaken (settle.go:162-166) and
 // chargeFromResponse (settle.go:129-131) do nothing for a tier of several
 // limits once the handler that took is no longer live (takerLive,
@@ -53,23 +77,8 @@ func TestReview25GiveBackOfSeveralLimitsSurvivesAReloadThatChangesNothing(t *tes
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			cfg := `{"name":"review25-reload-` + strings.ReplaceAll(tt.name, " ", "-") + `","count_status":["401"],"tiers":[{"name":"default",` + tt.tier + `}]}`
-			old, doneOld := provisionedHandler(t, cfg)
-			defer doneOld()
-			var running *Handler
-			var doneNew func()
-			// The origin answers 200 (does not count) after a reload of
-			// the same config: the new handler is provisioned, the old
-			// cleaned up, as Caddy does.
-			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-				running, doneNew = provisionedHandler(t, cfg)
-				_ = old.Cleanup()
-				w.WriteHeader(http.StatusOK)
-				return nil
-			})
-			if code := review25Serve(t, old, "127.0.0.7", next); code != 200 {
-				t.Fatalf("the request: %d", code)
-			}
-			defer doneNew()
+			// The origin answers 200 (does not count).
+			running := reloadMidRequest(t, cfg, "127.0.0.7", func(http.ResponseWriter) {})
 			// The next request (a 200 too, but counted here as taken) leaves 2.
 			if got := review25Remaining(t, running, "127.0.0.7"); got != "2" {
 				t.Errorf("after a 200 (uncounted) across a reload of the same config, the next request sees %s of 3 left, want 2: the give-back was dropped", got)
@@ -91,21 +100,7 @@ func TestReview25ChargeOfSeveralLimitsSurvivesAReloadThatChangesNothing(t *testi
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			cfg := `{"name":"review25-charge-` + strings.ReplaceAll(tt.name, " ", "-") + `","tiers":[{"name":"default","cost_from_response":"X-Used",` + tt.tier + `}]}`
-			old, doneOld := provisionedHandler(t, cfg)
-			defer doneOld()
-			var running *Handler
-			var doneNew func()
-			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-				running, doneNew = provisionedHandler(t, cfg)
-				_ = old.Cleanup()
-				w.Header().Set("X-Used", "40")
-				w.WriteHeader(http.StatusOK)
-				return nil
-			})
-			if code := review25Serve(t, old, "127.0.0.8", next); code != 200 {
-				t.Fatalf("the request: %d", code)
-			}
-			defer doneNew()
+			running := reloadMidRequest(t, cfg, "127.0.0.8", func(w http.ResponseWriter) { w.Header().Set("X-Used", "40") })
 			// The next request: 100-1-40-1 left.
 			if got := review25Remaining(t, running, "127.0.0.8"); got != "58" {
 				t.Errorf("after a reported cost of 40 across a reload of the same config, the next request sees %s of 100 left, want 58: the charge was dropped", got)

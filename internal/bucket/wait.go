@@ -114,15 +114,18 @@ func goTogether(states, next []State, now int64, ls []Limit, cost int64, out []R
 		return
 	}
 	for i, l := range ls {
-		if out[i].Wait < w && cost == 0 {
+		if out[i].Wait == w {
+			continue
+		}
+		d, need := settledDeficit(states[i], now, now+w, l, held), cost*l.Rate.Interval
+		if cost == 0 {
 			// Nothing to take: its level when the request goes on.
 			out[i].Wait = w
-			out[i].Remaining = max(0, l.Units()-settledDeficit(states[i], now, now+w, l, held)) / l.Rate.Interval
-		} else if out[i].Wait < w {
-			d, need := settledDeficit(states[i], now, now+w, l, held), cost*l.Rate.Interval
-			next[i] = stateAt(now+w, d+need, l)
-			// Its answer speaks of that take, as the slowest limit's does.
-			out[i] = Result{Allowed: true, Wait: w, Remaining: max(0, l.Units()-d-need) / l.Rate.Interval, ResetAfter: next[i].FullAt - now}
+			out[i].Remaining = max(0, l.Units()-d) / l.Rate.Interval
+			continue
 		}
+		next[i] = stateAt(now+w, d+need, l)
+		// Its answer speaks of that take, as the slowest limit's does.
+		out[i] = Result{Allowed: true, Wait: w, Remaining: max(0, l.Units()-d-need) / l.Rate.Interval, ResetAfter: next[i].FullAt - now}
 	}
 }

@@ -46,9 +46,15 @@ func r27Tier(rng *rand.Rand) []bucket.Limit {
 	}
 	if rng.IntN(3) == 0 {
 		mw = 1 + rng.Int64N(2*full+1)
-		for _, l := range ls {
-			mw = min(mw, min(l.Units()*1000, 1<<52-l.Units())/l.Rate.Tokens)
-		}
+	}
+	return r27Valid(ls, ban, mw)
+}
+
+// r27Valid gives every limit of ls the ban and max_wait, the latter cut to
+// what each limit's Validate accepts.
+func r27Valid(ls []bucket.Limit, ban, mw int64) []bucket.Limit {
+	for _, l := range ls {
+		mw = min(mw, min(l.Units()*1000, 1<<52-l.Units())/l.Rate.Tokens)
 	}
 	for i := range ls {
 		ls[i].Ban, ls[i].MaxWait = ban, mw

@@ -40,16 +40,7 @@ func r27bTier(rng *rand.Rand) []bucket.Limit {
 	if rng.IntN(3) == 0 {
 		ban = 1 + rng.Int64N(5*full+1)
 	}
-	for _, l := range ls {
-		mw = min(mw, min(l.Units()*1000, 1<<52-l.Units())/l.Rate.Tokens)
-	}
-	for i := range ls {
-		ls[i].Ban, ls[i].MaxWait = ban, mw
-		if err := ls[i].Validate(1); err != nil {
-			panic(err)
-		}
-	}
-	return ls
+	return r27Valid(ls, ban, mw)
 }
 
 // Claim 3: on random stored buckets, a take of several waiting limits

@@ -97,14 +97,16 @@ if op == 'take' then
       for i = 1, n do w = math.max(w, res[i].retry) end
     end
     for i = 1, n do
-      if res[i].retry < w and count == 0 then
-        res[i].rem = idiv(math.max(0, L[i].units - settled(i, now + w)), L[i].iv)
-        res[i].retry = w
-        S[i] = res[i].state
-      elseif res[i].retry < w then
+      if res[i].retry < w then
         local d, need = settled(i, now + w), count * L[i].iv
-        S[i] = state_at(now + w, d + need, L[i])
-        res[i] = {ok = true, rem = idiv(math.max(0, L[i].units - d - need), L[i].iv), retry = w, reset = S[i].full - now, state = S[i]}
+        if count == 0 then
+          res[i].rem = idiv(math.max(0, L[i].units - d), L[i].iv)
+          res[i].retry = w
+          S[i] = res[i].state
+        else
+          S[i] = state_at(now + w, d + need, L[i])
+          res[i] = {ok = true, rem = idiv(math.max(0, L[i].units - d - need), L[i].iv), retry = w, reset = S[i].full - now, state = S[i]}
+        end
       else
         S[i] = res[i].state
       end
