@@ -109,9 +109,11 @@ type Handler struct {
 	// form limits failed attempts only.
 	CountStatus []string `json:"count_status,omitempty"`
 
-	// Ban, when set, holds a denied client's bucket empty for this long
-	// from the denial, in the shared store too. Denials during the ban do
-	// not extend it; when it ends, the bucket refills from empty.
+	// Ban, when set, holds a client's bucket empty for this long from a
+	// denial that one bucket would give, in the shared store too (with
+	// leases, a refusal caused only by tokens on other nodes' leases bans
+	// nobody: docs/fleet.md). Denials during the ban do not extend it;
+	// when it ends, the bucket refills from empty.
 	Ban caddy.Duration `json:"ban,omitempty"`
 
 	// MaxWait, when set, lets a request whose tokens are due within it wait

@@ -82,9 +82,13 @@ type LeaseResult struct {
 	// cost; 0 when it does.
 	RetryAfter int64
 	// HoldOff is, when fewer than the tokens asked for were granted, the
-	// microseconds until the shared bucket holds them (after a ban: the
-	// cost); 0 otherwise.
-	HoldOff int64
+	// microseconds until the shared bucket's limits hold them (after a
+	// ban: the cost); 0 otherwise. QuotaHold is the same for its quotas:
+	// until the end of the period of a quota that lacks them. The node
+	// holds its calls off for the first, and for the second no longer
+	// than a while, since a give-back elsewhere may return a quota early.
+	HoldOff   int64
+	QuotaHold int64
 	// ResetAfter is the microseconds until the shared bucket is full again.
 	ResetAfter int64
 	// Banned says that this refusal started a ban.
@@ -93,6 +97,15 @@ type LeaseResult struct {
 	// what it holds was counted in a quota period that has ended: it must
 	// drop what it holds.
 	Drop bool
+	// Void says that the node's record holds tokens a ban voided: the node
+	// gives back (Return) what it did not spend of them, so that the
+	// quotas count only what it admitted. When the bucket would grant,
+	// nothing is granted (Granted and RetryAfter are 0): the node asks
+	// again once its give-back is in.
+	Void bool
+	// BanHolds says that a ban holds the bucket empty: requests are
+	// refused until RetryAfter, and starting another is moot.
+	BanHolds bool
 	// Until, with quotas, is the microseconds until the end of the quota
 	// period that counted the tokens: the node may not spend them after.
 	// 0 without quotas.
@@ -182,6 +195,17 @@ func (sh *Shared) voidAll() {
 	}
 }
 
+// banHolds reports whether a ban holds some limit empty at now: its
+// refill has not begun.
+func (sh *Shared) banHolds(now int64, ls []Limit) bool {
+	for i, l := range ls {
+		if s := sh.Levels[i]; s.Banned && banned(s, now, l) {
+			return true
+		}
+	}
+	return false
+}
+
 // Banned reports whether a ban emptied the bucket since a request was last
 // allowed.
 func (sh *Shared) Banned(now int64) bool {
@@ -240,11 +264,16 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	mine := sh.find(a.Node)
 	if mine >= 0 {
 		h := &sh.Held[mine]
+		h.Tokens = min(h.Tokens, max(a.Held, 0))
 		switch {
-		case h.Void, h.Mask != 0 && h.QStop <= now:
+		case h.Mask != 0 && h.QStop <= now:
+			// Counted in a period that has ended: spent or not, they are
+			// that period's.
 			res.Drop, h.Tokens = true, 0
-		default:
-			h.Tokens = min(h.Tokens, max(a.Held, 0))
+		case h.Void:
+			// A ban voided them: the node drops them, and gives back what
+			// it did not spend (it may spend some while this call is out).
+			res.Drop, res.Void = true, h.Tokens > 0
 		}
 	}
 	if len(qs) > 0 {
@@ -273,12 +302,11 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 			if res.Banned {
 				sh.voidAll()
 			}
-			// The node drops what it holds, and starts again after the
-			// ban from one request's cost.
+			// The node drops what it holds, gives back what it did not
+			// spend (Void), and starts again after the ban from one
+			// request's cost.
 			res.Drop, want = true, a.Cost
-			if mine >= 0 {
-				sh.Held[mine].Tokens = 0
-			}
+			res.Void = mine >= 0 && sh.Held[mine].Tokens > 0
 		}
 		if mine >= 0 && sh.Held[mine].Tokens == 0 {
 			sh.Held = slices.Delete(sh.Held, mine, mine+1)
@@ -286,8 +314,17 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 			// The node's next give-back names this call.
 			sh.Held[mine].Seq = a.Seq
 		}
-		res.RetryAfter = max(sh.wait(now, ls, a.Cost), quotaWait)
-		res.HoldOff = max(res.RetryAfter, sh.wait(now, ls, want))
+		limitWait := sh.wait(now, ls, a.Cost)
+		res.RetryAfter = max(limitWait, quotaWait)
+		res.HoldOff = max(limitWait, sh.wait(now, ls, want))
+		res.QuotaHold = quotaWait
+		sh.report(now, ls, qs, &res)
+		return res
+	}
+	if res.Void {
+		// The node gives back what the ban left it first: its record
+		// names this call, and nothing is granted beside it.
+		sh.Held[mine].Seq = a.Seq
 		sh.report(now, ls, qs, &res)
 		return res
 	}
@@ -320,9 +357,12 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	}
 	res.Granted = grant
 	if grant < a.Want {
-		res.HoldOff = max(sh.wait(now, ls, a.Want), sh.quotaWait(now, qs, a.Want))
+		res.HoldOff = sh.wait(now, ls, a.Want)
 	}
-	res.RetryAfter = sh.wait(now, ls, a.Cost)
+	// A quota the grant used up refuses the next request until its
+	// period ends, as a limit's refill does.
+	res.QuotaHold = sh.quotaWait(now, qs, a.Cost)
+	res.RetryAfter = max(sh.wait(now, ls, a.Cost), res.QuotaHold)
 	sh.report(now, ls, qs, &res)
 	return res
 }
@@ -351,6 +391,7 @@ func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
 // report fills in the levels a lease result tells the node: the least
 // remaining, of limits and quotas, and the latest reset of a limit.
 func (sh *Shared) report(now int64, ls []Limit, qs []Quota, res *LeaseResult) {
+	res.BanHolds = sh.banHolds(now, ls)
 	for i, l := range ls {
 		r := Peek(sh.Levels[i], now, l)
 		if i == 0 || r.Remaining < res.Remaining {

@@ -125,6 +125,70 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 	t.Logf("fleet %d, one bucket %d", fleetAdmitted, oneAdmitted)
 }
 
+// With leases, a ban starts when one bucket would refuse: the shared level
+// plus the tokens out on lease cannot cover the cost. The first refusal, made
+// only because another node holds the tokens, answers a refill wait and bans
+// nobody, and the holder still spends them; once they are spent, the next
+// refusal bans, and after the ban's start plus lease_ttl no node admits a
+// request until the ban is over.
+func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 7200 * second}
+	a := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
+	b := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
+	defer a.close()
+	defer b.close()
+	take := func(node *leaseTable) bucket.Result {
+		t.Helper()
+		res, err := node.take(bg, []byte("k"), l, 1)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	for range 3 {
+		take(a) // leases of 1 and 2, then a prefetch: a holds tokens
+	}
+	held := a.heldTokens("k")
+	if held == 0 {
+		t.Fatal("node a holds no tokens")
+	}
+	var refused bucket.Result
+	for range 20 {
+		if refused = take(b); !refused.Allowed {
+			break
+		}
+	}
+	if refused.Allowed || refused.Banned || m.states["k"].Banned(clock.now()) {
+		t.Fatalf("b refused with %d tokens on a's lease: %+v, banned %v; want a refusal that bans nobody", held, refused, m.states["k"].Banned(clock.now()))
+	}
+	if refused.RetryAfter >= l.Ban {
+		t.Errorf("the refusal's Retry-After is %d µs, the ban's; want a refill wait", refused.RetryAfter)
+	}
+	for range held {
+		if res := take(a); !res.Allowed {
+			t.Fatalf("a's held token refused: %+v", res)
+		}
+	}
+	res := take(b)
+	if res.Allowed || !res.Banned {
+		t.Fatalf("b's refusal with nothing out on lease: %+v; want the ban started", res)
+	}
+	start := clock.now()
+	clock.advance(time.Second) // lease_ttl
+	for clock.now() < start+l.Ban {
+		for _, node := range []*leaseTable{a, b} {
+			if res := take(node); res.Allowed {
+				t.Fatalf("admitted %d µs after the ban started, past lease_ttl", clock.now()-start)
+			}
+		}
+		clock.advance(30 * time.Second)
+	}
+}
+
 // A refused request is told when the shared bucket holds its cost, not the
 // node's next lease, and the node calls again by then: lease 10% of 100 at
 // 1/s is a lease of 10 tokens, 10 s of refill, but one request waits 1 s.

@@ -131,6 +131,9 @@ type lease struct {
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
 	banUntil int64
+	// quotaUntil: the last call found a quota used up; no call for this
+	// bucket before then, ban setting or not (a quota starts no ban).
+	quotaUntil int64
 	// reserved is the tokens requests took in the shared bucket, not from
 	// the lease (max_wait): a give-back returns those there first.
 	reserved int64
@@ -332,7 +335,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int
 func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 	e.tokens -= cost
 	switch {
-	case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil:
+	case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil:
 		t.fetch(e, cost, now, true)
 	case e.tokens == 0 && e.recorded > 0 && e.tier.first().Ban > 0 && e.call == nil:
 		t.giveBackLater([]leaseReturn{e.takeBack()})
@@ -349,7 +352,7 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // than wait on it; what the call brings stays for the next requests, so
 // nothing is lost, and allowed requests do not wait.
 func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer)
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer)
 }
 
 // lapsed says whether the tokens e holds may no longer be spent: lease_ttl

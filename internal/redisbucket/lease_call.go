@@ -59,7 +59,10 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			}
 		}
 		e.call = nil
-		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0
+		// A refusal says when the cost is back; an answer that grants
+		// nothing and says no such time asks the node to give back what
+		// a ban voided first, and to ask again (LeaseResult.Void).
+		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0 && lr.RetryAfter > 0
 		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
 		if lr.Banned {
 			if c.abandoned || ask.Prefetch {
@@ -81,8 +84,14 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, sent int64) {
 	e.size = ask.Want
 	if lr.Drop {
-		// A ban started since the last call: what the node holds is void,
-		// and after the ban it starts again from one request's cost.
+		// A ban started since the last call, or the quota period of what
+		// the node holds ended: it is void, and the node starts again from
+		// one request's cost. What a ban voided and the node did not
+		// spend goes back, so that the quotas count only what was
+		// admitted.
+		if lr.Void && e.tokens > 0 {
+			t.giveBackLater([]leaseReturn{e.takeBack()})
+		}
 		e.tokens, e.recorded, e.size = 0, 0, 0
 	} else {
 		e.tokens, e.recorded = min(e.tokens, ask.Held), min(e.recorded, ask.Held)
@@ -102,10 +111,18 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		e.stopTimer()
 		e.stopTimer = nil
 	}
-	e.holdUntil, e.banUntil = 0, 0
+	e.holdUntil, e.banUntil, e.quotaUntil = 0, 0, 0
 	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
-	if lr.Drop && lr.Granted == 0 {
+	if lr.BanHolds && lr.Granted == 0 {
+		// Refused under a ban: the requests until it is over are refused
+		// here, and start no other (a refusal during a ban does not).
 		e.banUntil = sent + lr.RetryAfter
+	}
+	if lr.QuotaHold > 0 {
+		// A used-up quota: no call before its period ends, but for no
+		// longer than strict mode's deny cache keeps a quota's refusal,
+		// so that a give-back or a reset elsewhere is seen as soon.
+		e.quotaUntil = sent + min(lr.QuotaHold, quotaDenyFor.Microseconds())
 	}
 	if lr.HoldOff > 0 {
 		// From when the call was sent, so that nodes far from the store
@@ -184,15 +201,20 @@ func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a buck
 		prefetch = 1
 	}
 	args := s.argsWithQuotas("lease", ls, qs, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
-	v, err := s.call(context.Background(), key, args, false, 9+2*(len(ls)+len(qs)))
+	v, err := s.call(context.Background(), key, args, false, leaseAnswer+2*(len(ls)+len(qs)))
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
 	}
 	for i := range each {
-		each[i] = bucket.Result{Remaining: v[9+2*i], ResetAfter: v[10+2*i]}
+		each[i] = bucket.Result{Remaining: v[leaseAnswer+2*i], ResetAfter: v[leaseAnswer+1+2*i]}
 	}
-	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1, Until: v[8]}, v[7], nil
+	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1,
+		Until: v[8], QuotaHold: v[9], Void: v[10] == 1, BanHolds: v[11] == 1}, v[7], nil
 }
+
+// leaseAnswer is how many values a lease's answer has before each limit's
+// and quota's level.
+const leaseAnswer = 12
 
 // giveBack returns the unused tokens of node's leases to their buckets in
 // one pipeline, and reports how many went back.

@@ -48,11 +48,17 @@ func (t *leaseTable) giveBackHeldSince(key []byte, n, took int64) int64 {
 	}
 	shared := min(n, e.reserved)
 	e.reserved -= shared
-	if t.lapsed(e, t.now()) || e.spendBy != 0 && took < e.periodFrom {
-		return n
+	var put int64
+	if !t.lapsed(e, t.now()) && (e.spendBy == 0 || took >= e.periodFrom) {
+		put = min(n-shared, e.recorded-e.tokens)
+		e.tokens += put
 	}
-	put := min(n-shared, e.recorded-e.tokens)
-	e.tokens += put
+	if n > put {
+		// The rest goes to the shared bucket: it may cover a request
+		// there now, so the node's hold-offs no longer hold (as strict
+		// mode's give-back forgets a cached denial).
+		e.holdUntil, e.quotaUntil = 0, 0
+	}
 	return n - put
 }
 
@@ -87,7 +93,7 @@ func (t *leaseTable) reset(key []byte) {
 	if e := sh.m[string(key)]; e != nil && e.call == nil {
 		delete(sh.m, e.key)
 	} else if e != nil {
-		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil = 0, 0, 0, 0, 0
+		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil, e.quotaUntil = 0, 0, 0, 0, 0, 0
 	}
 	sh.mu.Unlock()
 }

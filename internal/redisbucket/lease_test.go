@@ -571,3 +571,244 @@ func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 		}
 	}
 }
+
+// quotaTier is a tier whose limit never binds, and a daily quota of n in
+// UTC: what a request is refused by is the quota.
+func quotaTier(n int64, ban int64) Tier {
+	return Tier{
+		Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}, Ban: ban}},
+		Quotas: []bucket.Quota{{N: n, Period: bucket.Day, Loc: time.UTC}},
+	}
+}
+
+// spendQuota takes requests of cost 1 on node until the quota refuses
+// one, 1 ms apart, and returns how many it admitted and the refusal.
+func spendQuota(t *testing.T, node *leaseTable, clock *fakeClock, tr Tier) (int64, bucket.Result) {
+	t.Helper()
+	var admitted int64
+	for range 10_000 {
+		res, err := node.takeTier(bg, []byte("k"), tr, 1, results{})
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !res.Allowed {
+			return admitted, res
+		}
+		admitted++
+		clock.advance(time.Millisecond)
+	}
+	t.Fatal("the quota never refused")
+	return 0, bucket.Result{}
+}
+
+// A quota used up by leases refuses until its period ends, not past it:
+// the hold-off after the last lease, granted in part, once ran to the end
+// of the day plus up to half of it again, so that a day's quota used up at
+// noon refused until about 06:00 the next day. Regression test for issue
+// 30 (item 1).
+func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
+	clock := new(fakeClock)
+	tr := quotaTier(40, 0)
+	_, midnight := tr.Quotas[0].Bounds(1_000_000)
+	clock.micros.Store(midnight - 12*3600*second) // noon
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	node := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
+	defer node.close()
+	node.jitter = func(n int64) int64 { return n - 1 } // the longest jitter
+	admitted, refused := spendQuota(t, node, clock, tr)
+	if admitted != 40 {
+		t.Fatalf("admitted %d of a quota of 40", admitted)
+	}
+	if want := midnight - clock.now(); refused.RetryAfter < want {
+		t.Errorf("Retry-After %d µs, want the %d µs to midnight", refused.RetryAfter, want)
+	}
+	clock.micros.Store(midnight + 1000)
+	if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+		t.Errorf("just after midnight: %+v, %v; want allowed by the new day's quota", res, err)
+	}
+}
+
+// A node whose lease call found a quota used up holds its calls off for
+// as long as strict mode's deny cache keeps a quota's refusal, at most:
+// a give-back elsewhere returns the quota, and the node sees it within
+// that time; a give-back on the node itself clears the hold at once. A
+// flood of refusals meanwhile costs no call, under a ban setting too (a
+// quota starts no ban). Regression test for issue 30 (items 4 and the
+// flood under ban).
+func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
+	for _, ban := range []int64{0, 600 * second} {
+		t.Run(fmt.Sprintf("ban %ds", ban/second), func(t *testing.T) {
+			clock := new(fakeClock)
+			tr := quotaTier(40, ban)
+			_, midnight := tr.Quotas[0].Bounds(1_000_000)
+			clock.micros.Store(midnight - 12*3600*second)
+			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
+			defer node.close()
+			node.jitter = func(n int64) int64 { return n - 1 }
+			spendQuota(t, node, clock, tr)
+			calls := m.calls
+			for range 200 { // a flood, 10 ms apart
+				if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); res.Allowed {
+					t.Fatal("a request admitted past the quota")
+				}
+				tableSync(node)
+				clock.advance(10 * time.Millisecond)
+			}
+			if extra := m.calls - calls; extra > 1 {
+				t.Errorf("a flood of 200 refusals over 2 s cost %d calls, want at most 1", extra)
+			}
+			// Another node's request did not count: its give-back returns one.
+			m.mu.Lock()
+			m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
+			m.mu.Unlock()
+			clock.advance(quotaDenyFor)
+			if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); !res.Allowed {
+				t.Errorf("%s after a give-back elsewhere: %+v; want allowed", quotaDenyFor, res)
+			}
+			tableSync(node)
+			if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); res.Allowed {
+				t.Fatal("admitted past the quota")
+			}
+			tableSync(node)
+			// This node's own give-back (count_status), past lease_ttl, goes
+			// to the shared bucket, and the next request sees it at once.
+			clock.advance(11 * time.Second)
+			if rest := node.giveBackHeldSince([]byte("k"), 1, clock.now()); rest == 1 {
+				m.mu.Lock()
+				m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
+				m.mu.Unlock()
+			}
+			if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); !res.Allowed {
+				t.Errorf("at once after this node's give-back: %+v; want allowed", res)
+			}
+		})
+	}
+}
+
+// A refused prefetch whose answer drops tokens of a quota period that has
+// ended, with no ban holding the bucket, leaves the node's requests to
+// the shared store, which bans when one bucket would: it once held them
+// off as if a ban held, so that no ban ever started. Regression test for
+// issue 30 ("a refused prefetch after a quota period change").
+func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
+	clock := new(fakeClock)
+	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
+	_, midnight := q.Bounds(1_000_000)
+	clock.micros.Store(midnight - 10*second)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+	tr := Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
+	defer node.close()
+	key := []byte("k")
+	for range 4 { // leases of 1, 2 and 4 tokens: 3 are left, of a lease of 4
+		if res, _ := node.takeTier(bg, key, tr, 1, results{}); !res.Allowed {
+			t.Fatal("denied from a full bucket")
+		}
+		tableSync(node)
+	}
+	// Another node empties the shared bucket.
+	m.mu.Lock()
+	var peek, out, qout [1]bucket.Result
+	m.bucket("k", 1).Peek(clock.now(), []bucket.Limit{l}, peek[:])
+	if !m.bucket("k", 1).TakeWithQuotas(clock.now(), []bucket.Limit{l}, []bucket.Quota{q}, peek[0].Remaining, out[:], qout[:]) {
+		t.Fatalf("another node's take of the %d left: %+v", peek[0].Remaining, out[0])
+	}
+	m.mu.Unlock()
+	// The next requests spend held tokens, and the prefetch that follows
+	// reaches the store after midnight: the tokens' period has ended, the
+	// bucket is empty, and a prefetch bans nobody.
+	m.gate = make(chan struct{})
+	for node.shard(key).m["k"].call == nil {
+		if res, _ := node.takeTier(bg, key, tr, 1, results{}); !res.Allowed {
+			t.Fatalf("a request on a held token: %+v", res)
+		}
+	}
+	clock.micros.Store(midnight + second)
+	close(m.gate)
+	tableSync(node)
+	if m.states["k"].Banned(clock.now()) {
+		t.Fatal("a refused prefetch started a ban")
+	}
+	res, _ := node.takeTier(bg, key, tr, 1, results{})
+	if res.Allowed || !res.Banned {
+		t.Errorf("the next request, which one bucket refuses: %+v; want refused, starting the ban", res)
+	}
+}
+
+// A ban voids the tokens out on lease; what a node did not spend of them
+// goes back to the quotas, whether the node learns of the ban from its
+// next lease call or gives them back first: a quota counts what was
+// admitted. Regression test for issue 30 (item 7).
+func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
+	for _, learn := range []string{"lease call", "give-back"} {
+		t.Run(learn, func(t *testing.T) {
+			clock := new(fakeClock)
+			q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
+			_, midnight := q.Bounds(1_000_000)
+			clock.micros.Store(midnight - 3600*second)
+			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+			tr := Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+			a := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
+			b := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
+			defer a.close()
+			defer b.close()
+			key := []byte("k")
+			admitted := int64(0)
+			take := func(node *leaseTable) bucket.Result {
+				res, err := node.takeTier(bg, key, tr, 1, results{})
+				tableSync(node)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if res.Allowed {
+					admitted++
+				}
+				return res
+			}
+			for range 4 {
+				take(a) // leases of 1, 2 and 4 tokens: 3 held
+			}
+			if a.heldTokens("k") == 0 {
+				t.Fatal("node a holds nothing")
+			}
+			// Node b spends the shared level; then a request of b's that the
+			// level and a's tokens together cannot cover starts the ban,
+			// voiding a's lease.
+			for range 100 {
+				if res := take(b); !res.Allowed {
+					break
+				}
+			}
+			if res, _ := b.takeTier(bg, key, tr, 5, results{}); !res.Banned {
+				t.Fatalf("a request of 5 with 3 tokens out and the level empty: %+v, want the ban started", res)
+			}
+			tableSync(b)
+			if !m.states["k"].Banned(clock.now()) {
+				t.Fatal("no ban started")
+			}
+			switch learn {
+			case "lease call":
+				clock.advance(time.Millisecond)
+				a.takeTier(bg, key, tr, 5, results{}) // more than a holds: a call
+			case "give-back":
+				clock.advance(time.Second)
+				a.giveBackNow(a.sweep(clock.now(), false))
+			}
+			tableSync(a)
+			if a.heldTokens("k") != 0 {
+				t.Fatalf("node a still holds %d tokens after the ban", a.heldTokens("k"))
+			}
+			var qout [1]bucket.Result
+			m.mu.Lock()
+			m.states["k"].PeekQuotas(clock.now(), []bucket.Quota{q}, qout[:])
+			m.mu.Unlock()
+			if used := q.N - qout[0].Remaining; used != admitted {
+				t.Errorf("the quota counts %d, %d were admitted", used, admitted)
+			}
+		})
+	}
+}

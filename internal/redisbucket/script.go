@@ -34,10 +34,11 @@ import "github.com/redis/go-redis/v9"
 //   - take, peek: {allowed, banned (a ban started), now, then for each
 //     limit {allowed, remaining, retry after (when allowed: the wait),
 //     reset after}}
-//   - lease: {granted, remaining, retry after, hold-off, reset after,
-//     banned, drop, now, until (with quotas: when the tokens' quota
-//     period ends, 0 without), then each limit's and each quota's
-//     {remaining, reset after}}
+//   - lease: {granted, remaining, retry after, hold-off (the limits'),
+//     reset after, banned, drop, now, until (with quotas: when the tokens'
+//     quota period ends, 0 without), quota hold (until the quotas hold the
+//     cost), void (the node gives back what a ban voided), ban holds, then
+//     each limit's and each quota's {remaining, reset after}}
 //   - return, giveback, charge: {tokens, now}
 //
 // It reads TIME and then writes, which Redis before 5 refuses unless the

@@ -166,14 +166,29 @@ if op == 'lease' then
     mask = mask + 2 ^ q.p
   end
   if nq > 0 then spend_for = qstop - now end
-  local mine = find(node)
+  local mine, void = find(node), false
   if mine then
-    if H[mine].void or (H[mine].mask > 0 and H[mine].qstop <= now) then
+    H[mine].tokens = math.min(H[mine].tokens, math.max(held, 0))
+    if H[mine].mask > 0 and H[mine].qstop <= now then
       drop = true
       H[mine].tokens = 0
-    else
-      H[mine].tokens = math.min(H[mine].tokens, math.max(held, 0))
+    elseif H[mine].void then
+      -- The node drops what a ban voided, and gives back what it did not
+      -- spend, so that the quotas count only what was admitted.
+      drop, void = true, H[mine].tokens > 0
     end
+  end
+  -- ban_holds: a ban holds some limit empty (shared.go's banHolds).
+  local function ban_holds()
+    for i = 1, n do if S[i].banned and banned(i) then return 1 end end
+    return 0
+  end
+  local function flags()
+    local b, d, v = 0, 0, 0
+    if started then b = 1 end
+    if drop then d = 1 end
+    if void then v = 1 end
+    return b, d, v
   end
   local qwait = quota_wait(count)
   local allowed = qwait == 0
@@ -186,21 +201,29 @@ if op == 'lease' then
       end
       if started then void_all() end
       drop, w = true, count
-      if mine then H[mine].tokens = 0 end
+      void = mine ~= nil and H[mine].tokens > 0
     end
     if mine and H[mine].tokens == 0 then
       table.remove(H, mine)
     elseif mine then
       H[mine].seq = seq -- the node's next give-back names this call
     end
-    local retry = math.max(wait_all(count), qwait)
-    local hold_off = math.max(retry, wait_all(w))
+    local lwait = wait_all(count)
+    local retry = math.max(lwait, qwait)
+    local hold_off = math.max(lwait, wait_all(w))
     local rem, reset = report()
     save()
-    local b, d = 0, 0
-    if started then b = 1 end
-    if drop then d = 1 end
-    return each_level({0, rem, retry, hold_off, reset, b, d, now, spend_for})
+    local b, d, v = flags()
+    return each_level({0, rem, retry, hold_off, reset, b, d, now, spend_for, qwait, v, ban_holds()})
+  end
+  if void then
+    -- The node gives back what the ban left it first: its record names
+    -- this call, and nothing is granted beside it.
+    H[mine].seq = seq
+    local rem, reset = report()
+    save()
+    local b, d, v = flags()
+    return each_level({0, rem, 0, 0, reset, b, d, now, spend_for, 0, v, ban_holds()})
   end
   local mincap = L[1].cap
   for i = 2, n do mincap = math.min(mincap, L[i].cap) end
@@ -219,13 +242,15 @@ if op == 'lease' then
   h.qstop, h.mask = qstop, mask
   if h.tokens == 0 then table.remove(H, mine) end
   local hold_off = 0
-  if grant < want then hold_off = math.max(wait_all(want), quota_wait(want)) end
-  local retry = wait_all(count)
+  if grant < want then hold_off = wait_all(want) end
+  -- A quota the grant used up refuses the next request until its period
+  -- ends, as a limit's refill does.
+  local qhold = quota_wait(count)
+  local retry = math.max(wait_all(count), qhold)
   local rem, reset = report()
   save()
-  local d = 0
-  if drop then d = 1 end
-  return each_level({grant, rem, retry, hold_off, reset, 0, d, now, spend_for})
+  local b, d, v = flags()
+  return each_level({grant, rem, retry, hold_off, reset, b, d, now, spend_for, qhold, v, ban_holds()})
 end
 
 if op == 'return' then
