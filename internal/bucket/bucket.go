@@ -387,6 +387,10 @@ func (l Limit) Converted(n int64, from Limit) int64 {
 // Charge takes n more tokens after the fact, as cost_from_response does:
 // the bucket may go into debt, down to maxDeficit, and a debtor is refused
 // until it has refilled to the cost of a request.
+//
+// A charge never brings the moment the bucket is full again closer: a ban
+// may hold it empty for longer than the deepest debt (maxDeficit), and a
+// charge during it must not end it early.
 func Charge(s State, now int64, l Limit, n int64) State {
 	n = min(n, l.maxDeficit()/l.Rate.Interval) // an origin's figure, bounded
 	raw := min(s.rawDeficit(now, l)+n*l.Rate.Interval, l.maxDeficit())
@@ -395,5 +399,8 @@ func Charge(s State, now int64, l Limit, n int64) State {
 	}
 	next := stateAt(now, raw, l)
 	next.Banned = s.bannedSince(now)
+	if next.FullAt < s.FullAt {
+		return s
+	}
 	return next
 }

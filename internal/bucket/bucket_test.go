@@ -276,3 +276,26 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 		}
 	}
 }
+
+// A charge (cost_from_response) during a ban longer than the deepest debt
+// the bucket may run up leaves the ban as long as it was: the charge once
+// saturated at that debt and ended a 15 s ban at 1 token/µs after 170 ms.
+// The fleet property test found it, charging huge figures. Regression test
+// for issue 30.
+func TestAChargeNeverShortensABan(t *testing.T) {
+	l := Limit{Capacity: 170, Rate: Rate{Tokens: 1, Interval: 1}, Ban: 15_000_000}
+	const now = 1_000_000
+	banned, res := Take(State{FullAt: now + 170}, now, l, 1)
+	if !res.Banned {
+		t.Fatalf("a refusal under a ban setting: %+v, want a ban", res)
+	}
+	for _, n := range []int64{1, 170, 1 << 40, math.MaxInt64} {
+		got := Charge(banned, now+1000, l, n)
+		if got.FullAt < banned.FullAt || !got.Banned {
+			t.Errorf("charge of %d during the ban: full at %d, banned %v; the ban held it until %d", n, got.FullAt, got.Banned, banned.FullAt)
+		}
+		if _, r := Take(got, now+2_000_000, l, 1); r.Allowed {
+			t.Errorf("charge of %d: a request 2 s into a 15 s ban was allowed", n)
+		}
+	}
+}

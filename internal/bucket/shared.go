@@ -89,6 +89,9 @@ type LeaseResult struct {
 	// than a while, since a give-back elsewhere may return a quota early.
 	HoldOff   int64
 	QuotaHold int64
+	// LimitRetry is RetryAfter for the limits alone: a ban's hold, say,
+	// without a quota's.
+	LimitRetry int64
 	// ResetAfter is the microseconds until the shared bucket is full again.
 	ResetAfter int64
 	// Banned says that this refusal started a ban.
@@ -315,6 +318,7 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 			sh.Held[mine].Seq = a.Seq
 		}
 		limitWait := sh.wait(now, ls, a.Cost)
+		res.LimitRetry = limitWait
 		res.RetryAfter = max(limitWait, quotaWait)
 		res.HoldOff = max(limitWait, sh.wait(now, ls, want))
 		res.QuotaHold = quotaWait
@@ -362,7 +366,8 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	// A quota the grant used up refuses the next request until its
 	// period ends, as a limit's refill does.
 	res.QuotaHold = sh.quotaWait(now, qs, a.Cost)
-	res.RetryAfter = max(sh.wait(now, ls, a.Cost), res.QuotaHold)
+	res.LimitRetry = sh.wait(now, ls, a.Cost)
+	res.RetryAfter = max(res.LimitRetry, res.QuotaHold)
 	sh.report(now, ls, qs, &res)
 	return res
 }

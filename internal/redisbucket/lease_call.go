@@ -20,7 +20,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			share /= 2
 		}
 		if now-e.leasedAt <= share {
-			want = min(2*e.size, max(cost, e.tier.leaseSize(t.size)))
+			want = max(cost, min(2*e.size, e.tier.leaseSize(t.size)))
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
@@ -115,8 +115,9 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
 	if lr.BanHolds && lr.Granted == 0 {
 		// Refused under a ban: the requests until it is over are refused
-		// here, and start no other (a refusal during a ban does not).
-		e.banUntil = sent + lr.RetryAfter
+		// here, and start no other (a refusal during a ban does not). A
+		// quota that is short too holds them off no longer than below.
+		e.banUntil = sent + lr.LimitRetry
 	}
 	if lr.QuotaHold > 0 {
 		// A used-up quota: no call before its period ends, but for no
@@ -209,12 +210,12 @@ func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a buck
 		each[i] = bucket.Result{Remaining: v[leaseAnswer+2*i], ResetAfter: v[leaseAnswer+1+2*i]}
 	}
 	return bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1,
-		Until: v[8], QuotaHold: v[9], Void: v[10] == 1, BanHolds: v[11] == 1}, v[7], nil
+		Until: v[8], QuotaHold: v[9], Void: v[10] == 1, BanHolds: v[11] == 1, LimitRetry: v[12]}, v[7], nil
 }
 
 // leaseAnswer is how many values a lease's answer has before each limit's
 // and quota's level.
-const leaseAnswer = 12
+const leaseAnswer = 13
 
 // giveBack returns the unused tokens of node's leases to their buckets in
 // one pipeline, and reports how many went back.

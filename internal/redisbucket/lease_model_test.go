@@ -2,8 +2,12 @@ package redisbucket
 
 import (
 	"cmp"
+	"context"
+	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -11,8 +15,8 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
-// The fleet's guarantee, as a property over random traces on the model
-// store (shared.go) with real lease tables: over every window [a, b]
+// The fleet's guarantees, as a property over random traces on the model
+// store (shared.go) with real lease tables. Safety: over every window [a, b]
 // between two admissions, not only one that starts from a full bucket, the
 // tokens the fleet admitted, less those count_status gave back within the
 // window, are at most C + floor(r*(b-a)), as one bucket allows. (A single
@@ -26,7 +30,18 @@ import (
 // the fleet admits after the ban starts at most the tokens then out on
 // lease, all within lease_ttl of it. With max_wait, a request's tokens count when they are
 // due (its decision plus its wait): the bound holds over every window of
-// due times, and the ban's over decisions.
+// due times, and the ban's over decisions. Quotas count in zones whose
+// calendars are odd (DST, fall-backs at midnight), with clock jumps of
+// hours across their periods' ends.
+//
+// Liveness, on the same traces: a request refused while the shared bucket
+// holds its cost, in every limit and quota, as one bucket would admit it,
+// is refused only by an allowance the design names (liveLease): the
+// node's hold-off after its last call, while the limits lack what it asked
+// for, plus the hold-off's jitter; or, after a call that found a quota
+// used up, the deny cache's cap (quotaDenyFor). The traces also cancel
+// requests while their call is out, reload a node mid-call, and charge
+// huge figures after the fact (cost_from_response).
 
 // admission is one request the fleet allowed. returned marks, in the
 // events of a trace, the give-back of an earlier one's cost.
@@ -62,7 +77,41 @@ type fleetRound struct {
 	// mutateWait, when set, breaks the strict take that a waiting request
 	// makes.
 	mutateWait func(sh *bucket.Shared, res *bucket.Result)
+	// mutateCharge, when set, breaks the shared bucket after a charge of
+	// n (cost_from_response).
+	mutateCharge func(sh *bucket.Shared, n int64)
 }
+
+// lastCall is what a node's last lease call found, for the liveness check:
+// when it was made, how long until the limits held what it asked for, and
+// whether a quota lacked a request's cost after it.
+type lastCall struct {
+	at, limitWait int64
+	quotaShort    bool
+}
+
+// liveLease checks a refusal of a request of cost at now, by the node
+// whose last call was c, against the shared bucket sh as it stands: when
+// sh holds the cost in every limit and quota (one bucket would admit), the
+// refusal must be one the design allows.
+func liveLease(sh *bucket.Shared, now int64, ls []bucket.Limit, qs []bucket.Quota, cost int64, c lastCall) error {
+	one := bucket.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held), Quotas: slices.Clone(sh.Quotas)}
+	if one.Next(now, ls, qs, cost) > 0 {
+		return nil // one bucket refuses too (the tokens out on lease are not in its level)
+	}
+	switch {
+	case now < c.at+c.limitWait+c.limitWait/2+1:
+		return nil // the lease hold-off, jitter included
+	case c.quotaShort && now < c.at+quotaDenyFor.Microseconds():
+		return nil // a quota's refusal, kept as the deny cache keeps it
+	}
+	return fmt.Errorf("liveness: a request of %d refused at %d µs that one bucket admits (levels %+v, quotas %+v), %d µs after the node's last call (limits' wait %d µs, quota short %v)",
+		cost, now, sh.Levels, sh.Quotas, now-c.at, c.limitWait, c.quotaShort)
+}
+
+// oddZones are time zones whose calendars test the quotas' periods: DST,
+// a half-hour offset, fall-backs at or near midnight.
+var oddZones = []string{"UTC", "America/New_York", "Europe/Berlin", "Australia/Lord_Howe", "Antarctica/Casey", "Asia/Amman", "America/Halifax", "Pacific/Apia"}
 
 func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
 	rate := bucket.Rate{Tokens: 1 + rng.Int64N(20), Interval: 1_000_000}
@@ -97,8 +146,10 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000 + rng.Int64N(1_000_000_000))
 	if len(r.quotas) > 0 {
-		// A few minutes before a period ends, so that traces cross it.
-		_, end := r.quotas[0].Bounds(clock.now())
+		// A few minutes before a period ends, between 2005 and 2030, so
+		// that traces cross it.
+		at := time.Date(2005+rng.IntN(26), time.Month(1+rng.IntN(12)), 1+rng.IntN(28), rng.IntN(24), 0, 0, 0, time.UTC).UnixMicro()
+		_, end := r.quotas[0].Bounds(at)
 		clock.micros.Store(end - rng.Int64N(200_000_000))
 	}
 	l := r.limit
@@ -122,6 +173,17 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 		}
 	}
 	m.onReturn = func(n int64) { backs = append(backs, admission{at: clock.now(), cost: n}) }
+	calls := map[string]lastCall{}
+	m.onAsk = func(a bucket.LeaseAsk, sh *bucket.Shared, _ bucket.LeaseResult) {
+		// The hold-off lasts until the limits hold what the node asked for:
+		// its next lease, or the cost of the request that asked, if more.
+		c := lastCall{at: clock.now(), limitWait: sh.Next(clock.now(), ls, nil, max(a.Want, a.Cost))}
+		for i, q := range qs {
+			start, _ := q.Bounds(clock.now())
+			c.quotaShort = c.quotaShort || sh.Quotas[i].Start == start && sh.Quotas[i].Used+a.Cost > q.N
+		}
+		calls[a.Node] = c
+	}
 	m.mutateWait = r.mutateWait
 	m.onReserve = func(_ string, sh *bucket.Shared, res bucket.Result) {
 		if res.Banned {
@@ -170,46 +232,72 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			tb.close()
 		}
 	}()
+	// strict decides a request in strict mode: a node without leases, a
+	// cost as large as the lease, or a request of a config that a reload
+	// unloaded while its call was out.
+	strict := func(cost int64) {
+		m.mu.Lock()
+		out := make([]bucket.Result, len(ls)+len(qs))
+		sh := m.bucket(key, len(ls))
+		allowed := sh.TakeWithQuotas(clock.now(), ls, qs, cost, out[:len(ls)], out[len(ls):])
+		if out[0].Banned {
+			bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
+		}
+		m.mu.Unlock()
+		if allowed {
+			// It goes on when the slowest limit lets it.
+			w := Binding(out, true).Wait
+			adm = append(adm, admission{at: clock.now(), due: clock.now() + w, cost: cost, node: -1})
+		}
+	}
+	// lease records a request of node i that its lease table decided, and
+	// checks a refusal's liveness.
+	lease := func(i int, node string, cost int64, res bucket.Result, err error) error {
+		if errors.Is(err, errLeasesClosed) {
+			strict(cost)
+			return nil
+		}
+		if err == nil && res.Allowed {
+			if res.Wait > l.MaxWait {
+				return fmt.Errorf("a request waits %d µs, over max_wait %d", res.Wait, l.MaxWait)
+			}
+			adm = append(adm, admission{at: clock.now(), due: clock.now() + res.Wait, cost: cost, node: i})
+		}
+		if err == nil && !res.Allowed && l.MaxWait == 0 && !m.down {
+			m.mu.Lock()
+			defer m.mu.Unlock()
+			return liveLease(m.bucket(key, len(ls)), clock.now(), ls, qs, cost, calls[node])
+		}
+		return nil
+	}
 	for range r.steps {
-		switch op := rng.IntN(100); {
+		switch op := rng.IntN(104); {
 		case op < 60:
 			i := rng.IntN(len(tables))
 			cost := 1 + rng.Int64N(min(3, minCap))
 			before := len(bans)
 			res, err := tables[i].takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
 			tableSync(tables[i])
+			if err := lease(i, tables[i].node, cost, res, err); err != nil {
+				return err
+			}
 			if err == nil && res.Allowed {
 				// Allowed from the tokens held, before the prefetch it
 				// started, which may have started a ban.
-				if res.Wait > l.MaxWait {
-					return fmt.Errorf("a request waits %d µs, over max_wait %d", res.Wait, l.MaxWait)
-				}
-				adm = append(adm, admission{at: clock.now(), due: clock.now() + res.Wait, cost: cost, node: i})
 				for k := before; k < len(bans); k++ {
 					bans[k].after = len(adm)
 				}
 			}
 		case op < 65:
-			// A request in strict mode: a node without leases, or a cost
-			// as large as the lease.
-			cost := 1 + rng.Int64N(minCap)
-			m.mu.Lock()
-			out := make([]bucket.Result, len(ls)+len(qs))
-			sh := m.bucket(key, len(ls))
-			allowed := sh.TakeWithQuotas(clock.now(), ls, qs, cost, out[:len(ls)], out[len(ls):])
-			if out[0].Banned {
-				bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
-			}
-			m.mu.Unlock()
-			if allowed {
-				// It goes on when the slowest limit lets it.
-				w := Binding(out, true).Wait
-				adm = append(adm, admission{at: clock.now(), due: clock.now() + w, cost: cost, node: -1})
-			}
+			strict(1 + rng.Int64N(minCap))
 		case op < 80:
 			step := rng.Int64N(int64(r.ttl))
 			if rng.IntN(3) == 0 {
 				step = rng.Int64N(int64(time.Millisecond))
+			}
+			if rng.IntN(40) == 0 {
+				// A jump of hours: a node that slept, periods that ended.
+				step = rng.Int64N(int64(40 * time.Hour))
 			}
 			clock.advance(time.Duration(step))
 		case op < 86:
@@ -253,10 +341,76 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			i := rng.IntN(len(tables))
 			tables[i].close()
 			tables[i] = newTable()
-		default:
+		case op < 98:
 			m.mu.Lock()
 			m.down = !m.down
 			m.mu.Unlock()
+		case op < 100:
+			// A client that hangs up while its request's call is out: the
+			// call goes on for the others and the node.
+			i := rng.IntN(len(tables))
+			cost := 1 + rng.Int64N(min(3, minCap))
+			gate := make(chan struct{})
+			m.gate = gate
+			ctx, cancel := context.WithCancel(bg)
+			cancel()
+			res, err := tables[i].takeTier(ctx, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+			close(gate)
+			tableSync(tables[i])
+			m.gate = nil
+			if err == nil {
+				if err := lease(i, tables[i].node, cost, res, nil); err != nil {
+					return err
+				}
+			}
+		case op < 102:
+			// A reload while a request's call is out: the request goes on
+			// in strict mode, and the old table gives its tokens back.
+			i := rng.IntN(len(tables))
+			cost := 1 + rng.Int64N(min(3, minCap))
+			gate := make(chan struct{})
+			m.gate = gate
+			type answer struct {
+				res bucket.Result
+				err error
+			}
+			done := make(chan answer, 1)
+			old := tables[i]
+			go func() {
+				res, err := old.takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+				done <- answer{res, err}
+			}()
+			closed := make(chan struct{})
+			go func() { old.close(); close(closed) }()
+			for !old.closed.Load() {
+				runtime.Gosched()
+			}
+			close(gate)
+			a := <-done
+			<-closed
+			m.gate = nil
+			tables[i] = newTable()
+			if err := lease(i, old.node, cost, a.res, a.err); err != nil {
+				return err
+			}
+		default:
+			// cost_from_response of a huge figure, which an origin may
+			// relay from a client: charged to the node's lease when it
+			// covers it, else to the shared bucket.
+			i := rng.IntN(len(tables))
+			n := []int64{math.MaxInt64, math.MaxInt64 - rng.Int64N(1000), 1 << (40 + rng.IntN(23)), rng.Int64N(3 * minCap)}[rng.IntN(4)]
+			if rest := tables[i].chargeHeld([]byte(key), n); rest > 0 {
+				m.mu.Lock()
+				if !m.down {
+					sh := m.bucket(key, len(ls))
+					sh.Charge(clock.now(), ls, rest)
+					sh.ChargeQuotas(clock.now(), qs, rest)
+					if r.mutateCharge != nil {
+						r.mutateCharge(sh, rest)
+					}
+				}
+				m.mu.Unlock()
+			}
 		}
 	}
 	for _, x := range ls {
@@ -422,7 +576,11 @@ func withTier(rng *rand.Rand, r fleetRound) fleetRound {
 		r.more = append(r.more, x)
 	}
 	if rng.IntN(2) == 0 {
-		r.quotas = []bucket.Quota{{N: 5 + rng.Int64N(3*r.limit.Capacity), Period: bucket.Day, Loc: time.UTC}}
+		loc, err := time.LoadLocation(oddZones[rng.IntN(len(oddZones))])
+		if err != nil {
+			panic(err)
+		}
+		r.quotas = []bucket.Quota{{N: 5 + rng.Int64N(3*r.limit.Capacity), Period: bucket.Period(1 + rng.IntN(2)), Loc: loc}}
 	}
 	return r
 }
@@ -441,23 +599,35 @@ func TestLeasesOnTiersNeverAdmitMoreThanEachLimitOrQuota(t *testing.T) {
 }
 
 // The tier property fails on a store that grants one token more than it
-// records, and on one whose quota counts a lease's grant one token short.
+// records, on one whose quota counts a lease's grant one token short, on
+// one whose quota starts over after a huge charge (a count that wraps),
+// and, for liveness, on one that holds a node off a used-up quota until
+// its period ends (plus the hold-off's jitter), as leases once did.
 func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
 	for _, tt := range []struct {
 		name   string
 		quota  bool
 		mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+		charge func(sh *bucket.Shared, n int64)
 	}{
 		{"one token more", false, func(_ *bucket.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
-		}},
+		}, nil},
 		{"a quota counts one token fewer", true, func(sh *bucket.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 && len(sh.Quotas) > 0 && sh.Quotas[0].Used > 0 {
 				sh.Quotas[0].Used--
 			}
+		}, nil},
+		{"a huge charge wraps the quota's count", true, nil, func(sh *bucket.Shared, n int64) {
+			if n > 1<<62 {
+				sh.Quotas[0].Used = 0
+			}
 		}},
+		{"a used-up quota holds the node off to its period's end", true, func(_ *bucket.Shared, res *bucket.LeaseResult) {
+			res.HoldOff = max(res.HoldOff, res.QuotaHold)
+		}, nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(25, 14))
@@ -466,7 +636,7 @@ func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
 				if tt.quota && len(r.quotas) == 0 {
 					continue
 				}
-				r.mutate = tt.mutate
+				r.mutate, r.mutateCharge = tt.mutate, tt.charge
 				if err := runFleet(rng, r); err != nil {
 					t.Logf("caught in round %d: %v", round, err)
 					return

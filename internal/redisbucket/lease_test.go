@@ -38,6 +38,9 @@ type sharedModel struct {
 	mutateWait func(sh *bucket.Shared, res *bucket.Result)
 	// onReturn, when set, sees the tokens each lease give-back returned.
 	onReturn func(n int64)
+	// onAsk, when set, sees each lease call's ask and the bucket after it,
+	// under the lock.
+	onAsk func(a bucket.LeaseAsk, sh *bucket.Shared, res bucket.LeaseResult)
 }
 
 func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
@@ -70,6 +73,9 @@ func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucke
 	}
 	if m.onLease != nil {
 		m.onLease(key, sh, res)
+	}
+	if m.onAsk != nil {
+		m.onAsk(a, sh, res)
 	}
 	return res, nil
 }

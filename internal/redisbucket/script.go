@@ -37,7 +37,8 @@ import "github.com/redis/go-redis/v9"
 //   - lease: {granted, remaining, retry after, hold-off (the limits'),
 //     reset after, banned, drop, now, until (with quotas: when the tokens'
 //     quota period ends, 0 without), quota hold (until the quotas hold the
-//     cost), void (the node gives back what a ban voided), ban holds, then
+//     cost), void (the node gives back what a ban voided), ban holds, the
+//     retry after of the limits alone, then
 //     each limit's and each quota's {remaining, reset after}}
 //   - return, giveback, charge: {tokens, now}
 //

@@ -214,7 +214,7 @@ if op == 'lease' then
     local rem, reset = report()
     save()
     local b, d, v = flags()
-    return each_level({0, rem, retry, hold_off, reset, b, d, now, spend_for, qwait, v, ban_holds()})
+    return each_level({0, rem, retry, hold_off, reset, b, d, now, spend_for, qwait, v, ban_holds(), lwait})
   end
   if void then
     -- The node gives back what the ban left it first: its record names
@@ -223,7 +223,7 @@ if op == 'lease' then
     local rem, reset = report()
     save()
     local b, d, v = flags()
-    return each_level({0, rem, 0, 0, reset, b, d, now, spend_for, 0, v, ban_holds()})
+    return each_level({0, rem, 0, 0, reset, b, d, now, spend_for, 0, v, ban_holds(), 0})
   end
   local mincap = L[1].cap
   for i = 2, n do mincap = math.min(mincap, L[i].cap) end
@@ -245,12 +245,12 @@ if op == 'lease' then
   if grant < want then hold_off = wait_all(want) end
   -- A quota the grant used up refuses the next request until its period
   -- ends, as a limit's refill does.
-  local qhold = quota_wait(count)
-  local retry = math.max(wait_all(count), qhold)
+  local qhold, lretry = quota_wait(count), wait_all(count)
+  local retry = math.max(lretry, qhold)
   local rem, reset = report()
   save()
   local b, d, v = flags()
-  return each_level({grant, rem, retry, hold_off, reset, b, d, now, spend_for, qhold, v, ban_holds()})
+  return each_level({grant, rem, retry, hold_off, reset, b, d, now, spend_for, qhold, v, ban_holds(), lretry})
 end
 
 if op == 'return' then
@@ -299,9 +299,11 @@ if op == 'charge' then
     if raw <= 0 then
       S[i] = {full = 0, slack = 0, banned = false}
     else
+      -- Never sooner full: a ban may outlast the deepest debt.
       local b = S[i].banned and S[i].full > now
-      S[i] = state_at(now, raw, l)
-      S[i].banned = b
+      local nxt = state_at(now, raw, l)
+      nxt.banned = b
+      if nxt.full >= S[i].full then S[i] = nxt end
     end
   end
   for _, q in ipairs(Q) do q.used = math.min(q.n, q.used + math.max(0, count)) end
