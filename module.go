@@ -171,6 +171,12 @@ type Handler struct {
 	maxWaiting int
 	// slots is the store as a SlotStore, for tiers with concurrency.
 	slots SlotStore
+	// loadKey names the config load the handler is part of, unnamed says
+	// that the config gave it no name, and where is its server's
+	// listeners (registry.go).
+	loadKey *prometheus.Registry
+	unnamed bool
+	where   string
 }
 
 // CaddyModule returns the Caddy module information.
@@ -188,6 +194,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.storeLog = h.logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
 	}))
+	unnamed := h.Name == ""
 	h.applyDefaults()
 	if err := h.validate(); err != nil {
 		return err
@@ -235,6 +242,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.events = events.(*caddyevents.App)
 	}
 	h.ctx = ctx
+	if err := h.joinConfig(ctx, unnamed); err != nil {
+		return err
+	}
 	h.startNoting()
 	registerHandler(h)
 	return nil
@@ -427,6 +437,7 @@ func (h *Handler) validateNoKey() error {
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	unregisterHandler(h)
+	h.leaveConfig()
 	h.stopNoting()
 	if h.local != nil {
 		return h.local.Cleanup()

@@ -1,0 +1,118 @@
+package ratelimit
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Handlers share buckets by policy name. Handlers with no name would all
+// be the policy "default", so two of them (two pasted recipes, two sites)
+// would limit each other's clients: a config with two is refused. Handlers
+// that share a name on purpose but limit differently are warned of.
+
+// configLoads groups the provisioned handlers by the config load they
+// belong to: each load has a metrics registry of its own.
+var configLoads = struct {
+	sync.Mutex
+	m map[*prometheus.Registry][]*Handler
+}{m: make(map[*prometheus.Registry][]*Handler)}
+
+// joinConfig records h among the handlers of its config load, and checks
+// it against them: unnamed says whether the config gave h no name.
+func (h *Handler) joinConfig(ctx caddy.Context, unnamed bool) error {
+	reg := ctx.GetMetricsRegistry()
+	if reg == nil {
+		return nil
+	}
+	h.loadKey, h.unnamed, h.where = reg, unnamed, listenersOf(ctx)
+	configLoads.Lock()
+	defer configLoads.Unlock()
+	for _, other := range configLoads.m[reg] {
+		switch {
+		case unnamed && other.unnamed:
+			return fmt.Errorf("two rate_limit handlers in this config have no name, so both would be the policy %q and limit each other's clients: one %s, the other %s; give each its own name, such as `name api` and `name login` (or one name to both, to share one limit on purpose)",
+				h.Name, other.describe(), h.describe())
+		case !unnamed && other.Name == h.Name && other.tierShapes() != h.tierShapes():
+			h.logger.Warn("rate_limit handlers of one name limit differently; they share buckets by tier name, and each request is limited as its own handler says",
+				zap.String("policy", h.Name), zap.String("one", other.describe()), zap.String("other", h.describe()))
+		}
+	}
+	configLoads.m[reg] = append(configLoads.m[reg], h)
+	return nil
+}
+
+// leaveConfig forgets h, at Cleanup.
+func (h *Handler) leaveConfig() {
+	if h.loadKey == nil {
+		return
+	}
+	configLoads.Lock()
+	defer configLoads.Unlock()
+	hs := slices.DeleteFunc(configLoads.m[h.loadKey], func(x *Handler) bool { return x == h })
+	if len(hs) == 0 {
+		delete(configLoads.m, h.loadKey)
+		return
+	}
+	configLoads.m[h.loadKey] = hs
+}
+
+// describe names a handler for a message: its tiers' limits, and where it
+// listens.
+func (h *Handler) describe() string {
+	s := "with tiers " + h.tierShapes()
+	if h.where != "" {
+		s += " on " + h.where
+	}
+	return s
+}
+
+// tierShapes is the handler's tiers as written: each name, its limits and
+// quotas.
+func (h *Handler) tierShapes() string {
+	var b strings.Builder
+	for i, t := range h.Tiers {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(t.Name)
+		switch {
+		case t.Unlimited:
+			b.WriteString(" (unlimited)")
+			continue
+		case t.Deny:
+			b.WriteString(" (deny)")
+			continue
+		}
+		b.WriteString(" (")
+		var parts []string
+		for _, s := range t.shapes() {
+			if s.Capacity != 0 || s.Refill != "" {
+				parts = append(parts, fmt.Sprintf("%d %s", s.Capacity, s.Refill))
+			}
+		}
+		parts = append(parts, t.Quotas...)
+		if t.Concurrency > 0 {
+			parts = append(parts, fmt.Sprintf("concurrency %d", t.Concurrency))
+		}
+		b.WriteString(strings.Join(parts, ", "))
+		b.WriteString(")")
+	}
+	return b.String()
+}
+
+// listenersOf is the addresses the handler's server listens on, when it
+// runs in one.
+func listenersOf(ctx caddy.Context) string {
+	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok {
+		return ""
+	}
+	return strings.Join(srv.Listen, " ")
+}
