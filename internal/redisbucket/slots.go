@@ -124,7 +124,7 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	if t == nil {
 		// A request still in flight through an unloaded config: it takes
 		// no slot that no one would renew.
-		return 0, 0, false, errSlotsClosed
+		return 0, 0, false, ErrSlotsClosed
 	}
 	id = t.seq.Add(1)
 	k := slotKey(key)
@@ -149,7 +149,7 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 		// The store closed while the call was out, and its loops are gone:
 		// the slot is freed at once.
 		t.send([]slotFree{{k, id}})
-		return 0, 0, false, errSlotsClosed
+		return 0, 0, false, ErrSlotsClosed
 	}
 	return id, vals[1], true, nil
 }
@@ -238,8 +238,9 @@ func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int6
 	return vals, nil
 }
 
-// errSlotsClosed refuses a slot to a request of a config that unloaded.
-var errSlotsClosed = errors.New("redis store: the config unloaded; no new slot")
+// ErrSlotsClosed refuses a slot to a request of a config that unloaded:
+// its handler takes the slot from the running config's store instead.
+var ErrSlotsClosed = errors.New("redis store: the config unloaded; no new slot")
 
 // slotTable is the store's slots for a new slot, made on first use; nil
 // once the store closed.
