@@ -700,3 +700,42 @@ func goroutinesIn(state, frame string) int {
 	}
 	return n
 }
+
+// A node renews its slots every third of slot_ttl, and a renewal takes up
+// to timeout to land: under three timeouts, a held slot could expire
+// before its renewal, and another request take it. Such a slot_ttl is
+// refused, at adapt and at provision, with the minimum; three timeouts
+// are enough.
+// Regression test for issue 30 item 3.
+func TestRedisSlotTTLUnderThreeTimeoutsIsRefused(t *testing.T) {
+	site := func(timeout, slotTTL string) string {
+		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\ttier all {\n\t\t\tconcurrency 5\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\t%s\n\t\t\tslot_ttl %s\n\t\t}\n\t}\n\trespond ok\n}\n",
+			freePort(t), timeout, slotTTL)
+	}
+	for _, tc := range []struct {
+		timeout, slotTTL time.Duration
+		want             string
+	}{
+		{time.Second, 2 * time.Second, "slot_ttl 2s: must be at least 3s"},
+		{time.Second, 2999 * time.Millisecond, "slot_ttl 2.999s: must be at least 3s"},
+		{0, 299 * time.Millisecond, "slot_ttl 299ms: must be at least 300ms"},
+	} {
+		timeout := ""
+		if tc.timeout > 0 {
+			timeout = "timeout " + tc.timeout.String()
+		}
+		if _, err := adaptCaddyfile(site(timeout, tc.slotTTL.String())); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("adapt, %s and slot_ttl %s: %v, want an error containing %q", timeout, tc.slotTTL, err, tc.want)
+		}
+		s := RedisStore{Addresses: []string{"redis://127.0.0.1:6379"}, Timeout: caddy.Duration(tc.timeout), SlotTTL: caddy.Duration(tc.slotTTL)}
+		if err := s.Provision(caddy.Context{}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			if err == nil {
+				_ = s.Cleanup()
+			}
+			t.Errorf("provision, %s and slot_ttl %s: %v, want an error containing %q", timeout, tc.slotTTL, err, tc.want)
+		}
+	}
+	if _, err := adaptCaddyfile(site("timeout 1s", "3s")); err != nil {
+		t.Errorf("slot_ttl of three timeouts: %v", err)
+	}
+}

@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -21,6 +22,17 @@ import (
 
 // DefaultSlotTTL is how long a slot lives without renewal.
 const DefaultSlotTTL = 30 * time.Second
+
+// MinSlotTTL is the shortest slot TTL that renewals on a connection of
+// this timeout (0 for the default) keep alive: renewals leave every third
+// of the TTL, each in one pipeline that lands within the timeout, so with
+// a TTL of three timeouts one lands at most two thirds of the TTL after
+// the last (and the first, even when the acquire's answer took a whole
+// timeout to come back, by the slot's expiry). A shorter TTL could let a
+// held slot expire, and another request take it.
+func MinSlotTTL(timeout time.Duration) time.Duration {
+	return 3 * cmp.Or(timeout, DefaultTimeout)
+}
 
 // slotsLua applies one operation to a bucket's slots, by the Redis
 // server's clock. KEYS[1] is the sorted set. ARGV: the operation
@@ -301,7 +313,9 @@ func (t *slotTable) renewLoop() {
 	}
 }
 
-// renew pipelines one renew call per set this node holds slots in.
+// renew pipelines one renew call per set this node holds slots in, and
+// the doubtful frees after them: one round trip, so that a renewal lands
+// within the timeout of its tick (MinSlotTTL counts on it).
 func (t *slotTable) renew() {
 	byKey := map[string][]any{}
 	t.mu.Lock()
@@ -311,10 +325,7 @@ func (t *slotTable) renew() {
 	doubt := t.doubt
 	t.doubt = nil
 	t.mu.Unlock()
-	if len(doubt) > 0 {
-		t.send(doubt)
-	}
-	if len(byKey) == 0 {
+	if len(byKey) == 0 && len(doubt) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), t.s.timeout)
@@ -324,6 +335,9 @@ func (t *slotTable) renew() {
 			for k, ids := range byKey {
 				args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
 				slotsScript.EvalSha(ctx, p, []string{k}, args...)
+			}
+			for _, f := range doubt {
+				p.ZRem(ctx, f.key, t.member(f.id))
 			}
 			return nil
 		})
