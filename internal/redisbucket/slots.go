@@ -371,11 +371,21 @@ func (t *slotTable) retire() {
 	}
 }
 
-// stopLoops stops the loops and sends the frees still queued.
+// stopLoops stops the loops and sends the frees still queued, and the
+// doubtful ones that no renewal will send now.
 func (t *slotTable) stopLoops() {
 	t.stopOnce.Do(func() {
 		close(t.stop)
 		t.done.Wait()
+		t.mu.Lock()
+		doubt := t.doubt
+		t.doubt = nil
+		t.mu.Unlock()
+		for len(doubt) > 0 {
+			n := min(len(doubt), maxFreeBatch)
+			t.send(doubt[:n])
+			doubt = doubt[n:]
+		}
 		for batch := drain(t.frees, nil, maxFreeBatch); len(batch) > 0; batch = drain(t.frees, batch[:0], maxFreeBatch) {
 			t.send(batch)
 		}

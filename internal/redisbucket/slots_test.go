@@ -271,3 +271,25 @@ func redisMicros(t *testing.T, srv *redistest.Server) int64 {
 	}
 	return now.UnixMicro()
 }
+
+// The second free of a doubtful slot (an acquire that failed, whose slot
+// landed after its first free) is not lost when the store closes before
+// the next renewal: it goes at close, and the slot does not block the
+// client for slot_ttl.
+// Regression test for issue 30 item 4.
+func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
+	srv := redistest.Start(t)
+	s := slotStore(t, time.Hour, srv.URL()) // the loops' ticks come never
+	key := bucketFor("doubtful-at-close")
+	tb := s.slotTable()
+	const id = 7
+	srv.Do("ZADD", slotKey(key), time.Now().Add(time.Hour).UnixMicro(), tb.member(id))
+	tb.mu.Lock()
+	tb.doubt = append(tb.doubt, slotFree{slotKey(key), id})
+	tb.mu.Unlock()
+	s.Close()
+	<-s.SlotsIdle()
+	if n := srv.Do("ZCARD", slotKey(key)).(int64); n != 0 {
+		t.Errorf("after the store closed, Redis still holds the doubtful slot: %v", srv.Do("ZRANGE", slotKey(key), 0, -1))
+	}
+}
