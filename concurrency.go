@@ -72,14 +72,18 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 	d.result = res // what giveBackTaken gives back from
 	from, owner := slotInStore, h
 	slot, inUse, ok, err := h.slots.Acquire(r.Context(), &d.bucket, n)
-	for tried := []*Handler{h}; errors.Is(err, errSlotsUnloaded); tried = append(tried, owner) {
-		if owner, n = liveSlots(h.Name, d.tier.Name, tried); owner == nil {
-			// No running config of the policy counts this tier's requests
-			// in flight (the reload took its concurrency away, or the
-			// policy stopped): nothing limits the request.
-			return res, nil
+	if errors.Is(err, errSlotsUnloaded) {
+		// Each config tried is left out of the next look, should a second
+		// reload close the one found too.
+		for tried := []*Handler{h}; errors.Is(err, errSlotsUnloaded); tried = append(tried, owner) {
+			if owner, n = liveSlots(h.Name, d.tier.Name, tried); owner == nil {
+				// No running config of the policy counts this tier's
+				// requests in flight (the reload took its concurrency
+				// away, or the policy stopped): nothing limits the request.
+				return res, nil
+			}
+			slot, inUse, ok, err = owner.slots.Acquire(r.Context(), &d.bucket, n)
 		}
-		slot, inUse, ok, err = owner.slots.Acquire(r.Context(), &d.bucket, n)
 	}
 	if err != nil && r.Context().Err() != nil {
 		// The client went away: no store failed.
