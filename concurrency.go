@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
@@ -42,7 +43,18 @@ const (
 	// slotInLocal: this node's count, while the store failed
 	// (on_store_error local).
 	slotInLocal
+	// slotInRunningStore and slotInRunningLocal: the same two, in their
+	// order, of the running config, for a request of a config that a
+	// reload unloaded (liveSlots); runningSlotOwners says which config.
+	slotInRunningStore
+	slotInRunningLocal
 )
+
+// runningSlotOwners holds, for a request whose slot is in a running
+// config's store (slotInRunning...), that config's handler, by decision:
+// kept off the decision, whose size sits at an allocation class's edge,
+// for a case that only a reload makes.
+var runningSlotOwners sync.Map // *decision -> *Handler
 
 // errNoSlot is the error behind the refusal of a request whose client has
 // n requests in flight already.
@@ -118,7 +130,11 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 		refused.Remaining = d.result.Remaining
 		return refused, nil
 	}
-	d.slotFrom, d.slotOwner, d.slotID, d.slotLeft = from, owner, slot, int32(n-inUse)
+	if owner != h {
+		runningSlotOwners.Store(d, owner)
+		from += slotInRunningStore - slotInStore
+	}
+	d.slotFrom, d.slotID, d.slotLeft = from, slot, int32(n-inUse)
 	d.tier.inFlight.Inc()
 	return res, nil
 }
@@ -168,13 +184,18 @@ func (d *decision) untake() {
 
 // releaseSlot frees the request's slot, if it holds one.
 func (h *Handler) releaseSlot(d *decision) {
-	switch d.slotFrom {
+	owner, from := h, d.slotFrom
+	if from >= slotInRunningStore {
+		o, _ := runningSlotOwners.LoadAndDelete(d)
+		owner, from = o.(*Handler), from-(slotInRunningStore-slotInStore)
+	}
+	switch from {
 	case noSlot:
 		return
 	case slotInLocal:
-		d.slotOwner.local.Release(&d.bucket, d.slotID)
+		owner.local.Release(&d.bucket, d.slotID)
 	default:
-		d.slotOwner.slots.Release(&d.bucket, d.slotID)
+		owner.slots.Release(&d.bucket, d.slotID)
 	}
 	d.tier.inFlight.Dec()
 	d.slotFrom = noSlot

@@ -362,6 +362,10 @@ http://127.0.0.1:%d {
 			if !eventuallyTrue(2*time.Second, func() bool { return len(srv.do("KEYS", "*:c").([]any)) == 0 }) {
 				t.Errorf("Redis still holds slots: %v", srv.do("KEYS", "*:c"))
 			}
+			runningSlotOwners.Range(func(any, any) bool {
+				t.Error("the request ended, but its slot's owner is still remembered")
+				return false
+			})
 		})
 	}
 }

@@ -43,10 +43,8 @@ type decision struct {
 	// limits holds each limit's result, for tiers of several limits.
 	limits *[maxLimits]bucket.Result
 	// slotID is the in-flight slot the request holds (concurrency), in
-	// the store slotFrom says of slotOwner's (the running config's, when
-	// a reload caught the request), with slotLeft left after it.
-	slotID    uint64
-	slotOwner *Handler
+	// the store slotFrom says, with slotLeft left after it.
+	slotID uint64
 	// value holds a short client value without another allocation.
 	value [64]byte
 	// The response's header values, rendered once into text.
