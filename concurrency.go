@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
+	"sync"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"go.uber.org/zap"
 )
 
@@ -40,7 +43,18 @@ const (
 	// slotInLocal: this node's count, while the store failed
 	// (on_store_error local).
 	slotInLocal
+	// slotInRunningStore and slotInRunningLocal: the same two, in their
+	// order, of the running config, for a request of a config that a
+	// reload unloaded (liveSlots); runningSlotOwners says which config.
+	slotInRunningStore
+	slotInRunningLocal
 )
+
+// runningSlotOwners holds, for a request whose slot is in a running
+// config's store (slotInRunning...), that config's handler, by decision:
+// kept off the decision, whose size sits at an allocation class's edge,
+// for a case that only a reload makes.
+var runningSlotOwners sync.Map // *decision -> *Handler
 
 // errNoSlot is the error behind the refusal of a request whose client has
 // n requests in flight already.
@@ -68,18 +82,32 @@ func (t *Tier) validateConcurrency() (only bool, err error) {
 func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
 	n := d.tier.Concurrency
 	d.result = res // what giveBackTaken gives back from
-	from := slotInStore
-	var store SlotStore = h.slots
-	slot, inUse, ok, err := store.Acquire(r.Context(), &d.bucket, n)
+	from, owner := slotInStore, h
+	slot, inUse, ok, err := h.slots.Acquire(r.Context(), &d.bucket, n)
+	if errors.Is(err, errSlotsUnloaded) {
+		// Each config tried is left out of the next look, should a second
+		// reload close the one found too.
+		for tried := []*Handler{h}; errors.Is(err, errSlotsUnloaded); tried = append(tried, owner) {
+			if owner, n = liveSlots(h.Name, d.tier.Name, tried); owner == nil {
+				// No running config of the policy counts this tier's
+				// requests in flight (the reload took its concurrency
+				// away, or the policy stopped): nothing limits the request.
+				return res, nil
+			}
+			slot, inUse, ok, err = owner.slots.Acquire(r.Context(), &d.bucket, n)
+		}
+	}
 	if err != nil && r.Context().Err() != nil {
 		// The client went away: no store failed.
 		h.giveBackTaken(r, d, "client gone")
 		return res, errClientGone
 	}
 	if err != nil {
-		h.storeErrors.Inc()
-		h.storeLog.Warn("rate limit store failed to count requests in flight", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
-		switch h.OnStoreError {
+		// As the config that holds the slot says: its fallback is where
+		// releaseSlot frees it.
+		owner.storeErrors.Inc()
+		owner.storeLog.Warn("rate limit store failed to count requests in flight", zap.String("policy", h.Name), zap.String("on_store_error", owner.OnStoreError), zap.Error(err))
+		switch owner.OnStoreError {
 		case "allow":
 			return res, nil
 		case "deny":
@@ -87,7 +115,7 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 			return res, errStoreDown
 		}
 		from = slotInLocal
-		slot, inUse, ok, _ = h.local.Acquire(r.Context(), &d.bucket, n)
+		slot, inUse, ok, _ = owner.local.Acquire(r.Context(), &d.bucket, n)
 	}
 	if !ok {
 		d.refusedBy = refusedNoSlot
@@ -102,9 +130,41 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 		refused.Remaining = d.result.Remaining
 		return refused, nil
 	}
+	if owner != h {
+		runningSlotOwners.Store(d, owner)
+		from += slotInRunningStore - slotInStore
+	}
 	d.slotFrom, d.slotID, d.slotLeft = from, slot, int32(n-inUse)
 	d.tier.inFlight.Inc()
 	return res, nil
+}
+
+// errSlotsUnloaded is a slot store's refusal of a new slot once its config
+// has unloaded: a request of that config still running (a reload caught
+// it waiting, with max_wait) takes its slot in the running config's store.
+var errSlotsUnloaded = redisbucket.ErrSlotsClosed
+
+// liveSlots is where a request of a tier of policy takes its slot once
+// the slots of its own config, and of those tried, have closed: the newest
+// running handler of the policy whose tier of that name has concurrency,
+// and that concurrency. The bucket is the same there, named by policy and
+// tier. It is nil when none has: the running config does not limit that
+// tier's requests in flight.
+func liveSlots(policy, tier string, tried []*Handler) (*Handler, int64) {
+	liveHandlers.Lock()
+	defer liveHandlers.Unlock()
+	hs := liveHandlers.byPolicy[policy]
+	for i := len(hs) - 1; i >= 0; i-- {
+		if hs[i].slots == nil || slices.Contains(tried, hs[i]) {
+			continue
+		}
+		for _, t := range hs[i].Tiers {
+			if t.Name == tier && t.Concurrency > 0 {
+				return hs[i], t.Concurrency
+			}
+		}
+	}
+	return nil, 0
 }
 
 // untake shows the decision's results as they stand once the request's
@@ -124,13 +184,18 @@ func (d *decision) untake() {
 
 // releaseSlot frees the request's slot, if it holds one.
 func (h *Handler) releaseSlot(d *decision) {
-	switch d.slotFrom {
+	owner, from := h, d.slotFrom
+	if from >= slotInRunningStore {
+		o, _ := runningSlotOwners.LoadAndDelete(d)
+		owner, from = o.(*Handler), from-(slotInRunningStore-slotInStore)
+	}
+	switch from {
 	case noSlot:
 		return
 	case slotInLocal:
-		h.local.Release(&d.bucket, d.slotID)
+		owner.local.Release(&d.bucket, d.slotID)
 	default:
-		h.slots.Release(&d.bucket, d.slotID)
+		owner.slots.Release(&d.bucket, d.slotID)
 	}
 	d.tier.inFlight.Dec()
 	d.slotFrom = noSlot

@@ -136,13 +136,14 @@ http://127.0.0.1:%d {
 `, node.admin, node.port, n, store, origin)
 }
 
-// concRedisStore is the store block for Redis at srv with slot_ttl.
-func concRedisStore(srv *redisServer, slotTTL string) string {
+// concRedisStore is the store block for Redis at srv with slot_ttl, and
+// a timeout of a third of it (slot_ttl's least).
+func concRedisStore(srv *redisServer, slotTTL time.Duration) string {
 	return fmt.Sprintf(`store redis {
 			address %s
-			timeout 2s
+			timeout %s
 			slot_ttl %s
-		}`, srv.url(), slotTTL)
+		}`, srv.url(), slotTTL/3, slotTTL)
 }
 
 func newConcNode(t *testing.T) concNode {
@@ -243,7 +244,7 @@ func TestConcurrencyHoldsAcrossThreeCaddyProcesses(t *testing.T) {
 			store := ""
 			if tc.redis {
 				srv = startRedis(t)
-				store = concRedisStore(srv, "5s")
+				store = concRedisStore(srv, 5*time.Second)
 			}
 			var nodes []concNode
 			for range tc.nodes {
@@ -410,7 +411,7 @@ func TestConcurrencySlotsOfAKilledNodeComeBack(t *testing.T) {
 	const slotTTL = 2 * time.Second
 	origin := startHeldOrigin(t, 0)
 	srv := startRedis(t)
-	store := concRedisStore(srv, slotTTL.String())
+	store := concRedisStore(srv, slotTTL)
 	a, b := newConcNode(t), newConcNode(t)
 	procA := startCaddyProcess(t, a.port, concCaddyfile(a, limit, store, origin.addr()))
 	startCaddyProcess(t, b.port, concCaddyfile(b, limit, store, origin.addr()))

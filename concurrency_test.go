@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
 )
@@ -288,6 +289,83 @@ func BenchmarkServeHTTPConcurrency(b *testing.B) {
 			h, done := provisionedHandler(b, `{"name":"bench-slots-`+tt.name+`","tiers":[{"name":"default","capacity":1000000000,"refill":"1000000/s"`+tt.extra+`}]}`)
 			defer done()
 			benchServe(b, h)
+		})
+	}
+}
+
+// A request that waits for its tokens (max_wait) across a reload takes
+// its slot from the config that runs when it goes on, not from the
+// unloaded one, whose slots closed: it is served (on_store_error deny
+// would answer 503), no store error is counted, and its slot is freed
+// afterwards, in Redis and in the gauge. When the running config no
+// longer limits the tier's requests in flight, it goes on without a slot.
+// Regression test for issue 30 item 2.
+func TestConcurrencySlotOfARequestCaughtByAReloadComesFromTheRunningConfig(t *testing.T) {
+	srv := startRedis(t)
+	for i, tt := range []struct{ name, after string }{
+		{"the running config counts slots", "concurrency 1"},
+		{"the running config counts none", "max_wait 5s"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			port := freePort(t)
+			policy := fmt.Sprint("slot_across_reload_", i)
+			site := func(tier string) string {
+				return fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+}
+http://127.0.0.1:%d {
+	rate_limit {
+		name %s
+		key header X-Key
+		tier all 1 1/2s {
+			%s
+		}
+		max_wait 5s
+		on_store_error deny
+		store redis {
+			address %s
+			timeout 2s
+		}
+	}
+	respond ok
+}
+`, port, policy, tier, srv.url())
+			}
+			s := serveCaddyfile(t, port, site("concurrency 1"))
+			if r := s.get("/", "X-Key: one"); r.status != 200 {
+				t.Fatalf("the first request: %d", r.status)
+			}
+			errorsBefore := counterValue(t, storeErrorsTotal.WithLabelValues("redis"))
+			waited := make(chan waitOutcome, 1)
+			go func() { waited <- s.send(context.Background(), "one") }()
+			waitFor(t, 5*time.Second, "the second request to wait for its token", func() bool { return waitersFor(policy).Load() == 1 })
+			cfg, err := adaptCaddyfile(site(tt.after))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := caddy.Load(cfg, true); err != nil {
+				t.Fatal(err)
+			}
+			if waitersFor(policy).Load() != 1 {
+				t.Fatal("the request stopped waiting before the reload ended: the test proves nothing")
+			}
+			if o := <-waited; o.err != nil || o.status != 200 {
+				t.Fatalf("the request that waited across the reload: status %d, error %v; want 200", o.status, o.err)
+			}
+			if n := counterValue(t, storeErrorsTotal.WithLabelValues("redis")) - errorsBefore; n != 0 {
+				t.Errorf("%v store errors counted with Redis up", n)
+			}
+			if g := inFlightNow(t, policy, "all"); g != 0 {
+				t.Errorf("in_flight gauge %v after the request ended", g)
+			}
+			if !eventuallyTrue(2*time.Second, func() bool { return len(srv.do("KEYS", "*:c").([]any)) == 0 }) {
+				t.Errorf("Redis still holds slots: %v", srv.do("KEYS", "*:c"))
+			}
+			runningSlotOwners.Range(func(any, any) bool {
+				t.Error("the request ended, but its slot's owner is still remembered")
+				return false
+			})
 		})
 	}
 }

@@ -87,7 +87,7 @@ func TestReview23ReloadChangingRedisTimeoutDropsSlotsOfRunningRequests(t *testin
 	cfg := func(timeout string) string {
 		return fmt.Sprintf(`{"name":"review23_reload_conn","keys":[{"keyer":"header","field":"X-Key"}],"store":{"store":"redis","addresses":[%q],"timeout":%s,"slot_ttl":300000000},"tiers":[{"name":"all","concurrency":1}]}`, srv.addr(), timeout)
 	}
-	old, doneOld := provisionedHandler(t, cfg("2000000000"))
+	old, doneOld := provisionedHandler(t, cfg("100000000"))
 	release, holding := make(chan struct{}), make(chan struct{})
 	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
 		close(holding)
@@ -101,7 +101,7 @@ func TestReview23ReloadChangingRedisTimeoutDropsSlotsOfRunningRequests(t *testin
 
 	// A reload: the new config, with another timeout, then the old one's
 	// cleanup. The old request runs on.
-	cur, doneCur := provisionedHandler(t, cfg("3000000000"))
+	cur, doneCur := provisionedHandler(t, cfg("90000000"))
 	defer doneCur()
 	doneOld()
 

@@ -240,8 +240,9 @@ func (s *RedisStore) validate() error {
 		return fmt.Errorf("redis store: breaker_cooldown %s: must be above 0", time.Duration(s.BreakerCooldown))
 	case s.LeaseTTL < 0:
 		return fmt.Errorf("redis store: lease_ttl %s: must be above 0", time.Duration(s.LeaseTTL))
-	case s.SlotTTL < 0 || s.SlotTTL > 0 && time.Duration(s.SlotTTL) < 300*time.Millisecond:
-		return fmt.Errorf("redis store: slot_ttl %s: must be at least 300ms", time.Duration(s.SlotTTL))
+	case s.SlotTTL < 0 || s.SlotTTL > 0 && time.Duration(s.SlotTTL) < redisbucket.MinSlotTTL(time.Duration(s.Timeout)):
+		return fmt.Errorf("redis store: slot_ttl %s: must be at least %s, three times timeout, so that a renewal lands before the slot expires",
+			time.Duration(s.SlotTTL), redisbucket.MinSlotTTL(time.Duration(s.Timeout)))
 	case s.DenyCacheSize < 0:
 		return fmt.Errorf("redis store: deny_cache_size %d: must be at least 1", s.DenyCacheSize)
 	}

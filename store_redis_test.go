@@ -8,6 +8,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"net/http"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -610,5 +611,131 @@ func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
 	// Another client: the deny cache knows "r" is empty for now.
 	if _, err := b.Take(bg, bucketFor("r2"), slowLimit(1), 1); err == nil || !strings.Contains(err.Error(), "closed") {
 		t.Fatalf("take after the last cleanup: %v, want a closed client", err)
+	}
+}
+
+// With on_store_error deny, the requests that wait for the deny cache's
+// probe (once a client's denial expired) are not answered 503 when the
+// probe's client hangs up: one of them asks Redis, and they get its
+// answer.
+// Regression test for issue 30 item 1.
+func TestRedisDenyCacheProbeWhoseClientHangsUpAnswersNoWaiter503(t *testing.T) {
+	srv := startRedis(t)
+	s := serve(t, fmt.Sprintf(`rate_limit 1 10/s {
+		name probe_hangs_up
+		key header X-Key
+		on_store_error deny
+		store redis {
+			address %s
+			timeout 10s
+		}
+	}
+	respond ok`, srv.url()))
+	if r := s.get("/", "X-Key: flood"); r.status != 200 {
+		t.Fatalf("the first request: %d", r.status)
+	}
+	if r := s.get("/", "X-Key: flood"); r.status != 429 {
+		t.Fatalf("the second request: %d, want 429 (the deny cache)", r.status)
+	}
+	time.Sleep(150 * time.Millisecond) // the 100 ms denial expires
+	srv.pause()
+	paused := true
+	defer func() {
+		if paused {
+			srv.Resume()
+		}
+	}()
+	// Another client's decision is out, so that the probe's call queues in
+	// the batcher, where a client that hangs up stops waiting at once.
+	other := make(chan waitOutcome, 1)
+	go func() { other <- s.send(bg, "another") }()
+	waitFor(t, 5*time.Second, "the other client's call", func() bool { return goroutinesIn("IO wait", "redisbucket.(*Store).call(") == 1 })
+	probeCtx, hangUp := context.WithCancel(bg)
+	probe := make(chan waitOutcome, 1)
+	go func() { probe <- s.send(probeCtx, "flood") }()
+	waitFor(t, 5*time.Second, "the probe's call", func() bool { return goroutinesIn("select", "redisbucket.(*redisBatcher).take(") == 1 })
+	const waiters = 3
+	waited := make(chan waitOutcome, waiters)
+	for range waiters {
+		go func() { waited <- s.send(bg, "flood") }()
+	}
+	waitFor(t, 5*time.Second, "the requests waiting for the probe", func() bool {
+		return goroutinesIn("select", "redisbucket.(*Store).decide(")-goroutinesIn("select", "redisbucket.(*Store).call(") == waiters
+	})
+	hangUp()
+	if o := <-probe; o.err == nil {
+		t.Fatalf("the probe whose client hung up got an answer: %d", o.status)
+	}
+	srv.Resume()
+	paused = false
+	if o := <-other; o.status != 200 {
+		t.Fatalf("the other client: %d, %v", o.status, o.err)
+	}
+	served := 0
+	for range waiters {
+		o := <-waited
+		switch {
+		case o.err != nil || o.status != 200 && o.status != 429:
+			t.Errorf("a request that waited for the probe: %d, %v; want Redis's answer, 200 or 429", o.status, o.err)
+		case o.status == 200:
+			served++
+		}
+	}
+	if served > 1 {
+		t.Errorf("%d requests of a bucket of 1 served", served)
+	}
+}
+
+// goroutinesIn counts the goroutines in state (as a stack dump names it)
+// whose stack holds frame.
+func goroutinesIn(state, frame string) int {
+	buf := make([]byte, 4<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		head, _, _ := strings.Cut(g, "\n")
+		if strings.Contains(head, "["+state) && strings.Contains(g, frame) {
+			n++
+		}
+	}
+	return n
+}
+
+// A node renews its slots every third of slot_ttl, and a renewal takes up
+// to timeout to land: under three timeouts, a held slot could expire
+// before its renewal, and another request take it. Such a slot_ttl is
+// refused, at adapt and at provision, with the minimum; three timeouts
+// are enough.
+// Regression test for issue 30 item 3.
+func TestRedisSlotTTLUnderThreeTimeoutsIsRefused(t *testing.T) {
+	site := func(timeout, slotTTL string) string {
+		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\ttier all {\n\t\t\tconcurrency 5\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\t%s\n\t\t\tslot_ttl %s\n\t\t}\n\t}\n\trespond ok\n}\n",
+			freePort(t), timeout, slotTTL)
+	}
+	for _, tc := range []struct {
+		timeout, slotTTL time.Duration
+		want             string
+	}{
+		{time.Second, 2 * time.Second, "slot_ttl 2s: must be at least 3s"},
+		{time.Second, 2999 * time.Millisecond, "slot_ttl 2.999s: must be at least 3s"},
+		{0, 299 * time.Millisecond, "slot_ttl 299ms: must be at least 300ms"},
+	} {
+		timeout := ""
+		if tc.timeout > 0 {
+			timeout = "timeout " + tc.timeout.String()
+		}
+		if _, err := adaptCaddyfile(site(timeout, tc.slotTTL.String())); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("adapt, %s and slot_ttl %s: %v, want an error containing %q", timeout, tc.slotTTL, err, tc.want)
+		}
+		s := RedisStore{Addresses: []string{"redis://127.0.0.1:6379"}, Timeout: caddy.Duration(tc.timeout), SlotTTL: caddy.Duration(tc.slotTTL)}
+		if err := s.Provision(caddy.Context{}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			if err == nil {
+				_ = s.Cleanup()
+			}
+			t.Errorf("provision, %s and slot_ttl %s: %v, want an error containing %q", timeout, tc.slotTTL, err, tc.want)
+		}
+	}
+	if _, err := adaptCaddyfile(site("timeout 1s", "3s")); err != nil {
+		t.Errorf("slot_ttl of three timeouts: %v", err)
 	}
 }

@@ -1,11 +1,12 @@
 package redisbucket
 
 import (
+	"errors"
 	"slices"
-
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"sync"
 	"sync/atomic"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // denyCache remembers denied buckets until their retry time, by Redis key.
@@ -53,6 +54,11 @@ type probe struct {
 	done chan struct{}
 	err  error
 }
+
+// errProbeAbandoned is a probe's end when its own request went away (its
+// client hung up) before Redis answered: that says nothing of Redis, so
+// the requests that waited for it claim again, and one of them probes.
+var errProbeAbandoned = errors.New("redis store: the deny cache's probe was abandoned by its request")
 
 func newDenyCache(size int) *denyCache {
 	c := &denyCache{}
@@ -158,7 +164,8 @@ func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, qs []buc
 // trip before the next denial is known: one asks (done is set, which it
 // calls once it has its answer and put any denial, with the call's
 // error), and the others wait for it (wait) and look again, or fail as it
-// did, within the one call's timeout. Neither is set when no expired
+// did, within the one call's timeout. A probe that ends with
+// errProbeAbandoned leaves the expired entry: the others claim again. Neither is set when no expired
 // denial is there: the request asks Redis as usual. After the answer the
 // expired entry goes, unless a denial replaced it: the requests that
 // waited then find that denial, or ask Redis each, since the bucket may
@@ -180,7 +187,12 @@ func (c *denyCache) claim(key string, now int64) (done func(err error), wait *pr
 	return func(err error) {
 		sh.mu.Lock()
 		if cur, ok := sh.entries[key]; ok && cur.probe == p {
-			delete(sh.entries, key)
+			if err == errProbeAbandoned {
+				cur.probe = nil
+				sh.entries[key] = cur
+			} else {
+				delete(sh.entries, key)
+			}
 		}
 		p.err = err
 		sh.mu.Unlock()

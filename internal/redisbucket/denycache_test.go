@@ -1,9 +1,16 @@
 package redisbucket
 
 import (
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"context"
+	"errors"
+	"runtime"
 	"strconv"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
 func TestDenyCacheIsBounded(t *testing.T) {
@@ -104,4 +111,102 @@ func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 	if done, wait := c.claim("k", 1101); done != nil || wait != nil {
 		t.Fatal("after an answer with room, requests still take turns")
 	}
+}
+
+// A probe whose client hangs up while its call is out says nothing about
+// Redis: the requests that waited for it ask again (one of them probes),
+// and get Redis's answer, not the probe's "context canceled". The breaker
+// hears no failure.
+// Regression test for issue 30 item 1.
+func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
+	srv := redistest.Start(t)
+	clock := new(fakeClock)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 10 * time.Second})
+	s.conn.now = clock.now
+	key := bucketFor("probe-hangs-up")
+	l := slowLimit(1)
+	if res, err := s.Take(bg, key, l, 1); err != nil || !res.Allowed {
+		t.Fatalf("the first take: %+v, %v", res, err)
+	}
+	if res, err := s.Take(bg, key, l, 1); err != nil || res.Allowed {
+		t.Fatalf("the second take: %+v, %v; want denied", res, err)
+	}
+	// The cached denial has expired on the node's clock; Redis, on its
+	// own, still denies for an hour.
+	clock.advance(2 * time.Hour)
+	srv.Pause()
+	paused := true
+	defer func() {
+		if paused {
+			srv.Resume()
+		}
+	}()
+	// A decision on another bucket is out, so the probe's call queues in
+	// the batcher, where a client that hangs up stops waiting at once.
+	other := make(chan error, 1)
+	go func() {
+		_, err := s.Take(bg, bucketFor("another-client"), l, 1)
+		other <- err
+	}()
+	redistest.WaitFor(t, 5*time.Second, "the other decision", func() bool { return s.conn.batcher.callers.Load() == 1 })
+	probeCtx, hangUp := context.WithCancel(bg)
+	probeErr := make(chan error, 1)
+	go func() {
+		_, err := s.Take(probeCtx, key, l, 1)
+		probeErr <- err
+	}()
+	redistest.WaitFor(t, 5*time.Second, "the probe's claim", func() bool {
+		sh := s.conn.denied.shard(string(key))
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		return sh.entries[string(key)].probe != nil
+	})
+	const waiters = 3
+	type answer struct {
+		res bucket.Result
+		err error
+	}
+	answers := make(chan answer, waiters)
+	for range waiters {
+		go func() {
+			res, err := s.Take(bg, key, l, 1)
+			answers <- answer{res, err}
+		}()
+	}
+	redistest.WaitFor(t, 5*time.Second, "the requests waiting for the probe", func() bool {
+		return waitingForProbe() == waiters
+	})
+	hangUp()
+	if err := <-probeErr; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the probe whose client hung up: %v, want context canceled", err)
+	}
+	if n := s.conn.breaker.failures.Load(); n != 0 {
+		t.Fatalf("the breaker counted %d failures for a client that hung up", n)
+	}
+	srv.Resume()
+	paused = false
+	if err := <-other; err != nil {
+		t.Fatalf("the other decision: %v", err)
+	}
+	for range waiters {
+		a := <-answers
+		if a.err != nil || a.res.Allowed || a.res.RetryAfter <= 0 {
+			t.Errorf("a request that waited for the probe: %+v, %v; want Redis's denial", a.res, a.err)
+		}
+	}
+}
+
+// waitingForProbe counts the goroutines that wait in decide for another
+// request's probe (those blocked in select there, not in a call).
+func waitingForProbe() int {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, " [select") && strings.Contains(g, "redisbucket.(*Store).decide(") &&
+			!strings.Contains(g, "redisbucket.(*Store).call(") {
+			n++
+		}
+	}
+	return n
 }

@@ -66,7 +66,7 @@ func TestReview23CloseDuringAcquireLeavesTheSlotTaken(t *testing.T) {
 	switch {
 	case err == nil && ok:
 		s.Release(key, id) // the request ends
-	case !errors.Is(err, errSlotsClosed):
+	case !errors.Is(err, ErrSlotsClosed):
 		t.Fatalf("acquire: %v, %v", ok, err)
 	}
 	if !eventually(2*time.Second, func() bool { return srv.Do("EXISTS", slotKey(key)).(int64) == 0 }) {

@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -21,6 +22,17 @@ import (
 
 // DefaultSlotTTL is how long a slot lives without renewal.
 const DefaultSlotTTL = 30 * time.Second
+
+// MinSlotTTL is the shortest slot TTL that renewals on a connection of
+// this timeout (0 for the default) keep alive: renewals leave every third
+// of the TTL, each in one pipeline that lands within the timeout, so with
+// a TTL of three timeouts one lands at most two thirds of the TTL after
+// the last (and the first, even when the acquire's answer took a whole
+// timeout to come back, by the slot's expiry). A shorter TTL could let a
+// held slot expire, and another request take it.
+func MinSlotTTL(timeout time.Duration) time.Duration {
+	return 3 * cmp.Or(timeout, DefaultTimeout)
+}
 
 // slotsLua applies one operation to a bucket's slots, by the Redis
 // server's clock. KEYS[1] is the sorted set. ARGV: the operation
@@ -124,7 +136,7 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	if t == nil {
 		// A request still in flight through an unloaded config: it takes
 		// no slot that no one would renew.
-		return 0, 0, false, errSlotsClosed
+		return 0, 0, false, ErrSlotsClosed
 	}
 	id = t.seq.Add(1)
 	k := slotKey(key)
@@ -149,7 +161,7 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 		// The store closed while the call was out, and its loops are gone:
 		// the slot is freed at once.
 		t.send([]slotFree{{k, id}})
-		return 0, 0, false, errSlotsClosed
+		return 0, 0, false, ErrSlotsClosed
 	}
 	return id, vals[1], true, nil
 }
@@ -238,8 +250,9 @@ func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int6
 	return vals, nil
 }
 
-// errSlotsClosed refuses a slot to a request of a config that unloaded.
-var errSlotsClosed = errors.New("redis store: the config unloaded; no new slot")
+// ErrSlotsClosed refuses a slot to a request of a config that unloaded:
+// its handler takes the slot from the running config's store instead.
+var ErrSlotsClosed = errors.New("redis store: the config unloaded; no new slot")
 
 // slotTable is the store's slots for a new slot, made on first use; nil
 // once the store closed.
@@ -300,7 +313,9 @@ func (t *slotTable) renewLoop() {
 	}
 }
 
-// renew pipelines one renew call per set this node holds slots in.
+// renew pipelines one renew call per set this node holds slots in, and
+// the doubtful frees after them: one round trip, so that a renewal lands
+// within the timeout of its tick (MinSlotTTL counts on it).
 func (t *slotTable) renew() {
 	byKey := map[string][]any{}
 	t.mu.Lock()
@@ -310,10 +325,7 @@ func (t *slotTable) renew() {
 	doubt := t.doubt
 	t.doubt = nil
 	t.mu.Unlock()
-	if len(doubt) > 0 {
-		t.send(doubt)
-	}
-	if len(byKey) == 0 {
+	if len(byKey) == 0 && len(doubt) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), t.s.timeout)
@@ -323,6 +335,9 @@ func (t *slotTable) renew() {
 			for k, ids := range byKey {
 				args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
 				slotsScript.EvalSha(ctx, p, []string{k}, args...)
+			}
+			for _, f := range doubt {
+				p.ZRem(ctx, f.key, t.member(f.id))
 			}
 			return nil
 		})
@@ -356,11 +371,21 @@ func (t *slotTable) retire() {
 	}
 }
 
-// stopLoops stops the loops and sends the frees still queued.
+// stopLoops stops the loops and sends the frees still queued, and the
+// doubtful ones that no renewal will send now.
 func (t *slotTable) stopLoops() {
 	t.stopOnce.Do(func() {
 		close(t.stop)
 		t.done.Wait()
+		t.mu.Lock()
+		doubt := t.doubt
+		t.doubt = nil
+		t.mu.Unlock()
+		for len(doubt) > 0 {
+			n := min(len(doubt), maxFreeBatch)
+			t.send(doubt[:n])
+			doubt = doubt[n:]
+		}
 		for batch := drain(t.frees, nil, maxFreeBatch); len(batch) > 0; batch = drain(t.frees, batch[:0], maxFreeBatch) {
 			t.send(batch)
 		}

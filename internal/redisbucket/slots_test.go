@@ -230,3 +230,66 @@ func TestSlotsInACluster(t *testing.T) {
 		t.Fatal("slots still in flight after every free")
 	}
 }
+
+// A renewal leaves with the doubtful frees, in one pipeline, and lands one
+// trip after its tick: slot_ttl's least (MinSlotTTL) counts on it landing
+// within the timeout, not after another round trip for the frees.
+// Regression test for issue 30 item 3.
+func TestSlotRenewalIsNotDelayedByDoubtfulFrees(t *testing.T) {
+	srv := redistest.Start(t)
+	const trip = 100 * time.Millisecond // each way
+	proxy := redistest.StartProxy(t, srv.Addr(), trip)
+	s := slotStore(t, time.Hour, "redis://"+proxy.Addr()) // the loops' ticks come never
+	key := bucketFor("renewed")
+	id, _, ok, err := s.Acquire(bg, key, 1)
+	if err != nil || !ok {
+		t.Fatal(ok, err)
+	}
+	tb := s.slotTable()
+	tb.renew() // the connections it needs are open
+	tb.mu.Lock()
+	tb.doubt = append(tb.doubt, slotFree{slotKey(bucketFor("doubtful")), 1 << 40})
+	tb.mu.Unlock()
+	before := redisMicros(t, srv)
+	tb.renew()
+	score, err := srv.Client().ZScore(bg, slotKey(key), tb.member(id)).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	landed := time.Duration(int64(score)-time.Hour.Microseconds()-before) * time.Microsecond
+	if landed >= 2*trip {
+		t.Errorf("the renewal landed %v after it was sent; want one trip, %v, not after the doubtful frees' round trip", landed, trip)
+	}
+}
+
+// redisMicros is the Redis server's clock, in microseconds.
+func redisMicros(t *testing.T, srv *redistest.Server) int64 {
+	t.Helper()
+	now, err := srv.Client().Time(bg).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return now.UnixMicro()
+}
+
+// The second free of a doubtful slot (an acquire that failed, whose slot
+// landed after its first free) is not lost when the store closes before
+// the next renewal: it goes at close, and the slot does not block the
+// client for slot_ttl.
+// Regression test for issue 30 item 4.
+func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
+	srv := redistest.Start(t)
+	s := slotStore(t, time.Hour, srv.URL()) // the loops' ticks come never
+	key := bucketFor("doubtful-at-close")
+	tb := s.slotTable()
+	const id = 7
+	srv.Do("ZADD", slotKey(key), time.Now().Add(time.Hour).UnixMicro(), tb.member(id))
+	tb.mu.Lock()
+	tb.doubt = append(tb.doubt, slotFree{slotKey(key), id})
+	tb.mu.Unlock()
+	s.Close()
+	<-s.SlotsIdle()
+	if n := srv.Do("ZCARD", slotKey(key)).(int64); n != 0 {
+		t.Errorf("after the store closed, Redis still holds the doubtful slot: %v", srv.Do("ZRANGE", slotKey(key), 0, -1))
+	}
+}

@@ -41,7 +41,7 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 		if wait != nil {
 			select {
 			case <-wait.done:
-				if wait.err != nil {
+				if wait.err != nil && wait.err != errProbeAbandoned {
 					return false, wait.err
 				}
 				continue
@@ -71,7 +71,13 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 			s.remember(k, epoch, ls, qs, cost, start, denied)
 		}
 		if done != nil {
-			done(err)
+			if err != nil && ctx.Err() != nil {
+				// The probe's own request went away: its failure is not
+				// the others'.
+				done(errProbeAbandoned)
+			} else {
+				done(err)
+			}
 		}
 		return v.allowed, err
 	}
