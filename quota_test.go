@@ -196,3 +196,29 @@ func TestQuotaReloadKeepsTheCount(t *testing.T) {
 		t.Errorf("two quotas per day: %v", err)
 	}
 }
+
+// `quota` in the rate_limit block counts for the catch-all tier: 3 pass,
+// and the 4th is refused until the day's end.
+// Regression test for issue 30 item 2.
+func TestQuotaInTheRateLimitBlockRefusesUntilTheDaysEnd(t *testing.T) {
+	clock := useFakeClock(t)
+	clock.micros.Store(time.Date(2026, 3, 10, 20, 0, 0, 0, time.UTC).UnixMicro())
+	s := serve(t, `rate_limit 100 10/s {
+		key header X-Key
+		headers both
+		quota 3/day
+	}
+	respond ok`)
+	for i := range 3 {
+		if r := s.get("/", "X-Key: ann"); r.status != 200 {
+			t.Fatalf("request %d: %d, want 200", i+1, r.status)
+		}
+	}
+	r := s.get("/", "X-Key: ann")
+	if r.status != 429 || r.header.Get("Retry-After") != "14400" || r.header.Get("X-Ratelimit-Limit") != "3" {
+		t.Fatalf("the 4th: %d, Retry-After %q, limit %q; want 429 until midnight UTC, 14400 s, the quota (3) binding", r.status, r.header.Get("Retry-After"), r.header.Get("X-Ratelimit-Limit"))
+	}
+	if got := r.header.Get("RateLimit"); !strings.Contains(got, `"default-day";r=0;t=14400`) {
+		t.Errorf("RateLimit %q, want the day's item with r=0 and t=14400", got)
+	}
+}
