@@ -323,7 +323,7 @@ func TestAdaptShowsOnlyWhatWasWritten(t *testing.T) {
 // The rate_limit block takes, for the catch-all tier, every line a tier
 // block takes for its own limits, read by the same code; with no
 // <capacity> <refill> on the first line, such lines alone make the tier.
-// Regression test for issue 30 items 1 and 2.
+// Regression test for issue 30 items 1 to 3.
 func TestCaddyfileRateLimitBlockTakesTheCatchAllTiersLimitLines(t *testing.T) {
 	for _, tt := range []struct{ directives, tiers string }{
 		{"rate_limit 100 10/s {\n cost 5\n }", `[{"capacity":100,"cost":5,"name":"default","refill":"10/s"}]`},
@@ -333,6 +333,10 @@ func TestCaddyfileRateLimitBlockTakesTheCatchAllTiersLimitLines(t *testing.T) {
 		{"rate_limit 100 10/s {\n concurrency 10\n }", `[{"capacity":100,"concurrency":10,"name":"default","refill":"10/s"}]`},
 		{"rate_limit {\n limit 10 1/s\n cost 2\n }", `[{"cost":2,"limits":[{"capacity":10,"refill":"1/s"}],"name":"default"}]`},
 		{"rate_limit {\n concurrency 10\n }", `[{"concurrency":10,"name":"default"}]`},
+		{"rate_limit {\n quota 10000/month\n }", `[{"name":"default","quotas":["10000/month"]}]`},
+		{"rate_limit {\n quota 10000/month\n concurrency 3\n cost 2\n }", `[{"concurrency":3,"cost":2,"name":"default","quotas":["10000/month"]}]`},
+		{"rate_limit 10 1/s {\n tier free {\n match header X-Plan free\n quota 1000/day\n }\n }", `[{"match":[{"header":{"X-Plan":["free"]}}],"name":"free","quotas":["1000/day"]},{"capacity":10,"name":"default","refill":"1/s"}]`},
+		{"rate_limit {\n quota 5/day\n tier free {\n quota 1000/day\n match header X-Plan free\n }\n }", `[{"match":[{"header":{"X-Plan":["free"]}}],"name":"free","quotas":["1000/day"]},{"name":"default","quotas":["5/day"]}]`},
 	} {
 		cfg, err := adaptSite(tt.directives)
 		if err != nil {
@@ -354,6 +358,7 @@ func TestCaddyfileRateLimitBlockTakesTheCatchAllTiersLimitLines(t *testing.T) {
 		{"rate_limit 100 10/s {\n concurrency 0\n }", []string{"concurrency 0: must be at least 1"}},
 		{"rate_limit 100 10/s {\n cost 200\n }", []string{`tier "default"`, "cost 200"}},
 		{"rate_limit 100 10/s {\n quota 0/day\n }", []string{`quota "0/day"`}},
+		{"rate_limit {\n cost 2\n }", []string{`tier "default"`, "no rate limit"}},
 	} {
 		_, err := adaptSite(tt.directives)
 		for _, w := range tt.want {
