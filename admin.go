@@ -214,13 +214,16 @@ func (h *Handler) view() policyView {
 	for _, t := range h.Tiers {
 		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
 		if !t.Unlimited && !t.Deny && len(t.limits) > 0 {
-			for _, sh := range t.shapes() {
-				tv.Limits = append(tv.Limits, limitView(sh))
+			if t.hidden == 0 {
+				for _, sh := range t.shapes() {
+					tv.Limits = append(tv.Limits, limitView(sh))
+				}
 			}
 			if tv.CostPlaceholder = t.CostPlaceholder; tv.CostPlaceholder == "" {
 				tv.Cost = t.cost
 			}
-			if t.maxWait > 0 {
+			// Quotas alone never wait.
+			if t.maxWait > 0 && t.hidden == 0 {
 				tv.MaxWait = (time.Duration(t.maxWait) * time.Microsecond).String()
 			}
 		}

@@ -148,12 +148,16 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	if err := h.peekAll(ctx, b, tier, out); err != nil {
 		return err
 	}
-	for i, res := range out[:len(tier.limits)] {
+	for i, res := range out[tier.hidden:len(tier.limits)] {
 		state.Limits = append(state.Limits, newLimitState(shapes[i], res, now))
 	}
 	for j, res := range out[len(tier.limits):] {
 		q := tier.quotas[j]
 		state.Quotas = append(state.Quotas, quotaView{Quota: q.String(), Used: q.N - res.Remaining, Left: res.Remaining, ResetAfter: secondsUp(res.ResetAfter), Reset: secondsUp(now + res.ResetAfter)})
+	}
+	if tier.hidden > 0 {
+		// Quotas alone: no limit to show, as for concurrency alone.
+		return nil
 	}
 	// The top-level fields show a limit: the binding one, or the first
 	// when a quota binds.

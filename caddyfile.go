@@ -3,9 +3,11 @@ package ratelimit
 import (
 	"encoding/json"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -71,6 +73,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    key_secret <secret>
 //	    no_key ip|deny
 //	    limit <capacity> <refill>
+//	    cost <n> | <placeholder>
+//	    cost_from_response <field>
+//	    quota <n>/<day|week|month|year>
+//	    concurrency <n>
 //	    count_status <code|class...>
 //	    ban <duration>
 //	    max_wait <duration>
@@ -79,8 +85,10 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	}
 //
 // The capacity and refill on the first line make the catch-all tier
-// "default", tried after every tier block. Values are checked here as well
-// as at provision, so that a mistake fails `caddy adapt`.
+// "default", tried after every tier block; the block's limit, cost,
+// cost_from_response, quota and concurrency lines are that tier's too, as
+// in a tier block. Values are checked here as well as at provision, so
+// that a mistake fails `caddy adapt`.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // rate_limit
 	var catchAll *Tier
@@ -100,7 +108,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if err := once(d, seen, "name", "on_store_error", "headers", "upstream_headers", "dry_run", "status", "key_secret", "no_key", "count_status", "ban", "max_wait", "max_waiting", "timezone"); err != nil {
 			return err
 		}
-		if err := h.parseSetting(d, &catchAll); err != nil {
+		if err := h.parseSetting(d, seen, &catchAll); err != nil {
 			return err
 		}
 	}
@@ -114,9 +122,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// parseSetting reads one subdirective of the rate_limit block; a `limit`
-// line adds to the catch-all tier, made on first use.
-func (h *Handler) parseSetting(d *caddyfile.Dispenser, catchAll **Tier) error {
+// parseSetting reads one subdirective of the rate_limit block. A line of
+// a tier's own limits (limitLines) is the catch-all tier's, made on first
+// use, and read as a tier block reads it.
+func (h *Handler) parseSetting(d *caddyfile.Dispenser, seen map[string]bool, catchAll **Tier) error {
+	if slices.Contains(limitLines, d.Val()) {
+		if *catchAll == nil {
+			*catchAll = &Tier{Name: "default"}
+		}
+		return parseLimitLine(d, seen, *catchAll)
+	}
 	var err error
 	switch sub := d.Val(); sub {
 	case "name":
@@ -165,11 +180,6 @@ func (h *Handler) parseSetting(d *caddyfile.Dispenser, catchAll **Tier) error {
 		}
 	case "jwt":
 		err = parseJWT(h, d)
-	case "limit":
-		if *catchAll == nil {
-			*catchAll = &Tier{Name: "default"}
-		}
-		err = parseLimit(d, &(*catchAll).Limits)
 	default:
 		return d.Errf("rate_limit: unknown subdirective %q", sub)
 	}
@@ -257,8 +267,14 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if err := once(d, seen, "capacity", "refill", "cost", "keyer", "unlimited", "deny", "cost_from_response", "max_wait", "concurrency"); err != nil {
+		if err := once(d, seen, "capacity", "refill", "keyer", "unlimited", "deny", "max_wait"); err != nil {
 			return err
+		}
+		if slices.Contains(limitLines, d.Val()) {
+			if err := parseLimitLine(d, seen, t); err != nil {
+				return err
+			}
+			continue
 		}
 		var err error
 		switch sub := d.Val(); sub {
@@ -266,26 +282,8 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			t.Capacity, err = intArg(d)
 		case "refill":
 			err = oneArg(d, &t.Refill)
-		case "cost":
-			err = parseCost(d, t)
-		case "limit":
-			err = parseLimit(d, &t.Limits)
-		case "cost_from_response":
-			err = oneArg(d, &t.CostFromResponse)
 		case "max_wait":
 			err = positiveDuration(d, &t.MaxWait)
-		case "quota":
-			var q string
-			if err = oneArg(d, &q); err == nil {
-				if _, err = bucket.ParseQuota(q, nil); err != nil {
-					err = d.Err(err.Error())
-				}
-				t.Quotas = append(t.Quotas, q)
-			}
-		case "concurrency":
-			if t.Concurrency, err = intArg(d); err == nil && t.Concurrency < 1 {
-				err = d.Errf("concurrency %d: must be at least 1", t.Concurrency)
-			}
 		case "keyer":
 			err = oneArg(d, &t.Keyer)
 		case "unlimited":
@@ -322,6 +320,40 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 	}
 	h.Tiers = append(h.Tiers, t)
 	return nil
+}
+
+// limitLines are the lines of a tier's own limits: a tier block takes
+// them, and the rate_limit block for its catch-all tier.
+var limitLines = []string{"limit", "cost", "cost_from_response", "quota", "concurrency"}
+
+// parseLimitLine reads one of limitLines into t. Seen is the block's: a
+// line that may be given once fails the second time.
+func parseLimitLine(d *caddyfile.Dispenser, seen map[string]bool, t *Tier) error {
+	if err := once(d, seen, "cost", "cost_from_response", "concurrency"); err != nil {
+		return err
+	}
+	var err error
+	switch sub := d.Val(); sub {
+	case "limit":
+		err = parseLimit(d, &t.Limits)
+	case "cost":
+		err = parseCost(d, t)
+	case "cost_from_response":
+		err = oneArg(d, &t.CostFromResponse)
+	case "quota":
+		var q string
+		if err = oneArg(d, &q); err == nil {
+			if _, err = bucket.ParseQuota(q, nil); err != nil {
+				err = d.Err(err.Error())
+			}
+			t.Quotas = append(t.Quotas, q)
+		}
+	case "concurrency":
+		if t.Concurrency, err = intArg(d); err == nil && t.Concurrency < 1 {
+			err = d.Errf("concurrency %d: must be at least 1", t.Concurrency)
+		}
+	}
+	return err
 }
 
 // parseLimit reads `limit <capacity> <refill>` onto limits.

@@ -319,3 +319,52 @@ func TestAdaptShowsOnlyWhatWasWritten(t *testing.T) {
 		t.Fatalf("adapted JSON %v: want the one tier", got)
 	}
 }
+
+// The rate_limit block takes, for the catch-all tier, every line a tier
+// block takes for its own limits, read by the same code; with no
+// <capacity> <refill> on the first line, such lines alone make the tier.
+// Regression test for issue 30 items 1 to 3.
+func TestCaddyfileRateLimitBlockTakesTheCatchAllTiersLimitLines(t *testing.T) {
+	for _, tt := range []struct{ directives, tiers string }{
+		{"rate_limit 100 10/s {\n cost 5\n }", `[{"capacity":100,"cost":5,"name":"default","refill":"10/s"}]`},
+		{"rate_limit 100 10/s {\n cost {http.request.header.X-Batch}\n }", `[{"capacity":100,"cost_placeholder":"{http.request.header.X-Batch}","name":"default","refill":"10/s"}]`},
+		{"rate_limit 100 10/s {\n cost_from_response X-Tokens-Used\n }", `[{"capacity":100,"cost_from_response":"X-Tokens-Used","name":"default","refill":"10/s"}]`},
+		{"rate_limit 100 10/s {\n quota 1000/day\n quota 20000/month\n }", `[{"capacity":100,"name":"default","quotas":["1000/day","20000/month"],"refill":"10/s"}]`},
+		{"rate_limit 100 10/s {\n concurrency 10\n }", `[{"capacity":100,"concurrency":10,"name":"default","refill":"10/s"}]`},
+		{"rate_limit {\n limit 10 1/s\n cost 2\n }", `[{"cost":2,"limits":[{"capacity":10,"refill":"1/s"}],"name":"default"}]`},
+		{"rate_limit {\n concurrency 10\n }", `[{"concurrency":10,"name":"default"}]`},
+		{"rate_limit {\n quota 10000/month\n }", `[{"name":"default","quotas":["10000/month"]}]`},
+		{"rate_limit {\n quota 10000/month\n concurrency 3\n cost 2\n }", `[{"concurrency":3,"cost":2,"name":"default","quotas":["10000/month"]}]`},
+		{"rate_limit 10 1/s {\n tier free {\n match header X-Plan free\n quota 1000/day\n }\n }", `[{"match":[{"header":{"X-Plan":["free"]}}],"name":"free","quotas":["1000/day"]},{"capacity":10,"name":"default","refill":"1/s"}]`},
+		{"rate_limit {\n quota 5/day\n tier free {\n quota 1000/day\n match header X-Plan free\n }\n }", `[{"match":[{"header":{"X-Plan":["free"]}}],"name":"free","quotas":["1000/day"]},{"name":"default","quotas":["5/day"]}]`},
+	} {
+		cfg, err := adaptSite(tt.directives)
+		if err != nil {
+			t.Errorf("%q: %v", tt.directives, err)
+			continue
+		}
+		if got, _ := json.Marshal(handlerJSON(t, cfg)["tiers"]); string(got) != tt.tiers {
+			t.Errorf("%q adapted to tiers\n %s\nwant %s", tt.directives, got, tt.tiers)
+		}
+	}
+	for _, tt := range []struct {
+		directives string
+		want       []string
+	}{
+		{"rate_limit 100 10/s {\n cost 2\n cost 3\n }", []string{"cost: given twice", "Caddyfile:4"}},
+		{"rate_limit 100 10/s {\n concurrency 2\n concurrency 3\n }", []string{"concurrency: given twice"}},
+		{"rate_limit 100 10/s {\n cost_from_response A\n cost_from_response B\n }", []string{"cost_from_response: given twice"}},
+		{"rate_limit 100 10/s {\n quota 5/day\n quota 9/day\n }", []string{`tier "default"`, "a second quota per day"}},
+		{"rate_limit 100 10/s {\n concurrency 0\n }", []string{"concurrency 0: must be at least 1"}},
+		{"rate_limit 100 10/s {\n cost 200\n }", []string{`tier "default"`, "cost 200"}},
+		{"rate_limit 100 10/s {\n quota 0/day\n }", []string{`quota "0/day"`}},
+		{"rate_limit {\n cost 2\n }", []string{`tier "default"`, "no rate limit"}},
+	} {
+		_, err := adaptSite(tt.directives)
+		for _, w := range tt.want {
+			if err == nil || !strings.Contains(err.Error(), w) {
+				t.Errorf("%q: %v, want an error containing %q", tt.directives, err, w)
+			}
+		}
+	}
+}

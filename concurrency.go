@@ -61,16 +61,16 @@ var runningSlotOwners sync.Map // *decision -> *Handler
 var errNoSlot = errors.New("too many requests of this client in flight (concurrency)")
 
 // validateConcurrency checks a tier's concurrency: a tier may have it
-// beside its limits or instead of them, and then takes no cost.
+// beside its limits or quotas or instead of them, and then takes no cost.
 func (t *Tier) validateConcurrency() (only bool, err error) {
 	if t.Concurrency < 0 || t.Concurrency > math.MaxInt32 {
 		return false, fmt.Errorf("tier %q: concurrency %d: must be from 1 to %d", t.Name, t.Concurrency, math.MaxInt32)
 	}
-	if t.Concurrency == 0 || t.limitCount() > 0 {
+	if t.Concurrency == 0 || t.limitCount() > 0 || len(t.Quotas) > 0 {
 		return false, nil
 	}
-	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" || len(t.Quotas) > 0 {
-		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost or quota", t.Name)
+	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" {
+		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost; give it a rate limit or a quota to count", t.Name)
 	}
 	return true, nil
 }
@@ -210,15 +210,14 @@ var errClientGone = errors.New("the client went away")
 var errStoreDown = errors.New("rate limit store unavailable")
 
 // appendConcurrencyItem appends the RateLimit item of the tier's in-flight
-// limit: the slots left, when the request asked for a slot; it says
-// nothing of the slots of a request refused before it asked.
-func (d *decision) appendConcurrencyItem(buf []byte) []byte {
+// limit, in the list that starts at start of buf: the slots left, when the
+// request asked for a slot; it says nothing of the slots of a request
+// refused before it asked.
+func (d *decision) appendConcurrencyItem(buf []byte, start int) []byte {
 	if d.slotFrom == noSlot && d.refusedBy != refusedNoSlot {
 		return buf
 	}
-	if len(d.tier.limits) > 0 {
-		buf = append(buf, ", "...)
-	}
+	buf = appendSeparator(buf, start)
 	buf = append(buf, d.tier.concurrencyName...)
 	buf = append(buf, ";r="...)
 	return strconv.AppendInt(buf, int64(d.slotLeft), 10)

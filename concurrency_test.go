@@ -369,3 +369,35 @@ http://127.0.0.1:%d {
 		})
 	}
 }
+
+// `concurrency` in the rate_limit block limits the catch-all tier's
+// requests in flight: a second is refused while the first is held.
+// Regression test for issue 30 item 1.
+func TestConcurrencyInTheRateLimitBlockRefusesASecondInFlight(t *testing.T) {
+	holding, release := make(chan struct{}, 1), make(chan struct{})
+	origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		holding <- struct{}{}
+		<-release
+		w.Write([]byte("ok"))
+	}))
+	defer origin.Close()
+	s := serve(t, fmt.Sprintf(`rate_limit {
+		key header X-Key
+		concurrency 1
+	}
+	reverse_proxy %s`, origin.Listener.Addr()))
+	first := make(chan response, 1)
+	go func() { first <- s.get("/", "X-Key: ann") }()
+	<-holding
+	r := s.get("/", "X-Key: ann")
+	close(release)
+	if r.status != 429 || r.header.Get("Retry-After") != "1" {
+		t.Errorf("a second request in flight: %d, Retry-After %q; want 429, Retry-After 1", r.status, r.header.Get("Retry-After"))
+	}
+	if r := <-first; r.status != 200 {
+		t.Errorf("the first request: %d, want 200", r.status)
+	}
+	if r := s.get("/", "X-Key: ann"); r.status != 200 {
+		t.Errorf("after the first ended: %d, want 200", r.status)
+	}
+}

@@ -307,25 +307,34 @@ func errorID() string {
 	return string(id[:])
 }
 
-// appendIETF appends the RateLimit field: one item per limit.
+// appendIETF appends the RateLimit field: one item per limit shown, per
+// quota, and for the in-flight limit.
 func (d *decision) appendIETF(buf []byte) []byte {
+	start := len(buf)
 	switch {
-	case len(d.tier.limits) == 0:
+	case len(d.tier.limits) == d.tier.hidden:
 	case d.limits == nil:
 		buf = appendIETFItem(buf, d.tier.quotedName, d.goingOn(0, d.result))
 	default:
-		for i := range d.tier.limits {
-			if i > 0 {
-				buf = append(buf, ", "...)
-			}
+		for i := d.tier.hidden; i < len(d.tier.limits); i++ {
+			buf = appendSeparator(buf, start)
 			buf = appendIETFItem(buf, d.tier.itemName(i), d.goingOn(i, d.limits[i]))
 		}
 	}
 	if len(d.tier.quotas) > 0 && d.limits != nil {
-		buf = d.appendQuotaItems(buf)
+		buf = d.appendQuotaItems(buf, start)
 	}
 	if d.tier.Concurrency > 0 {
-		buf = d.appendConcurrencyItem(buf)
+		buf = d.appendConcurrencyItem(buf, start)
+	}
+	return buf
+}
+
+// appendSeparator appends the ", " before an item of the list that starts
+// at start of buf, unless it is the first.
+func appendSeparator(buf []byte, start int) []byte {
+	if len(buf) > start {
+		buf = append(buf, ", "...)
 	}
 	return buf
 }

@@ -48,13 +48,14 @@ type reviewSubdirective struct {
 // registered in http.handlers.rate_limit.keys.
 func parserSubdirectives(t *testing.T) []reviewSubdirective {
 	t.Helper()
-	blocks := map[string]string{ // "file:func" -> block
-		"caddyfile.go:parseSetting":         "rate_limit",
-		"caddyfile.go:parseTier":            "tier",
-		"caddyfile.go:parseJWT":             "jwt",
-		"store_redis.go:unmarshalSetting":   "store redis",
-		"store_redis.go:unmarshalTLS":       "tls",
-		"store_local.go:UnmarshalCaddyfile": "store local",
+	blocks := map[string][]string{ // "file:func" -> blocks
+		"caddyfile.go:parseSetting":         {"rate_limit"},
+		"caddyfile.go:parseTier":            {"tier"},
+		"caddyfile.go:parseLimitLine":       {"tier", "rate_limit"},
+		"caddyfile.go:parseJWT":             {"jwt"},
+		"store_redis.go:unmarshalSetting":   {"store redis"},
+		"store_redis.go:unmarshalTLS":       {"tls"},
+		"store_local.go:UnmarshalCaddyfile": {"store local"},
 	}
 	var subs []reviewSubdirective
 	fset := token.NewFileSet()
@@ -69,7 +70,7 @@ func parserSubdirectives(t *testing.T) []reviewSubdirective {
 			if !ok {
 				continue
 			}
-			block, ok := blocks[file+":"+fn.Name.Name]
+			inBlocks, ok := blocks[file+":"+fn.Name.Name]
 			if !ok {
 				continue
 			}
@@ -86,7 +87,9 @@ func parserSubdirectives(t *testing.T) []reviewSubdirective {
 							continue
 						}
 						name, _ := strconv.Unquote(lit.Value)
-						subs = append(subs, reviewSubdirective{block: block, name: name, flag: isFlagCase(stmt.(*ast.CaseClause))})
+						for _, block := range inBlocks {
+							subs = append(subs, reviewSubdirective{block: block, name: name, flag: isFlagCase(stmt.(*ast.CaseClause))})
+						}
 					}
 				}
 				return true

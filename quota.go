@@ -93,7 +93,8 @@ func (d *decision) takeQuotas(ctx context.Context, store Store) (bucket.Result, 
 	if err != nil {
 		return bucket.Result{}, err
 	}
-	j := bindingLimit(all, allowed)
+	// A hidden limit (quotaLimit) never binds.
+	j := d.tier.hidden + bindingLimit(all[d.tier.hidden:], allowed)
 	d.binding = uint8(j)
 	res := all[j]
 	res.Allowed = allowed
@@ -103,12 +104,13 @@ func (d *decision) takeQuotas(ctx context.Context, store Store) (bucket.Result, 
 	return res, nil
 }
 
-// quotaItems appends the quotas' RateLimit-Policy items: the count and
-// the seconds in the period that holds now.
+// appendQuotaPolicy appends the quotas' RateLimit-Policy items to the
+// tier's others in buf: the count and the seconds in the period that
+// holds now.
 func (d *decision) appendQuotaPolicy(buf []byte, now int64) []byte {
 	for _, q := range d.tier.quotas {
 		start, end := q.Bounds(now)
-		buf = append(buf, ", "...)
+		buf = appendSeparator(buf, 0)
 		buf = strconv.AppendQuote(buf, d.tier.Name+"-"+q.Period.String())
 		buf = append(buf, ";q="...)
 		buf = strconv.AppendInt(buf, q.N, 10)
@@ -118,11 +120,11 @@ func (d *decision) appendQuotaPolicy(buf []byte, now int64) []byte {
 	return buf
 }
 
-// appendQuotaItems appends the quotas' RateLimit items: left, and the
-// seconds to the boundary.
-func (d *decision) appendQuotaItems(buf []byte) []byte {
+// appendQuotaItems appends the quotas' RateLimit items to the list that
+// starts at start of buf: left, and the seconds to the boundary.
+func (d *decision) appendQuotaItems(buf []byte, start int) []byte {
 	for i, q := range d.tier.quotas {
-		buf = append(buf, ", "...)
+		buf = appendSeparator(buf, start)
 		j := len(d.tier.limits) + i
 		buf = appendIETFItem(buf, strconv.Quote(d.tier.Name+"-"+q.Period.String()), d.goingOn(j, d.limits[j]))
 	}

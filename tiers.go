@@ -57,7 +57,8 @@ type Tier struct {
 	// Quotas are counts a request's tokens must also fit, each per
 	// calendar period in the handler's time zone: "10000/month",
 	// "500/day"; the period is day, week (from Monday), month or year.
-	// A quota starts over at the period's boundary.
+	// A quota starts over at the period's boundary. A tier may have
+	// quotas and no rate limit: then nothing limits its rate.
 	Quotas []string `json:"quotas,omitempty"`
 
 	// Concurrency, when set, is how many of one client's requests may be
@@ -65,7 +66,7 @@ type Tier struct {
 	// the handlers after it return (a streamed or upgraded response holds
 	// its slot until it ends). One more is refused with Status and
 	// Retry-After: 1, and gives back the rate tokens it took. Beside the
-	// tier's rate limits, or instead of them.
+	// tier's rate limits or quotas, or instead of them.
 	Concurrency int64 `json:"concurrency,omitempty"`
 
 	// MaxWait, when set, is the tier's own max_wait: how long its requests
@@ -81,7 +82,10 @@ type Tier struct {
 	matchers caddyhttp.MatcherSets
 	limit    bucket.Limit
 	// limits are all the tier's limits, limit first.
-	limits     []bucket.Limit
+	limits []bucket.Limit
+	// hidden is how many of limits, from the first, nothing shows: 1 for
+	// a tier of quotas and no rate limit (quotaLimit), else 0.
+	hidden     int
 	limitTexts []string
 	// costField is CostFromResponse in canonical form, as the response's
 	// header map keys its fields and trailers.
@@ -138,7 +142,7 @@ func (t *Tier) validate() error {
 	}
 	if only {
 		// In-flight requests only: no bucket, no cost.
-		t.cost, t.limits, t.limit, t.maxCost = 0, nil, bucket.Limit{}, 0
+		t.cost, t.limits, t.limit, t.maxCost, t.hidden = 0, nil, bucket.Limit{}, 0, 0
 		return t.validateKeyer()
 	}
 	t.cost = t.Cost
@@ -158,6 +162,11 @@ func (t *Tier) validate() error {
 	}
 	if err := t.validateQuotas(); err != nil {
 		return err
+	}
+	if len(t.limits) == 0 {
+		if err := t.quotaLimit(); err != nil {
+			return err
+		}
 	}
 	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
 	return t.validateKeyer()
@@ -205,11 +214,18 @@ const maxLimits = 8
 // validateLimits computes the tier's limits: Capacity and Refill first,
 // when given, then Limits. Each must hold the cost.
 func (t *Tier) validateLimits() error {
+	t.limits, t.hidden = t.limits[:0], 0
+	if t.limitCount() == 0 {
+		if len(t.Quotas) > 0 {
+			// A plan of quotas alone: quotaLimit, once they are read.
+			return nil
+		}
+		return fmt.Errorf("tier %q has no rate limit: give one such as `limit 100 10/s`, a quota or concurrency", t.Name)
+	}
 	shapes := t.shapes()
 	if len(shapes) > maxLimits {
 		return fmt.Errorf("tier %q: %d limits: at most %d", t.Name, len(shapes), maxLimits)
 	}
-	t.limits = t.limits[:0]
 	for _, sh := range shapes {
 		if sh.Capacity < 1 {
 			return fmt.Errorf("tier %q: capacity %d: must be at least 1", t.Name, sh.Capacity)
@@ -232,6 +248,26 @@ func (t *Tier) validateLimits() error {
 	for _, l := range t.limits[1:] {
 		t.maxCost = min(t.maxCost, l.Capacity)
 	}
+	return nil
+}
+
+// quotaLimit gives a tier of quotas and no rate limit the one limit every
+// store's step needs: a bucket of the smallest quota's n that refills
+// whole every microsecond. It never refuses what the quotas admit (within
+// a microsecond, they admit no more than it holds), and, hidden, no
+// header, placeholder or admin view shows it.
+func (t *Tier) quotaLimit() error {
+	n := t.quotas[0].N
+	for _, q := range t.quotas[1:] {
+		n = min(n, q.N)
+	}
+	// No ban and no max_wait: a quota's refusal starts neither.
+	l := bucket.Limit{Capacity: n, Rate: bucket.Rate{Tokens: n, Interval: 1}}
+	if err := l.Validate(t.cost); err != nil {
+		return fmt.Errorf("tier %q: %w", t.Name, err)
+	}
+	t.limit, t.limits = l, append(t.limits, l)
+	t.maxCost, t.hidden = n, 1
 	return nil
 }
 
@@ -281,11 +317,17 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		for i, l := range t.limits {
 			text := strconv.FormatInt(l.Capacity, 10)
 			t.limitTexts = append(t.limitTexts, text)
+			if i < t.hidden {
+				continue
+			}
 			window := bucket.CeilDiv(l.Units(), l.Rate.Tokens*1e6)
 			items = append(items, t.itemName(i)+";q="+text+";w="+strconv.FormatInt(window, 10))
 		}
 		for _, q := range t.quotas {
 			t.limitTexts = append(t.limitTexts, strconv.FormatInt(q.N, 10))
+		}
+		if t.hidden > 0 {
+			t.limitText = t.limitTexts[t.hidden]
 		}
 		if t.Concurrency > 0 {
 			t.concurrencyName = strconv.Quote(t.Name + "-concurrency")
