@@ -264,10 +264,7 @@ func TestATierOfQuotasAloneIsAPlanInEveryStoreMode(t *testing.T) {
 			midnight := time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, time.UTC)
 			retry, _ := strconv.Atoi(r.header.Get("Retry-After"))
 			want := int(midnight.Sub(now).Seconds())
-			// With leases, a node held off by a short grant adds jitter to
-			// the hold-off (apply, internal/redisbucket/lease_call.go), which
-			// may pass the boundary: there only the boundary is a bound.
-			if r.status != 429 || retry < want-2 || retry > want+2 && !strings.Contains(mode.name, "lease") {
+			if r.status != 429 || retry < want-2 || retry > want+2 {
 				t.Fatalf("the 5th: %d, Retry-After %d; want 429 until midnight UTC, about %d s", r.status, retry, want)
 			}
 
