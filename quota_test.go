@@ -2,11 +2,14 @@ package ratelimit
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // Calendar quotas through real Caddy configs.
@@ -194,5 +197,59 @@ func TestQuotaReloadKeepsTheCount(t *testing.T) {
 	}
 	if _, err := adaptCaddyfile(fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\ttier all 5 1/s {\n\t\t\tquota 5/day\n\t\t\tquota 9/day\n\t\t}\n\t}\n}\n", freePort(t))); err == nil || !strings.Contains(err.Error(), "a second quota per day") {
 		t.Errorf("two quotas per day: %v", err)
+	}
+}
+
+// An origin's cost_from_response figure of 2^63-1 uses the quota up: the
+// next request is refused until the day ends, though the limit, whose
+// debt such a figure bounds, has refilled by then.
+// Regression test for issue 30 item 1.
+func TestAHugeResponseCostUsesUpTheQuota(t *testing.T) {
+	clock := useFakeClock(t)
+	noon := time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC)
+	clock.micros.Store(noon.UnixMicro())
+	origin := streamingOrigin(t, strconv.FormatInt(math.MaxInt64, 10))
+	s := serve(t, fmt.Sprintf(`rate_limit {
+		tier all 100 100000/s {
+			quota 5/day
+			cost_from_response X-Tokens-Used
+		}
+	}
+	reverse_proxy %s`, origin))
+	if r := s.from("127.0.0.2", "/?header=1"); r.status != 200 {
+		t.Fatalf("the first request: %d", r.status)
+	}
+	// The limit's debt, a thousand capacities at 100000/s, is paid in a
+	// second.
+	clock.advance(10 * time.Second)
+	r := s.from("127.0.0.2", "/?header=1")
+	if want := strconv.Itoa(12*3600 - 10); r.status != 429 || r.header.Get("Retry-After") != want {
+		t.Fatalf("after a charge of 2^63-1: %d, Retry-After %q; want 429 until midnight, %s s", r.status, r.header.Get("Retry-After"), want)
+	}
+}
+
+// LocalStore.ChargeQuotas of 2^63-1 leaves each quota used up.
+// Regression test for issue 30 item 1.
+func TestLocalStoreChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
+	lb := newLocalBuckets(100, clock.now)
+	lb.wall = clock.now
+	s := &LocalStore{buckets: lb}
+	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}} // refills in 100 µs
+	qs := []bucket.Quota{{N: 5, Period: bucket.Day, Loc: time.UTC}, {N: 50, Period: bucket.Month, Loc: time.UTC}}
+	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 2)
+	b := bucketFor("127.0.0.2")
+	if ok, _ := s.TakeQuotas(bg, b, ls, qs, 1, out, qout); !ok {
+		t.Fatalf("the first take: %+v %+v", out, qout)
+	}
+	for _, n := range []int64{math.MaxInt64, math.MaxInt64 - 1, 1 << 62} {
+		if err := s.ChargeQuotas(bg, b, ls, qs, n); err != nil {
+			t.Fatal(err)
+		}
+		clock.advance(time.Second)
+		if ok, _ := s.TakeQuotas(bg, b, ls, qs, 1, out, qout); ok || qout[0].Remaining != 0 || qout[1].Remaining != 0 || out[0].RetryAfter != 0 {
+			t.Fatalf("after a charge of %d: allowed %v, %+v %+v; want refused by both quotas alone", n, ok, out, qout)
+		}
 	}
 }

@@ -184,9 +184,12 @@ func CountedAt(start int64, qout []Result) int64 {
 
 // ChargeQuota counts n more tokens after the fact (cost_from_response),
 // up to the quota: a client that used it up waits for the next period.
+// The figure is the origin's, which may relay a client's: it is bounded
+// by N before the sum, which would wrap past 2^63 (the script's doubles
+// do not wrap).
 func ChargeQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
 	start, _ := q.Bounds(now)
-	return QuotaState{Start: start, Used: min(q.N, s.used(start)+max(0, n))}
+	return QuotaState{Start: start, Used: min(q.N, s.used(start)+min(max(0, n), q.N))}
 }
 
 // TakeAllQuotas applies a request to every limit and every quota of a
