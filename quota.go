@@ -175,54 +175,68 @@ func quotaID(id uint64, p bucket.Period) uint64 {
 	return limitID(id, bucket.MaxLimits+int(p)-1)
 }
 
-// A quota's count is kept in the table as a State: FullAt the end of its
-// period by the table's clock, when the table may drop it, and Slack the
-// count (below 2^31). The table's clock is monotonic; off is what to add
-// to it for the wall's, which a calendar needs.
-func quotaState(st bucket.State, q bucket.Quota, off int64) bucket.QuotaState {
-	if st.FullAt == 0 {
+// A quota's count is kept in the table as a State: Slack the count (below
+// 2^31), and FullAt the end of its period by the table's clock, when the
+// table may drop it, rounded up to a multiple of 2^20 µs (about a second),
+// whose low 20 bits name the period: its start in wall-clock seconds,
+// modulo 2^20. The count belongs to the period it names, whatever the
+// wall clock has done since: a step of it (a resume from suspend, an NTP
+// step) moves the wall against the table's monotonic clock, and the end by
+// one clock is not the end by the other any more. Two periods of a name
+// start a multiple of 2^20 s apart: days, weeks and months since 1970
+// that far apart are 8192 days or more, a count the table still holds
+// that long untouched. docs/metering-and-quotas.md says what a step does.
+const periodBits = 20
+
+// quotaState is the count st holds in the period that starts at start
+// (the one that holds the wall's now): nothing when st names another.
+func quotaState(st bucket.State, start int64) bucket.QuotaState {
+	if st.FullAt == 0 || st.FullAt&(1<<periodBits-1) != periodName(start) {
 		return bucket.QuotaState{}
 	}
-	// A minute before the end, not a microsecond: the two clocks are read
-	// one after the other, so off moves a little from call to call.
-	start, _ := q.Bounds(st.FullAt + off - 60_000_000)
 	return bucket.QuotaState{Start: start, Used: st.Slack}
 }
 
+// tableQuota is the table's State for qs, off being what to add to the
+// table's clock for the wall's.
 func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
 	if qs.Used == 0 {
 		return bucket.State{}
 	}
 	_, end := q.Bounds(qs.Start)
-	return bucket.State{FullAt: end - off, Slack: qs.Used}
+	const unit = 1 << periodBits
+	return bucket.State{FullAt: (end-off+unit-1)&^(unit-1) | periodName(qs.Start), Slack: qs.Used}
 }
+
+// periodName is the low bits of a period's start in seconds.
+func periodName(start int64) int64 { return start / 1_000_000 & (1<<periodBits - 1) }
 
 func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) bool {
 	sh, id := lb.locate(b)
 	var states, olds [bucket.MaxLimits]bucket.State
-	var qstates [bucket.MaxQuotas]bucket.QuotaState
-	var qolds [bucket.MaxQuotas]bucket.State
+	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
 	now := lb.now()
-	off := lb.wall() - now
+	wall := lb.wall()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i := range ls {
 		states[i], _ = sh.states.get(limitID(id, i))
 	}
 	for i, q := range qs {
-		qolds[i], _ = sh.states.get(quotaID(id, q.Period))
-		qstates[i] = quotaState(qolds[i], q, off)
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		start, _ := q.Bounds(wall)
+		qstates[i] = quotaState(st, start)
 	}
-	olds = states
-	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, now+off, ls, qs, cost, out, qout)
+	olds, qolds = states, qstates
+	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, wall, ls, qs, cost, out, qout)
 	for i := range ls {
 		if states[i] != olds[i] {
 			lb.putLocked(sh, limitID(id, i), states[i], now)
 		}
 	}
 	for i, q := range qs {
-		if st := tableQuota(qstates[i], q, off); st != qolds[i] {
-			lb.putLocked(sh, quotaID(id, q.Period), st, now)
+		if qstates[i] != qolds[i] {
+			lb.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, wall-now), now)
 		}
 	}
 	return allowed
@@ -233,7 +247,7 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, f func(bucket.State, int64, bucket.Limit) bucket.State, g func(bucket.QuotaState, int64, bucket.Quota) bucket.QuotaState) {
 	sh, id := lb.locate(b)
 	now := lb.now()
-	off := lb.wall() - now
+	wall := lb.wall()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i, l := range ls {
@@ -244,8 +258,10 @@ func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Q
 	}
 	for _, q := range qs {
 		st, _ := sh.states.get(quotaID(id, q.Period))
-		if next := tableQuota(g(quotaState(st, q, off), now+off, q), q, off); next != st {
-			lb.putLocked(sh, quotaID(id, q.Period), next, now)
+		start, _ := q.Bounds(wall)
+		qst := quotaState(st, start)
+		if next := g(qst, wall, q); next != qst {
+			lb.putLocked(sh, quotaID(id, q.Period), tableQuota(next, q, wall-now), now)
 		}
 	}
 }
