@@ -49,3 +49,27 @@ func TestScriptChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 		}
 	}
 }
+
+// In the hour a zone's clock repeats over midnight (Amman's DST ended at
+// 01:00 to 00:00 on the last Friday of October), the node's boundaries
+// hold Redis's now, and the script counts the request in the day that
+// began at the first midnight.
+// Regression test for issue 30 item 3.
+func TestAQuotaRequestInARepeatedFirstHourIsCounted(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	amman, err := time.LoadLocation("Asia/Amman")
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := time.Date(2015, 10, 29, 21, 0, 0, 0, time.UTC) // 00:00 EEST on Friday the 30th
+	s.clockOffset = first.Add(30*time.Minute).UnixMicro() - time.Now().UnixMicro()
+	ls := []bucket.Limit{slowLimit(100)}
+	qs := []bucket.Quota{{N: 3, Period: bucket.Day, Loc: amman}}
+	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
+	ok, err := s.TakeQuotas(bg, bucketFor("amman"), ls, qs, 1, out, qout)
+	// The day ends at the next midnight, 25 hours after the first.
+	if want := (25*time.Hour - 30*time.Minute).Microseconds(); !ok || err != nil || qout[0].Remaining != 2 || qout[0].ResetAfter < want-5*second || qout[0].ResetAfter > want {
+		t.Fatalf("00:30 EEST on the 30th: allowed %v (%v), %+v; want 2 left of the 25-hour day", ok, err, qout[0])
+	}
+}
