@@ -21,10 +21,11 @@ type QuotaStore interface {
 	// bucket, all or none: each limit's result goes into out, each
 	// quota's into qout.
 	TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error)
-	// GiveBackQuotas returns n tokens a request took at the moment at
-	// (Unix microseconds) to every limit, and to every quota while the
-	// period it was counted in lasts.
-	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error
+	// GiveBackQuotas returns ln tokens to every limit, and the n tokens
+	// a request took at the moment at (Unix microseconds) to every quota
+	// while the period it was counted in lasts. ln is at most n: after a
+	// reload that changed the limits, what they may take back.
+	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error
 	// PeekQuotas reports every limit and quota of the bucket as it
 	// stands, changing nothing and starting no ban.
 	PeekQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error
@@ -151,8 +152,8 @@ func (s *LocalStore) PeekQuotas(_ context.Context, b *Bucket, ls []bucket.Limit,
 }
 
 // GiveBackQuotas implements QuotaStore.
-func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
-	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.GiveBack(st, now, l, n) },
+func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error {
+	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.GiveBack(st, now, l, ln) },
 		func(qs bucket.QuotaState, now int64, q bucket.Quota) bucket.QuotaState {
 			return bucket.GiveBackQuota(qs, now, at, q, n)
 		})
@@ -285,9 +286,9 @@ func (s *RedisStore) TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limi
 }
 
 // GiveBackQuotas implements QuotaStore.
-func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
+func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error {
 	var buf [192]byte
-	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, qs, n, at)
+	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, ln, qs, n, at)
 }
 
 // PeekQuotas implements QuotaStore.

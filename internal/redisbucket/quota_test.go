@@ -73,3 +73,44 @@ func TestAQuotaRequestInARepeatedFirstHourIsCounted(t *testing.T) {
 		t.Fatalf("00:30 EEST on the 30th: allowed %v (%v), %+v; want 2 left of the 25-hour day", ok, err, qout[0])
 	}
 }
+
+// A give-back returns its tokens to the quotas and, to the limits, only
+// the tokens the caller says they take back (none here: after a reload
+// that slowed their refill), in strict mode and from a node that holds a
+// lease, which then takes none of them.
+// Regression test for issue 30 item 4.
+func TestAGiveBackReturnsToTheQuotasWhatTheLimitsDoNotTakeBack(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, lease := range []string{"", "50%"} {
+		t.Run("lease "+lease, func(t *testing.T) {
+			s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: lease})
+			ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 60 * second}}}
+			qs := []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}
+			key := bucketFor("giveback-" + lease)
+			out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
+			// With leases, takes until the node holds one (the first is
+			// spent at once).
+			for held := false; !held; {
+				if ok, err := s.TakeQuotas(bg, key, ls, qs, 2, out, qout); !ok || err != nil {
+					t.Fatalf("a take: %v %v (%+v)", ok, err, qout)
+				}
+				stored, _ := srv.Do("GET", string(key)).(string)
+				held = lease == "" || strings.Contains(stored, ";l:")
+			}
+			peek := func() (limit, quota int64) {
+				if err := s.PeekQuotas(bg, key, ls, qs, out, qout); err != nil {
+					t.Fatal(err)
+				}
+				return out[0].Remaining, qout[0].Remaining
+			}
+			limit, quota := peek()
+			if err := s.GiveBackQuotas(bg, key, ls, 0, qs, 2, time.Now().UnixMicro()); err != nil {
+				t.Fatal(err)
+			}
+			// At 100 a minute, the limit may refill a token meanwhile.
+			if l, q := peek(); q != quota+2 || l-limit > 1 {
+				t.Fatalf("the give-back took the quota from %d to %d left, the limit from %d to %d; want 2 more to the quota, none to the limit (%q)", quota, q, limit, l, srv.Do("GET", string(key)))
+			}
+		})
+	}
+}
