@@ -183,10 +183,11 @@ func quotaID(id uint64, p bucket.Period) uint64 {
 // modulo 2^20. The count belongs to the period it names, whatever the
 // wall clock has done since: a step of it (a resume from suspend, an NTP
 // step) moves the wall against the table's monotonic clock, and the end by
-// one clock is not the end by the other any more. Two periods of a name
-// start a multiple of 2^20 s apart: days, weeks and months since 1970
-// that far apart are 8192 days or more, a count the table still holds
-// that long untouched. docs/metering-and-quotas.md says what a step does.
+// one clock is not the end by the other any more. Two periods of one name
+// start a multiple of 2^20 s apart, which whole days (give or take DST's
+// hours) are only 8192 days on: a count read as a later period's would
+// have lain untouched in the table for 22 years.
+// docs/metering-and-quotas.md says what a step does.
 const periodBits = 20
 
 // quotaState is the count st holds in the period that starts at start
