@@ -38,8 +38,9 @@ func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
 		for tr := range zoneTransitions(loc, from, to) {
 			for _, at := range aroundTransition(tr, loc) {
 				for p := Day; p <= Year; p++ {
-					if q := (Quota{N: 1, Period: p, Loc: loc}); periodFault(q, q.Bounds, at.UnixMicro()) != "" {
-						report("%s, %s, at %s (%d µs): %s", name, p, at.In(loc).Format("2006-01-02 15:04:05 MST"), at.UnixMicro(), periodFault(q, q.Bounds, at.UnixMicro()))
+					q := Quota{N: 1, Period: p, Loc: loc}
+					if bad := periodFault(q, q.Bounds, at.UnixMicro()); bad != "" {
+						report("%s, %s, at %s (%d µs): %s", name, p, at.In(loc).Format("2006-01-02 15:04:05 MST"), at.UnixMicro(), bad)
 					}
 					checked++
 				}
