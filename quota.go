@@ -21,10 +21,11 @@ type QuotaStore interface {
 	// bucket, all or none: each limit's result goes into out, each
 	// quota's into qout.
 	TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error)
-	// GiveBackQuotas returns n tokens a request took at the moment at
-	// (Unix microseconds) to every limit, and to every quota while the
-	// period it was counted in lasts.
-	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error
+	// GiveBackQuotas returns ln tokens to every limit, and the n tokens
+	// a request took at the moment at (Unix microseconds) to every quota
+	// while the period it was counted in lasts. ln is at most n: after a
+	// reload that changed the limits, what they may take back.
+	GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error
 	// PeekQuotas reports every limit and quota of the bucket as it
 	// stands, changing nothing and starting no ban.
 	PeekQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error
@@ -153,8 +154,8 @@ func (s *LocalStore) PeekQuotas(_ context.Context, b *Bucket, ls []bucket.Limit,
 }
 
 // GiveBackQuotas implements QuotaStore.
-func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
-	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.GiveBack(st, now, l, n) },
+func (s *LocalStore) GiveBackQuotas(_ context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error {
+	s.buckets.updateQuotas(b, ls, qs, func(st bucket.State, now int64, l bucket.Limit) bucket.State { return bucket.GiveBack(st, now, l, ln) },
 		func(qs bucket.QuotaState, now int64, q bucket.Quota) bucket.QuotaState {
 			return bucket.GiveBackQuota(qs, now, at, q, n)
 		})
@@ -177,54 +178,69 @@ func quotaID(id uint64, p bucket.Period) uint64 {
 	return limitID(id, bucket.MaxLimits+int(p)-1)
 }
 
-// A quota's count is kept in the table as a State: FullAt the end of its
-// period by the table's clock, when the table may drop it, and Slack the
-// count (below 2^31). The table's clock is monotonic; off is what to add
-// to it for the wall's, which a calendar needs.
-func quotaState(st bucket.State, q bucket.Quota, off int64) bucket.QuotaState {
-	if st.FullAt == 0 {
+// A quota's count is kept in the table as a State: Slack the count (below
+// 2^31), and FullAt the end of its period by the table's clock, when the
+// table may drop it, rounded up to a multiple of 2^20 µs (about a second),
+// whose low 20 bits name the period: its start in wall-clock seconds,
+// modulo 2^20. The count belongs to the period it names, whatever the
+// wall clock has done since: a step of it (a resume from suspend, an NTP
+// step) moves the wall against the table's monotonic clock, and the end by
+// one clock is not the end by the other any more. Two periods of one name
+// start a multiple of 2^20 s apart, which whole days (give or take DST's
+// hours) are only 8192 days on: a count read as a later period's would
+// have lain untouched in the table for 22 years.
+// docs/metering-and-quotas.md says what a step does.
+const periodBits = 20
+
+// quotaState is the count st holds in the period that starts at start
+// (the one that holds the wall's now): nothing when st names another.
+func quotaState(st bucket.State, start int64) bucket.QuotaState {
+	if st.FullAt == 0 || st.FullAt&(1<<periodBits-1) != periodName(start) {
 		return bucket.QuotaState{}
 	}
-	// A minute before the end, not a microsecond: the two clocks are read
-	// one after the other, so off moves a little from call to call.
-	start, _ := q.Bounds(st.FullAt + off - 60_000_000)
 	return bucket.QuotaState{Start: start, Used: st.Slack}
 }
 
+// tableQuota is the table's State for qs, off being what to add to the
+// table's clock for the wall's.
 func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
 	if qs.Used == 0 {
 		return bucket.State{}
 	}
 	_, end := q.Bounds(qs.Start)
-	return bucket.State{FullAt: end - off, Slack: qs.Used}
+	const unit = 1 << periodBits
+	return bucket.State{FullAt: (end-off+unit-1)&^(unit-1) | periodName(qs.Start), Slack: qs.Used}
 }
+
+// periodName is the low bits of a period's start in seconds.
+func periodName(start int64) int64 { return start / 1_000_000 & (1<<periodBits - 1) }
 
 func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) bool {
 	sh, id := lb.locate(b)
 	var states, olds [bucket.MaxLimits]bucket.State
-	var qstates [bucket.MaxQuotas]bucket.QuotaState
-	var qolds [bucket.MaxQuotas]bucket.State
+	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
 	now := lb.now()
-	off := lb.wall() - now
+	wall := lb.wall()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i := range ls {
 		states[i], _ = sh.states.get(limitID(id, i))
 	}
 	for i, q := range qs {
-		qolds[i], _ = sh.states.get(quotaID(id, q.Period))
-		qstates[i] = quotaState(qolds[i], q, off)
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		start, _ := q.Bounds(wall)
+		qstates[i] = quotaState(st, start)
 	}
-	olds = states
-	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, now+off, ls, qs, cost, out, qout)
+	olds, qolds = states, qstates
+	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, wall, ls, qs, cost, out, qout)
 	for i := range ls {
 		if states[i] != olds[i] {
 			lb.putLocked(sh, limitID(id, i), states[i], now)
 		}
 	}
 	for i, q := range qs {
-		if st := tableQuota(qstates[i], q, off); st != qolds[i] {
-			lb.putLocked(sh, quotaID(id, q.Period), st, now)
+		if qstates[i] != qolds[i] {
+			lb.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, wall-now), now)
 		}
 	}
 	return allowed
@@ -235,7 +251,7 @@ func (lb *localBuckets) takeQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quo
 func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Quota, f func(bucket.State, int64, bucket.Limit) bucket.State, g func(bucket.QuotaState, int64, bucket.Quota) bucket.QuotaState) {
 	sh, id := lb.locate(b)
 	now := lb.now()
-	off := lb.wall() - now
+	wall := lb.wall()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i, l := range ls {
@@ -246,8 +262,10 @@ func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Q
 	}
 	for _, q := range qs {
 		st, _ := sh.states.get(quotaID(id, q.Period))
-		if next := tableQuota(g(quotaState(st, q, off), now+off, q), q, off); next != st {
-			lb.putLocked(sh, quotaID(id, q.Period), next, now)
+		start, _ := q.Bounds(wall)
+		qst := quotaState(st, start)
+		if next := g(qst, wall, q); next != qst {
+			lb.putLocked(sh, quotaID(id, q.Period), tableQuota(next, q, wall-now), now)
 		}
 	}
 }
@@ -271,9 +289,9 @@ func (s *RedisStore) TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limi
 }
 
 // GiveBackQuotas implements QuotaStore.
-func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
+func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error {
 	var buf [192]byte
-	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, qs, n, at)
+	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, ln, qs, n, at)
 }
 
 // PeekQuotas implements QuotaStore.

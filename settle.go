@@ -143,46 +143,69 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 }
 
 // giveBackTaken gives back the tokens a request took, to every limit of
-// its tier, as the running config counts them: after a reload that
-// changed a refill, converted, so that no tokens are created. A request of
-// cost 0 took none: asking the store to give back nothing would cost a
-// call. The client may be gone; the give-back still belongs to its bucket.
+// its tier, as the running config counts them (liveLimits: after a reload
+// that changed them, converted, so that no tokens are created), and to
+// every quota, which counts what was admitted whatever the reload did to
+// the limits. A request of cost 0 took none: asking the store to give
+// back nothing would cost a call. The client may be gone; the give-back
+// still belongs to its bucket.
 func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	if d.cost == 0 {
 		return
 	}
+	ls, n := liveLimits(h, d.tier, d.cost)
+	if ls == nil {
+		return
+	}
 	ctx := context.WithoutCancel(r.Context())
 	var err error
-	if len(d.tier.quotas) > 0 {
-		if qs, ok := d.took.(QuotaStore); ok && sameLimitsRun(h, d.tier) {
-			// Counted when decided, in the store's period.
-			at := d.start.UnixMicro()
-			if d.limits != nil {
-				at = bucket.CountedAt(at, d.limits[len(d.tier.limits):len(d.tier.limits)+len(d.tier.quotas)])
-			}
-			err = qs.GiveBackQuotas(ctx, &d.bucket, d.tier.limits, d.tier.quotas, d.cost, at)
+	switch qs, ok := d.took.(QuotaStore); {
+	case len(d.tier.quotas) > 0 && ok:
+		// Counted when decided, in the store's period.
+		at := d.start.UnixMicro()
+		if d.limits != nil {
+			at = bucket.CountedAt(at, d.limits[len(d.tier.limits):len(d.tier.limits)+len(d.tier.quotas)])
 		}
-	} else if len(d.tier.limits) > 1 {
-		// After a reload that changed the tier's limits: nothing.
-		if sameLimitsRun(h, d.tier) {
-			err = d.took.GiveBackAll(ctx, &d.bucket, d.tier.limits, d.cost)
-		}
-	} else {
-		l, n := d.tier.limit, d.cost
-		cur, ok := liveLimit(h.Name, d.tier.Name, l, h)
-		if !ok {
-			return
-		}
-		if cur != l {
-			l, n = cur, cur.Converted(n, l)
-		}
-		if n > 0 {
-			err = d.took.GiveBack(ctx, &d.bucket, l, n)
-		}
+		err = qs.GiveBackQuotas(ctx, &d.bucket, ls, n, d.tier.quotas, d.cost, at)
+	case n <= 0 || len(d.tier.quotas) > 0:
+		// The limits take nothing back (and a store that keeps no quotas
+		// counted none).
+	case len(ls) > 1:
+		err = d.took.GiveBackAll(ctx, &d.bucket, ls, n)
+	default:
+		err = d.took.GiveBack(ctx, &d.bucket, ls[0], n)
 	}
 	if err != nil {
 		h.storeLog.Warn("rate limit store: giving back a request's tokens failed", zap.String("policy", h.Name), zap.String("why", why), zap.Error(err))
 	}
+}
+
+// liveLimits are the limits a give-back of n tokens that a request of
+// tier t took under h goes to, and how many tokens each takes back: t's
+// own and n while they run (sameLimitsRun). After a reload that changed
+// them, the running tier's, each taking back the n tokens as
+// bucket.Limit.Converted counts them from the limit at its place in t,
+// where its state was kept: no more than the time their refill took
+// under that limit buys under the new one. A limit the reload added took
+// nothing, and takes back nothing. The store gives every limit the same,
+// so they all take the least: a reload never creates tokens. Nil when the
+// tier no longer runs, or runs without limits (unlimited, deny).
+func liveLimits(h *Handler, t *Tier, n int64) ([]bucket.Limit, int64) {
+	if sameLimitsRun(h, t) {
+		return t.limits, n
+	}
+	cur, _ := liveTier(h.Name, t.Name)
+	if cur == nil || cur.Unlimited || cur.Deny || len(cur.limits) == 0 {
+		return nil, 0
+	}
+	back := n
+	for i, l := range cur.limits {
+		if i >= len(t.limits) {
+			return cur.limits, 0
+		}
+		back = min(back, l.Converted(n, t.limits[i]))
+	}
+	return cur.limits, back
 }
 
 // sameLimitsRun reports whether the limits a request of tier t took under

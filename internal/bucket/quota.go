@@ -75,42 +75,67 @@ const maxQuota = 1<<31 - 1
 func (q Quota) String() string { return strconv.FormatInt(q.N, 10) + "/" + q.Period.String() }
 
 // Bounds are the start and the end (microseconds since the epoch) of the
-// period that holds the moment t (microseconds since the epoch).
+// period that holds the moment t (microseconds since the epoch). A period
+// starts when its first day does (dayStart), and ends when the next
+// period's first day starts: so periods follow one another, with no gap
+// and no overlap, however the zone's clock moves. Where the clock goes
+// back over midnight (at 00:01 to 23:01 in St John's until 2011, or at
+// 01:00 to 00:00 in Amman), a moment that it shows as the day before, but
+// after the day's first moment, is of the new day.
 func (q Quota) Bounds(t int64) (start, end int64) {
-	at := time.UnixMicro(t).In(q.Loc)
-	y, m, d := at.Date()
-	var from, to time.Time
+	y, m, d := time.UnixMicro(t).In(q.Loc).Date()
+	from, to := q.period(time.Date(y, m, d, 0, 0, 0, 0, time.UTC))
+	start, end = dayStart(from, q.Loc), dayStart(to, q.Loc)
+	for end <= t {
+		// The clock went back after the next period began.
+		_, to = q.period(to)
+		start, end = end, dayStart(to, q.Loc)
+	}
+	return start, end
+}
+
+// period is the first day of the period that holds the day date, and the
+// first day of the next, as dates at midnight UTC.
+func (q Quota) period(date time.Time) (first, next time.Time) {
+	y, m, _ := date.Date()
 	switch q.Period {
 	case Day:
-		from, to = dayStart(y, m, d, q.Loc), dayStart(y, m, d+1, q.Loc)
+		return date, date.AddDate(0, 0, 1)
 	case Week:
-		back := (int(at.Weekday()) + 6) % 7 // days since Monday
-		from, to = dayStart(y, m, d-back, q.Loc), dayStart(y, m, d-back+7, q.Loc)
+		first = date.AddDate(0, 0, -(int(date.Weekday())+6)%7) // back to Monday
+		return first, first.AddDate(0, 0, 7)
 	case Month:
-		from, to = dayStart(y, m, 1, q.Loc), dayStart(y, m+1, 1, q.Loc)
-	default:
-		from, to = dayStart(y, 1, 1, q.Loc), dayStart(y+1, 1, 1, q.Loc)
+		first = time.Date(y, m, 1, 0, 0, 0, 0, time.UTC)
+		return first, first.AddDate(0, 1, 0)
 	}
-	return from.UnixMicro(), to.UnixMicro()
+	first = time.Date(y, 1, 1, 0, 0, 0, 0, time.UTC)
+	return first, first.AddDate(1, 0, 0)
 }
 
-// dayStart is the first moment of a day in loc: its midnight or, in a
-// zone whose clocks skip midnight (a DST change at 00:00, as in Havana or
-// Santiago), the moment they jump to, which time.Date does not give: it
-// answers with a moment of the day before. A day the zone skipped
-// altogether (Pacific/Apia's 2011-12-30) starts when the next one does.
-func dayStart(y int, m time.Month, d int, loc *time.Location) time.Time {
-	t := time.Date(y, m, d, 0, 0, 0, 0, loc)
-	want := dateKey(time.Date(y, m, d, 12, 0, 0, 0, time.UTC).Date()) // the same date, normalized
-	for dateKey(t.Date()) < want {
-		// Zones change on whole minutes.
-		t = t.Add(time.Minute)
+// dayStart is the first moment (µs) at which the zone's clock shows the
+// day date (a date at midnight UTC) or a later one: its midnight; the
+// first of two, when the clock goes back over it; or the moment the
+// clock jumps to, when it skips midnight (a DST change at 00:00, as in
+// Havana) or the whole day (Pacific/Apia's 2011-12-30, which then starts
+// when the next one does). It walks the zone's spans of one offset from
+// before any of them can show the date: in each, the clock shows it from
+// its midnight less the span's offset.
+func dayStart(date time.Time, loc *time.Location) int64 {
+	midnight := date.Unix() // on the zone's clock, in seconds
+	// No zone's offset reaches 18 hours: here its clock is still before
+	// the date.
+	at := midnight - 18*3600
+	for {
+		z := time.Unix(at, 0).In(loc)
+		_, off := z.Zone()
+		_, end := z.ZoneBounds()
+		first := max(at, midnight-int64(off))
+		if end.IsZero() || first < end.Unix() {
+			return first * 1_000_000
+		}
+		at = end.Unix()
 	}
-	return t
 }
-
-// dateKey orders dates.
-func dateKey(y int, m time.Month, d int) int { return y*10000 + int(m)*100 + d }
 
 // QuotaState is a quota's count: Used tokens in the period that starts at
 // Start (microseconds since the epoch). A count of another period is 0.

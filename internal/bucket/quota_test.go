@@ -1,6 +1,8 @@
 package bucket
 
 import (
+	"fmt"
+	"math"
 	"testing"
 	"time"
 )
@@ -144,4 +146,43 @@ func TestQuotasAndLimitsTakeAllOrNothing(t *testing.T) {
 	if want := micros(time.Date(2026, 12, 6, 0, 0, 0, 0, time.UTC)) - now; qout[0].RetryAfter != want {
 		t.Fatalf("Retry-After %d µs, want %d (to midnight)", qout[0].RetryAfter, want)
 	}
+}
+
+// A charge of any size, up to the largest figure an origin can report,
+// leaves the quota used up until its period ends: the count never wraps
+// around to a negative one, which would give the client the period back.
+// Regression test for issue 30 item 1.
+func TestAChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
+	q := Quota{N: 5, Period: Month, Loc: time.UTC}
+	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
+	if bad := chargeLeavesNoRoom(q, now, ChargeQuota); bad != "" {
+		t.Fatal(bad)
+	}
+	// The mutation the check must catch: the sum bounded after it wraps.
+	wrapping := func(s QuotaState, now int64, q Quota, n int64) QuotaState {
+		start, _ := q.Bounds(now)
+		return QuotaState{Start: start, Used: min(q.N, s.used(start)+max(0, n))}
+	}
+	if chargeLeavesNoRoom(q, now, wrapping) == "" {
+		t.Fatal("a charge whose sum wraps passed the check")
+	}
+}
+
+// chargeLeavesNoRoom charges q, in several states, by figures up to
+// 2^63-1 with charge, and describes the first that leaves the quota room
+// for one more token ("" for none).
+func chargeLeavesNoRoom(q Quota, now int64, charge func(QuotaState, int64, Quota, int64) QuotaState) string {
+	start, end := q.Bounds(now)
+	for _, used := range []int64{0, 1, q.N - 1, q.N} {
+		for _, n := range []int64{q.N - used, 1 << 62, math.MaxInt64 - q.N, math.MaxInt64 - used, math.MaxInt64 - max(used-1, 0), math.MaxInt64} {
+			s := charge(QuotaState{Start: start, Used: used}, now, q, n)
+			if s != (QuotaState{Start: start, Used: q.N}) {
+				return fmt.Sprintf("%d used, charged %d: %+v; want the quota used up (%d)", used, n, s, q.N)
+			}
+			if _, r := TakeQuota(s, now, q, 1); r.Allowed || r.RetryAfter != end-now {
+				return fmt.Sprintf("%d used, charged %d: the next take %+v; want refused until the period ends", used, n, r)
+			}
+		}
+	}
+	return ""
 }

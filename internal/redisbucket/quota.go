@@ -62,17 +62,24 @@ func (s *Store) PeekQuotas(ctx context.Context, key []byte, ls []bucket.Limit, q
 }
 
 // GiveBackQuotas returns n tokens a request took at the moment at
-// (microseconds since the epoch) to every limit and quota of the bucket
-// at key: into this node's lease when it holds one (its tokens stay
-// counted in the quotas, to be spent in the period that counted them), and
-// the rest in one script call, to a quota only while the period it was
-// counted in lasts.
-func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, n, at int64) error {
-	if n = s.fromLease(key, n, true, at); n <= 0 {
-		return nil
+// (microseconds since the epoch) to every quota of the bucket at key, and
+// ln of them (at most n) to every limit: into this node's lease when it
+// holds one (its tokens stay counted in the quotas, to be spent in the
+// period that counted them), and the rest in one script call, to a quota
+// only while the period it was counted in lasts.
+//
+// A lease holds tokens of the limits and the quotas at once: when the
+// limits take back fewer than the quotas (a reload changed them), it
+// takes none, and the script gives each its own.
+func (s *Store) GiveBackQuotas(ctx context.Context, key []byte, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error {
+	if ln == n {
+		if n = s.fromLease(key, n, true, at); n <= 0 {
+			return nil
+		}
+		ln = n
 	}
 	k := string(key)
-	_, err := s.call(context.WithoutCancel(ctx), k, s.argsWithQuotas("giveback", ls, qs, at, n), false, 2)
+	_, err := s.call(context.WithoutCancel(ctx), k, s.argsWithQuotas("giveback", ls, qs, at, n, max(0, ln)), false, 2)
 	s.conn.denied.remove(k)
 	return err
 }

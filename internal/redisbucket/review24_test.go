@@ -82,7 +82,7 @@ func TestReview24RedisGiveBackAfterTheBoundaryDoesNotRefundTheNewDay(t *testing.
 				admitted++
 			}
 		}
-		if err := s.GiveBackQuotas(bg, key, ls, qs, 1, at); err != nil { // yesterday's request did not count
+		if err := s.GiveBackQuotas(bg, key, ls, 1, qs, 1, at); err != nil { // yesterday's request did not count
 			t.Fatal(err)
 		}
 		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {

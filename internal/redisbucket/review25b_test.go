@@ -220,7 +220,7 @@ func TestReview25bDefectRedisGiveBackNamingFewerQuotasKeepsTheOthersCount(t *tes
 	}
 	// The old request's response does not count: its give-back names the
 	// old tier's quotas.
-	if err := s.GiveBackQuotas(bg, key, ls, []bucket.Quota{day}, 1, taken); err != nil {
+	if err := s.GiveBackQuotas(bg, key, ls, 1, []bucket.Quota{day}, 1, taken); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.PeekQuotas(bg, key, ls, []bucket.Quota{day, month}, out, qout); err != nil {

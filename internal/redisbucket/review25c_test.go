@@ -149,7 +149,7 @@ func TestReview25cDefectQuotaDenialOutlivesAnotherNodesGiveBack(t *testing.T) {
 	}
 	// A's request gets a status that does not count: it gives back.
 	taken := time.Now().UnixMicro() + mid
-	if err := nodeA.GiveBackQuotas(bg, key, ls, qs, 1, taken); err != nil {
+	if err := nodeA.GiveBackQuotas(bg, key, ls, 1, qs, 1, taken); err != nil {
 		t.Fatal(err)
 	}
 	if err := nodeA.PeekQuotas(bg, key, ls, qs, out, qout); err != nil || qout[0].Remaining != 1 {

@@ -28,7 +28,8 @@ import "github.com/redis/go-redis/v9"
 // below); then, for lease, the node, the call's seq, the tokens the node
 // still holds, the tokens it wants, how long the record lives (µs),
 // the tokens it spends at once, and 1 for a prefetch (0 otherwise); for
-// return, the node and the seq of its lease.
+// return, the node and the seq of its lease; for giveback, optionally,
+// the tokens the limits take back (the count when absent).
 //
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each

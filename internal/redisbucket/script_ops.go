@@ -278,8 +278,11 @@ if op == 'return' then
 end
 
 if op == 'giveback' then
+  -- The limits take back ARGV[x] tokens when it is given: fewer than the
+  -- quotas after a reload that changed them.
+  local back = tonumber(ARGV[x]) or count
   if not any_banned() then
-    for i = 1, n do give_back(i, count, floor(i)) end
+    for i = 1, n do give_back(i, back, floor(i)) end
   end
   -- A quota counts what was admitted: a give-back returns to it, ban or
   -- not, while the period the request was counted in (the node sent its
