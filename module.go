@@ -177,6 +177,9 @@ type Handler struct {
 	loadKey *prometheus.Registry
 	unnamed bool
 	where   string
+	// written is the handler's config as JSON, which tells copies of one
+	// handler from two.
+	written []byte
 }
 
 // CaddyModule returns the Caddy module information.

@@ -1,6 +1,8 @@
 package ratelimit
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -14,8 +16,11 @@ import (
 
 // Handlers share buckets by policy name. Handlers with no name would all
 // be the policy "default", so two of them (two pasted recipes, two sites)
-// would limit each other's clients: a config with two is refused. Handlers
-// that share a name on purpose but limit differently are warned of.
+// would limit each other's clients: a config with two that differ is
+// refused. Copies of one handler are not two: a site of two addresses on
+// two ports is served by two servers, each with a copy of the site's
+// routes. Handlers that share a name on purpose but limit differently are
+// warned of.
 
 // configLoads groups the provisioned handlers by the config load they
 // belong to: each load has a metrics registry of its own.
@@ -32,11 +37,12 @@ func (h *Handler) joinConfig(ctx caddy.Context, unnamed bool) error {
 		return nil
 	}
 	h.loadKey, h.unnamed, h.where = reg, unnamed, listenersOf(ctx)
+	h.written, _ = json.Marshal(h)
 	configLoads.Lock()
 	defer configLoads.Unlock()
 	for _, other := range configLoads.m[reg] {
 		switch {
-		case unnamed && other.unnamed:
+		case unnamed && other.unnamed && !bytes.Equal(h.written, other.written):
 			return fmt.Errorf("two rate_limit handlers in this config have no name, so both would be the policy %q and limit each other's clients: one %s, the other %s; give each its own name, such as `name api` and `name login` (or one name to both, to share one limit on purpose)",
 				h.Name, other.describe(), h.describe())
 		case !unnamed && other.Name == h.Name && other.tierShapes() != h.tierShapes():

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -121,5 +122,41 @@ http://127.0.0.1:%d {
 	}
 	if !strings.Contains(string(data), "limit differently") || !strings.Contains(string(data), `"policy":"shared"`) {
 		t.Errorf("no warning of the two handlers of the policy \"shared\" in the log:\n%s", data)
+	}
+}
+
+// One rate_limit line in a site of two addresses on two ports (as
+// `http://example.com, https://example.com`, or `:80, :443`, which Caddy
+// serves from two servers): the Caddyfile puts a copy of the site's
+// routes in each server, so the one handler is provisioned twice. It is
+// one policy as written, limiting the site's clients across both: the
+// config loads, and the two copies share the buckets.
+func TestOneUnnamedHandlerInASiteOfTwoAddressesLoads(t *testing.T) {
+	a, b := freePort(t), freePort(t)
+	cfg, err := adaptCaddyfile(fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d, http://127.0.0.1:%d {
+	rate_limit 2 1/h
+	respond "ok"
+}`, a, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatalf("one rate_limit line in a site of two addresses: %v", err)
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	codes := ""
+	for _, port := range []int{a, b, a} {
+		resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		codes += fmt.Sprint(resp.StatusCode, " ")
+	}
+	if codes != "200 200 429 " {
+		t.Errorf("three requests across the two addresses: %s; want 200 200 429 (one policy, capacity 2)", codes)
 	}
 }

@@ -214,7 +214,9 @@ func CountedAt(start int64, qout []Result) int64 {
 // do not wrap).
 func ChargeQuota(s QuotaState, now int64, q Quota, n int64) QuotaState {
 	start, _ := q.Bounds(now)
-	return QuotaState{Start: start, Used: min(q.N, s.used(start)+min(max(0, n), q.N))}
+	used := s.used(start)
+	// Never lower: a reload may have set N below what was used.
+	return QuotaState{Start: start, Used: max(used, min(q.N, used+min(max(0, n), q.N)))}
 }
 
 // TakeAllQuotas applies a request to every limit and every quota of a

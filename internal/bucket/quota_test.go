@@ -186,3 +186,34 @@ func chargeLeavesNoRoom(q Quota, now int64, charge func(QuotaState, int64, Quota
 	}
 	return ""
 }
+
+// A reload may lower a quota's n below what its period has used (TakeQuota
+// keeps that count and refuses): a charge after it (cost_from_response)
+// adds to the count, and never brings it down to the new n, which would
+// hand the client back what it used once n is raised again. (A charge
+// takes at most what is left: here nothing.)
+func TestAChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
+	ten := Quota{N: 10, Period: Day, Loc: time.UTC}
+	five := Quota{N: 5, Period: Day, Loc: time.UTC}
+	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
+	var s QuotaState
+	for range 8 {
+		s, _ = TakeQuota(s, now, ten, 1)
+	}
+	// The reload to 5: a response of the running config reports 1 more.
+	s = ChargeQuota(s, now, five, 1)
+	if s.Used < 8 {
+		t.Errorf("8 used, n lowered to 5, then charged 1: %d used; want at least the 8 (a charge never lowers the count)", s.Used)
+	}
+	// n back to 10: the day has 2 left at most, whatever the reloads did.
+	admitted := 0
+	for range 10 {
+		var r Result
+		if s, r = TakeQuota(s, now, ten, 1); r.Allowed {
+			admitted++
+		}
+	}
+	if admitted > 2 {
+		t.Errorf("n back to 10 after 8 taken and 1 charged: %d more admitted; the 8 alone leave room for 2", admitted)
+	}
+}

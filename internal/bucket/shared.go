@@ -270,8 +270,10 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 		h.Tokens = min(h.Tokens, max(a.Held, 0))
 		switch {
 		case h.Mask != 0 && h.QStop <= now:
-			// Counted in a period that has ended: spent or not, they are
-			// that period's.
+			// Counted in a period that has ended: the node may not spend
+			// them, and drops them. A longer quota's period that goes on
+			// gets them back.
+			sh.refundHeld(now, qs, *h, h.Tokens)
 			res.Drop, h.Tokens = true, 0
 		case h.Void:
 			// A ban voided them: the node drops them, and gives back what
@@ -431,13 +433,7 @@ func (sh *Shared) ReturnQuotas(now int64, ls []Limit, qs []Quota, node string, s
 	h := sh.Held[j]
 	sh.Held = slices.Delete(sh.Held, j, j+1)
 	n = min(n, h.Tokens)
-	if n > 0 && now < h.QStop {
-		for i, q := range qs {
-			if h.Mask&(1<<q.Period) != 0 {
-				sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, now, q, n)
-			}
-		}
-	}
+	sh.refundHeld(now, qs, h, n)
 	if h.Void || n <= 0 || sh.Banned(now) {
 		return 0
 	}

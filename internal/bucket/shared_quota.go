@@ -37,6 +37,21 @@ func (sh *Shared) TakeWithQuotas(now int64, ls []Limit, qs []Quota, cost int64, 
 	return true
 }
 
+// refundHeld returns n tokens of the lease h that its node never spent to
+// each quota that counted them while the period that did lasts: the one
+// that holds the end of the earliest of their periods (QStop) holds now.
+// A quota counts what was admitted, ban or not.
+func (sh *Shared) refundHeld(now int64, qs []Quota, h Held, n int64) {
+	if n <= 0 || h.QStop == 0 {
+		return
+	}
+	for i, q := range qs {
+		if h.Mask&(1<<q.Period) != 0 {
+			sh.Quotas[i] = GiveBackQuota(sh.Quotas[i], now, h.QStop-1, q, n)
+		}
+	}
+}
+
 // quotas makes room for the counts of qs.
 func (sh *Shared) quotas(qs []Quota) {
 	for len(sh.Quotas) < len(qs) {

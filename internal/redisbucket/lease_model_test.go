@@ -737,3 +737,51 @@ func (t *leaseTable) heldTokens(key string) int64 {
 	}
 	return 0
 }
+
+// A tier of a day's and a month's quota: a lease is counted in both, and
+// the node may spend it until the day ends. What it still holds then is
+// dropped, unspent: the month, whose period goes on, counts only what was
+// admitted (a quota counts what was admitted), not the dropped tokens too.
+func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
+	clock := new(fakeClock)
+	day := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
+	month := bucket.Quota{N: 10000, Period: bucket.Month, Loc: time.UTC}
+	_, midnight := day.Bounds(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
+	clock.micros.Store(midnight - 200_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	tr := Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
+	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
+	defer node.close()
+	admitted := int64(0)
+	take := func() {
+		t.Helper()
+		if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
+		}
+		tableSync(node)
+		admitted++
+	}
+	for range 8 {
+		take()
+	}
+	if node.heldTokens("k") == 0 {
+		t.Fatal("the node holds no leased tokens before midnight")
+	}
+	clock.advance(300 * time.Millisecond) // past midnight, the month goes on
+	for range 5 {
+		take()
+	}
+	// What the node holds now goes back, as at its lease_ttl.
+	if back := node.sweep(clock.now(), true); len(back) > 0 {
+		node.giveBackNow(back)
+	}
+	m.mu.Lock()
+	counts := slices.Clone(m.states["k"].Quotas)
+	m.mu.Unlock()
+	if counts[1].Used != admitted {
+		t.Errorf("the month counts %d, %d were admitted: the tokens the node held at the day's end stay counted", counts[1].Used, admitted)
+	}
+	if counts[0].Used != 5 {
+		t.Errorf("the new day counts %d; want the 5 admitted since midnight", counts[0].Used)
+	}
+}

@@ -114,3 +114,38 @@ func TestAGiveBackReturnsToTheQuotasWhatTheLimitsDoNotTakeBack(t *testing.T) {
 		})
 	}
 }
+
+// The script's charge, as the model's (bucket.ChargeQuota): after a
+// reload lowered a quota's n below what the period used, a charge does
+// not bring the count down to the new n, so raising n again gives the
+// client back nothing it used.
+func TestScriptChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	ls := []bucket.Limit{slowLimit(100)}
+	ten := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
+	five := []bucket.Quota{{N: 5, Period: bucket.Day, Loc: time.UTC}}
+	key := bucketFor("charge-lowered-n")
+	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
+	for i := range 8 {
+		if ok, err := s.TakeQuotas(bg, key, ls, ten, 1, out, qout); !ok || err != nil {
+			t.Fatalf("take %d: %v %v %+v", i, ok, err, qout)
+		}
+	}
+	if err := s.ChargeQuotas(bg, key, ls, five, 1); err != nil {
+		t.Fatal(err)
+	}
+	admitted := 0
+	for range 10 {
+		ok, err := s.TakeQuotas(bg, key, ls, ten, 1, out, qout)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			admitted++
+		}
+	}
+	if admitted > 2 {
+		t.Errorf("8 taken under n 10, 1 charged under n 5, n back to 10: %d more admitted; the 8 alone leave room for 2 (%q)", admitted, srv.Do("GET", string(key)))
+	}
+}

@@ -13,6 +13,18 @@ local function quota_take(q, cost)
 end
 local function quota_peek(q) return {ok = false, rem = math.max(0, q.n - q.used), retry = 0, reset = q.stop - now} end
 
+-- refund_held: shared_quota.go's refundHeld. k tokens of the lease h that
+-- its node never spent go back to each quota that counted them, ban or
+-- not, while the period that did lasts (the one that holds h.qstop - 1).
+local function refund_held(h, k)
+  if k <= 0 or h.qstop == 0 then return end
+  for _, q in ipairs(Q) do
+    if math.floor(h.mask / 2 ^ q.p) % 2 == 1 and h.qstop > q.start and h.qstop <= q.stop then
+      q.used = math.max(0, q.used - k)
+    end
+  end
+end
+
 -- wait_all: the microseconds until every limit holds k tokens, 0 when
 -- they do.
 local function wait_all(k)
@@ -170,6 +182,7 @@ if op == 'lease' then
   if mine then
     H[mine].tokens = math.min(H[mine].tokens, math.max(held, 0))
     if H[mine].mask > 0 and H[mine].qstop <= now then
+      refund_held(H[mine], H[mine].tokens)
       drop = true
       H[mine].tokens = 0
     elseif H[mine].void then
@@ -260,13 +273,7 @@ if op == 'return' then
   if j and H[j].seq == seq then
     local h = table.remove(H, j)
     back = math.min(count, h.tokens)
-    -- To each quota that counted the tokens, ban or not, while the period
-    -- that counted them lasts.
-    if back > 0 and now < h.qstop then
-      for _, q in ipairs(Q) do
-        if math.floor(h.mask / 2 ^ q.p) % 2 == 1 then q.used = math.max(0, q.used - back) end
-      end
-    end
+    refund_held(h, back)
     if h.void or back <= 0 or any_banned() then
       back = 0
     else
@@ -309,7 +316,8 @@ if op == 'charge' then
       if nxt.full >= S[i].full then S[i] = nxt end
     end
   end
-  for _, q in ipairs(Q) do q.used = math.min(q.n, q.used + math.max(0, count)) end
+  -- Never lower: a reload may have set n below what was used.
+  for _, q in ipairs(Q) do q.used = math.max(q.used, math.min(q.n, q.used + math.max(0, count))) end
   save()
   return {count, now}
 end
