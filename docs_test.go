@@ -170,7 +170,7 @@ func TestDocsPagesHaveAWholeCaddyfile(t *testing.T) {
 func TestDocsCaddyfilesPassCaddyFmt(t *testing.T) {
 	blocks := 0
 	for _, file := range docFiles(t) {
-		for _, b := range renderedCaddyfiles(t, file) {
+		for _, b := range fencedBlocks(t, file, "caddyfile") {
 			if strings.Contains(b.text, "<") {
 				continue
 			}
@@ -192,10 +192,10 @@ func TestDocsCaddyfilesPassCaddyFmt(t *testing.T) {
 	}
 }
 
-// renderedCaddyfiles are the ```caddyfile blocks of a Markdown file as
-// the code host shows them, and a reader copies them: without the
+// fencedBlocks are the fenced code blocks of a language in a Markdown
+// file as the code host shows them, and a reader copies them: without the
 // indentation of a list item they are in.
-func renderedCaddyfiles(t *testing.T, file string) []caddyBlock {
+func fencedBlocks(t *testing.T, file, lang string) []caddyBlock {
 	t.Helper()
 	src, err := os.ReadFile(file)
 	if err != nil {
@@ -204,7 +204,7 @@ func renderedCaddyfiles(t *testing.T, file string) []caddyBlock {
 	var blocks []caddyBlock
 	_ = gast.Walk(markdown.Parser().Parse(text.NewReader(src)), func(n gast.Node, entering bool) (gast.WalkStatus, error) {
 		fb, ok := n.(*gast.FencedCodeBlock)
-		if !ok || !entering || string(fb.Language(src)) != "caddyfile" {
+		if !ok || !entering || string(fb.Language(src)) != lang {
 			return gast.WalkContinue, nil
 		}
 		var sb strings.Builder
