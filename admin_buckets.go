@@ -16,14 +16,20 @@ import (
 // bucket in a tier, its limits, quotas and requests in flight; DELETE
 // resets it in every layer.
 
-// bucketState is the admin API's view of a bucket.
-type bucketState struct {
+// bucketName names a bucket in the admin API's answers.
+type bucketName struct {
 	Policy string `json:"policy"`
 	Tier   string `json:"tier"`
 	Keyer  string `json:"keyer"`
 	KeyID  string `json:"key_id"`
-	// limitState is the limit with the least remaining, the one the X-
-	// headers report.
+}
+
+// bucketState is the admin API's view of a bucket.
+type bucketState struct {
+	bucketName
+	// limitState is the binding limit, the one the X- headers report; its
+	// RetryAfter is the tier's: when a request passes every limit and
+	// quota, and a free in-flight slot.
 	limitState
 	// Limits, for a tier of several limits, shows each, in the tier's order.
 	Limits []limitState `json:"limits,omitempty"`
@@ -34,12 +40,22 @@ type bucketState struct {
 	// and the client's requests in flight now, fleet-wide with Redis.
 	Concurrency int64  `json:"concurrency,omitempty"`
 	InFlight    *int64 `json:"in_flight,omitempty"`
-	// Deleted is set when DELETE refilled the bucket in every layer.
-	Deleted bool `json:"deleted,omitempty"`
-	// LayersReset names the layers DELETE reset: deny_cache and redis, or
-	// local; and local_fallback (on_store_error local).
+	// Deleted and LayersReset, after a DELETE that reset every layer: the
+	// bucket above is as it is since.
+	Deleted     bool     `json:"deleted,omitempty"`
 	LayersReset []string `json:"layers_reset,omitempty"`
-	// LayersFailed gives, by layer, why DELETE could not reset it.
+}
+
+// resetReport is DELETE's answer when the bucket could not be read after
+// the reset: what was reset, and no bucket's fields.
+type resetReport struct {
+	bucketName
+	// Deleted says that every layer was reset.
+	Deleted bool `json:"deleted"`
+	// LayersReset names the layers reset: deny_cache and redis, or local;
+	// and local_fallback (on_store_error local).
+	LayersReset []string `json:"layers_reset"`
+	// LayersFailed gives, by layer, why it could not be reset.
 	LayersFailed map[string]string `json:"layers_failed,omitempty"`
 }
 
@@ -52,6 +68,9 @@ type quotaView struct {
 	// starts over; ResetAfter the seconds until then.
 	Reset      int64 `json:"reset"`
 	ResetAfter int64 `json:"reset_after"`
+	// RetryAfter is the seconds until a request of the tier's cost fits
+	// the quota again: 0 when one fits now, else ResetAfter.
+	RetryAfter int64 `json:"retry_after"`
 }
 
 // limitState is one limit of a bucket, as the admin API shows it.
@@ -64,6 +83,11 @@ type limitState struct {
 	Reset int64 `json:"reset"`
 	// ResetAfter is the seconds until then.
 	ResetAfter int64 `json:"reset_after"`
+	// RetryAfter is the seconds until a request of the tier's cost (1 for
+	// a cost from a placeholder) passes the limit again, as a refusal's
+	// Retry-After says: 0 when one passes now. Under a ban or a debt it
+	// comes before ResetAfter by the refill of the capacity less the cost.
+	RetryAfter int64 `json:"retry_after"`
 }
 
 func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
@@ -101,19 +125,27 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	}
 	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: raw, secret: h.keySecret}
 
-	state := bucketState{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), KeyID: keyID(b)}
+	name := bucketName{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), KeyID: keyID(b)}
+	state := bucketState{bucketName: name}
 	w.Header().Set("Content-Type", "application/json")
 	if r.Method == http.MethodDelete {
-		state.LayersReset, state.LayersFailed = h.resetBucket(r.Context(), b)
-		if len(state.LayersFailed) > 0 {
+		report := resetReport{bucketName: name}
+		report.LayersReset, report.LayersFailed = h.resetBucket(r.Context(), b)
+		report.Deleted = len(report.LayersFailed) == 0
+		if !report.Deleted {
 			// Some layer kept the bucket; nothing to read it from.
 			w.WriteHeader(http.StatusBadGateway)
-			return json.NewEncoder(w).Encode(state)
+			return json.NewEncoder(w).Encode(report)
 		}
-		state.Deleted = true
+		if h.readBucket(r.Context(), b, tier, &state) != nil {
+			// Reset, but not to be read back: say what was reset.
+			return json.NewEncoder(w).Encode(report)
+		}
+		state.Deleted, state.LayersReset = true, report.LayersReset
+		return json.NewEncoder(w).Encode(state)
 	}
 	if err := h.readBucket(r.Context(), b, tier, &state); err != nil {
-		return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("reading the bucket: %v", err)}
+		return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("reading the bucket: the store %s failed: %v (a DELETE still resets this node's layers)", caddy.GetModuleName(h.store), err)}
 	}
 	return json.NewEncoder(w).Encode(state)
 }
@@ -124,13 +156,27 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 // several limits keeps them apart from a tier of one (in Redis, under
 // another key), so it is read as such.
 func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
+	if err := h.readLimits(ctx, b, tier, state); err != nil {
+		return err
+	}
 	if tier.Concurrency > 0 {
 		n, err := h.store.(SlotStore).InFlight(ctx, b)
 		if err != nil {
 			return err
 		}
 		state.InFlight, state.Concurrency = &n, tier.Concurrency
+		if n >= tier.Concurrency {
+			// No free slot: a request is refused with Retry-After 1
+			// (concurrency.go).
+			state.RetryAfter = max(state.RetryAfter, 1)
+		}
 	}
+	return nil
+}
+
+// readLimits fills state with the tier's limits and quotas. The top
+// level's RetryAfter is the tier's: the longest of them all.
+func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
 	shapes := tier.shapes()
 	now := time.Now().UnixMicro()
 	if len(tier.limits) == 0 {
@@ -141,6 +187,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		if err != nil {
 			return err
 		}
+		res.RetryAfter = untilPasses(tier.limit, res, tier.cost)
 		state.limitState = newLimitState(shapes[0], res, now)
 		return nil
 	}
@@ -148,36 +195,69 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	if err := h.peekAll(ctx, b, tier, out); err != nil {
 		return err
 	}
+	var retry int64
+	for i, l := range tier.limits {
+		out[i].RetryAfter = untilPasses(l, out[i], tier.cost)
+	}
+	for j, res := range out[len(tier.limits):] {
+		if res.Remaining < tier.cost {
+			out[len(tier.limits)+j].RetryAfter = res.ResetAfter
+		}
+	}
 	for i, res := range out[tier.hidden:len(tier.limits)] {
 		state.Limits = append(state.Limits, newLimitState(shapes[i], res, now))
+		retry = max(retry, res.RetryAfter)
 	}
 	for j, res := range out[len(tier.limits):] {
 		q := tier.quotas[j]
-		state.Quotas = append(state.Quotas, quotaView{Quota: q.String(), Used: q.N - res.Remaining, Left: res.Remaining, ResetAfter: secondsUp(res.ResetAfter), Reset: secondsUp(now + res.ResetAfter)})
+		state.Quotas = append(state.Quotas, quotaView{Quota: q.String(), Used: q.N - res.Remaining, Left: res.Remaining, ResetAfter: secondsUp(res.ResetAfter), Reset: secondsUp(now + res.ResetAfter), RetryAfter: secondsUp(res.RetryAfter)})
+		retry = max(retry, res.RetryAfter)
 	}
-	if tier.hidden > 0 {
-		// Quotas alone: no limit to show, as for concurrency alone.
-		return nil
+	if tier.hidden == 0 {
+		// The top-level fields show a limit: the binding one, or the
+		// first when a quota binds.
+		j := peekedBinding(out)
+		if j >= len(tier.limits) {
+			j = 0
+		}
+		state.limitState = state.Limits[j]
 	}
-	// The top-level fields show a limit: the binding one, or the first
-	// when a quota binds.
-	j := peekedBinding(out)
-	if j >= len(tier.limits) {
-		j = 0
-	}
-	state.limitState = state.Limits[j]
+	// Quotas alone show no limit, as concurrency alone, but when a
+	// request passes.
+	state.RetryAfter = secondsUp(retry)
 	return nil
 }
 
-// peekedBinding is the binding one of peeked results: the least remaining
-// and, of equals, the one full last. A peek says no Retry-After, by which
-// bindingLimit picks among the limits that refuse a take; the latest
-// reset is the one a client refused by all waits for (a ban on an hour's
-// limit outlasts the one on a minute's).
+// untilPasses is the microseconds until a request of cost tokens passes
+// limit l, from its peek res, as a refusal's Retry-After says: 0 when one
+// passes now. The level rises by the refill until the bucket is full,
+// ResetAfter from now, so it holds the cost as much sooner as the rest of
+// the capacity takes to refill (bucket's untilLevel): under a ban or a
+// debt, well before the bucket is full. With max_wait, a request passes
+// once its tokens are due within it, but not while a ban holds the bucket
+// empty (bucket's retryBanned); a bucket with a ban setting and waiters
+// queued past empty reads as banned.
+func untilPasses(l bucket.Limit, res bucket.Result, cost int64) int64 {
+	until := res.ResetAfter - (l.Units()-cost*l.Rate.Interval)/l.Rate.Tokens
+	if l.MaxWait > 0 {
+		waited := until - l.MaxWait
+		if l.Ban > 0 {
+			waited = max(waited, res.ResetAfter-l.Units()/l.Rate.Tokens)
+		}
+		until = waited
+	}
+	return max(0, until)
+}
+
+// peekedBinding is the binding one of peeked results, as bindingLimit
+// picks it: of those a request would wait for, the one it waits for
+// longest; else the least remaining and, of equals, the one full last (a
+// ban on an hour's limit outlasts the one on a minute's).
 func peekedBinding(out []bucket.Result) int {
 	j := 0
 	for i, r := range out {
-		if r.Remaining < out[j].Remaining || r.Remaining == out[j].Remaining && r.ResetAfter > out[j].ResetAfter {
+		o := out[j]
+		if r.RetryAfter > o.RetryAfter || r.RetryAfter == o.RetryAfter && (r.Remaining < o.Remaining || r.Remaining == o.Remaining && r.ResetAfter > o.ResetAfter) {
 			j = i
 		}
 	}
@@ -207,6 +287,7 @@ func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {
 		Remaining:  res.Remaining,
 		ResetAfter: secondsUp(res.ResetAfter),
 		Reset:      secondsUp(now + res.ResetAfter),
+		RetryAfter: secondsUp(res.RetryAfter),
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"unicode"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/yuin/goldmark"
 	gast "github.com/yuin/goldmark/ast"
 	"github.com/yuin/goldmark/extension"
@@ -158,6 +159,88 @@ func TestDocsPagesHaveAWholeCaddyfile(t *testing.T) {
 			t.Errorf("%s has no whole Caddyfile (a site block) among its examples", file)
 		}
 	}
+}
+
+// TestDocsCaddyfilesPassCaddyFmt: every Caddyfile of README.md and
+// docs/*.md, whole or a fragment, and example.Caddyfile, is as `caddy fmt`
+// writes it, so that one saved and run logs no "input is not formatted".
+// Syntax summaries (<placeholders>) are no Caddyfile: their comments stay
+// aligned.
+// Regression test for issue 31 item 4.
+func TestDocsCaddyfilesPassCaddyFmt(t *testing.T) {
+	blocks := 0
+	for _, file := range docFiles(t) {
+		for _, b := range fencedBlocks(t, file, "caddyfile") {
+			if strings.Contains(b.text, "<") {
+				continue
+			}
+			blocks++
+			if got := string(caddyfile.Format([]byte(b.text))); got != b.text {
+				t.Errorf("%s:%d: caddy fmt changes the Caddyfile:\n%s", file, b.line, lineDiff(b.text, got))
+			}
+		}
+	}
+	src, err := os.ReadFile("example.Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := caddyfile.Format(src); !bytes.Equal(got, src) {
+		t.Errorf("example.Caddyfile: caddy fmt changes it:\n%s", lineDiff(string(src), string(got)))
+	}
+	if blocks < 45 {
+		t.Errorf("only %d Caddyfiles found in README.md and docs/; the pattern may have broken", blocks)
+	}
+}
+
+// fencedBlocks are the fenced code blocks of a language in a Markdown
+// file as the code host shows them, and a reader copies them: without the
+// indentation of a list item they are in.
+func fencedBlocks(t *testing.T, file, lang string) []caddyBlock {
+	t.Helper()
+	src, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var blocks []caddyBlock
+	_ = gast.Walk(markdown.Parser().Parse(text.NewReader(src)), func(n gast.Node, entering bool) (gast.WalkStatus, error) {
+		fb, ok := n.(*gast.FencedCodeBlock)
+		if !ok || !entering || string(fb.Language(src)) != lang {
+			return gast.WalkContinue, nil
+		}
+		var sb strings.Builder
+		lines := fb.Lines()
+		for i := range lines.Len() {
+			seg := lines.At(i)
+			sb.WriteString(strings.Repeat(" ", seg.Padding))
+			sb.Write(seg.Value(src))
+		}
+		line := 1
+		if lines.Len() > 0 {
+			line = bytes.Count(src[:lines.At(0).Start], []byte("\n"))
+		}
+		blocks = append(blocks, caddyBlock{line: line, text: sb.String()})
+		return gast.WalkSkipChildren, nil
+	})
+	return blocks
+}
+
+// lineDiff shows the first line where two texts differ, as it is and as
+// it should be.
+func lineDiff(have, want string) string {
+	h, w := strings.Split(have, "\n"), strings.Split(want, "\n")
+	for i := range max(len(h), len(w)) {
+		var a, b string
+		if i < len(h) {
+			a = h[i]
+		}
+		if i < len(w) {
+			b = w[i]
+		}
+		if a != b {
+			return fmt.Sprintf("line %d is  %q\nfmt writes %q", i+1, a, b)
+		}
+	}
+	return "(no line differs)"
 }
 
 // TestDocsDrawTheirPictures: the pictures render on the code host from

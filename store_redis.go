@@ -170,6 +170,9 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = plan.Key
 	store.Logger = ctx.Logger()
+	if msg, capped := store.Lease.Capped(); capped {
+		store.Logger.Warn(msg)
+	}
 	store.Current = func(key string, tr redisbucket.Tier) (redisbucket.Tier, bool) {
 		policy, tier, ok := s.engine.SplitKey(key)
 		if !ok {

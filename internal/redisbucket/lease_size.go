@@ -44,6 +44,15 @@ func (z LeaseSize) Of(l bucket.Limit) int64 {
 	return max(1, min(n, l.Capacity/2))
 }
 
+// Capped says, for a share above half, that leases are held to half of
+// each capacity, as Of holds them: the setting asks for more than it gets.
+func (z LeaseSize) Capped() (string, bool) {
+	if z.percent <= 50 {
+		return "", false
+	}
+	return fmt.Sprintf("redis store: lease %g%% capped at 50%% of each tier's capacity: the tokens out on lease never pass half of it", z.percent), true
+}
+
 // Strict reports whether leases never exceed one token, so that every
 // decision asks Redis, as without leases.
 func (z LeaseSize) Strict() bool { return z.percent == 0 && z.tokens <= 1 }
