@@ -264,7 +264,15 @@ func (lb *localBuckets) updateQuotas(b *Bucket, ls []bucket.Limit, qs []bucket.Q
 		st, _ := sh.states.get(quotaID(id, q.Period))
 		start, _ := q.Bounds(wall)
 		qst := quotaState(st, start)
-		if next := g(qst, wall, q); next != qst {
+		next := g(qst, wall, q)
+		if qst.Used == 0 && st.FullAt > now {
+			// The count of another period that has not ended: one counted
+			// in another time zone, before a reload changed it. A
+			// give-back or a charge of a request of the old config does
+			// not erase it.
+			continue
+		}
+		if next != qst {
 			lb.putLocked(sh, quotaID(id, q.Period), tableQuota(next, q, wall-now), now)
 		}
 	}

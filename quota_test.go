@@ -466,3 +466,78 @@ func takeQuotaLeft(t *testing.T, lb *localBuckets, b *Bucket, qs []bucket.Quota)
 	}
 	return left
 }
+
+// A reload that drops a tier's rate limit and keeps its quota: the tier
+// becomes a plan of quotas alone, whose hidden limit "never refuses what
+// the quotas admit". A client that had spent the old rate limit (its
+// state is kept at the limit's place, where the hidden limit now reads)
+// is admitted while the quota has room, not refused until the old limit
+// would have refilled.
+func TestAReloadToAPlanOfQuotasAloneAdmitsWhatTheQuotaHolds(t *testing.T) {
+	srv := startRedis(t)
+	for i, mode := range storeModes(srv) {
+		t.Run(mode.name, func(t *testing.T) {
+			conf := func(limit string) string {
+				return fmt.Sprintf(`rate_limit {
+		name quota_alone_%d
+		key header X-Key
+		tier all %s {
+			quota 100/day
+		}
+		%s
+	}
+	respond ok`, i, limit, mode.store)
+			}
+			s := serve(t, conf("2 1/h"))
+			for range 2 {
+				s.get("/", "X-Key: dan")
+			}
+			if r := s.get("/", "X-Key: dan"); r.status != 429 {
+				t.Fatalf("the third request under 2 1/h: %d, want 429", r.status)
+			}
+			s = serve(t, conf(""))
+			if r := s.get("/", "X-Key: dan"); r.status != 200 {
+				t.Errorf("after the reload to quotas alone, with 98 of 100 left today: %d, Retry-After %q; want 200", r.status, r.header.Get("Retry-After"))
+			}
+		})
+	}
+}
+
+// A reload that moves the quotas to another time zone, with a request of
+// the old config still at the origin: its give-back or charge names the
+// day as the old zone has it, and does not erase the count the running
+// config keeps for the day as the new zone has it.
+func TestALocalGiveBackOfAnOldZoneKeepsTheNewZonesCount(t *testing.T) {
+	berlin, err := time.LoadLocation("Europe/Berlin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
+	running := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: berlin}}
+	for _, op := range []string{"give-back", "charge"} {
+		t.Run(op, func(t *testing.T) {
+			lb, _, _ := quotaClocks(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC), 1000)
+			b := bucketFor("127.0.0.2")
+			takeQuotaLeft(t, lb, b, old)
+			for range 6 {
+				takeQuotaLeft(t, lb, b, running)
+			}
+			s := &LocalStore{buckets: lb}
+			if op == "give-back" {
+				err = s.GiveBackQuotas(bg, b, testQuotaLimits, 1, old, 1, lb.wall())
+			} else {
+				err = s.ChargeQuotas(bg, b, testQuotaLimits, old, 1)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out, qout [1]bucket.Result
+			if err := s.PeekQuotas(bg, b, testQuotaLimits, running, out[:], qout[:]); err != nil {
+				t.Fatal(err)
+			}
+			if qout[0].Remaining != 4 {
+				t.Errorf("after the old zone's %s: %d left of the running config's day, want 4", op, qout[0].Remaining)
+			}
+		})
+	}
+}

@@ -105,7 +105,8 @@ type RedisStore struct {
 
 	// SlotTTL is how long an in-flight slot (a tier's concurrency) lives
 	// in Redis unless its node renews it, which it does while the request
-	// runs: a node that dies frees its slots within this. Default 30s.
+	// runs: a node that dies frees its slots within this. At least three
+	// times timeout. Default 30s, or three times timeout if longer.
 	SlotTTL caddy.Duration `json:"slot_ttl,omitempty"`
 
 	engine  *redisbucket.Store

@@ -739,3 +739,36 @@ func TestRedisSlotTTLUnderThreeTimeoutsIsRefused(t *testing.T) {
 		t.Errorf("slot_ttl of three timeouts: %v", err)
 	}
 }
+
+// slot_ttl is "default 30s, at least three times timeout": with a timeout
+// of 20s and no slot_ttl, a renewal (every 10s) may land 30s after the one
+// before, when the slot has expired and another request may take it. The
+// store is refused at provision, or its slots live three timeouts.
+func TestTheDefaultSlotTTLIsAtLeastThreeTimeouts(t *testing.T) {
+	r := startRedis(t)
+	timeout := 20 * time.Second
+	s := &RedisStore{Addresses: []string{r.url()}, Timeout: caddy.Duration(timeout)}
+	if err := s.Provision(caddy.Context{Context: bg}); err != nil {
+		if !strings.Contains(err.Error(), "slot_ttl") {
+			t.Fatalf("provision: %v", err)
+		}
+		return // refused, naming slot_ttl
+	}
+	defer func() { _ = s.Cleanup() }()
+	b := &Bucket{Policy: "p", Tier: "t", Keyer: "ip", Value: []byte("1.2.3.4")}
+	slot, _, ok, err := s.Acquire(bg, b, 5)
+	if err != nil || !ok {
+		t.Fatalf("acquire: %v %v", ok, err)
+	}
+	defer s.Release(b, slot)
+	var buf [192]byte
+	key := string(s.key(buf[:0], b)) + ":c"
+	members := r.client().ZRangeWithScores(bg, key, 0, -1).Val()
+	if len(members) != 1 {
+		t.Fatalf("the slot set %s holds %v", key, members)
+	}
+	now := time.Now().UnixMicro()
+	if life := time.Duration(int64(members[0].Score)-now) * time.Microsecond; life < 3*timeout-time.Second {
+		t.Errorf("timeout %s and no slot_ttl: a slot lives %s unrenewed, under three timeouts (%s)", timeout, life.Round(time.Second), 3*timeout)
+	}
+}

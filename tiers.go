@@ -262,7 +262,7 @@ func (t *Tier) quotaLimit() error {
 		n = min(n, q.N)
 	}
 	// No ban and no max_wait: a quota's refusal starts neither.
-	l := bucket.Limit{Capacity: n, Rate: bucket.Rate{Tokens: n, Interval: 1}}
+	l := bucket.Limit{Capacity: n, Rate: bucket.Rate{Tokens: n, Interval: 1}, Instant: true}
 	if err := l.Validate(t.cost); err != nil {
 		return fmt.Errorf("tier %q: %w", t.Name, err)
 	}

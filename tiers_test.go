@@ -36,7 +36,7 @@ func TestAQuotaPlansHiddenLimitNeverRefusesWhatItsQuotasAdmit(t *testing.T) {
 			return l
 		}},
 		{"refilled in an hour", func(l bucket.Limit) bucket.Limit {
-			l.Rate.Interval = time.Hour.Microseconds()
+			l.Rate.Interval, l.Instant = time.Hour.Microseconds(), false
 			return l
 		}},
 	} {

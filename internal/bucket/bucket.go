@@ -47,6 +47,11 @@ type Limit struct {
 	// by at most MaxWait's refill, and waits until they are due. One that
 	// would wait longer is refused, taking nothing.
 	MaxWait int64
+	// Instant marks the one limit of a plan of quotas alone (a tier with
+	// quotas and no rate limit), which every store's step needs and which
+	// must never refuse what the quotas admit: it refills whole within a
+	// microsecond and reads any state as full a microsecond later.
+	Instant bool
 }
 
 // State is a bucket's stored state. The zero State is a full bucket.
@@ -165,6 +170,7 @@ func Take(s State, now int64, l Limit, cost int64) (State, Result) {
 // hold on lease of a shared bucket, which a request that waits reckons
 // with (takeWaiting).
 func take(s State, now int64, l Limit, cost int64, held []Held) (State, Result) {
+	s = s.read(now, l)
 	if l.MaxWait > 0 && !(s.Banned && banned(s, now, l)) {
 		return takeWaiting(s, now, l, cost, held)
 	}
@@ -210,6 +216,7 @@ func takeAll(states []State, now int64, ls []Limit, cost int64, out []Result, he
 	var next [MaxLimits]State
 	allowed := true
 	for i, l := range ls {
+		states[i] = states[i].read(now, l)
 		next[i], out[i] = take(states[i], now, l, cost, held)
 		allowed = allowed && out[i].Allowed
 	}
@@ -321,6 +328,7 @@ func wait(s State, now int64, l Limit, x int64) int64 {
 // capacity (a ban, a debt, waiters queued past empty) is full again when
 // its state says, not one refill of the capacity from now.
 func Peek(s State, now int64, l Limit) Result {
+	s = s.read(now, l)
 	deficit := s.deficit(now, l)
 	level := l.Units() - deficit
 	reset := CeilDiv(deficit, l.Rate.Tokens)
@@ -332,6 +340,16 @@ func Peek(s State, now int64, l Limit) Result {
 		Remaining:  level / l.Rate.Interval,
 		ResetAfter: reset,
 	}
+}
+
+// read is s as the limit l reads it: an Instant limit is full a
+// microsecond after any state, so that one another limit wrote before a
+// reload, or a charge's debt, never empties it.
+func (s State) read(now int64, l Limit) State {
+	if l.Instant && s.FullAt-now > 1 {
+		return State{}
+	}
+	return s
 }
 
 // CeilDiv is a/b rounded up, for a >= 0 and b > 0.
@@ -349,6 +367,7 @@ func GiveBack(s State, now int64, l Limit, n int64) State {
 // giveBack is GiveBack for a bucket that must go on lacking at least floor
 // units: the tokens out on lease (shared.go).
 func giveBack(s State, now int64, l Limit, n, floor int64) State {
+	s = s.read(now, l)
 	if n <= 0 || s.bannedSince(now) {
 		return s
 	}
@@ -392,6 +411,7 @@ func (l Limit) Converted(n int64, from Limit) int64 {
 // may hold it empty for longer than the deepest debt (maxDeficit), and a
 // charge during it must not end it early.
 func Charge(s State, now int64, l Limit, n int64) State {
+	s = s.read(now, l)
 	n = min(n, l.maxDeficit()/l.Rate.Interval) // an origin's figure, bounded
 	raw := min(s.rawDeficit(now, l)+n*l.Rate.Interval, l.maxDeficit())
 	if raw <= 0 {

@@ -81,9 +81,10 @@ type LeaseResult struct {
 	// RetryAfter is the microseconds until the shared bucket holds the
 	// cost; 0 when it does.
 	RetryAfter int64
-	// HoldOff is, when fewer than the tokens asked for were granted, the
-	// microseconds until the shared bucket's limits hold them (after a
-	// ban: the cost); 0 otherwise. QuotaHold is the same for its quotas:
+	// HoldOff is, when nothing was granted, or fewer tokens than asked for
+	// and the shared bucket's limits cannot cover a request's cost, the
+	// microseconds until they hold the tokens asked for (after a ban: the
+	// cost); 0 otherwise. QuotaHold is the same for its quotas:
 	// until the end of the period of a quota that lacks them. The node
 	// holds its calls off for the first, and for the second no longer
 	// than a while, since a give-back elsewhere may return a quota early.
@@ -136,6 +137,9 @@ func (sh *Shared) find(node string) int {
 // spent, and each level refills, up to its capacity less the tokens then
 // out, across those expiries in order.
 func (sh *Shared) settle(now int64, ls []Limit) {
+	for i, l := range ls {
+		sh.Levels[i] = sh.Levels[i].read(now, l)
+	}
 	for {
 		j := -1
 		for i, h := range sh.Held {
@@ -284,12 +288,7 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	if len(qs) > 0 {
 		res.Until = qstop - now
 	}
-	var quotaWait int64
-	for i, q := range qs {
-		if _, r := TakeQuota(sh.Quotas[i], now, q, a.Cost); !r.Allowed {
-			quotaWait = max(quotaWait, r.RetryAfter)
-		}
-	}
+	quotaWait := sh.quotaWait(now, qs, a.Cost, a.Node)
 	allowed := quotaWait == 0
 	for i, l := range ls {
 		l.MaxWait = 0 // a lease takes only tokens that are there
@@ -339,8 +338,10 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 		grant = min(grant, (l.Units()-sh.Levels[i].deficit(now, l))/l.Rate.Interval)
 	}
 	for i, q := range qs {
+		// Half of what a quota has left at most, so that the last of it
+		// is never idle on one node while another's client is refused.
 		start, _ := q.Bounds(now)
-		grant = min(grant, q.N-sh.Quotas[i].used(start))
+		grant = min(grant, max(a.Cost, (q.N-sh.Quotas[i].used(start))/2))
 	}
 	grant = max(grant, a.Cost)
 	for i, l := range ls {
@@ -362,12 +363,15 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 		sh.Held = slices.Delete(sh.Held, mine, mine+1)
 	}
 	res.Granted = grant
-	if grant < a.Want {
+	if grant < a.Want && sh.wait(now, ls, a.Cost) > 0 {
+		// The shared bucket cannot cover a request now: no call before it
+		// covers the node's next lease. While it can, a grant cut short by
+		// the tokens out on lease or a quota's half holds nobody off.
 		res.HoldOff = sh.wait(now, ls, a.Want)
 	}
 	// A quota the grant used up refuses the next request until its
 	// period ends, as a limit's refill does.
-	res.QuotaHold = sh.quotaWait(now, qs, a.Cost)
+	res.QuotaHold = sh.quotaWait(now, qs, a.Cost, a.Node)
 	res.LimitRetry = sh.wait(now, ls, a.Cost)
 	res.RetryAfter = max(res.LimitRetry, res.QuotaHold)
 	sh.report(now, ls, qs, &res)

@@ -103,19 +103,43 @@ func QuotaStop(now int64, qs []Quota) (stop int64, mask uint8) {
 // same request is denied, which a node's deny cache may remember.
 func (sh *Shared) Next(now int64, ls []Limit, qs []Quota, cost int64) int64 {
 	sh.quotas(qs)
-	return max(sh.wait(now, ls, cost), sh.quotaWait(now, qs, cost))
+	return max(sh.wait(now, ls, cost), sh.quotaWait(now, qs, cost, ""))
 }
 
 // quotaWait is the microseconds until every quota has x tokens left: 0
 // when they do, else the end of the period of one that has not.
-func (sh *Shared) quotaWait(now int64, qs []Quota, x int64) int64 {
+//
+// Tokens out on lease that a quota counted come back to it by the time
+// their records expire, or count as spent then: when they would cover x,
+// the wait ends then, not at the period's end. Those of the node that asks
+// (node) are its own to spend, and do not count.
+func (sh *Shared) quotaWait(now int64, qs []Quota, x int64, node string) int64 {
 	var w int64
 	for i, q := range qs {
-		if _, r := TakeQuota(sh.Quotas[i], now, q, x); !r.Allowed {
-			w = max(w, r.RetryAfter)
+		_, r := TakeQuota(sh.Quotas[i], now, q, x)
+		if r.Allowed {
+			continue
 		}
+		wait := r.RetryAfter
+		if out, last := sh.outIn(now, q, node); out > 0 && r.Remaining+out >= x {
+			wait = min(wait, max(1, last-now))
+		}
+		w = max(w, wait)
 	}
 	return w
+}
+
+// outIn is the tokens out on lease, on nodes other than node, that q
+// counted in its period at now, and the latest expiry of their records.
+func (sh *Shared) outIn(now int64, q Quota, node string) (out, last int64) {
+	start, end := q.Bounds(now)
+	for _, h := range sh.Held {
+		if h.Tokens > 0 && h.Node != node && h.Mask&(1<<q.Period) != 0 && h.QStop > start && h.QStop <= end {
+			out += h.Tokens
+			last = max(last, h.Expires)
+		}
+	}
+	return out, last
 }
 
 // ReportEach writes what a lease call tells the node of each limit and

@@ -349,10 +349,11 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // refusal, and so must the shared one. A bucket the fleet oversubscribes
 // (the last call was short) has its refill shared out by calls: a request
 // that finds them all spent and a call in flight is refused at once rather
-// than wait on it; what the call brings stays for the next requests, so
-// nothing is lost, and allowed requests do not wait.
+// than wait on it, until the shared bucket holds a request's cost again as
+// that call saw it (retryAt); what the call brings stays for the next
+// requests, so nothing is lost, and allowed requests do not wait.
 func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer)
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer && now < e.retryAt)
 }
 
 // lapsed says whether the tokens e holds may no longer be spent: lease_ttl

@@ -174,10 +174,15 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	}
 	m.onReturn = func(n int64) { backs = append(backs, admission{at: clock.now(), cost: n}) }
 	calls := map[string]lastCall{}
-	m.onAsk = func(a bucket.LeaseAsk, sh *bucket.Shared, _ bucket.LeaseResult) {
-		// The hold-off lasts until the limits hold what the node asked for:
-		// its next lease, or the cost of the request that asked, if more.
-		c := lastCall{at: clock.now(), limitWait: sh.Next(clock.now(), ls, nil, max(a.Want, a.Cost))}
+	m.onAsk = func(a bucket.LeaseAsk, sh *bucket.Shared, lr bucket.LeaseResult) {
+		// A refused or short lease holds the node off until the limits hold
+		// what it asked for (its next lease, or the cost of the request
+		// that asked, if more); a short one only while the limits cannot
+		// cover a request.
+		c := lastCall{at: clock.now()}
+		if lr.Granted == 0 || lr.Granted < a.Want && sh.Next(clock.now(), ls, nil, a.Cost) > 0 {
+			c.limitWait = sh.Next(clock.now(), ls, nil, max(a.Want, a.Cost))
+		}
 		for i, q := range qs {
 			start, _ := q.Bounds(clock.now())
 			c.quotaShort = c.quotaShort || sh.Quotas[i].Start == start && sh.Quotas[i].Used+a.Cost > q.N
@@ -572,8 +577,15 @@ func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 func withTier(rng *rand.Rand, r fleetRound) fleetRound {
 	for range 1 + rng.IntN(2) {
 		x := randomFleetRound(rng, 0).limit
-		x.Ban, x.MaxWait = r.limit.Ban, r.limit.MaxWait
+		x.Ban = r.limit.Ban
 		r.more = append(r.more, x)
+	}
+	// The tier's max_wait, within what every limit allows (Validate).
+	for _, x := range r.more {
+		r.limit.MaxWait = min(r.limit.MaxWait, min(x.Units()*1000, 1<<52-x.Units())/x.Rate.Tokens)
+	}
+	for i := range r.more {
+		r.more[i].MaxWait = r.limit.MaxWait
 	}
 	if rng.IntN(2) == 0 {
 		loc, err := time.LoadLocation(oddZones[rng.IntN(len(oddZones))])

@@ -818,3 +818,121 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 		})
 	}
 }
+
+// A lease that came back short (the fleet had nearly emptied the shared
+// bucket) holds the node's calls off until the bucket holds the next
+// lease. Once it does, the bucket is no longer oversubscribed: a request
+// that finds the node's tokens spent while the prefetch they set off is in
+// flight shares that call, as requests with no leased tokens do, and is
+// refused only when the call does not cover it. It is not refused at once
+// beside a shared bucket that holds its cost (the "oversubscribed" mark of
+// the short lease outlives the hold-off that answered it).
+func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}}
+	node := newModelTable(m, LeaseSize{tokens: 8}, 5*time.Second)
+	defer node.close()
+	key := []byte("k")
+	take := func() bucket.Result {
+		t.Helper()
+		res, err := node.take(bg, key, l, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	if res := take(); !res.Allowed {
+		t.Fatalf("the first request: %+v", res)
+	}
+	tableSync(node)
+	sh := node.shard(key)
+	sh.mu.Lock()
+	sh.m["k"].size = 4 // the node's leases have grown: the next asks for 8
+	sh.mu.Unlock()
+	// Other nodes leave 5 in the shared bucket: the lease of 8 comes back
+	// with 5, short, and the node holds 4 after its request.
+	m.mu.Lock()
+	var out [1]bucket.Result
+	if !m.bucket("k", 1).Take(clock.now(), []bucket.Limit{l}, 14, out[:]) {
+		t.Fatalf("the others' take: %+v", out[0])
+	}
+	m.mu.Unlock()
+	if res := take(); !res.Allowed {
+		t.Fatalf("the request that leased: %+v", res)
+	}
+	tableSync(node)
+	// The hold-off (until the bucket holds 8: 800 ms, 1.2 s with jitter)
+	// ends; the shared bucket refills.
+	clock.advance(1300 * time.Millisecond)
+	level := m.level("k", l)
+	if level < 8 {
+		t.Fatalf("the shared bucket holds %d, want at least 8", level)
+	}
+	// The node spends its tokens; falling to half they set off a prefetch,
+	// which is in flight while the next requests come.
+	m.gate = make(chan struct{})
+	for i := range 4 {
+		if res := take(); !res.Allowed {
+			t.Fatalf("request %d, from the 4 tokens held: %+v", i, res)
+		}
+	}
+	fifth := make(chan bucket.Result, 1)
+	go func() {
+		res, _ := node.take(bg, key, l, 1)
+		fifth <- res
+	}()
+	// It is answered at once, or joins the prefetch.
+	redistest.WaitFor(t, 5*time.Second, "the fifth request's answer or its joining the call", func() bool {
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		e := sh.m["k"]
+		return len(fifth) > 0 || e != nil && e.call != nil && e.call.joined == 1
+	})
+	close(m.gate)
+	res := <-fifth
+	tableSync(node)
+	if !res.Allowed {
+		t.Errorf("a request beside the prefetch in flight was refused (%+v) while the shared bucket held %d tokens", res, level)
+	}
+}
+
+// A client spread over two nodes, on a tier of a rate limit and a day's
+// quota: one node's leases grow with its traffic until one takes what is
+// left of the quota, which it holds, idle, once its traffic stops. The
+// quota is not used up: those tokens come back within lease_ttl. A
+// request on the other node is admitted, or told to retry once they are
+// back (as a limit's tokens held elsewhere answer a refill wait); it is
+// not sent away until the day ends, which one bucket would never do.
+func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
+	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	tr := Tier{Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}}, Quotas: []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}}
+	ttl := time.Second
+	a, b := newModelTable(m, LeaseSize{percent: 50}, ttl), newModelTable(m, LeaseSize{percent: 50}, ttl)
+	defer a.close()
+	defer b.close()
+	admitted := 0
+	for range 30 {
+		if res, err := a.takeTier(bg, []byte("k"), tr, 1, results{}); err == nil && res.Allowed {
+			admitted++
+		}
+		tableSync(a)
+		clock.advance(time.Millisecond)
+	}
+	held := a.heldTokens("k")
+	if held == 0 || admitted != 30 {
+		t.Fatalf("node a admitted %d of 30 and holds %d; want all admitted and tokens held", admitted, held)
+	}
+	res, err := b.takeTier(bg, []byte("k"), tr, 1, results{})
+	tableSync(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Allowed && res.RetryAfter > (ttl+quotaDenyFor).Microseconds() {
+		t.Errorf("%d of the quota's 50 admitted, %d idle on node a's lease: node b's request refused with Retry-After %s, the day's end; one bucket would admit it",
+			admitted, held, time.Duration(res.RetryAfter)*time.Microsecond)
+	}
+}

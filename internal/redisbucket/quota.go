@@ -18,7 +18,11 @@ import (
 // Redis's TIME picks.
 func (s *Store) argsWithQuotas(op string, ls []bucket.Limit, qs []bucket.Quota, at, count int64, extra ...any) []any {
 	args := make([]any, 0, 7+3*len(ls)+7*len(qs)+len(extra))
-	args = append(args, op, len(ls), count, s.clockOffset, ls[0].Ban, ls[0].MaxWait)
+	ban := ls[0].Ban
+	if ls[0].Instant {
+		ban = -1
+	}
+	args = append(args, op, len(ls), count, s.clockOffset, ban, ls[0].MaxWait)
 	for _, l := range ls {
 		args = append(args, l.Capacity, l.Rate.Tokens, l.Rate.Interval)
 	}

@@ -149,3 +149,56 @@ func TestScriptChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
 		t.Errorf("8 taken under n 10, 1 charged under n 5, n back to 10: %d more admitted; the 8 alone leave room for 2 (%q)", admitted, srv.Do("GET", string(key)))
 	}
 }
+
+// A reload that moves the quotas to another time zone, with requests of the
+// old config still at the origin: their give-backs (count_status) and
+// charges (cost_from_response) name the day as the old zone has it. They
+// may not erase the count the running config keeps for the day as the new
+// zone has it (the script keeps a count no call names until its period
+// ends), or every client whose request straddled the reload gets its day
+// back.
+func TestAnOldZonesGiveBackKeepsTheNewZonesCount(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	berlin, err := time.LoadLocation("Europe/Berlin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Noon UTC: the day began at 23:00 UTC in Berlin, 00:00 in UTC.
+	noon := time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC)
+	s.clockOffset = noon.UnixMicro() - time.Now().UnixMicro()
+	ls := []bucket.Limit{slowLimit(100)}
+	old := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
+	running := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: berlin}}
+	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
+	for _, op := range []string{"giveback", "charge"} {
+		t.Run(op, func(t *testing.T) {
+			key := bucketFor("zone-" + op)
+			// A request of the old config, at the origin across the reload.
+			if ok, err := s.TakeQuotas(bg, key, ls, old, 1, out, qout); !ok || err != nil {
+				t.Fatalf("the old config's take: %v %v", ok, err)
+			}
+			// The running config counts 6 today.
+			for i := range 6 {
+				if ok, err := s.TakeQuotas(bg, key, ls, running, 1, out, qout); !ok || err != nil {
+					t.Fatalf("take %d: %v %v", i, ok, err)
+				}
+			}
+			// The old request ends.
+			if op == "giveback" {
+				err = s.GiveBackQuotas(bg, key, ls, 1, old, 1, noon.UnixMicro())
+			} else {
+				err = s.ChargeQuotas(bg, key, ls, old, 1)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.PeekQuotas(bg, key, ls, running, out, qout); err != nil {
+				t.Fatal(err)
+			}
+			if qout[0].Remaining > 4 {
+				t.Errorf("after the old config's %s: the running config's day has %d left; want 4 at most, 6 taken of 10 (%q)", op, qout[0].Remaining, srv.Do("GET", string(key)))
+			}
+		})
+	}
+}

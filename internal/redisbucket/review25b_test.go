@@ -46,7 +46,8 @@ func review25bEntry(tb *leaseTable, key []byte) (tokens, size int64, inFlight bo
 // dropped then, lr.Drop, so none is spent after it); or keep, per request,
 // which lease period it spent from.
 func TestReview25bDefectOldPeriodsGiveBackGoesIntoTheNewPeriodsLease(t *testing.T) {
-	day := bucket.Quota{N: 10, Period: bucket.Day, Loc: time.UTC}
+	// Room enough that a lease's half-of-what-is-left bound does not bite.
+	day := bucket.Quota{N: 20, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := day.Bounds(time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock := new(fakeClock)
 	clock.micros.Store(midnight - 10*second)

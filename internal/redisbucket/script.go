@@ -23,7 +23,8 @@ import "github.com/redis/go-redis/v9"
 // ARGV: the operation (take, peek, lease, return, giveback or charge); the
 // number of limits n; a count of tokens (the cost, or the tokens given back
 // or charged); microseconds to add to TIME, which only tests set; the ban
-// (µs, 0 for none); max_wait (µs, 0 for none); then for each limit its
+// (µs, 0 for none; -1 marks the one limit of a plan of quotas alone,
+// bucket.Limit's Instant); max_wait (µs, 0 for none); then for each limit its
 // capacity, rate tokens and rate interval (µs); then the quotas (see
 // below); then, for lease, the node, the call's seq, the tokens the node
 // still holds, the tokens it wants, how long the record lives (µs),
@@ -139,11 +140,18 @@ if stored then
         -- before this one wrote, ends when the key would have (the old
         -- version kept the key until the period's end), or a period's
         -- longest after its start, whichever is first.
+        -- A count of the same period kind but another start is an
+        -- earlier period's, which goes, unless its period still runs: one
+        -- counted in another time zone, before a reload changed it, which
+        -- a call of the old config or the new may not erase.
         local named = false
         for _, q in ipairs(Q) do
           if q.p == tonumber(qi) then
-            named = true
-            if q.start == tonumber(qs) then q.used = tonumber(qu) end
+            if q.start == tonumber(qs) then
+              named, q.used = true, tonumber(qu)
+            elseif qe == '' or tonumber(qe) <= now then
+              named = true
+            end
           end
         end
         if not named and qe == '' then
@@ -252,6 +260,13 @@ local function settle_to(at)
     table.remove(H, j)
   end
   cap_at(at)
+end
+-- bucket.go's read: the limit of a plan of quotas alone (a ban of -1)
+-- is full a microsecond after any state, so that one another limit wrote
+-- before a reload, or a charge's debt, never empties it.
+if ban < 0 then
+  ban = 0
+  if S[1].full - now > 1 then S[1] = {full = 0, slack = 0, banned = false} end
 end
 settle_to(now)
 

@@ -34,10 +34,21 @@ local function wait_all(k)
 end
 -- quota_wait: the microseconds until every quota has k tokens left, 0
 -- when they do.
-local function quota_wait(k)
+-- Tokens out on lease that a quota counted come back to it by the time
+-- their records expire, or count as spent then (shared_quota.go's outIn).
+local function quota_wait(k, skip)
   local w = 0
   for _, q in ipairs(Q) do
-    if q.used + k > q.n then w = math.max(w, q.stop - now) end
+    if q.used + k > q.n then
+      local wq, o, last = q.stop - now, 0, 0
+      for _, h in ipairs(H) do
+        if h.tokens > 0 and h.node ~= skip and math.floor(h.mask / 2 ^ q.p) % 2 == 1 and h.qstop > q.start and h.qstop <= q.stop then
+          o, last = o + h.tokens, math.max(last, h.expires)
+        end
+      end
+      if o > 0 and math.max(0, q.n - q.used) + o >= k then wq = math.min(wq, math.max(1, last - now)) end
+      w = math.max(w, wq)
+    end
   end
   return w
 end
@@ -203,7 +214,7 @@ if op == 'lease' then
     if void then v = 1 end
     return b, d, v
   end
-  local qwait = quota_wait(count)
+  local qwait = quota_wait(count, node)
   local allowed = qwait == 0
   for i = 1, n do allowed = take_one(i, count, true).ok and allowed end
   if not allowed then
@@ -242,7 +253,8 @@ if op == 'lease' then
   for i = 2, n do mincap = math.min(mincap, L[i].cap) end
   local grant = math.min(want, idiv(mincap, 2) - out())
   for i = 1, n do grant = math.min(grant, idiv(L[i].units - deficit(i, now), L[i].iv)) end
-  for _, q in ipairs(Q) do grant = math.min(grant, q.n - q.used) end
+  -- Half of what a quota has left at most (shared.go).
+  for _, q in ipairs(Q) do grant = math.min(grant, math.max(count, idiv(q.n - q.used, 2))) end
   grant = math.max(grant, count)
   for i = 1, n do S[i] = state_at(now, deficit(i, now) + grant * L[i].iv, L[i]) end
   for _, q in ipairs(Q) do q.used = q.used + grant end
@@ -255,10 +267,10 @@ if op == 'lease' then
   h.qstop, h.mask = qstop, mask
   if h.tokens == 0 then table.remove(H, mine) end
   local hold_off = 0
-  if grant < want then hold_off = wait_all(want) end
+  if grant < want and wait_all(count) > 0 then hold_off = wait_all(want) end
   -- A quota the grant used up refuses the next request until its period
   -- ends, as a limit's refill does.
-  local qhold, lretry = quota_wait(count), wait_all(count)
+  local qhold, lretry = quota_wait(count, node), wait_all(count)
   local retry = math.max(lretry, qhold)
   local rem, reset = report()
   save()

@@ -49,7 +49,7 @@ type StoreOptions struct {
 	// MaxLeases bounds the lease table's entries. Default DenyCacheSize.
 	MaxLeases int
 	// SlotTTL is how long an in-flight slot lives unless its node renews
-	// it. Default DefaultSlotTTL.
+	// it. Default DefaultSlotTTL, or MinSlotTTL of the timeout if longer.
 	SlotTTL time.Duration
 	// Current, when set, says what the running config's limits and quotas
 	// are for the bucket at key, whose lease was taken under tr, and false
@@ -72,6 +72,10 @@ const (
 // NewStore makes a config's view of conn.
 func NewStore(conn *Conn, o StoreOptions) *Store {
 	s := &Store{conn: conn, prefix: o.Prefix, timeout: conn.timeout, slotTTL: o.SlotTTL}
+	if s.slotTTL <= 0 {
+		// The default, unless renewals within a long timeout need more.
+		s.slotTTL = max(DefaultSlotTTL, MinSlotTTL(conn.timeout))
+	}
 	if s.prefix == "" {
 		s.prefix = DefaultPrefix
 	}
