@@ -159,8 +159,7 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		return next.ServeHTTP(w, r)
 	case "deny":
 		d.decide(outcomeError)
-		w.Header()["Retry-After"] = []string{"1"}
-		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
+		return storeUnavailable(w, r, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
 	var res bucket.Result
 	if len(d.tier.quotas) > 0 {
