@@ -150,6 +150,9 @@ type policyView struct {
 	Keys int `json:"keys"`
 	// Breaker is closed, open or half-open (Redis only).
 	Breaker string `json:"breaker,omitempty"`
+	// RedisMaster is the master in use, as host:port (Redis through
+	// Sentinel only).
+	RedisMaster string `json:"redis_master,omitempty"`
 	// Leases is the buckets this node holds leased tokens of (Redis with
 	// lease only).
 	Leases int `json:"leases"`
@@ -236,7 +239,7 @@ func (h *Handler) view() policyView {
 	v.Store = caddy.GetModuleName(h.store)
 	if r, ok := h.store.(StoreReporter); ok {
 		rep := r.Report()
-		v.Keys, v.Breaker, v.Leases = rep.Keys, rep.Breaker, rep.Leases
+		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.Keys, rep.Breaker, rep.Leases, rep.Master
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.

@@ -211,3 +211,30 @@ func TestPoliciesShowACostPlaceholder(t *testing.T) {
 	}
 	t.Errorf("policy admin_cost not in %v", views)
 }
+
+// TestPoliciesShowTheSentinelMaster serves a policy whose Redis is found
+// through Sentinel: GET /rate_limit/policies names the master in use.
+// Regression test for issue 31 item 12.
+func TestPoliciesShowTheSentinelMaster(t *testing.T) {
+	skipUnderShort(t, "Sentinel")
+	st := startSentinel(t)
+	_, admin := serveWithAdmin(t, fmt.Sprintf(`
+	rate_limit 10 1/s {
+		name sentinel_master
+		store redis {
+			sentinel %s %s
+		}
+	}
+	respond "ok"`, st.name, st.sentinelAddresses[0]))
+	var master any
+	waitFor(t, 5*time.Second, "the policy to name the master", func() bool {
+		var views []map[string]any
+		getJSON(t, admin+"/rate_limit/policies", &views)
+		for _, v := range views {
+			if v["policy"] == "sentinel_master" {
+				master = v["redis_master"]
+			}
+		}
+		return master == st.master.addr()
+	})
+}

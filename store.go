@@ -66,6 +66,9 @@ type StoreReport struct {
 	Breaker string
 	// Leases is the buckets this node holds leased tokens of.
 	Leases int
+	// Master is the address of the master in use, for a store that finds
+	// it through Sentinel.
+	Master string
 }
 
 // LayeredResetter is a store whose Reset clears several layers, some on

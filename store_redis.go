@@ -331,7 +331,7 @@ func (s *RedisStore) GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Lim
 
 // Report implements StoreReporter.
 func (s *RedisStore) Report() StoreReport {
-	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld()}
+	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld(), Master: s.engine.Master()}
 }
 
 // ResetLayers implements LayeredResetter: this node's deny cache and lease
