@@ -7,6 +7,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"net/http"
+	"os"
 	"regexp"
 	"runtime"
 	"strconv"
@@ -737,5 +738,39 @@ func TestRedisSlotTTLUnderThreeTimeoutsIsRefused(t *testing.T) {
 	}
 	if _, err := adaptCaddyfile(site("timeout 1s", "3s")); err != nil {
 		t.Errorf("slot_ttl of three timeouts: %v", err)
+	}
+}
+
+// TestRedisPasswordPlaceholderThatExpandsToNothingIsWarnedOf provisions
+// a store whose password, and an address's, is an unset environment
+// variable: the config loads, and a warning names the placeholder.
+// Regression test for issue 31 item 13.
+func TestRedisPasswordPlaceholderThatExpandsToNothingIsWarnedOf(t *testing.T) {
+	const unset = "RL_TEST_UNSET_REDIS_PASSWORD"
+	t.Setenv(unset, "")
+	os.Unsetenv(unset)
+	for _, c := range []struct{ name, settings string }{
+		{"password", "address redis://127.0.0.1:%d\n\t\t\tpassword {env." + unset + "}"},
+		{"address", "address redis://default:{env." + unset + "}@127.0.0.1:%d"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, file := serveLoggingTo(t, fmt.Sprintf(`
+	rate_limit 10 1/s {
+		store redis {
+			`+c.settings+`
+		}
+	}
+	respond "ok"`, freePort(t)))
+			log, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for line := range strings.SplitSeq(string(log), "\n") {
+				if strings.Contains(line, `"level":"warn"`) && strings.Contains(line, "{env."+unset+"}") {
+					return
+				}
+			}
+			t.Fatalf("no warning names {env.%s}, which expands to nothing; the log:\n%s", unset, log)
+		})
 	}
 }
