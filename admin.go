@@ -145,8 +145,9 @@ type policyView struct {
 	Tiers  []tierView `json:"tiers"`
 	// Store is local or redis.
 	Store string `json:"store"`
-	// Keys is the buckets this node's local store holds: the policy's, or,
-	// beside Redis, its on_store_error local fallback's.
+	// Keys is the live buckets (not full) this node's local store holds:
+	// the policy's, or, beside Redis, its on_store_error local fallback's
+	// in the running config.
 	Keys int `json:"keys"`
 	// Breaker is closed, open or half-open (Redis only).
 	Breaker string `json:"breaker,omitempty"`
@@ -243,7 +244,7 @@ func (h *Handler) view() policyView {
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.
-		v.Keys = h.local.buckets.len()
+		v.Keys = h.local.buckets.live()
 	}
 	return v
 }
