@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // serveLoggingTo is serve with Caddy's default log going to a file at
@@ -79,5 +80,63 @@ func TestStoreDownUnderAFloodLogsAFewLinesAndNoKey(t *testing.T) {
 				t.Fatalf("%d log lines about 200 refusals with Redis down, want a few; the first:\n%s", len(about), strings.Join(about[:3], "\n"))
 			}
 		})
+	}
+}
+
+// TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage measures what
+// on_store_error local lets one client through one node while Redis is
+// down, on the local buckets' fake clock: its fallback bucket starts full,
+// whatever Redis held, so an outage of T lets through capacity + rate x T
+// more, on top of what Redis admitted just before. docs/fleet.md states
+// this bound and names this test.
+// Regression test for issue 31 item 11.
+func TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage(t *testing.T) {
+	const capacity, perSecond, outage = 10, 5, 2 * time.Second
+	srv := startRedis(t)
+	clock := useFakeClock(t)
+	s := serveOnRedisWith(t, srv, fmt.Sprintf(`
+	rate_limit %d %d/s {
+		name outage_bound
+		store redis {
+			address %s
+		}
+		on_store_error local
+	}
+	respond "ok"`, capacity, perSecond, srv.url()))
+	burst := func() (admitted int) {
+		for range 2 * capacity {
+			if s.from("127.0.4.1", "/").status != 200 {
+				return admitted
+			}
+			admitted++
+		}
+		return admitted
+	}
+	if got := burst(); got != capacity {
+		t.Fatalf("Redis admitted %d of a burst, want the capacity %d", got, capacity)
+	}
+	srv.kill()
+	// The deny cache refuses the client until Redis's retry time, by the
+	// real clock, without asking Redis: past it, the fallback decides.
+	time.Sleep(time.Second/perSecond + 50*time.Millisecond)
+	fallback := 0
+	const step = 100 * time.Millisecond
+	for at := time.Duration(0); ; at += step {
+		fallback += burst()
+		if at == outage {
+			break
+		}
+		clock.advance(step)
+	}
+	bound := capacity + int(perSecond*outage/time.Second)
+	if fallback != bound {
+		t.Fatalf("the fallback admitted %d over a %s outage, want capacity + rate x outage = %d", fallback, outage, bound)
+	}
+	fleet, err := os.ReadFile("docs/fleet.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(fleet), "TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage") {
+		t.Fatalf("docs/fleet.md does not state the bound this test measures (%d admitted by Redis, then %d by the fallback, where one bucket allows %d over the window)", capacity, fallback, bound)
 	}
 }
