@@ -33,6 +33,7 @@ type Conn struct {
 	followMu  sync.Mutex
 	asCluster func() (redis.UniversalClient, error)
 	address   string
+	closed    bool // under followMu
 	// master follows the master that Sentinel names (Sentinel only).
 	master *masterWatch
 
@@ -124,6 +125,7 @@ func (c *Conn) Close() error {
 	c.stop()
 	c.followMu.Lock()
 	defer c.followMu.Unlock()
+	c.closed = true
 	return c.cur.Load().close()
 }
 
@@ -163,7 +165,7 @@ func isRedirect(err error) bool {
 func (c *Conn) follow(seen string) bool {
 	c.followMu.Lock()
 	defer c.followMu.Unlock()
-	if c.asCluster == nil {
+	if c.asCluster == nil || c.closed {
 		_, isCluster := c.client().(*redis.ClusterClient)
 		return isCluster
 	}
