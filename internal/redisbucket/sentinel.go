@@ -64,29 +64,36 @@ func (w *masterWatch) set(addr string) {
 	w.switched(from, addr)
 }
 
-// follow listens to one Sentinel until ctx ends, subscribing again a
-// second after the link fails.
+// follow listens to one Sentinel until ctx ends, subscribing again after
+// the link fails: a second later, then twice as long after each attempt
+// that fails too, up to masterRecheck, so that a Sentinel that is down
+// costs a dial (and a sampled line) now and then, not every second.
 func (w *masterWatch) follow(ctx context.Context, o *redis.Options) {
 	c := redis.NewSentinelClient(o)
 	defer c.Close()
+	wait := time.Second
 	for ctx.Err() == nil {
-		w.listen(ctx, c)
+		if w.listen(ctx, c) {
+			wait = time.Second
+		} else {
+			wait = min(2*wait, masterRecheck)
+		}
 		select {
 		case <-ctx.Done():
-		case <-time.After(time.Second):
+		case <-time.After(wait):
 		}
 	}
 }
 
 // listen subscribes to one Sentinel's master switches and hears them
-// until the link fails or ctx ends.
-func (w *masterWatch) listen(ctx context.Context, c *redis.SentinelClient) {
+// until the link fails or ctx ends. It says whether it subscribed.
+func (w *masterWatch) listen(ctx context.Context, c *redis.SentinelClient) bool {
 	ps := c.Subscribe(ctx, "+switch-master")
 	defer ps.Close()
 	// Close interrupts a read that waits on the Sentinel.
 	defer context.AfterFunc(ctx, func() { _ = ps.Close() })()
 	if err := w.ask(ctx, c, func(ctx context.Context) error { _, err := ps.Receive(ctx); return err }); err != nil {
-		return
+		return false
 	}
 	for ctx.Err() == nil {
 		msg, err := ps.ReceiveTimeout(ctx, masterRecheck)
@@ -96,7 +103,7 @@ func (w *masterWatch) listen(ctx context.Context, c *redis.SentinelClient) {
 			_ = w.ask(ctx, c, nil)
 			continue
 		case err != nil:
-			return
+			return true
 		}
 		if m, ok := msg.(*redis.Message); ok && m.Channel == "+switch-master" {
 			// <master name> <old ip> <old port> <new ip> <new port>
@@ -105,6 +112,7 @@ func (w *masterWatch) listen(ctx context.Context, c *redis.SentinelClient) {
 			}
 		}
 	}
+	return true
 }
 
 // ask runs first, when given (the subscription's confirmation), then asks
