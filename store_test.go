@@ -118,7 +118,7 @@ func TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage(t *testing.T) {
 	srv.kill()
 	// The deny cache refuses the client until Redis's retry time, by the
 	// real clock, without asking Redis: past it, the fallback decides.
-	time.Sleep(time.Second/perSecond + 50*time.Millisecond)
+	time.Sleep(time.Second/perSecond + 100*time.Millisecond)
 	fallback := 0
 	const step = 100 * time.Millisecond
 	for at := time.Duration(0); ; at += step {

@@ -112,7 +112,7 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 	go func() {
 		ctx, cancel := context.WithTimeout(life, 10*time.Second)
 		defer cancel()
-		if c.asCluster != nil {
+		if p.asCluster != nil {
 			c.detectCluster(ctx)
 		}
 		_ = bucketScript.Load(ctx, c.client()).Err()
