@@ -145,11 +145,15 @@ type policyView struct {
 	Tiers  []tierView `json:"tiers"`
 	// Store is local or redis.
 	Store string `json:"store"`
-	// Keys is the buckets this node's local store holds: the policy's, or,
-	// beside Redis, its on_store_error local fallback's.
+	// Keys is the live buckets (not full) this node's local store holds:
+	// the policy's, or, beside Redis, its on_store_error local fallback's
+	// in the running config.
 	Keys int `json:"keys"`
 	// Breaker is closed, open or half-open (Redis only).
 	Breaker string `json:"breaker,omitempty"`
+	// RedisMaster is the master in use, as host:port (Redis through
+	// Sentinel only).
+	RedisMaster string `json:"redis_master,omitempty"`
 	// Leases is the buckets this node holds leased tokens of (Redis with
 	// lease only).
 	Leases int `json:"leases"`
@@ -236,11 +240,11 @@ func (h *Handler) view() policyView {
 	v.Store = caddy.GetModuleName(h.store)
 	if r, ok := h.store.(StoreReporter); ok {
 		rep := r.Report()
-		v.Keys, v.Breaker, v.Leases = rep.Keys, rep.Breaker, rep.Leases
+		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.Keys, rep.Breaker, rep.Leases, rep.Master
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.
-		v.Keys = h.local.buckets.len()
+		v.Keys = h.local.buckets.live()
 	}
 	return v
 }

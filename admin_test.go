@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // adminLimit is one limit of GET /rate_limit/buckets's answer, as JSON.
@@ -210,4 +212,95 @@ func TestPoliciesShowACostPlaceholder(t *testing.T) {
 		return
 	}
 	t.Errorf("policy admin_cost not in %v", views)
+}
+
+// TestPoliciesShowTheSentinelMaster serves a policy whose Redis is found
+// through Sentinel: GET /rate_limit/policies names the master in use.
+// Regression test for issue 31 item 12.
+func TestPoliciesShowTheSentinelMaster(t *testing.T) {
+	skipUnderShort(t, "Sentinel")
+	st := startSentinel(t)
+	_, admin := serveWithAdmin(t, fmt.Sprintf(`
+	rate_limit 10 1/s {
+		name sentinel_master
+		store redis {
+			sentinel %s %s
+		}
+	}
+	respond "ok"`, st.name, st.sentinelAddresses[0]))
+	var master any
+	waitFor(t, 5*time.Second, "the policy to name the master", func() bool {
+		var views []map[string]any
+		getJSON(t, admin+"/rate_limit/policies", &views)
+		for _, v := range views {
+			if v["policy"] == "sentinel_master" {
+				master = v["redis_master"]
+			}
+		}
+		return master == st.master.addr()
+	})
+}
+
+// TestPoliciesKeysCountTheRunningConfigsLiveBuckets fills on_store_error
+// local's buckets while Redis is down: keys counts them while they are
+// not full, not once they have refilled, and not an earlier config's
+// after a reload.
+// Regression test for issue 31 item 13.
+func TestPoliciesKeysCountTheRunningConfigsLiveBuckets(t *testing.T) {
+	clock := useFakeClock(t)
+	port, admin, dead := freePort(t), "127.0.0.1:"+strconv.Itoa(freePort(t)), freePort(t)
+	config := func(capacity int) string {
+		return fmt.Sprintf(`{
+	admin %s
+	skip_install_trust
+	servers {
+		trusted_proxies static 127.0.0.1/32
+	}
+}
+http://127.0.0.1:%d {
+	rate_limit %d 1/s {
+		name fallback_keys
+		store redis {
+			address redis://127.0.0.1:%d
+		}
+	}
+	respond "ok"
+}`, admin, port, capacity, dead)
+	}
+	s := serveCaddyfile(t, port, config(3))
+	keys := func() any {
+		var views []map[string]any
+		getJSON(t, "http://"+admin+"/rate_limit/policies", &views)
+		for _, v := range views {
+			if v["policy"] == "fallback_keys" {
+				return v["keys"]
+			}
+		}
+		return nil
+	}
+	for i := range 4 {
+		if r := s.from("127.0.2."+strconv.Itoa(i+1), "/"); r.status != 200 {
+			t.Fatalf("request %d with Redis down: %d, want 200 from the local fallback", i, r.status)
+		}
+	}
+	if got := keys(); got != 4.0 {
+		t.Fatalf("keys with four clients limited by the fallback: %v, want 4", got)
+	}
+	clock.advance(2 * time.Second) // every bucket is full again
+	if got := keys(); got != 0.0 {
+		t.Errorf("keys once the fallback's buckets have refilled: %v, want 0", got)
+	}
+	for i := range 2 {
+		s.from("127.0.3."+strconv.Itoa(i+1), "/")
+	}
+	cfg, err := adaptCaddyfile(config(4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	if got := keys(); got != 0.0 {
+		t.Errorf("keys after a reload, counting the earlier config's two live buckets: %v, want 0", got)
+	}
 }

@@ -294,6 +294,36 @@ func rejection(status int, err error) error {
 
 const rejectionTrace = "ratelimit.rejection (decision.go)"
 
+// storeUnavailable answers 503 with Retry-After: 1 for a store that could
+// not decide. Caddy logs a handler's 5xx error at error level, once a
+// request, unsampled and with the request's headers (an API key among
+// them), unless handle_errors routes take it, when it logs it at debug. A
+// dead store under a flood would fill the log with clients' keys, so the
+// error goes to handle_errors only where the server has some, to shape
+// the 503 as any other error; elsewhere the 503 is written here, as Caddy
+// would write it, and the store failure is the handler's own sampled warn
+// line (storeFailed).
+func storeUnavailable(w http.ResponseWriter, r *http.Request, err error) error {
+	w.Header()["Retry-After"] = []string{"1"}
+	if errorRoutes(r) {
+		return rejection(http.StatusServiceUnavailable, err)
+	}
+	w.WriteHeader(http.StatusServiceUnavailable)
+	return nil
+}
+
+// errorRoutes says whether r's server has handle_errors routes to take an
+// error of r's: not when r is in them already, where an error would be the
+// error routes' own failure, which Caddy logs at error level.
+func errorRoutes(r *http.Request) bool {
+	srv, _ := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if srv == nil || srv.Errors == nil || len(srv.Errors.Routes) == 0 {
+		return false
+	}
+	_, handling := r.Context().Value(caddyhttp.ErrorCtxKey).(error)
+	return !handling
+}
+
 // errorID is a random error ID in caddyhttp's own form, 9 characters from
 // its 32-letter alphabet, from one random number.
 func errorID() string {
@@ -425,8 +455,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			// empty, whatever the rate limit allowed before.
 			d.result, d.limits = bucket.Result{}, nil
 			d.decide(outcomeError)
-			w.Header()["Retry-After"] = []string{"1"}
-			return rejection(http.StatusServiceUnavailable, err)
+			return storeUnavailable(w, r, err)
 		}
 		if len(d.tier.limits) == 0 && d.slotFrom != noSlot {
 			// Only in-flight requests: the X- fields report the slots.

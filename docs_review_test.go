@@ -526,8 +526,13 @@ func TestDocsReviewPoolSizeDefaultOfACluster(t *testing.T) {
 			t.Fatal(err)
 		}
 		conn := plan.Connect(zap.NewNop())
-		field := reflect.ValueOf(conn).Elem().FieldByName("client")
-		client := reflect.NewAt(field.Type(), unsafe.Pointer(field.UnsafeAddr())).Elem().Interface()
+		// conn.cur.Load().client, the client in use.
+		unexported := func(v reflect.Value, name string) reflect.Value {
+			f := v.FieldByName(name)
+			return reflect.NewAt(f.Type(), unsafe.Pointer(f.UnsafeAddr())).Elem()
+		}
+		set := unexported(reflect.ValueOf(conn).Elem(), "cur").Addr().MethodByName("Load").Call(nil)[0]
+		client := unexported(set.Elem(), "client").Interface()
 		var got int
 		switch c := client.(type) {
 		case *redis.Client:

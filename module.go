@@ -306,6 +306,10 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 		if err := h.local.bind(h.Name + "/on_store_error"); err != nil {
 			return err
 		}
+		// Each config load starts with fresh fallback buckets.
+		if reg := ctx.GetMetricsRegistry(); reg != nil {
+			h.local.buckets.startLoad(reg)
+		}
 	}
 	return nil
 }

@@ -139,7 +139,7 @@ func (s *RedisStore) keyOf(b *Bucket) string { return string(s.key(nil, b)) }
 // start.
 func serveOnRedis(t *testing.T, srv *redisServer, timeout time.Duration, mode string) *testServer {
 	t.Helper()
-	s := serve(t, fmt.Sprintf(`
+	return serveOnRedisWith(t, srv, fmt.Sprintf(`
 	rate_limit 3 1/h {
 		store redis {
 			address %s
@@ -148,6 +148,13 @@ func serveOnRedis(t *testing.T, srv *redisServer, timeout time.Duration, mode st
 		on_store_error %s
 	}
 	respond "ok"`, srv.url(), timeout, mode))
+}
+
+// serveOnRedisWith serves directives whose store is the Redis server, and
+// waits until the store has loaded its script.
+func serveOnRedisWith(t *testing.T, srv *redisServer, directives string) *testServer {
+	t.Helper()
+	s := serve(t, directives)
 	waitFor(t, 5*time.Second, "the script to be loaded", func() bool {
 		v, _ := srv.do("SCRIPT", "EXISTS", redisbucket.ScriptHash()).([]any)
 		return len(v) == 1 && v[0] == int64(1)

@@ -66,6 +66,9 @@ type StoreReport struct {
 	Breaker string
 	// Leases is the buckets this node holds leased tokens of.
 	Leases int
+	// Master is the address of the master in use, for a store that finds
+	// it through Sentinel.
+	Master string
 }
 
 // LayeredResetter is a store whose Reset clears several layers, some on
@@ -159,8 +162,7 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		return next.ServeHTTP(w, r)
 	case "deny":
 		d.decide(outcomeError)
-		w.Header()["Retry-After"] = []string{"1"}
-		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
+		return storeUnavailable(w, r, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
 	var res bucket.Result
 	if len(d.tier.quotas) > 0 {

@@ -128,8 +128,8 @@ func (s *LocalStore) GiveBackAll(_ context.Context, b *Bucket, ls []bucket.Limit
 	return nil
 }
 
-// Report implements StoreReporter.
-func (s *LocalStore) Report() StoreReport { return StoreReport{Keys: s.buckets.len()} }
+// Report implements StoreReporter: its Keys are the live buckets.
+func (s *LocalStore) Report() StoreReport { return StoreReport{Keys: s.buckets.live()} }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
 //
@@ -186,6 +186,10 @@ type localBuckets struct {
 
 	fullDrops atomic.Uint64 // full buckets dropped: nothing lost
 	evictions atomic.Uint64 // live buckets dropped to respect MaxKeys
+
+	// load is the config load that last started the table (startLoad).
+	loadMu sync.Mutex
+	load   any
 }
 
 type localShard struct {
@@ -372,6 +376,47 @@ func (lb *localBuckets) makeRoom(sh *localShard, now int64, seed uint64) {
 
 // len counts the buckets held.
 func (lb *localBuckets) len() int { return int(lb.count.Load()) }
+
+// live counts the buckets that are not full: a full one decides as no
+// bucket does, and stays in the table only until room is needed. It looks
+// at every bucket, for the admin API, not the request path.
+func (lb *localBuckets) live() int {
+	now := lb.now()
+	n := 0
+	for i := range lb.shards {
+		sh := &lb.shards[i]
+		sh.mu.Lock()
+		for j, key := range sh.states.keys {
+			if key != 0 && sh.states.fullAt[j] > now {
+				n++
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return n
+}
+
+// startLoad empties the table when load, a config load, is not the one
+// that last started it: on_store_error local's buckets are a load's own
+// (Handler.provisionStore), so that an earlier config's outage neither
+// limits clients under the running one nor counts in its keys. A nil load
+// (a handler provisioned outside a config) changes nothing. In-flight
+// slots stay: their requests still run.
+func (lb *localBuckets) startLoad(load any) {
+	lb.loadMu.Lock()
+	defer lb.loadMu.Unlock()
+	if load == nil || load == lb.load {
+		return
+	}
+	lb.load = load
+	for i := range lb.shards {
+		sh := &lb.shards[i]
+		sh.mu.Lock()
+		lb.count.Add(-int64(sh.states.n))
+		sh.states = stateTable{}
+		sh.mu.Unlock()
+	}
+}
 
 // Interface guards
 var (

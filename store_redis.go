@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
 )
 
 func init() {
@@ -159,6 +161,9 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
+	for _, p := range s.emptyPasswords() {
+		ctx.Logger().Warn("redis store: the password is a placeholder that expands to nothing, so no password is sent; is the variable set?", zap.String("placeholder", p))
+	}
 	plan, err := redisbucket.NewPlan(opts)
 	if err != nil {
 		return err
@@ -289,6 +294,31 @@ func (s *RedisStore) options() (redisbucket.Options, redisbucket.StoreOptions, e
 	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize, SlotTTL: time.Duration(s.SlotTTL)}, nil
 }
 
+// emptyPasswords lists the passwords given as placeholders, in the
+// password setting or an address URL, that expand to nothing: an unset
+// {env.REDIS_PASSWORD} would otherwise connect with no password, and fail
+// later with an error that does not name it. What it lists is placeholders
+// only, never a password.
+func (s *RedisStore) emptyPasswords() []string {
+	repl := caddy.NewReplacer()
+	empty := func(v string) bool { return strings.Contains(v, "{") && repl.ReplaceKnown(v, "") == "" }
+	var found []string
+	if empty(s.Password) {
+		found = append(found, s.Password)
+	}
+	for _, a := range s.Addresses {
+		_, rest, ok := strings.Cut(a, "://")
+		at := strings.LastIndex(rest, "@")
+		if !ok || at < 0 {
+			continue
+		}
+		if _, pass, hasPass := strings.Cut(rest[:at], ":"); hasPass && empty(pass) {
+			found = append(found, pass)
+		}
+	}
+	return found
+}
+
 // key appends the bucket's Redis key to buf (redisbucket.Store.AppendKey):
 // its policy, its tier, and a hash of the client, never its value.
 func (s *RedisStore) key(buf []byte, b *Bucket) []byte {
@@ -335,7 +365,7 @@ func (s *RedisStore) GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Lim
 
 // Report implements StoreReporter.
 func (s *RedisStore) Report() StoreReport {
-	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld()}
+	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld(), Master: s.engine.Master()}
 }
 
 // ResetLayers implements LayeredResetter: this node's deny cache and lease

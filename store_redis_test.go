@@ -7,6 +7,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"net/http"
+	"os"
 	"regexp"
 	"runtime"
 	"strconv"
@@ -770,5 +771,39 @@ func TestTheDefaultSlotTTLIsAtLeastThreeTimeouts(t *testing.T) {
 	now := time.Now().UnixMicro()
 	if life := time.Duration(int64(members[0].Score)-now) * time.Microsecond; life < 3*timeout-time.Second {
 		t.Errorf("timeout %s and no slot_ttl: a slot lives %s unrenewed, under three timeouts (%s)", timeout, life.Round(time.Second), 3*timeout)
+	}
+}
+
+// TestRedisPasswordPlaceholderThatExpandsToNothingIsWarnedOf provisions
+// a store whose password, and an address's, is an unset environment
+// variable: the config loads, and a warning names the placeholder.
+// Regression test for issue 31 item 13.
+func TestRedisPasswordPlaceholderThatExpandsToNothingIsWarnedOf(t *testing.T) {
+	const unset = "RL_TEST_UNSET_REDIS_PASSWORD"
+	t.Setenv(unset, "")
+	os.Unsetenv(unset)
+	for _, c := range []struct{ name, settings string }{
+		{"password", "address redis://127.0.0.1:%d\n\t\t\tpassword {env." + unset + "}"},
+		{"address", "address redis://default:{env." + unset + "}@127.0.0.1:%d"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, file := serveLoggingTo(t, fmt.Sprintf(`
+	rate_limit 10 1/s {
+		store redis {
+			`+c.settings+`
+		}
+	}
+	respond "ok"`, freePort(t)))
+			log, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for line := range strings.SplitSeq(string(log), "\n") {
+				if strings.Contains(line, `"level":"warn"`) && strings.Contains(line, "{env."+unset+"}") {
+					return
+				}
+			}
+			t.Fatalf("no warning names {env.%s}, which expands to nothing; the log:\n%s", unset, log)
+		})
 	}
 }

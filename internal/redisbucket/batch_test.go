@@ -17,7 +17,7 @@ import (
 func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
-	b := newRedisBatcher(s.conn.client, 2, 64)
+	b := newRedisBatcher(s.conn.client(), 2, 64)
 	defer b.close()
 	l := slowLimit(100)
 	key := string(bucketFor("192.0.2.20"))
@@ -72,7 +72,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 func TestRedisBatcherAnswersAfterClose(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
-	b := newRedisBatcher(s.conn.client, 1, 8)
+	b := newRedisBatcher(s.conn.client(), 1, 8)
 	b.close()
 	if _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}, 1)); !errors.Is(err, redis.ErrClosed) {
 		t.Fatalf("take on a closed batcher: %v, want %v", err, redis.ErrClosed)
@@ -108,7 +108,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "decisions/s")
 	}
 	b.Run("per-decision", func(b *testing.B) {
-		if s.conn.batcher != nil {
+		if s.conn.batcher() != nil {
 			b.Fatal("the store batches")
 		}
 		parallel(b, func(ctx context.Context, keys []string) error {
@@ -118,7 +118,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 	})
 	for _, loops := range []int{1, 2, 4, 8} {
 		b.Run("batcher-loops-"+strconv.Itoa(loops), func(b *testing.B) {
-			bt := newRedisBatcher(s.conn.client, loops, 128)
+			bt := newRedisBatcher(s.conn.client(), loops, 128)
 			defer bt.close()
 			parallel(b, func(ctx context.Context, keys []string) error {
 				_, err := bt.take(ctx, keys, args)
@@ -127,7 +127,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 		})
 	}
 	b.Run("go-redis-autopipeline", func(b *testing.B) {
-		ap, err := s.conn.client.(*redis.Client).AutoPipeline()
+		ap, err := s.conn.client().(*redis.Client).AutoPipeline()
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -146,7 +146,7 @@ func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	skipUnderShort(t, "fault injection")
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
-	b := newRedisBatcher(s.conn.client, 2, 8)
+	b := newRedisBatcher(s.conn.client(), 2, 8)
 	defer b.close()
 	l := slowLimit(1000)
 	args := s.args("take", []bucket.Limit{l}, 1)

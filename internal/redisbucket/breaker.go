@@ -2,11 +2,29 @@ package redisbucket
 
 import (
 	"errors"
+	"strings"
 	"sync/atomic"
 )
 
-// errBreakerOpen fails decisions while the breaker is open.
+// errBreakerOpen fails decisions while the breaker is open. The error a
+// refused call gets is a breakerOpenError, which is it and names the last
+// failure.
 var errBreakerOpen = errors.New("redis store: circuit breaker open after repeated failures; not calling Redis until the cool-down ends")
+
+// breakerOpenError is errBreakerOpen with the failure that last counted,
+// so that every line logged while the breaker is open says why (a refused
+// connection, a certificate, a MOVED), not only that it is open.
+type breakerOpenError struct{ cause error }
+
+func (e *breakerOpenError) Error() string {
+	if e.cause == nil {
+		return errBreakerOpen.Error()
+	}
+	return "redis store: circuit breaker open after repeated failures, the last: " +
+		strings.TrimPrefix(e.cause.Error(), "redis store: ") + "; not calling Redis until the cool-down ends"
+}
+
+func (e *breakerOpenError) Unwrap() []error { return []error{errBreakerOpen, e.cause} }
 
 // breaker is a circuit breaker over consecutive failures. Closed, it costs
 // two atomic loads. Times are monotonic microseconds.
@@ -17,8 +35,30 @@ type breaker struct {
 	failures  atomic.Int64
 	openUntil atomic.Int64 // 0 when closed
 	probing   atomic.Bool
+	// refusal is the error of a call refused while open: it names the
+	// last failure. Made once a failure, so that refusing allocates nothing.
+	refusal atomic.Pointer[breakerOpenError]
 	// changed, when set, hears the breaker open and close.
 	changed func(open bool)
+}
+
+// failedWith notes why a call failed, before record counts it.
+func (b *breaker) failedWith(err error) { b.refusal.Store(&breakerOpenError{cause: err}) }
+
+// openError is the error of a call the breaker refused.
+func (b *breaker) openError() error {
+	if e := b.refusal.Load(); e != nil {
+		return e
+	}
+	return errBreakerOpen
+}
+
+// cause is the last failure noted, or nil.
+func (b *breaker) cause() error {
+	if e := b.refusal.Load(); e != nil {
+		return e.cause
+	}
+	return nil
 }
 
 // allow says whether a call may go to Redis now, and whether it is the
@@ -69,6 +109,13 @@ func (b *breaker) record(probe bool, out callOutcome, now int64) {
 	if probe {
 		b.probing.Store(false)
 	}
+}
+
+// reset closes the breaker at once, whatever its state, without telling
+// changed, and says whether it was open.
+func (b *breaker) reset() bool {
+	b.failures.Store(0)
+	return b.openUntil.Swap(0) != 0
 }
 
 func (b *breaker) notify(open bool) {

@@ -2,6 +2,7 @@ package redisbucket
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"sync"
@@ -10,6 +11,9 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // TestRedisBreakerClosesAfterAProbeWhoseClientHungUp opens the breaker,
@@ -39,7 +43,7 @@ func TestRedisBreakerClosesAfterAProbeWhoseClientHungUp(t *testing.T) {
 		t.Fatal("two failures did not open the breaker")
 	}
 	srv.Restart()
-	if _, err := s.Take(bg, bucketFor("cooling"), slowLimit(10), 1); err != errBreakerOpen {
+	if _, err := s.Take(bg, bucketFor("cooling"), slowLimit(10), 1); !errors.Is(err, errBreakerOpen) {
 		t.Fatalf("take during the cool-down: %v, want errBreakerOpen", err)
 	}
 
@@ -182,10 +186,45 @@ func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 		}
 	}
 	start := time.Now()
-	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); err != errBreakerOpen {
+	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); !errors.Is(err, errBreakerOpen) {
 		t.Fatalf("take with the breaker open: %v, want errBreakerOpen", err)
 	}
 	if d := time.Since(start); d > 10*time.Millisecond {
 		t.Fatalf("take with the breaker open waited %s", d)
+	}
+}
+
+// TestRedisBreakerOpenNamesTheLastFailure opens the breaker on a Redis
+// that refuses connections: the breaker-open line (at warn, as
+// docs/operating.md says) and every refusal while it is open name what
+// failed, not only the breaker.
+// Regression test for issue 31 item 12.
+func TestRedisBreakerOpenNamesTheLastFailure(t *testing.T) {
+	core, logs := observer.New(zapcore.DebugLevel)
+	plan, err := NewPlan(Options{Addresses: []string{"redis://127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, BreakerFailures: 2, BreakerCooldown: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(zap.New(core))
+	defer conn.Close()
+	s := NewStore(conn, StoreOptions{})
+	for i := range 2 {
+		if _, err := s.Take(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
+			t.Fatalf("take %d with nothing listening: no error", i)
+		}
+	}
+	opened := logs.FilterMessageSnippet("circuit breaker open").All()
+	if len(opened) != 1 {
+		t.Fatalf("breaker-open lines: %d, want 1 (all: %v)", len(opened), logs.All())
+	}
+	if opened[0].Level != zapcore.WarnLevel {
+		t.Errorf("the breaker-open line is at %s, want warn", opened[0].Level)
+	}
+	if cause, _ := opened[0].ContextMap()["cause"].(string); !strings.Contains(cause, "connection refused") {
+		t.Errorf("the breaker-open line names the cause %q, want the refused connection (fields %v)", cause, opened[0].ContextMap())
+	}
+	_, err = s.Take(bg, bucketFor("while-open"), slowLimit(10), 1)
+	if !errors.Is(err, errBreakerOpen) || !strings.Contains(err.Error(), "connection refused") {
+		t.Fatalf("take with the breaker open: %v; want the breaker's error naming the refused connection", err)
 	}
 }

@@ -2,6 +2,10 @@ package redisbucket
 
 import (
 	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -13,49 +17,105 @@ import (
 // shares, and that outlives reloads: the client, its circuit breaker, its
 // deny cache and its batcher.
 type Conn struct {
-	client       redis.UniversalClient
+	// cur is the client in use, and its batcher: one address that turns
+	// out to be a Cluster node is followed by a Cluster client (follow).
+	cur          atomic.Pointer[clientSet]
 	breaker      breaker
 	denied       *denyCache
-	batcher      *redisBatcher // nil unless Batch
+	batch        bool
 	timeout      time.Duration
 	denyCapacity int
+	logger       *zap.Logger
 	stop         context.CancelFunc
+
+	// asCluster makes the Cluster client that one address is followed
+	// by; nil once it has been, and for the other kinds of connection.
+	followMu  sync.Mutex
+	asCluster func() (redis.UniversalClient, error)
+	address   string
+	closed    bool // under followMu
+	// master follows the master that Sentinel names (Sentinel only).
+	master *masterWatch
+
 	// now is the breaker's and the deny cache's clock, monotonic
 	// microseconds; tests replace it.
 	now func() int64
 }
 
+// clientSet is a client and the batcher that sends through it (nil
+// unless Batch).
+type clientSet struct {
+	client  redis.UniversalClient
+	batcher *redisBatcher
+}
+
+func (c *Conn) newSet(client redis.UniversalClient) *clientSet {
+	set := &clientSet{client: client}
+	if c.batch {
+		set.batcher = newRedisBatcher(client, batchLoops, maxBatch)
+	}
+	return set
+}
+
+func (set *clientSet) close() error {
+	if set.batcher != nil {
+		set.batcher.close()
+	}
+	return set.client.Close()
+}
+
+// client is the client in use.
+func (c *Conn) client() redis.UniversalClient { return c.cur.Load().client }
+
+// batcher is the batcher in use, nil unless Batch.
+func (c *Conn) batcher() *redisBatcher { return c.cur.Load().batcher }
+
 // Connect makes the connection's client. It connects and loads the script
 // in the background, so that the first decisions do not pay for it within
 // their timeout; a Redis that is down is no error here: decisions say so.
+// With one address, it asks that node first whether it is a Cluster's,
+// and follows the Cluster if so.
 func (p *Plan) Connect(logger *zap.Logger) *Conn {
 	o := p.o
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	life, stop := context.WithCancel(context.Background())
 	// A flapping Redis turns the breaker often; a few lines a second say so.
 	logger = logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 2, 0)
 	}))
+	routeGoRedisLog(logger)
 	c := &Conn{
-		client: p.newClient(),
-		breaker: breaker{threshold: int64(o.BreakerFailures), cooldown: o.BreakerCooldown.Microseconds(), changed: func(open bool) {
-			if open {
-				logger.Error("redis store unreachable: circuit breaker open, on_store_error decides", zap.Int("failures", o.BreakerFailures), zap.Duration("cooldown", o.BreakerCooldown))
-			} else {
-				logger.Warn("redis store answering again: circuit breaker closed")
-			}
-		}},
 		denied:       newDenyCache(o.DenyCacheSize),
+		batch:        o.Batch,
 		timeout:      o.Timeout,
 		denyCapacity: o.DenyCacheSize,
-		stop:         cancel,
+		logger:       logger,
+		stop:         stop,
+		asCluster:    p.asCluster,
 		now:          monotonicMicros,
 	}
-	if o.Batch {
-		c.batcher = newRedisBatcher(c.client, batchLoops, maxBatch)
+	if len(o.Addresses) > 0 {
+		c.address = redactURL(o.Addresses[0])
+	}
+	c.breaker = breaker{threshold: int64(o.BreakerFailures), cooldown: o.BreakerCooldown.Microseconds(), changed: func(open bool) {
+		if open {
+			logger.Warn("redis store unreachable: circuit breaker open, on_store_error decides",
+				zap.String("cause", causeText(c.breaker.cause())), zap.Int("failures", o.BreakerFailures), zap.Duration("cooldown", o.BreakerCooldown))
+		} else {
+			logger.Warn("redis store answering again: circuit breaker closed")
+		}
+	}}
+	c.cur.Store(c.newSet(p.newClient()))
+	if o.Sentinel != nil {
+		c.master = &masterWatch{name: o.Sentinel.Master, sentinels: p.sentinels, switched: c.masterSwitched, logger: logger}
+		c.master.start(life)
 	}
 	go func() {
+		ctx, cancel := context.WithTimeout(life, 10*time.Second)
 		defer cancel()
-		_ = bucketScript.Load(ctx, c.client).Err()
+		if p.asCluster != nil {
+			c.detectCluster(ctx)
+		}
+		_ = bucketScript.Load(ctx, c.client()).Err()
 	}()
 	return c
 }
@@ -63,10 +123,90 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 // Close closes the client.
 func (c *Conn) Close() error {
 	c.stop()
-	if c.batcher != nil {
-		c.batcher.close()
+	c.followMu.Lock()
+	defer c.followMu.Unlock()
+	c.closed = true
+	return c.cur.Load().close()
+}
+
+// causeText is a failure as the breaker's lines name it.
+func causeText(err error) string {
+	if err == nil {
+		return ""
 	}
-	return c.client.Close()
+	return strings.TrimPrefix(err.Error(), "redis store: ")
+}
+
+// detectCluster asks the one node given whether Cluster mode is on, and
+// follows the Cluster if it is. A node that does not answer says nothing:
+// a MOVED reply later does (follow).
+func (c *Conn) detectCluster(ctx context.Context) {
+	info, err := c.client().Info(ctx, "cluster").Result()
+	if err == nil && strings.Contains(info, "cluster_enabled:1") {
+		c.follow("INFO cluster says cluster_enabled:1")
+	}
+}
+
+// isRedirect says whether err is a Cluster's MOVED or ASK reply, which
+// only a Cluster client follows.
+func isRedirect(err error) bool {
+	if err == nil {
+		return false
+	}
+	_, moved := redis.IsMovedError(err)
+	_, ask := redis.IsAskError(err)
+	return moved || ask
+}
+
+// follow makes a one-address connection follow the Cluster its node
+// belongs to: a Cluster client seeded with that address replaces the node
+// client, which a node of a Cluster answers MOVED for most keys. It says
+// whether the connection follows a Cluster now.
+func (c *Conn) follow(seen string) bool {
+	c.followMu.Lock()
+	defer c.followMu.Unlock()
+	if c.asCluster == nil || c.closed {
+		_, isCluster := c.client().(*redis.ClusterClient)
+		return isCluster
+	}
+	newCluster := c.asCluster
+	c.asCluster = nil
+	client, err := newCluster()
+	if err != nil {
+		c.logger.Error("redis store: this is a Redis Cluster, and the address given cannot seed a Cluster client: list two or more of the Cluster's nodes",
+			zap.String("address", c.address), zap.String("seen", seen), zap.Error(err))
+		return false
+	}
+	old := c.cur.Swap(c.newSet(client))
+	c.logger.Warn("redis store: the address is a node of a Redis Cluster; following the Cluster from it. List two or more of its nodes, so that the Cluster is found while this one is down",
+		zap.String("address", c.address), zap.String("seen", seen))
+	// Calls under way on the node client end within the timeout.
+	time.AfterFunc(4*c.timeout+time.Second, func() { _ = old.close() })
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = bucketScript.Load(ctx, client).Err()
+	}()
+	return true
+}
+
+// masterSwitched hears the Sentinels name a new master. The breaker may be
+// open because the old master failed; the client dials the new one from
+// now on, so the breaker closes at once rather than hold calls for the
+// rest of its cool-down.
+func (c *Conn) masterSwitched(from, to string) {
+	wasOpen := c.breaker.reset()
+	c.logger.Warn("redis store: Sentinel names a new master; the client follows it",
+		zap.String("master", to), zap.String("previous", from), zap.Bool("breaker_closed", wasOpen))
+}
+
+// Master is the address of the master that Sentinel names, as this node
+// last heard it; "" without Sentinel, or before it has answered.
+func (c *Conn) Master() string {
+	if c.master == nil {
+		return ""
+	}
+	return c.master.current()
 }
 
 // processStart anchors the monotonic clock; one is added so that time 0
@@ -74,3 +214,36 @@ func (c *Conn) Close() error {
 var processStart = time.Now()
 
 func monotonicMicros() int64 { return time.Since(processStart).Microseconds() + 1 }
+
+// go-redis writes its own lines (a failed dial, a Sentinel's new master)
+// through one logger for the whole process, by default as plain text on
+// stderr, past Caddy's log and its sampling. They go to the logger of the
+// connection made last, sampled as its own lines are, under one message so
+// that the sampling holds however they vary.
+var (
+	goRedisLogger  atomic.Pointer[zap.Logger]
+	goRedisLogOnce sync.Once
+)
+
+func routeGoRedisLog(logger *zap.Logger) {
+	goRedisLogger.Store(logger)
+	goRedisLogOnce.Do(func() { redis.SetLogger(goRedisLog{}) })
+}
+
+// goRedisLog is go-redis's logger, writing to goRedisLogger.
+type goRedisLog struct{}
+
+func (goRedisLog) Printf(_ context.Context, format string, v ...any) {
+	l := goRedisLogger.Load()
+	if l == nil {
+		return
+	}
+	msg := strings.TrimPrefix(fmt.Sprintf(format, v...), "redis: ")
+	level := zapcore.InfoLevel
+	if strings.Contains(msg, "fail") || strings.Contains(msg, "error") || strings.Contains(msg, "bad") {
+		level = zapcore.WarnLevel
+	}
+	if ce := l.Check(level, "redis client"); ce != nil {
+		ce.Write(zap.String("said", msg))
+	}
+}

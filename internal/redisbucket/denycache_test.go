@@ -148,7 +148,7 @@ func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
 		_, err := s.Take(bg, bucketFor("another-client"), l, 1)
 		other <- err
 	}()
-	redistest.WaitFor(t, 5*time.Second, "the other decision", func() bool { return s.conn.batcher.callers.Load() == 1 })
+	redistest.WaitFor(t, 5*time.Second, "the other decision", func() bool { return s.conn.batcher().callers.Load() == 1 })
 	probeCtx, hangUp := context.WithCancel(bg)
 	probeErr := make(chan error, 1)
 	go func() {

@@ -222,7 +222,7 @@ const leaseAnswer = 13
 func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
-		return 0, errBreakerOpen
+		return 0, s.conn.breaker.openError()
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
@@ -230,7 +230,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 		return s.argsWithQuotas("return", g.tier.all(), g.tier.Quotas, 0, g.tokens, node, g.seq)
 	}
 	cmds := make([]*redis.Cmd, len(back))
-	_, err := s.conn.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+	_, err := s.conn.client().Pipelined(ctx, func(pipe redis.Pipeliner) error {
 		for i, g := range back {
 			cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
 		}
@@ -241,7 +241,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	for i, cmd := range cmds {
 		if isNoScript(cmd.Err()) {
 			// Redis lost its scripts (a restart, a failover): EVAL loads it.
-			cmd = bucketScript.Run(ctx, s.conn.client, []string{back[i].key}, args(back[i])...)
+			cmd = bucketScript.Run(ctx, s.conn.client(), []string{back[i].key}, args(back[i])...)
 		}
 		vals, err := cmd.Int64Slice()
 		switch {

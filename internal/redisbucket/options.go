@@ -88,6 +88,13 @@ type Plan struct {
 	Key       string
 	o         Options
 	newClient func() redis.UniversalClient
+	// asCluster, for one TCP address, makes a Cluster client seeded with
+	// it, for when that node turns out to be one of a Cluster's (Conn
+	// follows it); nil for the other kinds.
+	asCluster func() (redis.UniversalClient, error)
+	// sentinels are the Sentinels' own settings, for following the
+	// master's address (Sentinel only).
+	sentinels []*redis.Options
 }
 
 // NewPlan checks o, reads its TLS files and readies its client. It never
@@ -103,9 +110,9 @@ func NewPlan(o Options) (*Plan, error) {
 	c.id.Breaker, c.id.DenyCache, c.id.Batch = fmt.Sprint(o.BreakerFailures, o.BreakerCooldown), o.DenyCacheSize, o.Batch
 	p := &Plan{o: o}
 	if o.Sentinel != nil {
-		p.newClient, err = o.sentinelClient(c)
+		p.newClient, p.sentinels, err = o.sentinelClient(c)
 	} else {
-		p.newClient, err = o.nodeClient(c)
+		p.newClient, p.asCluster, err = o.nodeClient(c)
 	}
 	if err != nil {
 		return nil, err
@@ -144,14 +151,15 @@ const (
 	oneTryDialerRetries = 1
 )
 
-// sentinelClient makes a client of the master that Sentinel names.
-func (o *Options) sentinelClient(c *clientParams) (func() redis.UniversalClient, error) {
+// sentinelClient makes a client of the master that Sentinel names, and
+// says how to reach each Sentinel.
+func (o *Options) sentinelClient(c *clientParams) (func() redis.UniversalClient, []*redis.Options, error) {
 	master := o.Sentinel.Master
 	var sentinels []string
 	for _, raw := range o.Sentinel.Addresses {
 		addr := raw
 		if err := checkHostPort(addr); err != nil {
-			return nil, fmt.Errorf("redis store: sentinel address %q: %v", raw, err)
+			return nil, nil, fmt.Errorf("redis store: sentinel address %q: %v", raw, err)
 		}
 		sentinels = append(sentinels, addr)
 	}
@@ -174,12 +182,22 @@ func (o *Options) sentinelClient(c *clientParams) (func() redis.UniversalClient,
 		// The Sentinels' connections and the master's, TLS included.
 		Dialer: dialer(c.tls, o.Timeout),
 	}
-	return func() redis.UniversalClient { return redis.NewFailoverClient(opts) }, nil
+	var each []*redis.Options
+	for _, addr := range sentinels {
+		each = append(each, &redis.Options{
+			Addr: addr, Username: opts.SentinelUsername, Password: opts.SentinelPassword,
+			TLSConfig: c.tls, Dialer: opts.Dialer, DialTimeout: o.Timeout,
+			MaxRetries: oneTryMaxRetries, DialerRetries: oneTryDialerRetries, ContextTimeoutEnabled: true,
+			PoolSize: 1,
+		})
+	}
+	return func() redis.UniversalClient { return redis.NewFailoverClient(opts) }, each, nil
 }
 
 // nodeClient makes a client of one node, or of a Cluster when several
-// addresses are given.
-func (o *Options) nodeClient(c *clientParams) (func() redis.UniversalClient, error) {
+// addresses are given. For one TCP address it also returns how to make a
+// Cluster client seeded with it.
+func (o *Options) nodeClient(c *clientParams) (newClient func() redis.UniversalClient, asCluster func() (redis.UniversalClient, error), err error) {
 	addresses := o.Addresses
 	if len(addresses) == 0 {
 		addresses = []string{DefaultAddress}
@@ -188,7 +206,7 @@ func (o *Options) nodeClient(c *clientParams) (func() redis.UniversalClient, err
 	for _, raw := range addresses {
 		node, err := parseAddress(raw)
 		if err != nil {
-			return nil, fmt.Errorf("redis store: address %q: %v", redactURL(raw), err)
+			return nil, nil, fmt.Errorf("redis store: address %q: %v", redactURL(raw), err)
 		}
 		nodes = append(nodes, node)
 		c.id.Nodes = append(c.id.Nodes, node.Network+"|"+node.Addr+"|"+node.Username+"|"+hashString(node.Password)+"|"+strconv.Itoa(node.DB)+"|"+strconv.FormatBool(node.TLSConfig != nil))
@@ -204,7 +222,22 @@ func (o *Options) nodeClient(c *clientParams) (func() redis.UniversalClient, err
 		}
 	}
 	if len(nodes) > 1 {
-		return o.clusterClient(c, addresses, nodes)
+		newClient, err = o.clusterClient(c, addresses, nodes)
+		return newClient, nil, err
+	}
+	// Before first's settings become a node client's.
+	seed := *first
+	asCluster = func() (redis.UniversalClient, error) {
+		node := seed
+		if node.TLSConfig != nil {
+			// The Cluster client changes it; the node client still uses it.
+			node.TLSConfig = node.TLSConfig.Clone()
+		}
+		newCluster, err := o.clusterClient(c, addresses, []*redis.Options{&node})
+		if err != nil {
+			return nil, err
+		}
+		return newCluster(), nil
 	}
 	first.PoolSize = o.PoolSize
 	first.MaxRetries = oneTryMaxRetries
@@ -212,7 +245,7 @@ func (o *Options) nodeClient(c *clientParams) (func() redis.UniversalClient, err
 	first.ContextTimeoutEnabled = true
 	first.DialTimeout = o.Timeout
 	first.Dialer = dialer(first.TLSConfig, o.Timeout)
-	return func() redis.UniversalClient { return redis.NewClient(first) }, nil
+	return func() redis.UniversalClient { return redis.NewClient(first) }, asCluster, nil
 }
 
 // clusterClient makes a Cluster client from its seed nodes, which must

@@ -18,7 +18,7 @@ func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
 	off := false
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Batch: &off})
 	hook := new(afterScriptHook)
-	s.conn.client.AddHook(hook)
+	s.conn.client().AddHook(hook)
 	b := bucketFor("reset-race")
 	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
 		t.Fatalf("first take: %+v, %v", res, err)

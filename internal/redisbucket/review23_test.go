@@ -56,7 +56,7 @@ func TestReview23CloseDuringAcquireLeavesTheSlotTaken(t *testing.T) {
 	}
 	s.slotTable()
 	hook := new(afterScriptHook)
-	s.conn.client.AddHook(hook)
+	s.conn.client().AddHook(hook)
 	hook.mu.Lock()
 	hook.then = s.Close // the reload unloads the config now
 	hook.mu.Unlock()

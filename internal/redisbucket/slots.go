@@ -234,12 +234,12 @@ func (s *Store) InFlight(ctx context.Context, key []byte) (int64, error) {
 func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
-		return nil, errBreakerOpen
+		return nil, s.conn.breaker.openError()
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	argv := append([]any{op, s.clockOffset, slotTTL(s.slotTTL).Microseconds()}, args...)
-	vals, err := slotsScript.Run(ctx, s.conn.client, []string{k}, argv...).Int64Slice()
+	vals, err := slotsScript.Run(ctx, s.conn.client(), []string{k}, argv...).Int64Slice()
 	if err == nil && len(vals) != 2 {
 		err = fmt.Errorf("slots script answered %d values, want 2", len(vals))
 	}
@@ -289,7 +289,7 @@ func (t *slotTable) send(batch []slotFree) { sendFrees(t.s, t.node, batch) }
 func sendFrees(s *Store, node string, batch []slotFree) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
-	_, _ = s.conn.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+	_, _ = s.conn.client().Pipelined(ctx, func(p redis.Pipeliner) error {
 		for _, f := range batch {
 			p.ZRem(ctx, f.key, member(node, f.id))
 		}
@@ -331,7 +331,7 @@ func (t *slotTable) renew() {
 	ctx, cancel := context.WithTimeout(context.Background(), t.s.timeout)
 	defer cancel()
 	send := func() bool {
-		cmds, _ := t.s.conn.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		cmds, _ := t.s.conn.client().Pipelined(ctx, func(p redis.Pipeliner) error {
 			for k, ids := range byKey {
 				args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
 				slotsScript.EvalSha(ctx, p, []string{k}, args...)
@@ -350,7 +350,7 @@ func (t *slotTable) renew() {
 	}
 	if !send() {
 		// Redis lost the script (a restart, a failover): load it, once.
-		if slotsScript.Load(ctx, t.s.conn.client).Err() == nil {
+		if slotsScript.Load(ctx, t.s.conn.client()).Err() == nil {
 			send()
 		}
 	}

@@ -285,11 +285,11 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 	defer s.conn.denied.remove(k)
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
-		return errBreakerOpen
+		return s.conn.breaker.openError()
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	err := s.conn.client.Del(ctx, k).Err()
+	err := s.conn.client().Del(ctx, k).Err()
 	s.record(ctx, probe, err)
 	if err != nil {
 		return fmt.Errorf("redis store: reset: %w", err)
@@ -303,16 +303,15 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
-		return nil, errBreakerOpen
+		return nil, s.conn.breaker.openError()
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	var vals []int64
-	var err error
-	if batched && s.conn.batcher != nil {
-		vals, err = s.conn.batcher.take(ctx, []string{key}, args)
-	} else {
-		vals, err = bucketScript.Run(ctx, s.conn.client, []string{key}, args...).Int64Slice()
+	vals, err := s.runScript(ctx, key, args, batched)
+	if isRedirect(err) && s.conn.follow("a MOVED or ASK reply") {
+		// The script did not run: the Cluster client sends it where the
+		// key lives.
+		vals, err = s.runScript(ctx, key, args, batched)
 	}
 	if err == nil && len(vals) != want {
 		err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
@@ -322,6 +321,16 @@ func (s *Store) call(ctx context.Context, key string, args []any, batched bool, 
 		return nil, s.wrap(err)
 	}
 	return vals, nil
+}
+
+// runScript runs the bucket script on one key, through the batcher when batched
+// and there is one.
+func (s *Store) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, error) {
+	set := s.conn.cur.Load()
+	if batched && set.batcher != nil {
+		return set.batcher.take(ctx, []string{key}, args)
+	}
+	return bucketScript.Run(ctx, set.client, []string{key}, args...).Int64Slice()
 }
 
 // wrap says what went wrong with a call to Redis.
@@ -344,9 +353,14 @@ func (s *Store) record(ctx context.Context, probe bool, err error) {
 		out = callAbandoned
 	default:
 		out = callFailed
+		s.conn.breaker.failedWith(s.wrap(err))
 	}
 	s.conn.breaker.record(probe, out, s.conn.now())
 }
+
+// Master is the address of the master that Sentinel names, as this node
+// last heard it; "" without Sentinel.
+func (s *Store) Master() string { return s.conn.Master() }
 
 // BreakerState is closed, open or half-open.
 func (s *Store) BreakerState() string { return s.conn.breaker.state(s.conn.now()) }

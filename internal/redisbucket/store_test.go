@@ -115,7 +115,7 @@ func TestRedisTwoNodesAdmitExactlyTheCapacity(t *testing.T) {
 		newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second}),
 		newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second}),
 	}
-	if nodes[0].conn.client == nodes[1].conn.client {
+	if nodes[0].conn.client() == nodes[1].conn.client() {
 		t.Fatal("the two nodes share a client")
 	}
 	b := bucketFor("203.0.113.7")
@@ -152,8 +152,8 @@ func BenchmarkRedisTake(b *testing.B) {
 	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1, Interval: 1}} // never denies
 	for _, batch := range []bool{true, false} {
 		s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Batch: &batch})
-		if (s.conn.batcher != nil) != batch {
-			b.Fatalf("batch %v: the store's batcher is %v", batch, s.conn.batcher)
+		if (s.conn.batcher() != nil) != batch {
+			b.Fatalf("batch %v: the store's batcher is %v", batch, s.conn.batcher())
 		}
 		name := map[bool]string{true: "batch-on", false: "batch-off"}[batch]
 		b.Run(name+"/serial", func(b *testing.B) {

@@ -1,0 +1,142 @@
+package ratelimit
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// serveLoggingTo is serve with Caddy's default log going to a file at
+// INFO, whose path it returns.
+func serveLoggingTo(t *testing.T, directives string) (*testServer, string) {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "caddy.log")
+	port := freePort(t)
+	s := serveCaddyfile(t, port, fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+	log {
+		output file %s
+		level INFO
+	}
+}
+http://127.0.0.1:%d {
+%s
+}
+`, file, port, directives))
+	return s, file
+}
+
+// TestStoreDownUnderAFloodLogsAFewLinesAndNoKey sends 200 requests with
+// an API key to a policy whose Redis is down, with on_store_error deny:
+// each gets its 503, and the log, at INFO, holds a few sampled lines about
+// it, none with the key. With handle_errors, the 503 is still the user's
+// to shape.
+// Regression test for issue 32 item 6.
+func TestStoreDownUnderAFloodLogsAFewLinesAndNoKey(t *testing.T) {
+	dead := freePort(t) // nothing listens here
+	for _, c := range []struct {
+		name, errors, body string
+	}{
+		{"plain", "", ""},
+		{"handle_errors", `handle_errors 503 {
+	respond "store down, retry in {http.response.header.Retry-After}s" 503
+}`, "store down, retry in 1s"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, file := serveLoggingTo(t, fmt.Sprintf(`
+	rate_limit 100 10/s {
+		key header X-Api-Key
+		store redis {
+			address redis://127.0.0.1:%d
+		}
+		on_store_error deny
+	}
+	respond "ok"
+	%s`, dead, c.errors))
+			for i := range 200 {
+				r := s.get("/", "X-Api-Key: k3")
+				if r.status != 503 || r.header.Get("Retry-After") != "1" || c.body != "" && r.body != c.body {
+					t.Fatalf("request %d with Redis down: %d %q, Retry-After %q; want 503 %q, Retry-After 1", i, r.status, r.body, r.header.Get("Retry-After"), c.body)
+				}
+			}
+			log, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var about []string
+			for line := range strings.SplitSeq(strings.TrimSpace(string(log)), "\n") {
+				if strings.Contains(line, "k3") {
+					t.Fatalf("a log line holds the client's key: %s", line)
+				}
+				if strings.Contains(line, "503") || strings.Contains(line, "store") || strings.Contains(line, "redis") || strings.Contains(line, `"error"`) {
+					about = append(about, line)
+				}
+			}
+			if len(about) > 10 {
+				t.Fatalf("%d log lines about 200 refusals with Redis down, want a few; the first:\n%s", len(about), strings.Join(about[:3], "\n"))
+			}
+		})
+	}
+}
+
+// TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage measures what
+// on_store_error local lets one client through one node while Redis is
+// down, on the local buckets' fake clock: its fallback bucket starts full,
+// whatever Redis held, so an outage of T lets through capacity + rate x T
+// more, on top of what Redis admitted just before. docs/fleet.md states
+// this bound and names this test.
+// Regression test for issue 31 item 11.
+func TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage(t *testing.T) {
+	const capacity, perSecond, outage = 10, 5, 2 * time.Second
+	srv := startRedis(t)
+	clock := useFakeClock(t)
+	s := serveOnRedisWith(t, srv, fmt.Sprintf(`
+	rate_limit %d %d/s {
+		name outage_bound
+		store redis {
+			address %s
+		}
+		on_store_error local
+	}
+	respond "ok"`, capacity, perSecond, srv.url()))
+	burst := func() (admitted int) {
+		for range 2 * capacity {
+			if s.from("127.0.4.1", "/").status != 200 {
+				return admitted
+			}
+			admitted++
+		}
+		return admitted
+	}
+	if got := burst(); got != capacity {
+		t.Fatalf("Redis admitted %d of a burst, want the capacity %d", got, capacity)
+	}
+	srv.kill()
+	// The deny cache refuses the client until Redis's retry time, by the
+	// real clock, without asking Redis: past it, the fallback decides.
+	time.Sleep(time.Second/perSecond + 100*time.Millisecond)
+	fallback := 0
+	const step = 100 * time.Millisecond
+	for at := time.Duration(0); ; at += step {
+		fallback += burst()
+		if at == outage {
+			break
+		}
+		clock.advance(step)
+	}
+	bound := capacity + int(perSecond*outage/time.Second)
+	if fallback != bound {
+		t.Fatalf("the fallback admitted %d over a %s outage, want capacity + rate x outage = %d", fallback, outage, bound)
+	}
+	fleet, err := os.ReadFile("docs/fleet.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(fleet), "TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage") {
+		t.Fatalf("docs/fleet.md does not state the bound this test measures (%d admitted by Redis, then %d by the fallback, where one bucket allows %d over the window)", capacity, fallback, bound)
+	}
+}
