@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -790,5 +791,50 @@ func TestFormAndJSONAttemptsOnOneUserShareOneBucket(t *testing.T) {
 	}
 	if got := sendGuesses(t, s, o, len(attempts), func(i int) guess { return attempts[i] }); got != 3 {
 		t.Errorf("%d of 5 attempts on alice, in form and JSON bodies, reached the origin; want the one bucket's 3", got)
+	}
+}
+
+// loginRecipe is docs/logins.md's login form recipe, the block that counts
+// failures, with the site and the origin replaced by the test's.
+func loginRecipe(t *testing.T, port int, origin string) string {
+	t.Helper()
+	for _, b := range caddyfileBlocks(t, filepath.Join("docs", "logins.md")) {
+		if strings.Contains(b.text, "count_status 401") && strings.Contains(b.text, "login_by_user") {
+			site := strings.Replace(b.text, "http://127.0.0.1:8080", fmt.Sprintf("http://127.0.0.1:%d", port), 1)
+			return "{\n\tadmin off\n\tskip_install_trust\n}\n" + strings.ReplaceAll(site, "127.0.0.1:9000", origin)
+		}
+	}
+	t.Fatal("docs/logins.md has no login form recipe with count_status 401")
+	return ""
+}
+
+// Regression test for issue 32 item 6: origins route these paths to their
+// login handler (Express folds case and a trailing slash, Spring drops ;
+// parameters and suffixes, Tomcat resolves /..;/), so the recipe must
+// limit them all.
+func TestLoginRecipeLimitsEveryPathTheOriginRoutesToItsLogin(t *testing.T) {
+	useFakeClock(t)
+	o := newOriginAnswering(t, http.StatusUnauthorized)
+	port := freePort(t)
+	s := serveCaddyfile(t, port, loginRecipe(t, port, strings.TrimPrefix(o.URL, "http://")))
+	paths := []string{
+		"/login", "/LOGIN", "/Login/", "/login/", "/login;x", "/login;jsessionid=1", "/login.",
+		"/login.json", "/login%2f", "/login%2F", "/login%20", "/login%5c", "/login%3b", "//login",
+		"/./login", "/a/../login", "/x/..;/login", "/;x/login", "/x/.;/login",
+	}
+	for i, p := range paths {
+		r := s.do(http.MethodPost, p, "username=alice&password=guess", "Content-Type: "+formType)
+		if r.status != http.StatusUnauthorized && r.status != http.StatusTooManyRequests {
+			t.Errorf("attempt %d, %s: %d, want 401 from the origin or 429 from the limiter", i+1, p, r.status)
+		}
+	}
+	if got := o.seen(); got != 5 {
+		t.Errorf("%d of %d attempts on alice reached the origin, want the recipe's 5", got, len(paths))
+	}
+	// Paths that are not the login pass unlimited.
+	for _, p := range []string{"/", "/logins", "/login-help", "/loginx", "/static/login.css"} {
+		if r := s.do(http.MethodGet, p, ""); r.status != http.StatusUnauthorized {
+			t.Errorf("GET %s: %d, want the origin's 401: not the login", p, r.status)
+		}
 	}
 }
