@@ -108,6 +108,7 @@ func FuzzHeaderKeyer(f *testing.F) {
 	f.Add("x-api-key", "", "second")
 	f.Add("X-Api-Key", strings.Repeat("k", 4096), "")
 	f.Add("Other", "v", "w")
+	f.Add("X-API-Key", "junk", "REAL")
 	f.Add("", "\x00\xff", "")
 	k := &HeaderKeyer{Field: "X-API-Key"}
 	if err := k.Provision(caddy.Context{}); err != nil {
@@ -125,12 +126,12 @@ func FuzzHeaderKeyer(f *testing.F) {
 		v, ok := keyTwice(t, k, r)
 		values := r.Header.Values("X-Api-Key")
 		switch {
-		case len(values) == 0 || values[0] == "":
+		case len(values) != 1 || values[0] == "":
 			if ok {
-				t.Fatalf("key %q, but the request has no X-Api-Key value (header %q)", v, name)
+				t.Fatalf("key %q, but the request has not one X-Api-Key value (header %q: %q)", v, name, values)
 			}
 		case !ok || string(v) != values[0]:
-			t.Fatalf("key %q %v, want the first value %q", v, ok, values[0])
+			t.Fatalf("key %q %v, want the one value %q", v, ok, values[0])
 		}
 	})
 }
@@ -143,6 +144,12 @@ func FuzzCookieKeyer(f *testing.F) {
 	f.Add(";;;=;session", "")
 	f.Add("session=\"", "")
 	f.Add(strings.Repeat("c=1; ", 1000)+"session=last", "")
+	f.Add("session=junk; session=REAL", "")
+	f.Add("session=junk, session=REAL", "")
+	f.Add("session=junk; a=1 session=REAL", "")
+	f.Add(`session="R\105AL"`, "")
+	f.Add("session=junk; Session=REAL", "session =REAL")
+	f.Add("sess%69on=REAL; session=junk", "")
 	k := &CookieKeyer{Name: "session"}
 	if err := k.Provision(caddy.Context{}); err != nil {
 		f.Fatal(err)
@@ -166,20 +173,24 @@ func FuzzCookieKeyer(f *testing.F) {
 		if !ok {
 			return
 		}
-		// The key is the value of some "session=" pair, quotes aside.
-		found := false
+		// The key is the value of the one session pair, quotes aside; no
+		// other pair could be read as the session cookie.
+		var values []string
 		for part := range strings.SplitSeq(all, ";") {
-			name, value, eq := strings.Cut(strings.TrimSpace(part), "=")
-			if !eq || name != "session" {
-				continue
+			name, value, _ := strings.Cut(strings.TrimSpace(part), "=")
+			name, value = strings.TrimSpace(name), strings.TrimSpace(value)
+			switch {
+			case name == "session":
+				values = append(values, value)
+			case strings.EqualFold(name, "session") || strings.ContainsAny(value, " ,") && strings.Contains(value, "session"):
+				t.Fatalf("key %q, but the pair %q could be read as the session cookie", v, part)
 			}
-			if value == string(v) || value == `"`+string(v)+`"` {
-				found = true
-			}
-			break // the first session cookie decides
 		}
-		if !found {
-			t.Fatalf("key %q is not the first session cookie's value in %q", v, all)
+		if len(values) != 1 || values[0] != string(v) && values[0] != `"`+string(v)+`"` {
+			t.Fatalf("key %q, but the session pairs of %q are %q: want one, with that value", v, all, values)
+		}
+		if strings.ContainsAny(values[0], " ,\\") {
+			t.Fatalf("key %q from a value that lenient parsers split or unescape", v)
 		}
 	})
 }

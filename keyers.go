@@ -6,12 +6,14 @@ import (
 	"net/http"
 	"net/netip"
 	"net/textproto"
+	"net/url"
 	"strconv"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"golang.org/x/text/secure/precis"
 )
 
 func init() {
@@ -25,13 +27,21 @@ func init() {
 // A Keyer names the client of a request. Keyers are guest modules in the
 // namespace http.handlers.rate_limit.keys; the handler tries them in order
 // and the first that yields a non-empty value names the client.
+//
+// Where parsers could disagree about who a request names (a header or a
+// cookie given twice, a form field in an odd multipart part), a keyer names
+// nothing, and no_key decides: otherwise an attacker sends one value for the
+// keyer and another for the origin, and gets a fresh bucket per request for
+// one account (docs/logins.md).
 type Keyer interface {
 	// Kind is the keyer's module name (ip, header, cookie, placeholder,
 	// jwt, form, json), which tiers may test with `keyer <kind>`.
 	Kind() string
 	// ID names the keyer and what it reads, such as "header/X-API-Key" or
-	// "ip/32/64". It is part of the bucket's name, so two keyers never
-	// share buckets.
+	// "ip/32/64". It is part of the bucket's name, so that keyers never
+	// share buckets: an API key equal to a client's address is not that
+	// address. The body keyers share one ID (bodyKeyerID), so that a user
+	// has one bucket whatever the body's encoding.
 	ID() string
 	// Key appends the client's identity to buf and reports whether it found
 	// one. It must not keep buf. A keyer that reads the body must leave it
@@ -169,9 +179,15 @@ func (k *IPKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 }
 
 // HeaderKeyer names the client by a request header, such as an API key.
+// A field given twice names nobody: origins differ on which line wins.
+// (Caddy itself drops names with an underscore or a dot, which CGI-style
+// origins read as the hyphenated field; see its expected_underscore_headers.)
 type HeaderKeyer struct {
 	// Field is the header field to read.
 	Field string `json:"field"`
+	// Normalize maps the value by RFC 8265's UsernameCaseMapped profile
+	// before it names the client; see normalizedValue.
+	Normalize bool `json:"normalize,omitempty"`
 
 	id string
 }
@@ -203,25 +219,31 @@ func (k *HeaderKeyer) ID() string { return k.id }
 // Key implements Keyer.
 func (k *HeaderKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	v := r.Header[k.Field]
-	if len(v) == 0 || v[0] == "" {
+	if len(v) != 1 {
 		return buf, false
 	}
-	return append(buf, v[0]...), true
+	return appendValue(buf, v[0], k.Normalize)
 }
 
-// UnmarshalCaddyfile reads `header <field>`.
+// UnmarshalCaddyfile reads `header <field> [normalize]`.
 func (k *HeaderKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next()
-	if !d.AllArgs(&k.Field) {
-		return d.Err("key header: want exactly one field name")
+	var ok bool
+	if k.Field, k.Normalize, ok = nameAndNormalize(d.RemainingArgs()); !ok {
+		return d.Err("key header: want one field name, then normalize or nothing")
 	}
 	return nil
 }
 
-// CookieKeyer names the client by a cookie, such as a session id.
+// CookieKeyer names the client by a cookie, such as a session id. The
+// cookie must be given once, in a Cookie field that parsers read alike:
+// see Key.
 type CookieKeyer struct {
 	// Name is the cookie's name.
 	Name string `json:"name"`
+	// Normalize maps the value by RFC 8265's UsernameCaseMapped profile
+	// before it names the client; see normalizedValue.
+	Normalize bool `json:"normalize,omitempty"`
 
 	id string
 }
@@ -250,35 +272,178 @@ func (*CookieKeyer) Kind() string { return "cookie" }
 func (k *CookieKeyer) ID() string { return k.id }
 
 // Key implements Keyer. It scans the Cookie fields itself rather than
-// through r.Cookie, which would parse and copy every cookie.
+// through r.Cookie, which would parse and copy every cookie. It names
+// nothing when another parser could read another value: the cookie twice
+// (Python's http.cookies keeps the last, Go the first), in another case or
+// spelling, or a pair that is not plain RFC 6265 and mentions the name,
+// since lenient parsers split on spaces and commas and decode escapes in
+// quotes: `session=x, session=REAL` and `session="R\105AL"` name nobody.
 func (k *CookieKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
+	var value string
+	n := 0
 	for _, line := range r.Header["Cookie"] {
 		for line != "" {
-			var part string
-			part, line, _ = strings.Cut(line, ";")
-			name, value, ok := strings.Cut(strings.TrimSpace(part), "=")
-			if !ok || name != k.Name {
+			var pair string
+			pair, line, _ = strings.Cut(line, ";")
+			pair = strings.TrimSpace(pair)
+			if pair == "" {
 				continue
 			}
-			if len(value) >= 2 && value[0] == '"' && value[len(value)-1] == '"' {
-				value = value[1 : len(value)-1]
-			}
-			if value == "" {
+			name, v, _ := strings.Cut(pair, "=")
+			name, v = strings.TrimSpace(name), strings.TrimSpace(v)
+			switch {
+			case !isToken(name) || !isCookieValue(v):
+				if mentions(pair, k.Name) {
+					return buf, false
+				}
+			case name == k.Name:
+				n++
+				value = v
+			case resembles(name, k.Name):
 				return buf, false
 			}
-			return append(buf, value...), true
 		}
 	}
-	return buf, false
+	if n != 1 {
+		return buf, false
+	}
+	if len(value) >= 2 && value[0] == '"' {
+		value = value[1 : len(value)-1]
+	}
+	return appendValue(buf, value, k.Normalize)
 }
 
-// UnmarshalCaddyfile reads `cookie <name>`.
+// isCookieValue reports whether v is an RFC 6265 cookie-value: cookie-octets,
+// perhaps in double quotes. Such a value reads the same in every parser.
+func isCookieValue(v string) bool {
+	if len(v) >= 2 && v[0] == '"' && v[len(v)-1] == '"' {
+		v = v[1 : len(v)-1]
+	}
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; c <= ' ' || c >= 0x7f || c == '"' || c == ',' || c == ';' || c == '\\' {
+			return false
+		}
+	}
+	return true
+}
+
+// isToken reports whether s is an RFC 9110 token, such as a cookie's or a
+// form field's name.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// UnmarshalCaddyfile reads `cookie <name> [normalize]`.
 func (k *CookieKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next()
-	if !d.AllArgs(&k.Name) {
-		return d.Err("key cookie: want exactly one cookie name")
+	var ok bool
+	if k.Name, k.Normalize, ok = nameAndNormalize(d.RemainingArgs()); !ok {
+		return d.Err("key cookie: want one cookie name, then normalize or nothing")
 	}
 	return nil
+}
+
+// nameAndNormalize reads the arguments `<name> [normalize]` of a keyer.
+func nameAndNormalize(args []string) (name string, normalize, ok bool) {
+	switch {
+	case len(args) == 1:
+		return args[0], false, true
+	case len(args) == 2 && args[1] == "normalize":
+		return args[0], true, true
+	}
+	return "", false, false
+}
+
+// appendValue appends a keyer's value to buf, mapped by normalizedValue
+// when normalize is set; an empty value, or one the profile rejects, names
+// nobody.
+func appendValue(buf []byte, v string, normalize bool) ([]byte, bool) {
+	if normalize {
+		var ok bool
+		if v, ok = normalizedValue(v); !ok {
+			return buf, false
+		}
+	}
+	if v == "" {
+		return buf, false
+	}
+	return append(buf, v...), true
+}
+
+// normalizedValue maps a username by RFC 8265's UsernameCaseMapped profile,
+// after trimming surrounding spaces: full-width letters to their usual
+// width, upper case to lower, and NFC, so that "Dave", " dave " and a
+// full-width "ｄａｖｅ" name one user. It reports false for a value the
+// profile rejects, such as one with a space inside.
+func normalizedValue(v string) (string, bool) {
+	s, err := precis.UsernameCaseMapped.String(strings.TrimSpace(v))
+	return s, err == nil && s != ""
+}
+
+// resembles reports whether an origin could read name as field although
+// the two differ: in case, with surrounding spaces, percent-encoded, in
+// PHP's spelling (which reads "user.name" and "user name" as "user_name",
+// and "user[]" as "user"). It never allocates for a name with none of
+// those characters.
+func resembles(name, field string) bool {
+	if strings.EqualFold(name, field) {
+		return true
+	}
+	const special = "%+[. \t"
+	if !strings.ContainsAny(name, special) && !strings.ContainsAny(field, special) {
+		return false
+	}
+	return looseName(name) == looseName(field)
+}
+
+// looseName is a field name as the most lenient origins read it.
+func looseName(s string) string {
+	if u, err := url.QueryUnescape(s); err == nil {
+		s = u
+	}
+	if i := strings.IndexByte(s, '['); i > 0 {
+		s = s[:i]
+	}
+	s = strings.ToLower(strings.TrimSpace(s))
+	return strings.Map(func(r rune) rune {
+		if r == ' ' || r == '.' {
+			return '_'
+		}
+		return r
+	}, s)
+}
+
+// mentions reports whether s holds name in any case, also once
+// percent-decoded: whether a lenient parser could find it there.
+func mentions(s, name string) bool {
+	if containsFold(s, name) {
+		return true
+	}
+	if strings.Contains(s, "%") {
+		if u, err := url.PathUnescape(s); err == nil {
+			return containsFold(u, name)
+		}
+		return true // a malformed escape: assume the worst
+	}
+	return false
+}
+
+func containsFold(s, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		if strings.EqualFold(s[i:i+len(sub)], sub) {
+			return true
+		}
+	}
+	return false
 }
 
 // PlaceholderKeyer names the client by any Caddy placeholder, or a string

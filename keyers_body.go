@@ -10,6 +10,7 @@ import (
 	"mime"
 	"mime/multipart"
 	"net/http"
+	"net/textproto"
 	"net/url"
 	"slices"
 	"strconv"
@@ -28,14 +29,20 @@ func init() {
 // body yields no key, and still flows whole to the next handlers.
 const maxKeyedBody = 64 << 10
 
+// bodyKeyerID is the ID of every body keyer: a form field and a JSON field
+// that name one user give one bucket, whichever encoding the attempt used,
+// while a header or a cookie equal to that name keeps its own.
+const bodyKeyerID = "body"
+
 // FormKeyer names the client by a field of an
 // application/x-www-form-urlencoded or multipart/form-data body, such as
 // the username of a login form.
 type FormKeyer struct {
 	// Field is the form field's name.
 	Field string `json:"field"`
-
-	id string
+	// Normalize maps the value by RFC 8265's UsernameCaseMapped profile
+	// before it names the client; see normalizedValue.
+	Normalize bool `json:"normalize,omitempty"`
 }
 
 // CaddyModule returns the Caddy module information.
@@ -51,28 +58,27 @@ func (k *FormKeyer) Provision(caddy.Context) error {
 	if k.Field == "" {
 		return fmt.Errorf("key form: a field name is required")
 	}
-	k.id = "form/" + k.Field
 	return nil
 }
 
 // Kind implements Keyer.
 func (*FormKeyer) Kind() string { return "form" }
 
-// ID implements Keyer.
-func (k *FormKeyer) ID() string { return k.id }
+// ID implements Keyer: the body keyers share one, bodyKeyerID.
+func (*FormKeyer) ID() string { return bodyKeyerID }
 
 // Key implements Keyer. It parses a copy of the body, never the request's
 // own form, which would consume the body. It names nothing when origins
 // could read the field differently: a body that does not parse, the field
-// twice (in any case, since some frameworks fold names), or the field also
-// in the query string, which many frameworks merge with the body.
+// twice (in any case or spelling, since some frameworks fold names), the
+// field also in the query string, which many frameworks merge with the
+// body, or a multipart part that parsers read two ways (multipartField).
 func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
-	mediaType, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	if err != nil {
+	mediaType, params, ok := bodyType(r)
+	if !ok {
 		return buf, false
 	}
 	var value string
-	var ok bool
 	switch mediaType {
 	case "application/x-www-form-urlencoded":
 		body, whole := peekBody(r)
@@ -93,10 +99,30 @@ func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	default:
 		return buf, false
 	}
-	if !ok || value == "" || !absentFromQuery(r.URL.RawQuery, k.Field) {
+	if !ok || !absentFromQuery(r.URL.RawQuery, k.Field) {
 		return buf, false
 	}
-	return append(buf, value...), true
+	return appendValue(buf, value, k.Normalize)
+}
+
+// bodyType is the request's media type and its parameters, when every
+// origin reads the body as the keyer does: one Content-Type line (origins
+// differ on which of two wins), UTF-8 or no charset (an origin that honours
+// another decodes other names from the same bytes), and no Content-Encoding
+// (an origin that inflates the body reads what the keyer cannot).
+func bodyType(r *http.Request) (string, map[string]string, bool) {
+	ct := r.Header["Content-Type"]
+	if len(ct) != 1 || len(r.Header["Content-Encoding"]) != 0 {
+		return "", nil, false
+	}
+	mediaType, params, err := mime.ParseMediaType(ct[0])
+	if err != nil {
+		return "", nil, false
+	}
+	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
+		return "", nil, false
+	}
+	return mediaType, params, true
 }
 
 // urlencodedField returns the value of the field, which must be in the
@@ -109,16 +135,19 @@ func urlencodedField(body, field string) (string, bool) {
 	var value string
 	n := 0
 	for name, vs := range form {
-		if strings.EqualFold(name, field) {
+		switch {
+		case strings.EqualFold(name, field):
 			n += len(vs)
 			value = vs[0]
+		case resembles(name, field):
+			return "", false
 		}
 	}
 	return value, n == 1
 }
 
 // absentFromQuery reports whether the query string parses and lacks the
-// field in any case.
+// field in any case or spelling.
 func absentFromQuery(rawQuery, field string) bool {
 	if rawQuery == "" {
 		return true
@@ -128,7 +157,7 @@ func absentFromQuery(rawQuery, field string) bool {
 		return false
 	}
 	for name := range query {
-		if strings.EqualFold(name, field) {
+		if resembles(name, field) {
 			return false
 		}
 	}
@@ -136,36 +165,163 @@ func absentFromQuery(rawQuery, field string) bool {
 }
 
 // multipartField returns the value of the one part named field, in a body
-// that parses to its closing boundary. A file of that name is no value.
+// that parses to its closing boundary. It reads the body as browsers write
+// it, and reports false for anything parsers read in different ways: a
+// boundary line not between CRLFs, a part without exactly one plain
+// form-data disposition (werkzeug reads the name of an `attachment`, Go
+// skips it), a name that resembles the field's, or a field part that is a
+// file or carries a transfer encoding or a charset (Go decodes
+// quoted-printable, others do not).
 func multipartField(body []byte, boundary, field string) (string, bool) {
+	if !plainBoundaryLines(body, boundary) {
+		return "", false
+	}
 	mr := multipart.NewReader(bytes.NewReader(body), boundary)
 	var value []byte
 	n := 0
 	for {
-		part, err := mr.NextPart()
+		part, err := mr.NextRawPart()
 		if err == io.EOF { // the closing boundary; a truncated body wraps io.EOF
 			return string(value), n == 1
 		}
 		if err != nil {
 			return "", false
 		}
-		if !strings.EqualFold(part.FormName(), field) {
-			continue
-		}
-		if n++; part.FileName() != "" {
+		cd := part.Header["Content-Disposition"]
+		if len(cd) != 1 {
 			return "", false
 		}
-		if value, err = io.ReadAll(part); err != nil {
+		name, file, ok := formDisposition(cd[0])
+		switch {
+		case !ok:
+			return "", false
+		case strings.EqualFold(name, field):
+			if n++; file || !plainFieldHeader(part.Header) {
+				return "", false
+			}
+			if value, err = io.ReadAll(part); err != nil {
+				return "", false
+			}
+		case resembles(name, field):
 			return "", false
 		}
 	}
 }
 
-// UnmarshalCaddyfile reads `form <field>`.
+// plainBoundaryLines reports whether every line of body that starts with
+// the boundary's delimiter is one that parsers agree on: at the start of
+// the body or after a CRLF, and followed at once by CRLF or "--". Go's
+// reader also takes a bare LF and trailing spaces; others split elsewhere.
+func plainBoundaryLines(body []byte, boundary string) bool {
+	delim := []byte("--" + boundary)
+	for i := 0; ; {
+		j := bytes.Index(body[i:], delim)
+		if j < 0 {
+			return true
+		}
+		j += i
+		if j == 0 || body[j-1] == '\n' || body[j-1] == '\r' {
+			after := body[j+len(delim):]
+			afterCRLF := j == 0 || j >= 2 && body[j-2] == '\r' && body[j-1] == '\n'
+			if !afterCRLF || !bytes.HasPrefix(after, []byte("\r\n")) && !bytes.HasPrefix(after, []byte("--")) {
+				return false
+			}
+		}
+		i = j + 1
+	}
+}
+
+// formDisposition reads a part's Content-Disposition as browsers write it:
+// form-data, then a name and perhaps a filename, each once, quoted (with no
+// backslash or semicolon inside) or a token. It reports false for anything
+// else: another type, a stray, repeated or RFC 2231 parameter, an escape.
+func formDisposition(v string) (name string, file, ok bool) {
+	typ, rest, _ := strings.Cut(v, ";")
+	if !strings.EqualFold(strings.TrimSpace(typ), "form-data") {
+		return "", false, false
+	}
+	hasName := false
+	for rest != "" {
+		var key, val string
+		if key, rest, ok = strings.Cut(strings.TrimLeft(rest, " \t"), "="); !ok {
+			return "", false, false
+		}
+		if val, rest, ok = dispositionValue(rest); !ok {
+			return "", false, false
+		}
+		switch {
+		case key == "name" && !hasName:
+			name, hasName = val, true
+		case key == "filename" && !file:
+			file = true
+		default:
+			return "", false, false
+		}
+	}
+	return name, file, hasName
+}
+
+// dispositionValue reads a parameter's value, quoted or a token, and the
+// ";" after it, if any.
+func dispositionValue(s string) (val, rest string, ok bool) {
+	if strings.HasPrefix(s, `"`) {
+		end := strings.IndexByte(s[1:], '"')
+		if end < 0 {
+			return "", "", false
+		}
+		val, s = s[1:1+end], s[2+end:]
+		if strings.ContainsAny(val, `\;`) {
+			return "", "", false
+		}
+	} else {
+		end := strings.IndexByte(s, ';')
+		if end < 0 {
+			end = len(s)
+		}
+		val, s = strings.TrimRight(s[:end], " \t"), s[end:]
+		if !isToken(val) {
+			return "", "", false
+		}
+	}
+	s = strings.TrimLeft(s, " \t")
+	if s == "" {
+		return val, "", true
+	}
+	if s[0] != ';' {
+		return "", "", false
+	}
+	return val, s[1:], true
+}
+
+// plainFieldHeader reports whether a field part's header is what browsers
+// send: its disposition, and at most a text/plain type in UTF-8.
+func plainFieldHeader(h textproto.MIMEHeader) bool {
+	for name, vs := range h {
+		switch name {
+		case "Content-Disposition":
+		case "Content-Type":
+			mediaType, params, err := mime.ParseMediaType(vs[0])
+			if len(vs) != 1 || err != nil || mediaType != "text/plain" {
+				return false
+			}
+			for p, v := range params {
+				if p != "charset" || !strings.EqualFold(v, "utf-8") {
+					return false
+				}
+			}
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// UnmarshalCaddyfile reads `form <field> [normalize]`.
 func (k *FormKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next()
-	if !d.AllArgs(&k.Field) {
-		return d.Err("key form: want exactly one field name")
+	var ok bool
+	if k.Field, k.Normalize, ok = nameAndNormalize(d.RemainingArgs()); !ok {
+		return d.Err("key form: want one field name, then normalize or nothing")
 	}
 	return nil
 }
@@ -176,9 +332,11 @@ func (k *FormKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 type JSONKeyer struct {
 	// Path is the field's dot path.
 	Path string `json:"path"`
+	// Normalize maps the value by RFC 8265's UsernameCaseMapped profile
+	// before it names the client; see normalizedValue.
+	Normalize bool `json:"normalize,omitempty"`
 
 	path []string
-	id   string
 }
 
 // CaddyModule returns the Caddy module information.
@@ -195,7 +353,6 @@ func (k *JSONKeyer) Provision(caddy.Context) error {
 		return err
 	}
 	k.path = strings.Split(k.Path, ".")
-	k.id = "json/" + k.Path
 	return nil
 }
 
@@ -210,8 +367,8 @@ func (k *JSONKeyer) Validate() error {
 // Kind implements Keyer.
 func (*JSONKeyer) Kind() string { return "json" }
 
-// ID implements Keyer.
-func (k *JSONKeyer) ID() string { return k.id }
+// ID implements Keyer: the body keyers share one, bodyKeyerID.
+func (*JSONKeyer) ID() string { return bodyKeyerID }
 
 // Key implements Keyer. It walks the document's tokens itself rather than
 // decoding into a map, which would keep the last of two equal keys without
@@ -220,8 +377,7 @@ func (k *JSONKeyer) ID() string { return k.id }
 // the path's key twice or in another case (Go's encoding/json matches keys
 // case-insensitively and keeps the last).
 func (k *JSONKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
-	mediaType, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	if err != nil || mediaType != "application/json" {
+	if mediaType, _, ok := bodyType(r); !ok || mediaType != "application/json" {
 		return buf, false
 	}
 	body, ok := peekBody(r)
@@ -231,13 +387,13 @@ func (k *JSONKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	v, ok, err := jsonField(dec, k.path)
-	if err != nil || !ok || v == "" {
+	if err != nil || !ok {
 		return buf, false
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return buf, false // trailing data: not one JSON document
 	}
-	return append(buf, v...), true
+	return appendValue(buf, v, k.Normalize)
 }
 
 // errAmbiguousKey stops a walk at a key that origins could read two ways.
@@ -381,11 +537,12 @@ func formatFloat(f float64) (string, bool) {
 	return strconv.FormatFloat(f, 'f', -1, 64), true
 }
 
-// UnmarshalCaddyfile reads `json <dot.path>`.
+// UnmarshalCaddyfile reads `json <dot.path> [normalize]`.
 func (k *JSONKeyer) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next()
-	if !d.AllArgs(&k.Path) {
-		return d.Err("key json: want exactly one dot path, such as user.name")
+	var ok bool
+	if k.Path, k.Normalize, ok = nameAndNormalize(d.RemainingArgs()); !ok {
+		return d.Err("key json: want one dot path, such as user.name, then normalize or nothing")
 	}
 	if err := k.Validate(); err != nil {
 		return d.Err(err.Error())

@@ -6,10 +6,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"mime"
 	"mime/multipart"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -28,7 +30,11 @@ type origin struct {
 	readErrs []error
 }
 
-func newOrigin(t *testing.T) *origin {
+func newOrigin(t *testing.T) *origin { return newOriginAnswering(t, http.StatusOK) }
+
+// newOriginAnswering is an origin that answers every request with status,
+// such as a login that refuses every guess with 401.
+func newOriginAnswering(t *testing.T, status int) *origin {
 	o := new(origin)
 	o.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b, err := io.ReadAll(r.Body)
@@ -37,6 +43,7 @@ func newOrigin(t *testing.T) *origin {
 		o.keyIDs = append(o.keyIDs, r.Header.Get("X-Rate-Key"))
 		o.readErrs = append(o.readErrs, err)
 		o.mu.Unlock()
+		w.WriteHeader(status)
 		fmt.Fprintf(w, "%x", sha256.Sum256(b))
 	}))
 	t.Cleanup(o.Close)
@@ -104,13 +111,13 @@ func TestLoginKeyedByUsernameSharesOneBucketAcrossIPs(t *testing.T) {
 		name, keyer, keyerID string
 		body                 func(user string) (body, contentType string)
 	}{
-		{"urlencoded form", "form username", "form/username", func(user string) (string, string) {
+		{"urlencoded form", "form username", bodyKeyerID, func(user string) (string, string) {
 			return url.Values{"username": {user}, "password": {"hunter2 & more"}}.Encode(), "application/x-www-form-urlencoded"
 		}},
-		{"multipart form", "form username", "form/username", func(user string) (string, string) {
+		{"multipart form", "form username", bodyKeyerID, func(user string) (string, string) {
 			return multipartBody(t, map[string]string{"username": user, "password": "hunter2"})
 		}},
-		{"JSON", "json user.name", "json/user.name", func(user string) (string, string) {
+		{"JSON", "json user.name", bodyKeyerID, func(user string) (string, string) {
 			return `{"user":{"name":` + strconv.Quote(user) + `},"password":"hunter2"}`, "application/json; charset=utf-8"
 		}},
 	} {
@@ -308,23 +315,32 @@ const formType = "application/x-www-form-urlencoded"
 // be sure of, so that keying it by IP would give a botnet a bucket per IP.
 type hostileLogin struct {
 	name, keyer, query, ctype, body string
+	headers                         []string // more header lines
 }
 
 func hostileLogins(t testing.TB) []hostileLogin {
 	mpTwice := "--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy\r\n--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\nvictim\r\n--X--\r\n"
 	mp, mpType := multipartBody(t, map[string]string{"user": "decoy"})
 	return []hostileLogin{
-		{"form with a malformed field elsewhere", "form user", "", formType, "user=victim&z=%zz"},
-		{"form field also in the query", "form user", "?user=victim", formType, "user=decoy"},
-		{"form field twice", "form user", "", formType, "user=decoy&user=victim"},
-		{"form field twice in another case", "form user", "", formType, "user=decoy&USER=victim"},
-		{"form over 64 KiB", "form user", "", formType, "user=victim&pad=" + strings.Repeat("x", maxKeyedBody)},
-		{"form as text/plain", "form user", "", "text/plain", "user=victim"},
-		{"multipart field twice", "form user", "", "multipart/form-data; boundary=X", mpTwice},
-		{"multipart field also in the query", "form user", "?user=victim", mpType, mp},
-		{"JSON key twice in another case", "json user", "", "application/json", `{"user":"decoy","USER":"victim"}`},
-		{"JSON key twice", "json user", "", "application/json", `{"user":"decoy","user":"victim"}`},
-		{"JSON over 64 KiB", "json user", "", "application/json", `{"user":"victim","pad":"` + strings.Repeat("x", maxKeyedBody) + `"}`},
+		{"form with a malformed field elsewhere", "form user", "", formType, "user=victim&z=%zz", nil},
+		{"form field also in the query", "form user", "?user=victim", formType, "user=decoy", nil},
+		{"form field twice", "form user", "", formType, "user=decoy&user=victim", nil},
+		{"form field twice in another case", "form user", "", formType, "user=decoy&USER=victim", nil},
+		{"form over 64 KiB", "form user", "", formType, "user=victim&pad=" + strings.Repeat("x", maxKeyedBody), nil},
+		{"form as text/plain", "form user", "", "text/plain", "user=victim", nil},
+		{"multipart field twice", "form user", "", "multipart/form-data; boundary=X", mpTwice, nil},
+		{"multipart field also in the query", "form user", "?user=victim", mpType, mp, nil},
+		{"JSON key twice in another case", "json user", "", "application/json", `{"user":"decoy","USER":"victim"}`, nil},
+		{"JSON key twice", "json user", "", "application/json", `{"user":"decoy","user":"victim"}`, nil},
+		{"JSON over 64 KiB", "json user", "", "application/json", `{"user":"victim","pad":"` + strings.Repeat("x", maxKeyedBody) + `"}`, nil},
+		// Regression cases for issue 32 item 4.
+		{"form with two content types", "form user", "", formType, `{"user":"victim","x":"&user=decoy"}`, []string{"Content-Type: application/json"}},
+		{"JSON with two content types", "json user", "", "application/json", `{"user":"decoy"}`, []string{"Content-Type: " + formType}},
+		{"form with a content encoding", "form user", "", formType, "user=decoy", []string{"Content-Encoding: gzip"}},
+		{"form in another charset", "form user", "", formType + "; charset=utf-16", "user=decoy", nil},
+		{"JSON in another charset", "json user", "", "application/json; charset=utf-7", `{"user":"decoy"}`, nil},
+		{"multipart field as an attachment", "form user", "", "multipart/form-data; boundary=X", part("victim", `Content-Disposition: attachment; name="user"`) + part("decoy", `Content-Disposition: form-data; name="user"`) + "--X--\r\n", nil},
+		{"multipart field quoted-printable", "form user", "", "multipart/form-data; boundary=X", part("=76ictim", `Content-Disposition: form-data; name="user"`, "Content-Transfer-Encoding: quoted-printable") + "--X--\r\n", nil},
 	}
 }
 
@@ -362,7 +378,23 @@ func TestBodyKeyersNameNothingWhenOriginsCouldReadAnotherValue(t *testing.T) {
 		{"JSON malformed after the field", js("user"), "", "application/json", `{"user":"victim","x":[1,}`, ""},
 		{"JSON over 64 KiB", js("user"), "", "application/json", `{"user":"victim","pad":"` + strings.Repeat("x", maxKeyedBody) + `"}`, ""},
 		{"JSON as text/plain", js("user"), "", "text/plain", `{"user":"victim"}`, ""},
+		{"form field in PHP's array syntax", form("user"), "", formType, "user[]=victim&user=decoy", ""},
+		{"form field in PHP's spelling", form("user_name"), "", formType, "user.name=victim&user_name=decoy", ""},
+		{"form field in the query in PHP's array syntax", form("user"), "user[0]=victim", formType, "user=decoy", ""},
+		{"multipart field quoted-printable", form("user"), "", "multipart/form-data; boundary=X", part("=76ictim", `Content-Disposition: form-data; name="user"`, "Content-Transfer-Encoding: quoted-printable") + "--X--\r\n", ""},
+		{"multipart field in another charset", form("user"), "", "multipart/form-data; boundary=X", part("victim", `Content-Disposition: form-data; name="user"`, "Content-Type: text/plain; charset=utf-16") + "--X--\r\n", ""},
+		{"multipart field as an attachment", form("user"), "", "multipart/form-data; boundary=X", part("victim", `Content-Disposition: attachment; name="user"`) + part("decoy", `Content-Disposition: form-data; name="user"`) + "--X--\r\n", ""},
+		{"multipart field with an escaped name", form("user"), "", "multipart/form-data; boundary=X", part("victim", `Content-Disposition: form-data; name="us\er"`) + part("decoy", `Content-Disposition: form-data; name="user"`) + "--X--\r\n", ""},
+		{"multipart field with a stray parameter", form("user"), "", "multipart/form-data; boundary=X", part("decoy", `Content-Disposition: form-data; name="user"; x=1`) + "--X--\r\n", ""},
+		{"multipart name hiding in a quoted filename", form("user"), "", "multipart/form-data; boundary=X", part("victim", `Content-Disposition: form-data; name="f"; filename="a; name=user"`) + part("decoy", `Content-Disposition: form-data; name="user"`) + "--X--\r\n", ""},
+		{"multipart part with no disposition", form("user"), "", "multipart/form-data; boundary=X", part("victim", "Content-Type: text/plain") + part("decoy", `Content-Disposition: form-data; name="user"`) + "--X--\r\n", ""},
+		{"multipart boundary after a bare LF", form("user"), "", "multipart/form-data; boundary=X", "--X\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\nx\n--X\r\nContent-Disposition: form-data; name=\"user\"\r\n\r\nvictim\r\n--X\r\n" + `Content-Disposition: form-data; name="user"` + "\r\n\r\ndecoy\r\n--X--\r\n", ""},
+		{"multipart boundary line with trailing space", form("user"), "", "multipart/form-data; boundary=X", "--X \r\nContent-Disposition: form-data; name=\"user\"\r\n\r\ndecoy\r\n--X--\r\n", ""},
 		// What stays unambiguous is still named.
+		{"multipart field with an unquoted name", form("user"), "", "multipart/form-data; boundary=X", part("alice", `Content-Disposition: form-data; name=user`) + "--X--\r\n", "alice"},
+		{"multipart field as text/plain", form("user"), "", "multipart/form-data; boundary=X", part("alice", `Content-Disposition: form-data; name="user"`, "Content-Type: text/plain; charset=UTF-8") + "--X--\r\n", "alice"},
+		{"multipart field beside a file", form("user"), "", "multipart/form-data; boundary=X", part("alice", `Content-Disposition: form-data; name="user"`) + part("\x00\xff", "Content-Disposition: form-data; name=\"avatar\"; filename=\"r\u00e9sum\u00e9.png\"", "Content-Type: image/png", "Content-Transfer-Encoding: binary") + "--X--\r\n", "alice"},
+		{"multipart field beside a user_name", form("user"), "", "multipart/form-data; boundary=X", part("alice", `Content-Disposition: form-data; name="user"`) + part("x", `Content-Disposition: form-data; name="username"`) + "--X--\r\n", "alice"},
 		{"form other fields twice", form("user"), "next=/a", formType, "user=alice&x=1&x=2", "alice"},
 		{"form field once in another case", form("user"), "", formType, "User=alice", "alice"},
 		{"JSON keys twice off the path", js("user.name"), "", "application/json", `{"a":{"name":1,"name":2},"user":{"name":"alice","id":1,"ID":2}}`, "alice"},
@@ -391,7 +423,7 @@ func TestNoKeyDenyRefusesUnkeyableLoginsBeforeTheOrigin(t *testing.T) {
 	for _, c := range hostileLogins(t) {
 		t.Run(c.name, func(t *testing.T) {
 			s, o := loginSite(t, c.keyer, "no_key deny")
-			r := s.do(http.MethodPost, "/login"+c.query, c.body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+c.ctype)
+			r := s.do(http.MethodPost, "/login"+c.query, c.body, append([]string{"X-Forwarded-For: 127.0.0.2", "Content-Type: " + c.ctype}, c.headers...)...)
 			if r.status != 400 || r.body != "400 denied" {
 				t.Errorf("got %d %q, want 400 with the handle_errors page %q", r.status, r.body, "400 denied")
 			}
@@ -411,7 +443,7 @@ func TestNoKeyDenyPassesKeyableLogins(t *testing.T) {
 		t.Fatalf("status %d, want 200", r.status)
 	}
 	got, keyID := o.last(t)
-	if string(got) != body || keyID != keyIDOf("form/user", "alice") {
+	if string(got) != body || keyID != keyIDOf(bodyKeyerID, "alice") {
 		t.Errorf("the origin got %q keyed %s, want %q keyed by the user", got, keyID, body)
 	}
 }
@@ -422,7 +454,7 @@ func TestNoKeyIPKeysUnkeyableLoginsByIP(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			for _, more := range []string{"", "no_key ip"} {
 				s, o := loginSite(t, c.keyer, more)
-				r := s.do(http.MethodPost, "/login"+c.query, c.body, "X-Forwarded-For: 127.0.0.2", "Content-Type: "+c.ctype)
+				r := s.do(http.MethodPost, "/login"+c.query, c.body, append([]string{"X-Forwarded-For: 127.0.0.2", "Content-Type: " + c.ctype}, c.headers...)...)
 				if r.status != 200 {
 					t.Fatalf("%q: status %d, want 200", more, r.status)
 				}
@@ -441,18 +473,17 @@ func TestNoKeyIPKeysUnkeyableLoginsByIP(t *testing.T) {
 func TestLoginFloodFromManyIPsDrainsOneBucketWithNoKeyDeny(t *testing.T) {
 	useFakeClock(t)
 	s, o := loginSite(t, "form user", "no_key deny")
-	var attempts []hostileLogin
+	attempts := []hostileLogin{{"plain", "form user", "", formType, "user=victim&password=guess", nil}}
 	for _, c := range hostileLogins(t) {
 		if c.keyer == "form user" {
 			attempts = append(attempts, c)
 		}
 	}
-	attempts = append(attempts, hostileLogin{"plain", "form user", "", formType, "user=victim&password=guess"})
 	statuses := map[int]int{}
 	for i := range 40 {
 		c := attempts[i%len(attempts)]
 		ip := fmt.Sprintf("127.0.%d.%d", i/200, 2+i%200)
-		r := s.do(http.MethodPost, "/login"+c.query, c.body, "X-Forwarded-For: "+ip, "Content-Type: "+c.ctype)
+		r := s.do(http.MethodPost, "/login"+c.query, c.body, append([]string{"X-Forwarded-For: " + ip, "Content-Type: " + c.ctype}, c.headers...)...)
 		statuses[r.status]++
 	}
 	if n := o.seen(); n != 3 {
@@ -461,7 +492,7 @@ func TestLoginFloodFromManyIPsDrainsOneBucketWithNoKeyDeny(t *testing.T) {
 	if statuses[200] != 3 || statuses[200]+statuses[400]+statuses[429] != 40 {
 		t.Errorf("statuses %v: want 3 passed, the rest 400 (unkeyable) or 429 (victim's bucket empty)", statuses)
 	}
-	if _, keyID := o.last(t); keyID != keyIDOf("form/user", "victim") {
+	if _, keyID := o.last(t); keyID != keyIDOf(bodyKeyerID, "victim") {
 		t.Errorf("key id %s, want victim's", keyID)
 	}
 }
@@ -536,10 +567,41 @@ func FuzzFormKeyer(f *testing.F) {
 	f.Add("application/x-www-form-urlencoded; charset=utf-8", []byte("username=%zz"), true)
 	f.Add(mpType, []byte(mp), false)
 	f.Add("text/plain", []byte("username=alice"), false)
+	const mpX = "multipart/form-data; boundary=X"
+	decoy := part("decoy", `Content-Disposition: form-data; name="username"`) + "--X--\r\n"
+	for _, odd := range []string{`attachment; name="username"`, `form-data; name="username"; foo`, `form-data; name="other"; name="username"`, `form-data; name*=utf-8''username`, `form-data; name="f"; filename="a; name=username"`} {
+		f.Add(mpX, []byte(part("victim", "Content-Disposition: "+odd)+decoy), false)
+	}
+	f.Add(mpX, []byte(part("=76ictim", `Content-Disposition: form-data; name="username"`, "Content-Transfer-Encoding: quoted-printable")+"--X--\r\n"), false)
+	f.Add(mpX, []byte("--X\nContent-Disposition: form-data; name=\"username\"\n\nvictim\n--X--\n"), false)
+	f.Add("application/x-www-form-urlencoded", []byte("username[]=victim&username=decoy"), false)
 	k := &FormKeyer{Field: "username"}
 	k.Provision(caddy.Context{})
 	f.Fuzz(func(t *testing.T, ctype string, body []byte, noLength bool) {
 		v, ok := fuzzBodyKeyer(t, k, ctype, body, noLength)
+		if mediaType, params, err := mime.ParseMediaType(ctype); ok && err == nil && mediaType == "multipart/form-data" {
+			// Go's own reading of the form, which decodes and skips parts
+			// more leniently, finds the field once, with that value, and
+			// every part is form-data.
+			mr := multipart.NewReader(bytes.NewReader(body), params["boundary"])
+			var values []string
+			for {
+				p, err := mr.NextPart()
+				if err != nil {
+					break
+				}
+				if d, _, err := mime.ParseMediaType(p.Header.Get("Content-Disposition")); err != nil || d != "form-data" {
+					t.Fatalf("value %q from a body with a part whose disposition is %q", v, p.Header.Get("Content-Disposition"))
+				}
+				if strings.EqualFold(p.FormName(), "username") {
+					b, _ := io.ReadAll(p)
+					values = append(values, string(b))
+				}
+			}
+			if len(values) != 1 || values[0] != string(v) {
+				t.Fatalf("value %q, but Go's multipart reader finds the field as %q", v, values)
+			}
+		}
 		if ok && strings.HasPrefix(ctype, "application/x-www-form-urlencoded") {
 			form, err := url.ParseQuery(string(body))
 			var values []string
@@ -591,4 +653,188 @@ func FuzzJSONKeyer(f *testing.F) {
 			}
 		}
 	})
+}
+
+// guess is one login attempt of an attack: its body and the headers that
+// go with it.
+type guess struct {
+	ctype, body string
+	headers     []string
+}
+
+// guessSite is the login that issue 32's attack was tried on: 3 failed
+// attempts an hour per account, no_key deny, count_status 401 and ban 15m,
+// in front of an origin that refuses every guess with 401.
+func guessSite(t *testing.T, keys ...string) (*testServer, *origin) {
+	t.Helper()
+	o := newOriginAnswering(t, http.StatusUnauthorized)
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 3 1/h {
+		key %s
+		no_key deny
+		count_status 401
+		ban 15m
+	}
+	reverse_proxy %s`, strings.Join(keys, "\n\t\tkey "), strings.TrimPrefix(o.URL, "http://")))
+	return s, o
+}
+
+// sendGuesses posts n guesses to /login, the i-th made by attempt(i) and
+// sent from its own address, and returns how many reached the origin.
+func sendGuesses(t *testing.T, s *testServer, o *origin, n int, attempt func(i int) guess) int {
+	t.Helper()
+	before := o.seen()
+	for i := range n {
+		g := attempt(i)
+		headers := append([]string{fmt.Sprintf("X-Forwarded-For: 127.0.1.%d", 2+i)}, g.headers...)
+		if g.ctype != "" {
+			headers = append(headers, "Content-Type: "+g.ctype)
+		}
+		s.do(http.MethodPost, "/login", g.body, headers...)
+	}
+	return o.seen() - before
+}
+
+// part is one part of a multipart body with the boundary X.
+func part(value string, headers ...string) string {
+	return "--X\r\n" + strings.Join(headers, "\r\n") + "\r\n\r\n" + value + "\r\n"
+}
+
+// Regression test for issue 32 item 1: werkzeug reads a part whose
+// disposition Go's FormName skips.
+func TestMultipartPartsTheKeyerCannotReadNameNobody(t *testing.T) {
+	useFakeClock(t)
+	for _, c := range []struct {
+		name  string
+		first []string // the headers of the part that holds the victim's name
+	}{
+		{"attachment", []string{`Content-Disposition: attachment; name="username"`}},
+		{"inline", []string{`Content-Disposition: inline; name="username"`}},
+		{"a stray parameter", []string{`Content-Disposition: form-data; name="username"; foo`}},
+		{"an unterminated quote", []string{`Content-Disposition: form-data; name="username`}},
+		{"the name parameter twice", []string{`Content-Disposition: form-data; name="other"; name="username"`}},
+		{"an RFC 2231 name", []string{`Content-Disposition: form-data; name*=utf-8''username`}},
+		{"two dispositions", []string{`Content-Disposition: form-data; name="other"`, `Content-Disposition: form-data; name="username"`}},
+		{"a name with a trailing space", []string{`Content-Disposition: form-data; name="username "`}},
+		{"a percent-encoded name", []string{`Content-Disposition: form-data; name="user%6eame"`}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, o := guessSite(t, "form username")
+			got := sendGuesses(t, s, o, 10, func(i int) guess {
+				body := part("victim", c.first...) + part(fmt.Sprintf("decoy%d", i), `Content-Disposition: form-data; name="username"`) + "--X--\r\n"
+				return guess{ctype: "multipart/form-data; boundary=X", body: body}
+			})
+			if got > 3 {
+				t.Errorf("%d of 10 guesses on victim reached the origin, want at most the bucket's 3", got)
+			}
+		})
+	}
+}
+
+// Regression test for issue 32 item 5.
+func TestNormalizeGivesEachUsernameOneBucket(t *testing.T) {
+	useFakeClock(t)
+	type sender func(v string) guess
+	form := func(v string) guess {
+		return guess{ctype: formType, body: url.Values{"username": {v}, "password": {"guess"}}.Encode()}
+	}
+	js := func(v string) guess {
+		return guess{ctype: "application/json", body: `{"user":{"name":` + strconv.Quote(v) + `}}`}
+	}
+	header := func(v string) guess { return guess{headers: []string{"X-User: " + v}} }
+	cookie := func(v string) guess { return guess{headers: []string{"Cookie: user=" + v}} }
+	dave := []string{"dave", "Dave", "DAVE", " dave ", "\uff44\uff41\uff56\uff45"}
+	jose := []string{"jos\u00e9", "jose\u0301", "JOS\u00c9", "\uff2a\uff4f\uff53\u00e9"}
+	for _, c := range []struct {
+		key      string
+		send     sender
+		variants [][]string
+		rejected string
+	}{
+		{"form username normalize", form, [][]string{dave, jose}, "da ve"},
+		{"json user.name normalize", js, [][]string{dave, jose}, "da ve"},
+		{"header X-User normalize", header, [][]string{dave, jose}, "da ve"},
+		{"cookie user normalize", cookie, [][]string{{"dave", "Dave", "DAVE", `"dAvE"`}}, ""}, // a cookie holds no space
+	} {
+		t.Run(c.key, func(t *testing.T) {
+			s, o := guessSite(t, c.key)
+			for _, names := range c.variants {
+				if got := sendGuesses(t, s, o, len(names), func(i int) guess { return c.send(names[i]) }); got != 3 {
+					t.Errorf("%d of the %d spellings %q reached the origin, want the one bucket's 3", got, len(names), names)
+				}
+			}
+			if c.rejected == "" {
+				return
+			}
+			if got := sendGuesses(t, s, o, 1, func(int) guess { return c.send(c.rejected) }); got != 0 {
+				t.Errorf("%q, which the profile rejects, reached the origin: it must name nobody, so that no_key deny refuses it", c.rejected)
+			}
+		})
+	}
+	cfg, err := adaptCaddyfile("http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey form username normalize\n\t}\n}\n")
+	if err != nil || !strings.Contains(string(cfg), `{"field":"username","keyer":"form","normalize":true}`) {
+		t.Errorf("adapted: %v\n%s", err, cfg)
+	}
+}
+
+// Regression test for issue 31 item 2: the body keyers name a user in one
+// namespace, whatever the body's encoding.
+func TestFormAndJSONAttemptsOnOneUserShareOneBucket(t *testing.T) {
+	useFakeClock(t)
+	s, o := guessSite(t, "form username", "json user.name")
+	attempts := []guess{
+		{ctype: formType, body: "username=alice&password=1"},
+		{ctype: "application/json", body: `{"user":{"name":"alice"},"password":"2"}`},
+		{ctype: "multipart/form-data; boundary=X", body: part("alice", `Content-Disposition: form-data; name="username"`) + "--X--\r\n"},
+		{ctype: "application/json", body: `{"user":{"name":"alice"},"password":"4"}`},
+		{ctype: formType, body: "username=alice&password=5"},
+	}
+	if got := sendGuesses(t, s, o, len(attempts), func(i int) guess { return attempts[i] }); got != 3 {
+		t.Errorf("%d of 5 attempts on alice, in form and JSON bodies, reached the origin; want the one bucket's 3", got)
+	}
+}
+
+// loginRecipe is docs/logins.md's login form recipe, the block that counts
+// failures, with the site and the origin replaced by the test's.
+func loginRecipe(t *testing.T, port int, origin string) string {
+	t.Helper()
+	for _, b := range caddyfileBlocks(t, filepath.Join("docs", "logins.md")) {
+		if strings.Contains(b.text, "count_status 401") && strings.Contains(b.text, "login_by_user") {
+			site := strings.Replace(b.text, "http://127.0.0.1:8080", fmt.Sprintf("http://127.0.0.1:%d", port), 1)
+			return "{\n\tadmin off\n\tskip_install_trust\n}\n" + strings.ReplaceAll(site, "127.0.0.1:9000", origin)
+		}
+	}
+	t.Fatal("docs/logins.md has no login form recipe with count_status 401")
+	return ""
+}
+
+// Regression test for issue 32 item 6: origins route these paths to their
+// login handler (Express folds case and a trailing slash, Spring drops ;
+// parameters and suffixes, Tomcat resolves /..;/), so the recipe must
+// limit them all.
+func TestLoginRecipeLimitsEveryPathTheOriginRoutesToItsLogin(t *testing.T) {
+	useFakeClock(t)
+	o := newOriginAnswering(t, http.StatusUnauthorized)
+	port := freePort(t)
+	s := serveCaddyfile(t, port, loginRecipe(t, port, strings.TrimPrefix(o.URL, "http://")))
+	paths := []string{
+		"/login", "/LOGIN", "/Login/", "/login/", "/login;x", "/login;jsessionid=1", "/login.",
+		"/login.json", "/login%2f", "/login%2F", "/login%20", "/login%5c", "/login%3b", "//login",
+		"/./login", "/a/../login", "/x/..;/login", "/;x/login", "/x/.;/login",
+	}
+	for i, p := range paths {
+		r := s.do(http.MethodPost, p, "username=alice&password=guess", "Content-Type: "+formType)
+		if r.status != http.StatusUnauthorized && r.status != http.StatusTooManyRequests {
+			t.Errorf("attempt %d, %s: %d, want 401 from the origin or 429 from the limiter", i+1, p, r.status)
+		}
+	}
+	if got := o.seen(); got != 5 {
+		t.Errorf("%d of %d attempts on alice reached the origin, want the recipe's 5", got, len(paths))
+	}
+	// Paths that are not the login pass unlimited.
+	for _, p := range []string{"/", "/logins", "/login-help", "/loginx", "/static/login.css"} {
+		if r := s.do(http.MethodGet, p, ""); r.status != http.StatusUnauthorized {
+			t.Errorf("GET %s: %d, want the origin's 401: not the login", p, r.status)
+		}
+	}
 }

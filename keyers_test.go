@@ -160,3 +160,103 @@ http://127.0.0.1:%d {
 		t.Fatalf("a forged X-Forwarded-For got a fresh bucket: %d, want 429", r.status)
 	}
 }
+
+// escapeSome writes REAL with the letters that the bits of i pick as
+// octal escapes, which Python's http.cookies decodes: "R\105AL" is REAL.
+func escapeSome(i int) string {
+	var b strings.Builder
+	for j, c := range "REAL" {
+		if i&(1<<j) != 0 {
+			fmt.Fprintf(&b, `\%03o`, c)
+		} else {
+			b.WriteRune(c)
+		}
+	}
+	return b.String()
+}
+
+// Regression test for issue 32 item 2: Python's http.cookies reads the last
+// of two cookies of one name, splits on spaces and decodes escapes.
+func TestACookieThatParsersCouldReadTwoWaysNamesNobody(t *testing.T) {
+	useFakeClock(t)
+	for _, c := range []struct {
+		name    string
+		cookies func(i int) []string
+	}{
+		{"twice in one line", func(i int) []string { return []string{fmt.Sprintf("Cookie: session=junk%d; session=REAL", i)} }},
+		{"in two lines", func(i int) []string {
+			return []string{fmt.Sprintf("Cookie: session=junk%d", i), "Cookie: session=REAL"}
+		}},
+		{"a space before the equals sign", func(i int) []string {
+			return []string{fmt.Sprintf("Cookie: session=junk%d; session =REAL", i)}
+		}},
+		{"in another case", func(i int) []string { return []string{fmt.Sprintf("Cookie: session=junk%d; Session=REAL", i)} }},
+		{"after a comma", func(i int) []string { return []string{fmt.Sprintf("Cookie: session=junk%d, session=REAL", i)} }},
+		{"after a space", func(i int) []string { return []string{fmt.Sprintf("Cookie: session=junk%d; a=1 session=REAL", i)} }},
+		{"escaped", func(i int) []string { return []string{`Cookie: session="` + escapeSome(i+1) + `"`} }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, o := guessSite(t, "cookie session")
+			if got := sendGuesses(t, s, o, 10, func(i int) guess { return guess{headers: c.cookies(i)} }); got > 3 {
+				t.Errorf("%d of 10 guesses on one session reached the origin, want at most the bucket's 3", got)
+			}
+		})
+	}
+}
+
+// Regression test for issue 32 item 3: origins differ on which of two
+// lines wins.
+func TestARepeatedHeaderNamesNobody(t *testing.T) {
+	useFakeClock(t)
+	s, o := guessSite(t, "header X-API-Key")
+	got := sendGuesses(t, s, o, 10, func(i int) guess {
+		return guess{headers: []string{fmt.Sprintf("X-API-Key: junk%d", i), "X-API-Key: REAL"}}
+	})
+	if got > 3 {
+		t.Errorf("%d of 10 guesses on one key reached the origin, want at most the bucket's 3", got)
+	}
+}
+
+// A client that sends another client's IP address as its API key gets a
+// bucket of its own, not that address's: keyers name clients in their own
+// namespaces.
+func TestAHeaderValueEqualToAnIPDoesNotShareItsBucket(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	rate_limit 2 1/h {
+		key header X-API-Key
+	}
+	respond "ok"`)
+	s.expectSteps([]step{
+		{"127.0.0.9", "/", "X-API-Key: 127.0.0.5", 200},
+		{"127.0.0.9", "/", "X-API-Key: 127.0.0.5", 200},
+		{"127.0.0.9", "/", "X-API-Key: 127.0.0.5", 429},
+		{"127.0.0.5", "/", "", 200}, // the address's own bucket is full
+		{"127.0.0.5", "/", "", 200},
+		{"127.0.0.5", "/", "", 429},
+	})
+}
+
+// The header and cookie keyers check for repeated and lenient spellings
+// without allocating, so that the common path costs what it did.
+func TestHeaderAndCookieKeyersDoNotAllocate(t *testing.T) {
+	hk, ck := &HeaderKeyer{Field: "X-API-Key"}, &CookieKeyer{Name: "session"}
+	if err := hk.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ck.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
+	}
+	r, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+	r.Header.Set("X-API-Key", "key-1")
+	r.Header.Set("Cookie", `theme=dark; session="s1"; lang=en-GB`)
+	buf := make([]byte, 0, 64)
+	for _, k := range []Keyer{hk, ck} {
+		if v, ok := k.Key(r, buf); !ok || len(v) == 0 {
+			t.Fatalf("%s: no key", k.ID())
+		}
+		if n := testing.AllocsPerRun(100, func() { k.Key(r, buf) }); n != 0 {
+			t.Errorf("%s: %v allocations a request, want 0", k.ID(), n)
+		}
+	}
+}
