@@ -123,6 +123,15 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 		}
 		raw, _ = ipk.appendAddr(nil, addr)
 	}
+	if n, ok := keyer.(normalizer); ok && n.normalizes() {
+		// As the keyer maps what a client sends: an operator types the
+		// name as users do.
+		v, ok := normalizedValue(value)
+		if !ok {
+			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: fmt.Errorf("value %q: the keyer's normalize rejects it, so it names no client", value)}
+		}
+		raw = []byte(v)
+	}
 	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: raw, secret: h.keySecret}
 
 	name := bucketName{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), KeyID: keyID(b)}

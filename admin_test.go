@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"net/http"
 	"strconv"
 	"testing"
 	"time"
@@ -302,5 +303,40 @@ http://127.0.0.1:%d {
 	}
 	if got := keys(); got != 0.0 {
 		t.Errorf("keys after a reload, counting the earlier config's two live buckets: %v, want 0", got)
+	}
+}
+
+// A login keyed by `key form username normalize` (docs/logins.md) puts
+// "Alice" in alice's bucket. An operator who unblocks the user by the
+// name as she typed it, `value=Alice`, must reset that bucket, as the
+// value of an ip keyer gets the keyer's prefix: DELETE names the bucket
+// the keyer would, and her next attempt passes.
+func TestAdminValueIsNormalizedAsTheKeyerDoes(t *testing.T) {
+	useFakeClock(t)
+	s, admin := serveWithAdmin(t, `rate_limit 5 1/5m {
+		name login_normalized
+		key form username normalize
+		key json user.name normalize
+	}
+	respond "ok"`)
+	attempt := func() int {
+		return s.do(http.MethodPost, "/login", "username=Alice", "Content-Type: application/x-www-form-urlencoded").status
+	}
+	for range 5 {
+		attempt()
+	}
+	if got := attempt(); got != 429 {
+		t.Fatalf("the sixth attempt on Alice: %d, want 429", got)
+	}
+	url := admin + "/rate_limit/buckets?policy=login_normalized&keyer=form&value=Alice"
+	var got bucketState
+	if status := getJSON(t, url, &got); status != 200 || got.Remaining != 0 {
+		t.Errorf("GET value=Alice: %d, remaining %d; want the locked-out bucket, 0 remaining (key_id %s)", status, got.Remaining, got.KeyID)
+	}
+	if status, body := adminDo(t, http.MethodDelete, url); status != 200 {
+		t.Fatalf("DELETE: %d %s", status, body)
+	}
+	if got := attempt(); got != 200 {
+		t.Errorf("after DELETE value=Alice, Alice's next attempt: %d, want 200", got)
 	}
 }

@@ -295,20 +295,26 @@ func rejection(status int, err error) error {
 const rejectionTrace = "ratelimit.rejection (decision.go)"
 
 // storeUnavailable answers 503 with Retry-After: 1 for a store that could
-// not decide. Caddy logs a handler's 5xx error at error level, once a
-// request, unsampled and with the request's headers (an API key among
-// them), unless handle_errors routes take it, when it logs it at debug. A
-// dead store under a flood would fill the log with clients' keys, so the
-// error goes to handle_errors only where the server has some, to shape
-// the 503 as any other error; elsewhere the 503 is written here, as Caddy
-// would write it, and the store failure is the handler's own sampled warn
-// line (storeFailed).
+// not decide; the store failure is the handler's own sampled warn line
+// (storeFailed).
 func storeUnavailable(w http.ResponseWriter, r *http.Request, err error) error {
 	w.Header()["Retry-After"] = []string{"1"}
-	if errorRoutes(r) {
-		return rejection(http.StatusServiceUnavailable, err)
+	return refuse(w, r, http.StatusServiceUnavailable, err)
+}
+
+// refuse answers a refusal of status. Caddy logs a handler's 5xx error at
+// error level, once a request, unsampled and with the request's headers
+// (an API key among them), unless handle_errors routes take it, when it
+// logs it at debug. A flood of refusals (a dead store, or denials with
+// `status 503`) would fill the log with clients' keys, so a 5xx goes to
+// handle_errors only where the server has some, to shape it as any other
+// error; elsewhere it is written here, empty, as Caddy would write it. A
+// 4xx goes through Caddy's error path, which logs it at debug.
+func refuse(w http.ResponseWriter, r *http.Request, status int, err error) error {
+	if status < 500 || errorRoutes(r) {
+		return rejection(status, err)
 	}
-	w.WriteHeader(http.StatusServiceUnavailable)
+	w.WriteHeader(status)
 	return nil
 }
 
@@ -492,13 +498,14 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
 		}
 		if !h.DryRun {
+			err := errLimited
 			switch d.refusedBy {
 			case refusedNoSlot:
-				return rejection(h.Status, errNoSlot)
+				err = errNoSlot
 			case refusedWaiting:
-				return rejection(h.Status, errTooManyWaiting)
+				err = errTooManyWaiting
 			}
-			return rejection(h.Status, errLimited)
+			return refuse(w, r, h.Status, err)
 		}
 	}
 	if h.UpstreamHeaders {

@@ -298,3 +298,24 @@ func mustAddr(t *testing.T, ip string) []byte {
 	}
 	return v
 }
+
+// docs/fleet.md's recipe for managed services puts the password from the
+// environment into the address URL, naming Azure Cache among them, whose
+// access keys are base64: about half hold a "/". With such a key set as
+// the page says, the recipe must still reach Redis with it (only the
+// host, port and scheme changed for a local redis-server).
+func TestDocsFleetManagedServiceRecipeTakesABase64Password(t *testing.T) {
+	const key = "q8Zr/T+x0kLmN2pQ7sVw4yB1cD3eF5gH6iJ9kL0mN1o="
+	t.Setenv("REDIS_PASSWORD", key)
+	srv := startRedis(t)
+	srv.do("CONFIG", "SET", "requirepass", key)
+	block := docBlock(t, "docs/fleet.md", "caddyfile", "{env.REDIS_PASSWORD}@")
+	store := regexp.MustCompile(`rediss://([^:]+):\{env\.REDIS_PASSWORD\}@[^\s]+`).ReplaceAllString(block, "redis://$1:{env.REDIS_PASSWORD}@"+srv.addr())
+	cfg, err := adaptSite("rate_limit 3 1/h {\n" + store + "\non_store_error deny\n}\nrespond ok")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := loadAndStop(cfg); err != nil {
+		t.Errorf("the recipe with a base64 access key as REDIS_PASSWORD: %v", err)
+	}
+}

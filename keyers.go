@@ -363,6 +363,15 @@ func nameAndNormalize(args []string) (name string, normalize, ok bool) {
 	return "", false, false
 }
 
+// normalizer is a keyer that may map its values (normalize), for the admin
+// API to map a value it is given the same way.
+type normalizer interface{ normalizes() bool }
+
+func (k *HeaderKeyer) normalizes() bool { return k.Normalize }
+func (k *CookieKeyer) normalizes() bool { return k.Normalize }
+func (k *FormKeyer) normalizes() bool   { return k.Normalize }
+func (k *JSONKeyer) normalizes() bool   { return k.Normalize }
+
 // appendValue appends a keyer's value to buf, mapped by normalizedValue
 // when normalize is set; an empty value, or one the profile rejects, names
 // nobody.

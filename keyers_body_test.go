@@ -656,10 +656,11 @@ func FuzzJSONKeyer(f *testing.F) {
 }
 
 // guess is one login attempt of an attack: its body and the headers that
-// go with it.
+// go with it, and a query string for /login, such as "?a=1".
 type guess struct {
 	ctype, body string
 	headers     []string
+	query       string
 }
 
 // guessSite is the login that issue 32's attack was tried on: 3 failed
@@ -690,7 +691,7 @@ func sendGuesses(t *testing.T, s *testServer, o *origin, n int, attempt func(i i
 		if g.ctype != "" {
 			headers = append(headers, "Content-Type: "+g.ctype)
 		}
-		s.do(http.MethodPost, "/login", g.body, headers...)
+		s.do(http.MethodPost, "/login"+g.query, g.body, headers...)
 	}
 	return o.seen() - before
 }
@@ -837,4 +838,224 @@ func TestLoginRecipeLimitsEveryPathTheOriginRoutesToItsLogin(t *testing.T) {
 			t.Errorf("GET %s: %d, want the origin's 401: not the login", p, r.status)
 		}
 	}
+}
+
+// attack is a way to send one account's name to an origin parser while a
+// keyer reads a decoy: attempt(i) names victim to that parser and decoy<i>
+// to the keyer, so a keyer that reads it names a fresh bucket each time.
+type attack struct {
+	name    string // what the origin parser does with it
+	keys    []string
+	attempt func(i int) guess
+}
+
+// expectOneBucket sends each attack's 10 guesses to guessSite and checks
+// that at most its bucket's 3 reach the origin.
+func expectOneBucket(t *testing.T, attacks []attack) {
+	t.Helper()
+	for _, a := range attacks {
+		t.Run(a.name, func(t *testing.T) {
+			s, o := guessSite(t, a.keys...)
+			if got := sendGuesses(t, s, o, 10, a.attempt); got > 3 {
+				t.Errorf("%d of 10 guesses on victim reached the origin, want at most the bucket's 3", got)
+			}
+		})
+	}
+}
+
+const cdUsername = `Content-Disposition: form-data; name="username"`
+
+// Multipart parsers differ on where parts begin and end and on what the
+// boundary is: werkzeug (Flask) starts a part at a delimiter anywhere in
+// the preamble, even mid-line; PHP reads on past the closing delimiter and
+// takes its boundary from the first "boundary" in the Content-Type, in any
+// parameter; werkzeug and Rack take the plain boundary parameter where Go
+// takes its RFC 2231 form; PHP unquotes a name in single quotes.
+func TestMultipartBodiesThatOriginsSplitAnotherWayNameNobody(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	decoy := func(i int) string { return part(fmt.Sprintf("decoy%d", i), cdUsername) }
+	mp := "multipart/form-data; boundary=X"
+	expectOneBucket(t, []attack{
+		{"werkzeug starts a part at a delimiter inside the preamble", []string{"form username"}, func(i int) guess {
+			return guess{ctype: mp, body: "x--X\r\n" + cdUsername + "\r\n\r\nvictim\r\n" + decoy(i) + "--X--\r\n"}
+		}},
+		{"PHP reads parts after the closing delimiter, the last name winning", []string{"form username"}, func(i int) guess {
+			return guess{ctype: mp, body: decoy(i) + "--X--\r\n" + part("victim", cdUsername) + "--X--\r\n"}
+		}},
+		{"werkzeug takes the plain boundary where Go takes boundary*", []string{"form username"}, func(i int) guess {
+			y := strings.ReplaceAll(decoy(i), "--X", "--Y") + "--Y--\r\n"
+			return guess{ctype: "multipart/form-data; boundary*=utf-8''Y; boundary=X", body: part("victim", cdUsername) + "--X--\r\n" + y}
+		}},
+		{"PHP takes the boundary of the first parameter that holds the word", []string{"form username"}, func(i int) guess {
+			y := strings.ReplaceAll(part("victim", cdUsername), "--X", "--Y") + "--Y--\r\n"
+			return guess{ctype: "multipart/form-data; xboundary=Y; boundary=X", body: y + decoy(i) + "--X--\r\n"}
+		}},
+		{"PHP unquotes a name in single quotes, the last name winning", []string{"form username"}, func(i int) guess {
+			return guess{ctype: mp, body: decoy(i) + part("victim", `Content-Disposition: form-data; name='username'`) + "--X--\r\n"}
+		}},
+	})
+}
+
+// Frameworks read other names as the field: PHP ends a name at a NUL byte
+// and reads "user[name" as user_name; Rack 2 (Rails before Rack 3) drops
+// brackets around a name; ASP.NET Core binds model.Username to the
+// property Username of an action's parameter named model (its login
+// template's), before a bare Username. Each takes that value over the
+// plain field's. PHP's $_REQUEST, where no php.ini sets request_order (as
+// in the official Docker images), merges the cookies over the body.
+func TestFormFieldNamesThatOriginsReadAsTheFieldNameNobody(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	form := func(other string) func(i int) guess {
+		return func(i int) guess {
+			return guess{ctype: formType, body: fmt.Sprintf("username=decoy%d&%s=victim", i, other)}
+		}
+	}
+	expectOneBucket(t, []attack{
+		{"PHP ends a name at a NUL byte", []string{"form username"}, form("username%00")},
+		{"Rack 2 drops a bracket after a name", []string{"form username"}, form("username]")},
+		{"Rack 2 drops brackets around a name", []string{"form username"}, form("[username]")},
+		{"ASP.NET Core binds a prefixed name first", []string{"form username"}, form("model.Username")},
+		{"PHP reads user[name as user_name", []string{"form user_name"}, func(i int) guess {
+			return guess{ctype: formType, body: fmt.Sprintf("user_name=decoy%d&user[name=victim", i)}
+		}},
+		{"PHP's $_REQUEST, with no php.ini, takes a cookie over the body", []string{"form username"}, func(i int) guess {
+			return guess{ctype: formType, body: fmt.Sprintf("username=decoy%d", i), headers: []string{"Cookie: username=victim"}}
+		}},
+	})
+}
+
+// Rails merges the query string over the body, JSON or form, top-level
+// keys of the query winning: params[:user][:name] is the query's.
+func TestAJSONFieldAlsoInTheQueryNamesNobody(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	expectOneBucket(t, []attack{
+		{"Rails reads the query's user[name] over the JSON body's", []string{"json user.name"}, func(i int) guess {
+			return guess{ctype: "application/json", query: "?user%5Bname%5D=victim", body: fmt.Sprintf(`{"user":{"name":"decoy%d"}}`, i)}
+		}},
+	})
+}
+
+// Origins that parse JSON whatever the Content-Type says (Flask's
+// request.get_json(force=True), Express's express.json({type: "*/*"}))
+// read a urlencoded body that is also a JSON document as JSON.
+func TestAFormBodyThatIsAlsoJSONNamesNobody(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	expectOneBucket(t, []attack{
+		{"an origin that parses every body as JSON", []string{"form username", "json user.name"}, func(i int) guess {
+			return guess{ctype: formType, body: fmt.Sprintf(`{"user":{"name":"victim"},"x":"&username=decoy%d"}`, i)}
+		}},
+	})
+}
+
+// Rails and PHP forms nest a login's fields: user[name] and
+// user[password]. The keyer of user[name] must name the user of such a
+// form, not refuse it because user[password] shares the prefix.
+func TestANestedFormFieldNamesTheUserBesideItsSiblings(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	s, o := guessSite(t, "form user[name]")
+	got := sendGuesses(t, s, o, 10, func(i int) guess {
+		return guess{ctype: formType, body: fmt.Sprintf("user%%5Bname%%5D=alice&user%%5Bpassword%%5D=guess%d", i)}
+	})
+	if got != 3 {
+		t.Errorf("%d of 10 attempts on alice from a Rails login form reached the origin, want the one bucket's 3", got)
+	}
+}
+
+// MySQL's and MariaDB's default collations (utf8mb4_0900_ai_ci,
+// utf8mb4_general_ci) ignore accents, so an origin that looks a username up
+// in them finds dave for each of these; normalize must not give each its
+// own bucket.
+func TestNormalizeGivesAccentedSpellingsOfOneUsernameOneBucket(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	spellings := []string{"dave", "d\u00e0ve", "d\u00e1ve", "d\u00e2ve", "d\u00e4ve", "d\u00e3ve", "d\u00e5ve", "dav\u00e9", "dav\u00e8", "dave\u0301\u0301"}
+	expectOneBucket(t, []attack{
+		{"an origin whose database ignores accents", []string{"form username normalize"}, func(i int) guess {
+			return guess{ctype: formType, body: url.Values{"username": {spellings[i]}, "password": {"guess"}}.Encode()}
+		}},
+	})
+}
+
+// Attacks that the body keyers already read as origins do, or refuse: each
+// sends victim beside a decoy in a spelling some parser reads as the field.
+func TestBodySpellingsThatOriginsReadAlikeGiveNoFreshBuckets(t *testing.T) {
+	useFakeClock(t)
+	body := func(ctype, format string) func(i int) guess {
+		return func(i int) guess { return guess{ctype: ctype, body: fmt.Sprintf(format, i)} }
+	}
+	mp := "multipart/form-data; boundary=X"
+	decoyPart := func(i int) string { return part(fmt.Sprintf("decoy%d", i), cdUsername) }
+	multipart := func(tail string) func(i int) guess {
+		return func(i int) guess { return guess{ctype: mp, body: decoyPart(i) + tail} }
+	}
+	expectOneBucket(t, []attack{
+		{"a JSON key spelled with a unicode escape", []string{"json username"}, body("application/json", `{"username":"decoy%d","\u0075sername":"victim"}`)},
+		{"a JSON body after a byte order mark", []string{"json username"}, body("application/json", "\ufeff{\"username\":\"decoy%d\"}")},
+		{"JSON with a comment", []string{"json username"}, body("application/json", `{"username":"decoy%d" /* , "username":"victim" */}`)},
+		{"JSON with NaN", []string{"json username"}, body("application/json", `{"username":"decoy%d","n":NaN}`)},
+		{"a form name percent-encoded", []string{"form username"}, body(formType, "username=decoy%d&user%%6eame=victim")},
+		{"a form name with a space before it", []string{"form username"}, body(formType, "username=decoy%d&+username=victim")},
+		{"a form name with a space after it", []string{"form username"}, body(formType, "username=decoy%d&username%%20=victim")},
+		{"a form with ; between fields", []string{"form username"}, body(formType, "username=decoy%d;username=victim")},
+		{"a form field as an array", []string{"form username"}, body(formType, "username=decoy%d&username[0]=victim")},
+		{"multipart boundary lines ending in LF", []string{"form username"}, func(i int) guess {
+			return guess{ctype: mp, body: fmt.Sprintf("--X\n%s\n\ndecoy%d\n--X\n%s\n\nvictim\n--X--\n", cdUsername, i, cdUsername)}
+		}},
+		{"a multipart name folded onto a second line", []string{"form username"}, multipart(part("victim", "Content-Disposition: form-data;\r\n name=\"username\"") + "--X--\r\n")},
+		{"a multipart name in filename*", []string{"form username"}, multipart(part("victim", `Content-Disposition: form-data; name="username"; filename*=utf-8''a`) + "--X--\r\n")},
+		{"a multipart part in Latin-1", []string{"form username"}, multipart(part("victim", cdUsername, "Content-Type: text/plain; charset=iso-8859-1") + "--X--\r\n")},
+		{"a nested multipart/mixed part", []string{"form username"}, multipart(part("--Z\r\n"+cdUsername+"\r\n\r\nvictim\r\n--Z--", cdUsername, "Content-Type: multipart/mixed; boundary=Z") + "--X--\r\n")},
+		{"a multipart part header given twice", []string{"form username"}, multipart(part("victim", cdUsername, "Content-Type: text/plain", "Content-Type: application/json") + "--X--\r\n")},
+	})
+}
+
+// More spellings of the login's path, which Caddy decodes and cleans before
+// the recipe's matcher reads them, and another method: each is limited.
+func TestLoginRecipeLimitsMoreSpellingsOfItsPath(t *testing.T) {
+	useFakeClock(t)
+	o := newOriginAnswering(t, http.StatusUnauthorized)
+	port := freePort(t)
+	s := serveCaddyfile(t, port, loginRecipe(t, port, strings.TrimPrefix(o.URL, "http://")))
+	attempts := []struct{ method, path string }{
+		{"POST", "/%6Cogin"}, {"POST", "/LoGiN;JSESSIONID=1"}, {"POST", "/login%00"}, {"POST", "/login/."},
+		{"POST", "/api/../login"}, {"POST", "/api/..%2Flogin"}, {"POST", "/x/%2e%2e;/login"}, {"POST", "/login%252f"},
+		{"POST", "/login?next=/"}, {"PUT", "/login"}, {"PATCH", "/Login/"},
+	}
+	for i, a := range attempts {
+		r := s.do(a.method, a.path, "username=alice&password=guess", "Content-Type: "+formType)
+		if r.status != http.StatusUnauthorized && r.status != http.StatusTooManyRequests {
+			t.Errorf("attempt %d, %s %s: %d, want 401 from the origin or 429 from the limiter", i+1, a.method, a.path, r.status)
+		}
+	}
+	if got := o.seen(); got != 5 {
+		t.Errorf("%d of %d attempts on alice reached the origin, want the recipe's 5", got, len(attempts))
+	}
+}
+
+// utf16Form writes s as UTF-16BE bytes, percent-encoded: a servlet
+// container that reads the form in UTF-16 decodes it to s.
+func utf16Form(s string) string {
+	var b strings.Builder
+	for _, c := range s {
+		fmt.Fprintf(&b, "%%00%c", c)
+	}
+	return b.String()
+}
+
+// Servlet containers take a form's charset from the first "charset=" in
+// the Content-Type, in whatever parameter it stands (Tomcat's
+// getCharsetFromContentType), and decode the fields in it.
+func TestAFormInTheCharsetOfAnotherParameterNamesNobody(t *testing.T) {
+	t.Skip("PENDING-R32: the keyers fix lands next")
+	useFakeClock(t)
+	expectOneBucket(t, []attack{
+		{"Tomcat decodes the form in the charset of xcharset", []string{"form username"}, func(i int) guess {
+			return guess{ctype: formType + "; xcharset=utf-16be", body: fmt.Sprintf("%s=%s&username=decoy%d", utf16Form("username"), utf16Form("victim"), i)}
+		}},
+	})
 }

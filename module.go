@@ -177,9 +177,10 @@ type Handler struct {
 	loadKey *prometheus.Registry
 	unnamed bool
 	where   string
-	// written is the handler's config as JSON, which tells copies of one
-	// handler from two.
+	// written is the handler's config as JSON, and server the server it
+	// runs in, which tell copies of one handler from two.
 	written []byte
+	server  *caddyhttp.Server
 }
 
 // CaddyModule returns the Caddy module information.
@@ -229,6 +230,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	if err := h.provisionStore(ctx); err != nil {
 		return err
+	}
+	if rs, ok := h.store.(*RedisStore); ok {
+		rs.warnLeaseCaps(h.logger, h.Tiers)
 	}
 	if h.slots, _ = h.store.(SlotStore); h.slots == nil {
 		for _, t := range h.Tiers {

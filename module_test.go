@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"encoding/hex"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -189,6 +190,38 @@ func TestStatusSetsTheRejectionCode(t *testing.T) {
 	s.get("/")
 	if r := s.get("/"); r.status != 503 || r.header.Get("Retry-After") != "60" {
 		t.Fatalf("got %d with Retry-After %q, want 503 and 60", r.status, r.header.Get("Retry-After"))
+	}
+}
+
+// A flood of denials answered with a 5xx status logs no line a denial and
+// no client's key: docs/operating.md promises debug lines with key_id only.
+// Caddy logs a handler's 5xx error at error level, with the request's
+// headers, once a request.
+func TestDenialsWithA5xxStatusUnderAFloodLogAFewLinesAndNoKey(t *testing.T) {
+	useFakeClock(t)
+	s, file := serveLoggingTo(t, `
+	rate_limit 1 1/h {
+		key header X-Api-Key
+		status 503
+	}
+	respond "ok"`)
+	for i := range 200 {
+		if r := s.get("/", "X-Api-Key: k3"); r.status != 503 && i > 0 {
+			t.Fatalf("request %d over the limit: %d, want 503", i+1, r.status)
+		}
+	}
+	log, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lines []string
+	for line := range strings.SplitSeq(strings.TrimSpace(string(log)), "\n") {
+		if strings.Contains(line, "k3") {
+			lines = append(lines, line)
+		}
+	}
+	if len(lines) > 0 {
+		t.Fatalf("%d log lines about 199 denials hold the client's key; the first:\n%s", len(lines), lines[0])
 	}
 }
 

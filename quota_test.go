@@ -541,3 +541,55 @@ func TestALocalGiveBackOfAnOldZoneKeepsTheNewZonesCount(t *testing.T) {
 		})
 	}
 }
+
+// A plan of quotas alone with cost_from_response and count_status, across
+// a reload that raises n, in every store mode: each request takes its
+// cost, then the origin's figure, at most what is left; a used-up quota
+// refuses until midnight; the reload keeps the count, so the new n leaves
+// only the difference.
+func TestAPlanOfQuotasAloneWithAResponseCostAcrossAReload(t *testing.T) {
+	srv := startRedis(t)
+	origin := streamingOrigin(t, "3")
+	for i, mode := range storeModes(srv) {
+		t.Run(mode.name, func(t *testing.T) {
+			srv.do("FLUSHALL")
+			conf := func(n int) string {
+				return fmt.Sprintf(`rate_limit {
+		name quota_plan_reload_%d
+		key header X-Key
+		quota %d/day
+		cost_from_response X-Tokens-Used
+		count_status 2xx
+		%s
+	}
+	reverse_proxy %s`, i, n, mode.store, origin)
+			}
+			s := serve(t, conf(10))
+			var trace []string
+			get := func() response {
+				r := s.get("/?header=1", "X-Key: ann")
+				trace = append(trace, fmt.Sprintf("%d remaining %q retry %q", r.status, r.header.Get("X-Ratelimit-Remaining"), r.header.Get("Retry-After")))
+				return r
+			}
+			// 4 each: 1 to go on, 3 after; the third finds 2 left.
+			for range 3 {
+				if r := get(); r.status != 200 {
+					t.Fatalf("the first three: %s", strings.Join(trace, "; "))
+				}
+			}
+			r := get()
+			now := time.Now().UTC()
+			untilMidnight := int(time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, time.UTC).Sub(now).Seconds())
+			if retry, _ := strconv.Atoi(r.header.Get("Retry-After")); r.status != 429 || retry < untilMidnight-2 || retry > untilMidnight+2 {
+				t.Fatalf("the fourth, with the quota used up: %s; want 429 until midnight, about %d s", strings.Join(trace, "; "), untilMidnight)
+			}
+			s = serve(t, conf(12))
+			if r := get(); r.status != 200 || r.header.Get("X-Ratelimit-Remaining") != "1" {
+				t.Fatalf("after the reload to 12 a day, with 10 used: %s; want 200 with 1 left", strings.Join(trace, "; "))
+			}
+			if r := get(); r.status != 429 {
+				t.Errorf("with 12 of 12 used: %s; want 429", strings.Join(trace, "; "))
+			}
+		})
+	}
+}

@@ -16,10 +16,10 @@ import (
 
 // Handlers share buckets by policy name. Handlers with no name would all
 // be the policy "default", so two of them (two pasted recipes, two sites)
-// would limit each other's clients: a config with two that differ is
-// refused. Copies of one handler are not two: a site of two addresses on
-// two ports is served by two servers, each with a copy of the site's
-// routes. Handlers that share a name on purpose but limit differently are
+// would limit each other's clients: a config with two is refused. Copies
+// of one handler are not two: a site of two addresses on two ports is
+// served by two servers, each with a copy of the site's routes, so handlers
+// written alike in two servers are taken for copies. Handlers that share a name on purpose but limit differently are
 // warned of.
 
 // configLoads groups the provisioned handlers by the config load they
@@ -37,15 +37,18 @@ func (h *Handler) joinConfig(ctx caddy.Context, unnamed bool) error {
 		return nil
 	}
 	h.loadKey, h.unnamed, h.where = reg, unnamed, listenersOf(ctx)
+	h.server, _ = ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
 	h.written, _ = json.Marshal(h)
 	configLoads.Lock()
 	defer configLoads.Unlock()
 	for _, other := range configLoads.m[reg] {
 		switch {
-		case unnamed && other.unnamed && !bytes.Equal(h.written, other.written):
+		case unnamed && other.unnamed && (!bytes.Equal(h.written, other.written) || h.server == other.server):
+			// Copies of one handler are each in a server of their own; two
+			// in one server are two lines someone wrote.
 			return fmt.Errorf("two rate_limit handlers in this config have no name, so both would be the policy %q and limit each other's clients: one %s, the other %s; give each its own name, such as `name api` and `name login` (or one name to both, to share one limit on purpose)",
 				h.Name, other.describe(), h.describe())
-		case !unnamed && other.Name == h.Name && other.tierShapes() != h.tierShapes():
+		case other.Name == h.Name && other.tierShapes() != h.tierShapes():
 			h.logger.Warn("rate_limit handlers of one name limit differently; they share buckets by tier name, and each request is limited as its own handler says",
 				zap.String("policy", h.Name), zap.String("one", other.describe()), zap.String("other", h.describe()))
 		}

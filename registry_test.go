@@ -160,3 +160,154 @@ http://127.0.0.1:%d, http://127.0.0.1:%d {
 		t.Errorf("three requests across the two addresses: %s; want 200 200 429 (one policy, capacity 2)", codes)
 	}
 }
+
+// hostGet sends a GET to 127.0.0.1:port for the site named host, and
+// returns its status.
+func hostGet(t *testing.T, port int, host, path string) int {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, fmt.Sprintf("http://127.0.0.1:%d%s", port, path), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Host = host
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// loadOrRefused loads a Caddyfile; it reports whether the config was
+// refused at load, and stops Caddy when the test ends otherwise.
+func loadOrRefused(t *testing.T, caddyfile string) (refused bool) {
+	t.Helper()
+	cfg, err := adaptCaddyfile(caddyfile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Logf("refused at load: %v", err)
+		return true
+	}
+	t.Cleanup(func() { _ = caddy.Stop() })
+	return false
+}
+
+// Two unnamed rate_limit lines that happen to read the same, on two paths
+// of one site (a login and a search, each `3 1/h` as a recipe says), are
+// two handlers, not copies of one: the login's attempts must not spend
+// the search's bucket. They are kept apart, or the config is refused.
+func TestTwoUnnamedHandlersOfOneSiteThatReadTheSameDoNotShareABucket(t *testing.T) {
+	port := freePort(t)
+	if loadOrRefused(t, fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	rate_limit /login 2 1/h
+	rate_limit /search 2 1/h
+	respond "ok"
+}`, port)) {
+		return
+	}
+	codes := fmt.Sprint(hostGet(t, port, "127.0.0.1", "/login"), hostGet(t, port, "127.0.0.1", "/login"), hostGet(t, port, "127.0.0.1", "/search"))
+	if codes != "200200200" {
+		t.Errorf("two /login, then /search: %s; want 200 200 200: the search's first request was refused by the login's bucket", codes)
+	}
+}
+
+// Two sites on one port (two hosts), each with the same unnamed line
+// pasted from a recipe: one server holds both handlers, which are two, so
+// one site's clients must not spend the other's bucket.
+func TestTwoUnnamedHandlersOfTwoHostsOnOnePortDoNotShareABucket(t *testing.T) {
+	port := freePort(t)
+	if loadOrRefused(t, fmt.Sprintf(`{
+	admin off
+}
+http://a.localhost:%d {
+	rate_limit 2 1/h
+	respond "a"
+}
+http://b.localhost:%d {
+	rate_limit 2 1/h
+	respond "b"
+}`, port, port)) {
+		return
+	}
+	a := fmt.Sprintf("a.localhost:%d", port)
+	b := fmt.Sprintf("b.localhost:%d", port)
+	codes := fmt.Sprint(hostGet(t, port, a, "/"), hostGet(t, port, a, "/"), hostGet(t, port, b, "/"))
+	if codes != "200200200" {
+		t.Errorf("two to a, then one to b: %s; want 200 200 200: b's first request was refused by a's bucket", codes)
+	}
+}
+
+// A snippet imported by two sites on two ports is two handlers written
+// alike in two servers, which a config cannot tell from one site on two
+// ports: they are one policy, as docs/caddyfile.md says (name them to keep
+// them apart). Two sites on one port are refused (TestTwoUnnamedHandlersOfTwoHostsOnOnePortDoNotShareABucket).
+func TestAnUnnamedSnippetImportedBySitesOnTwoPortsIsOnePolicy(t *testing.T) {
+	a, b := freePort(t), freePort(t)
+	if loadOrRefused(t, fmt.Sprintf(`{
+	admin off
+}
+(limits) {
+	rate_limit 2 1/h
+}
+http://127.0.0.1:%d {
+	import limits
+	respond "a"
+}
+http://127.0.0.1:%d {
+	import limits
+	respond "b"
+}`, a, b)) {
+		return
+	}
+	codes := fmt.Sprint(hostGet(t, a, "127.0.0.1", "/"), hostGet(t, a, "127.0.0.1", "/"), hostGet(t, b, "127.0.0.1", "/"))
+	if codes != "200 200 429" {
+		t.Errorf("two to a, then one to b: %s; want 200 200 429, one policy", codes)
+	}
+}
+
+// A handler named "default" beside an unnamed one that limits otherwise,
+// on two paths of one site: both are the policy "default" and share
+// buckets, whichever comes first, so the clash is refused or at least
+// warned of in either order.
+func TestANamedDefaultBesideAnUnnamedHandlerIsWarnedOf(t *testing.T) {
+	for _, order := range []string{"named first", "unnamed first"} {
+		t.Run(order, func(t *testing.T) {
+			logFile := filepath.Join(t.TempDir(), "caddy.log")
+			port := freePort(t)
+			// Caddy orders the two routes by path: /a is provisioned first.
+			named := "rate_limit /a 5 1/10s {\n\t\tname default\n\t}"
+			unnamed := "rate_limit /b 100 10/s"
+			if order == "unnamed first" {
+				named = "rate_limit /b 5 1/10s {\n\t\tname default\n\t}"
+				unnamed = "rate_limit /a 100 10/s"
+			}
+			first, second := named, unnamed
+			if loadOrRefused(t, fmt.Sprintf(`{
+	admin off
+	log {
+		output file %s
+		format json
+	}
+}
+http://127.0.0.1:%d {
+	%s
+	%s
+	respond "ok"
+}`, logFile, port, first, second)) {
+				return
+			}
+			data, err := os.ReadFile(logFile)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(string(data), "limit differently") && !strings.Contains(string(data), "no name") {
+				t.Errorf("no word in the log of a handler named \"default\" and an unnamed one, which share buckets:\n%s", data)
+			}
+		})
+	}
+}

@@ -162,6 +162,10 @@ func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddy
 		return next.ServeHTTP(w, r)
 	case "deny":
 		d.decide(outcomeError)
+		if h.DryRun {
+			// A dry run never refuses, not even for a store it cannot reach.
+			return next.ServeHTTP(w, r)
+		}
 		return storeUnavailable(w, r, fmt.Errorf("rate limit store unavailable: %w", err))
 	}
 	var res bucket.Result

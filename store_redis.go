@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 	"time"
 
@@ -280,7 +281,7 @@ func (s *RedisStore) options() (redisbucket.Options, redisbucket.StoreOptions, e
 		DenyCacheSize: s.DenyCacheSize, Batch: s.Batch == nil || *s.Batch,
 	}
 	for _, a := range s.Addresses {
-		o.Addresses = append(o.Addresses, expand(a))
+		o.Addresses = append(o.Addresses, expandAddress(repl, a))
 	}
 	if s.Sentinel != nil {
 		o.Sentinel = &redisbucket.Sentinel{Master: expand(s.Sentinel.Master)}
@@ -292,6 +293,43 @@ func (s *RedisStore) options() (redisbucket.Options, redisbucket.StoreOptions, e
 		o.TLS = &redisbucket.TLS{CA: expand(t.CA), Cert: expand(t.Cert), Key: expand(t.Key), InsecureSkipVerify: t.InsecureSkipVerify}
 	}
 	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize, SlotTTL: time.Duration(s.SlotTTL)}, nil
+}
+
+// warnLeaseCaps logs, once a tier at load, a lease given in tokens that
+// the tier's capacity holds to half of it (LeaseSize.Of): the setting asks
+// for more than the tier's buckets give.
+func (s *RedisStore) warnLeaseCaps(logger *zap.Logger, tiers []*Tier) {
+	z, err := redisbucket.ParseLeaseSize(s.Lease)
+	if err != nil {
+		return
+	}
+	for _, t := range tiers {
+		for _, l := range t.limits {
+			if z.CappedAt(l) {
+				logger.Warn("redis store: lease capped at half the tier's capacity: the tokens out on lease never pass half of it",
+					zap.String("lease", s.Lease), zap.String("tier", t.Name), zap.Int64("capacity", l.Capacity), zap.Int64("lease_tokens", z.Of(l)))
+				break
+			}
+		}
+	}
+}
+
+// expandAddress expands an address's placeholders. In a URL's user and
+// password, a value is escaped as the URL needs it: a managed service's
+// access key in {env.REDIS_PASSWORD} may hold a / or a +.
+func expandAddress(repl *caddy.Replacer, addr string) string {
+	scheme, rest, isURL := strings.Cut(addr, "://")
+	at := strings.LastIndex(rest, "@")
+	if !isURL || at < 0 || !strings.Contains(rest[:at], "{") {
+		return repl.ReplaceKnown(addr, "")
+	}
+	userinfo, err := repl.ReplaceFunc(rest[:at], func(_ string, v any) (any, error) {
+		return url.PathEscape(fmt.Sprint(v)), nil
+	})
+	if err != nil {
+		return repl.ReplaceKnown(addr, "")
+	}
+	return scheme + "://" + userinfo + "@" + repl.ReplaceKnown(rest[at+1:], "")
 }
 
 // emptyPasswords lists the passwords given as placeholders, in the

@@ -67,3 +67,37 @@ http://127.0.0.1:%d {
 		})
 	}
 }
+
+// A lease given as a number of tokens is capped the same way: `lease 8`
+// on a tier of capacity 10 takes at most 5 at once. The config says so in
+// the log as it loads, as a share above 50% does.
+func TestLeaseOfTokensAboveHalfACapacityIsLoggedAsCapped(t *testing.T) {
+	logFile := filepath.Join(t.TempDir(), "caddy.log")
+	port := freePort(t)
+	serveCaddyfile(t, port, fmt.Sprintf(`{
+	admin off
+	log {
+		output file %s
+		level INFO
+	}
+}
+
+http://127.0.0.1:%d {
+	rate_limit 10 1/s {
+		name lease_tokens_log
+		store redis {
+			address redis://127.0.0.1:%d
+			lease 8
+		}
+	}
+	respond "ok"
+}
+`, logFile, port, freePort(t)))
+	data, err := os.ReadFile(logFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(data), "capped") {
+		t.Errorf("lease 8 on a capacity of 10 logged no cap:\n%s", data)
+	}
+}

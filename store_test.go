@@ -140,3 +140,27 @@ func TestOnStoreErrorLocalAdmitsOneCapacityPlusRefillPerOutage(t *testing.T) {
 		t.Fatalf("docs/fleet.md does not state the bound this test measures (%d admitted by Redis, then %d by the fallback, where one bucket allows %d over the window)", capacity, fallback, bound)
 	}
 }
+
+// dry_run "decides, counts, sets headers and placeholders, but never
+// rejects" (docs/caddyfile.md), for trying a policy on live traffic: with
+// on_store_error deny beside it, a dead Redis must not turn the dry run
+// into 503s, for the tokens or for the slots of concurrency.
+func TestADryRunIsNotRefusedWhenTheStoreFailsWithOnStoreErrorDeny(t *testing.T) {
+	dead := freePort(t) // nothing listens here
+	for _, tier := range []string{"limit 100 10/s", "concurrency 5"} {
+		t.Run(tier, func(t *testing.T) {
+			s := serve(t, fmt.Sprintf(`rate_limit {
+		%s
+		store redis {
+			address redis://127.0.0.1:%d
+		}
+		on_store_error deny
+		dry_run
+	}
+	respond "{http.rate_limit.decision}"`, tier, dead))
+			if r := s.get("/"); r.status != 200 {
+				t.Errorf("a dry run with Redis down and on_store_error deny: %d %q, Retry-After %q; want 200, let through", r.status, r.body, r.header.Get("Retry-After"))
+			}
+		})
+	}
+}

@@ -53,6 +53,12 @@ func (z LeaseSize) Capped() (string, bool) {
 	return fmt.Sprintf("redis store: lease %g%% capped at 50%% of each tier's capacity: the tokens out on lease never pass half of it", z.percent), true
 }
 
+// CappedAt says, for a lease given in tokens, whether a bucket of limit l
+// holds it to half its capacity, as Of does.
+func (z LeaseSize) CappedAt(l bucket.Limit) bool {
+	return z.percent == 0 && z.tokens > 1 && z.tokens > max(1, l.Capacity/2)
+}
+
 // Strict reports whether leases never exceed one token, so that every
 // decision asks Redis, as without leases.
 func (z LeaseSize) Strict() bool { return z.percent == 0 && z.tokens <= 1 }
