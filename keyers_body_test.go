@@ -971,7 +971,6 @@ func TestANestedFormFieldNamesTheUserBesideItsSiblings(t *testing.T) {
 // in them finds dave for each of these; normalize must not give each its
 // own bucket.
 func TestNormalizeGivesAccentedSpellingsOfOneUsernameOneBucket(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	spellings := []string{"dave", "d\u00e0ve", "d\u00e1ve", "d\u00e2ve", "d\u00e4ve", "d\u00e3ve", "d\u00e5ve", "dav\u00e9", "dav\u00e8", "dave\u0301\u0301"}
 	expectOneBucket(t, []attack{
