@@ -247,22 +247,37 @@ func (j *JWTConfig) allowedAlgorithms() ([]string, error) {
 	return algs, nil
 }
 
-// token returns the request's raw token, or "".
+// token returns the request's raw token, or "". A token given twice, in
+// two header lines or two query parameters, is none: PHP and Rack read the
+// last of two where Go reads the first, so a keyer that read one would name
+// another identity than the origin serves (see urlencodedField). The cookie
+// is found as the cookie keyer finds it.
 func (j *JWTConfig) token(r *http.Request) string {
 	switch {
 	case j.FromHeader != "":
-		return stripBearer(r.Header.Get(j.FromHeader))
+		return stripBearer(oneHeader(r, j.FromHeader))
 	case j.cookie != nil:
 		v, _ := j.cookie.Key(r, nil)
 		return string(v)
 	case j.FromQuery != "":
-		return r.URL.Query().Get(j.FromQuery)
+		if v, ok := urlencodedField(r.URL.RawQuery, j.FromQuery); ok {
+			return v
+		}
+		return ""
 	}
-	v := r.Header.Get("Authorization")
+	v := oneHeader(r, "Authorization")
 	if len(v) < 7 || !strings.EqualFold(v[:7], "bearer ") {
 		return ""
 	}
 	return strings.TrimSpace(v[7:])
+}
+
+// oneHeader is the header field's value when it is given on one line, or "".
+func oneHeader(r *http.Request, name string) string {
+	if vs := r.Header.Values(name); len(vs) == 1 {
+		return vs[0]
+	}
+	return ""
 }
 
 func stripBearer(v string) string {

@@ -683,7 +683,6 @@ func TestRequestJWTIsVerifiedOnceForKeyersTiersAndPlaceholders(t *testing.T) {
 // while the origin serves the other puts one account's requests on other
 // identities' buckets.
 func TestATokenGivenTwiceNamesNobody(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	useJWTClock(t)
 	t.Setenv("RL_TEST_JWT_SECRET", "correct horse battery staple")
