@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -150,6 +151,10 @@ func FuzzCookieKeyer(f *testing.F) {
 	f.Add(`session="R\105AL"`, "")
 	f.Add("session=junk; Session=REAL", "session =REAL")
 	f.Add("sess%69on=REAL; session=junk", "")
+	f.Add("session=%52E%41L", "")
+	f.Add("session=R%zzEAL", "")
+	f.Add("session%00=REAL; session=junk", "")
+	f.Add("session=a+b", "session.sig=x; .AspNetCore.Session=y")
 	k := &CookieKeyer{Name: "session"}
 	if err := k.Provision(caddy.Context{}); err != nil {
 		f.Fatal(err)
@@ -173,21 +178,39 @@ func FuzzCookieKeyer(f *testing.F) {
 		if !ok {
 			return
 		}
-		// The key is the value of the one session pair, quotes aside; no
-		// other pair could be read as the session cookie.
+		// The key is the value of the one session pair, quotes aside and
+		// percent-decoded (a space read as "+"); no other pair could be
+		// read as the session cookie, not even cut at a NUL byte.
 		var values []string
 		for part := range strings.SplitSeq(all, ";") {
 			name, value, _ := strings.Cut(strings.TrimSpace(part), "=")
 			name, value = strings.TrimSpace(name), strings.TrimSpace(value)
+			decoded, err := url.QueryUnescape(name)
+			decoded, _, _ = strings.Cut(decoded, "\x00")
 			switch {
 			case name == "session":
 				values = append(values, value)
-			case strings.EqualFold(name, "session") || strings.ContainsAny(value, " ,") && strings.Contains(value, "session"):
+			case strings.EqualFold(name, "session") || strings.ContainsAny(value, " ,") && strings.Contains(value, "session"),
+				err == nil && strings.EqualFold(strings.TrimSpace(decoded), "session"):
 				t.Fatalf("key %q, but the pair %q could be read as the session cookie", v, part)
 			}
 		}
-		if len(values) != 1 || values[0] != string(v) && values[0] != `"`+string(v)+`"` {
-			t.Fatalf("key %q, but the session pairs of %q are %q: want one, with that value", v, all, values)
+		if len(values) != 1 {
+			t.Fatalf("key %q, but the session pairs of %q are %q: want one", v, all, values)
+		}
+		want := values[0]
+		if len(want) >= 2 && want[0] == '"' && want[len(want)-1] == '"' {
+			want = want[1 : len(want)-1]
+		}
+		if strings.Contains(want, "%") {
+			d, err := url.PathUnescape(want)
+			if err != nil {
+				t.Fatalf("key %q from a value with a malformed escape, %q", v, values[0])
+			}
+			want = strings.ReplaceAll(d, " ", "+")
+		}
+		if string(v) != want {
+			t.Fatalf("key %q, but the session pair of %q is %q, which reads as %q", v, all, values[0], want)
 		}
 		if strings.ContainsAny(values[0], " ,\\") {
 			t.Fatalf("key %q from a value that lenient parsers split or unescape", v)

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"net/textproto"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode"
@@ -273,16 +274,31 @@ func (*CookieKeyer) Kind() string { return "cookie" }
 // ID implements Keyer.
 func (k *CookieKeyer) ID() string { return k.id }
 
-// Key implements Keyer. It scans the Cookie fields itself rather than
-// through r.Cookie, which would parse and copy every cookie. It names
-// nothing when another parser could read another value: the cookie twice
-// (Python's http.cookies keeps the last, Go the first), in another case or
-// spelling, or a pair that is not plain RFC 6265 and mentions the name,
-// since lenient parsers split on spaces and commas and decode escapes in
-// quotes: `session=x, session=REAL` and `session="R\105AL"` name nobody.
+// Key implements Keyer. A value is percent-decoded, as Express's cookie
+// parser and PHP read it, so that every spelling of one session shares its
+// bucket (see cookieValue).
 func (k *CookieKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
-	var value string
-	n := 0
+	value, n, ok := scanCookies(r, k.Name)
+	if !ok || n != 1 {
+		return buf, false
+	}
+	if value, ok = cookieValue(value); !ok {
+		return buf, false
+	}
+	return appendValue(buf, value, k.Normalize)
+}
+
+// scanCookies finds the cookie name in the request's Cookie fields, and
+// returns its raw value (unquoted) and how many times it is given. It
+// scans the fields itself rather than through r.Cookie, which would parse
+// and copy every cookie. It reports false when another parser could read
+// another value: a pair in another case or spelling (resembles), or a pair
+// that is not plain RFC 6265 and mentions the name, since lenient parsers
+// split on spaces and commas and decode escapes in quotes:
+// `session=x, session=REAL` and `session="R\105AL"` name nobody. The
+// caller decides about a cookie given twice (Python's http.cookies keeps
+// the last, Go the first).
+func scanCookies(r *http.Request, cookie string) (value string, n int, ok bool) {
 	for _, line := range r.Header["Cookie"] {
 		for line != "" {
 			var pair string
@@ -295,24 +311,38 @@ func (k *CookieKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 			name, v = strings.TrimSpace(name), strings.TrimSpace(v)
 			switch {
 			case !isToken(name) || !isCookieValue(v):
-				if mentions(pair, k.Name) {
-					return buf, false
+				if mentions(pair, cookie) || resembles(name, cookie) {
+					return "", 0, false
 				}
-			case name == k.Name:
+			case name == cookie:
 				n++
 				value = v
-			case resembles(name, k.Name):
-				return buf, false
+			case resembles(name, cookie):
+				return "", 0, false
 			}
 		}
-	}
-	if n != 1 {
-		return buf, false
 	}
 	if len(value) >= 2 && value[0] == '"' {
 		value = value[1 : len(value)-1]
 	}
-	return appendValue(buf, value, k.Normalize)
+	return value, n, true
+}
+
+// cookieValue is a cookie's value as Express's cookie parser and PHP read
+// it, percent-decoded; a space (PHP reads "+" as one, Express does not) is
+// read as "+", so that both parsers' spellings of one value share a key.
+// A malformed escape, which one parser keeps whole and another decodes in
+// part, reports false. A value without "%" is returned as it is, without
+// allocating.
+func cookieValue(v string) (string, bool) {
+	if strings.IndexByte(v, '%') < 0 {
+		return v, true
+	}
+	u, err := url.PathUnescape(v)
+	if err != nil {
+		return "", false
+	}
+	return strings.ReplaceAll(u, " ", "+"), true
 }
 
 // isCookieValue reports whether v is an RFC 6265 cookie-value: cookie-octets,
@@ -414,37 +444,108 @@ func normalizedValue(v string) (string, bool) {
 	return s, s != ""
 }
 
-// resembles reports whether an origin could read name as field although
-// the two differ: in case, with surrounding spaces, percent-encoded, in
-// PHP's spelling (which reads "user.name" and "user name" as "user_name",
-// and "user[]" as "user"). It never allocates for a name with none of
-// those characters.
+// resembles reports whether an origin could read the cookie or form name
+// as field although the two differ: in case, with surrounding spaces,
+// percent-encoded, cut at a NUL byte (PHP), in PHP's spelling (which reads
+// "user.name", "user name" and "user[name" as "user_name"), with brackets
+// dropped (Rack 2 reads "[user]" and "user]" as "user"), or nested under
+// or above it ("user[]", "user[0]" and, for the field "user[name]", "user";
+// but not the sibling "user[password]"). It never allocates when neither
+// name holds one of looseSpecial.
 func resembles(name, field string) bool {
+	return resemblesAs(name, field, false)
+}
+
+// resemblesField is resembles for a form, query or multipart field, which
+// model binders also read by a dotted path, and by its last part under any
+// prefix: ASP.NET Core binds "model.Username" to the property Username of
+// the parameter model before a bare "Username".
+func resemblesField(name, field string) bool {
+	return resemblesAs(name, field, true)
+}
+
+// looseSpecial are the characters that origins read loosely in a name;
+// without them, a name is read as itself, in any case.
+const looseSpecial = "%+[]. \t\x00"
+
+func resemblesAs(name, field string, model bool) bool {
 	if strings.EqualFold(name, field) {
 		return true
 	}
-	const special = "%+[. \t"
-	if !strings.ContainsAny(name, special) && !strings.ContainsAny(field, special) {
+	if !strings.ContainsAny(name, looseSpecial) && !strings.ContainsAny(field, looseSpecial) {
 		return false
 	}
-	return looseName(name) == looseName(field)
+	names, fields := loosePaths(name, model), loosePaths(field, model)
+	for _, a := range names {
+		for _, b := range fields {
+			if len(a) == 0 || len(b) == 0 {
+				continue
+			}
+			if nestedPaths(a, b) || model && len(a) > len(b) && slices.Equal(a[len(a)-len(b):], b) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
-// looseName is a field name as the most lenient origins read it.
-func looseName(s string) string {
+// nestedPaths reports whether one path is the other or lies under it.
+func nestedPaths(a, b []string) bool {
+	n := min(len(a), len(b))
+	return slices.Equal(a[:n], b[:n])
+}
+
+// loosePaths are the paths the most lenient origins read a name as, lower
+// case, percent-decoded and cut at a NUL byte: split at brackets (and at
+// dots, for model binders), and as PHP reads it.
+func loosePaths(s string, model bool) [2][]string {
 	if u, err := url.QueryUnescape(s); err == nil {
 		s = u
 	}
-	if i := strings.IndexByte(s, '['); i > 0 {
+	if i := strings.IndexByte(s, 0); i >= 0 {
 		s = s[:i]
 	}
-	s = strings.ToLower(strings.TrimSpace(s))
-	return strings.Map(func(r rune) rune {
+	s = strings.ToLower(s)
+	seps := "[]"
+	if model {
+		seps = "[]."
+	}
+	var split []string
+	for _, seg := range strings.FieldsFunc(s, func(r rune) bool { return strings.ContainsRune(seps, r) }) {
+		if seg = strings.TrimSpace(seg); seg != "" {
+			split = append(split, seg)
+		}
+	}
+	return [2][]string{split, phpPath(strings.TrimLeft(s, " "))}
+}
+
+// phpPath is a name as PHP reads it: spaces and dots before the first
+// bracket are underscores, a bracket with no closing one is an underscore
+// too, and each [index] after it is a level; what follows is ignored.
+func phpPath(s string) []string {
+	base, rest := s, ""
+	if i := strings.IndexByte(s, '['); i >= 0 {
+		if strings.IndexByte(s[i:], ']') < 0 {
+			base = s[:i] + "_" + s[i+1:]
+		} else {
+			base, rest = s[:i], s[i:]
+		}
+	}
+	path := []string{strings.TrimSpace(strings.Map(func(r rune) rune {
 		if r == ' ' || r == '.' {
 			return '_'
 		}
 		return r
-	}, s)
+	}, base))}
+	for strings.HasPrefix(rest, "[") {
+		j := strings.IndexByte(rest, ']')
+		if j < 0 {
+			break
+		}
+		path = append(path, strings.TrimSpace(rest[1:j]))
+		rest = rest[j+1:]
+	}
+	return path
 }
 
 // mentions reports whether s holds name in any case, also once

@@ -72,9 +72,12 @@ func (*FormKeyer) ID() string { return bodyKeyerID }
 // could read the field differently: a body that does not parse, the field
 // twice (in any case or spelling, since some frameworks fold names), the
 // field also in the query string, which many frameworks merge with the
-// body, or a multipart part that parsers read two ways (multipartField).
+// body, a cookie of the field's name with another value (PHP's $_REQUEST
+// merges cookies over the body), a multipart body that parsers read two
+// ways (multipartField), or a urlencoded body that is also a JSON document,
+// which origins that parse every body as JSON read as one.
 func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
-	mediaType, params, ok := bodyType(r)
+	mediaType, boundary, ok := bodyType(r)
 	if !ok {
 		return buf, false
 	}
@@ -82,15 +85,11 @@ func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	switch mediaType {
 	case "application/x-www-form-urlencoded":
 		body, whole := peekBody(r)
-		if !whole {
+		if !whole || looksLikeJSON(body) {
 			return buf, false
 		}
 		value, ok = urlencodedField(string(body), k.Field)
 	case "multipart/form-data":
-		boundary := params["boundary"]
-		if boundary == "" {
-			return buf, false
-		}
 		body, whole := peekBody(r)
 		if !whole {
 			return buf, false
@@ -99,34 +98,84 @@ func (k *FormKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
 	default:
 		return buf, false
 	}
-	if !ok || !absentFromQuery(r.URL.RawQuery, k.Field) {
+	if !ok || !absentFromQuery(r.URL.RawQuery, k.Field) || !cookieAgrees(r, k.Field, value) {
 		return buf, false
 	}
 	return appendValue(buf, value, k.Normalize)
 }
 
-// bodyType is the request's media type and its parameters, when every
-// origin reads the body as the keyer does: one Content-Type line (origins
-// differ on which of two wins), UTF-8 or no charset (an origin that honours
-// another decodes other names from the same bytes), and no Content-Encoding
-// (an origin that inflates the body reads what the keyer cannot).
-func bodyType(r *http.Request) (string, map[string]string, bool) {
+// bodyType is the request's media type, and a multipart body's boundary,
+// when every origin reads the body as the keyer does: one Content-Type line
+// (origins differ on which of two wins), no Content-Encoding (an origin that
+// inflates the body reads what the keyer cannot), and no parameter but a
+// UTF-8 charset and a multipart body's plain boundary, each once. An origin
+// that honours another charset decodes other names from the same bytes;
+// and origins find the parameters loosely: Tomcat takes the charset from
+// the first "charset=" in the field, in whatever parameter it stands, PHP
+// the boundary from the first "boundary", and Go the boundary* form of
+// RFC 2231 where werkzeug takes the plain one.
+func bodyType(r *http.Request) (mediaType, boundary string, ok bool) {
 	ct := r.Header["Content-Type"]
 	if len(ct) != 1 || len(r.Header["Content-Encoding"]) != 0 {
-		return "", nil, false
+		return "", "", false
 	}
-	mediaType, params, err := mime.ParseMediaType(ct[0])
-	if err != nil {
-		return "", nil, false
+	typ, rest, _ := strings.Cut(ct[0], ";")
+	mediaType = strings.ToLower(strings.TrimSpace(typ))
+	multipart := mediaType == "multipart/form-data"
+	charset := false
+	for {
+		if rest = strings.TrimLeft(rest, " \t"); rest == "" {
+			break
+		}
+		var key, val string
+		if key, rest, ok = strings.Cut(rest, "="); !ok {
+			return "", "", false
+		}
+		if val, rest, ok = dispositionValue(rest); !ok {
+			return "", "", false
+		}
+		switch key = strings.ToLower(key); {
+		case key == "charset" && !charset && strings.EqualFold(val, "utf-8"):
+			charset = true
+		case key == "boundary" && multipart && boundary == "" && plainBoundary(val):
+			boundary = val
+		default:
+			return "", "", false
+		}
 	}
-	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
-		return "", nil, false
+	if multipart && boundary == "" {
+		return "", "", false
 	}
-	return mediaType, params, true
+	return mediaType, boundary, true
+}
+
+// plainBoundary reports whether b is a boundary as browsers and HTTP
+// clients write them: at most 70 letters, digits and RFC 2046's other
+// characters, but no space or "=", which lenient parsers could read as the
+// start of another parameter.
+func plainBoundary(b string) bool {
+	if len(b) == 0 || len(b) > 70 {
+		return false
+	}
+	for i := 0; i < len(b); i++ {
+		c := b[i]
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || strings.IndexByte("'()+_,-./:?", c) >= 0) {
+			return false
+		}
+	}
+	return true
+}
+
+// looksLikeJSON reports whether body, after white space and a byte order
+// mark, opens a JSON object or array.
+func looksLikeJSON(body []byte) bool {
+	body = bytes.TrimLeft(bytes.TrimPrefix(bytes.TrimLeft(body, " \t\r\n"), []byte("\ufeff")), " \t\r\n")
+	return len(body) > 0 && (body[0] == '{' || body[0] == '[')
 }
 
 // urlencodedField returns the value of the field, which must be in the
-// form once, in a form that parses whole.
+// form once, in a form that parses whole, beside no name that origins
+// could read as the field (resemblesField). It reads a query string too.
 func urlencodedField(body, field string) (string, bool) {
 	form, err := url.ParseQuery(body)
 	if err != nil {
@@ -139,7 +188,7 @@ func urlencodedField(body, field string) (string, bool) {
 		case strings.EqualFold(name, field):
 			n += len(vs)
 			value = vs[0]
-		case resembles(name, field):
+		case resemblesField(name, field):
 			return "", false
 		}
 	}
@@ -147,7 +196,7 @@ func urlencodedField(body, field string) (string, bool) {
 }
 
 // absentFromQuery reports whether the query string parses and lacks the
-// field in any case or spelling.
+// field in any case or spelling (resemblesField).
 func absentFromQuery(rawQuery, field string) bool {
 	if rawQuery == "" {
 		return true
@@ -157,23 +206,40 @@ func absentFromQuery(rawQuery, field string) bool {
 		return false
 	}
 	for name := range query {
-		if resembles(name, field) {
+		if resemblesField(name, field) {
 			return false
 		}
 	}
 	return true
 }
 
+// cookieAgrees reports whether the request's cookies leave the field's
+// value as the body gives it: PHP's $_REQUEST, unless php.ini says
+// otherwise, takes a cookie of the field's name over the body. A cookie of
+// that name with the same value changes nothing; one with another value,
+// or in another spelling, names nobody.
+func cookieAgrees(r *http.Request, field, value string) bool {
+	v, n, ok := scanCookies(r, field)
+	switch {
+	case !ok || n > 1:
+		return false
+	case n == 0:
+		return true
+	}
+	u, err := url.QueryUnescape(v)
+	return err == nil && u == value
+}
+
 // multipartField returns the value of the one part named field, in a body
 // that parses to its closing boundary. It reads the body as browsers write
 // it, and reports false for anything parsers read in different ways: a
-// boundary line not between CRLFs, a part without exactly one plain
+// body that is not plain (plainMultipart), a part without exactly one plain
 // form-data disposition (werkzeug reads the name of an `attachment`, Go
 // skips it), a name that resembles the field's, or a field part that is a
 // file or carries a transfer encoding or a charset (Go decodes
 // quoted-printable, others do not).
 func multipartField(body []byte, boundary, field string) (string, bool) {
-	if !plainBoundaryLines(body, boundary) {
+	if !plainMultipart(body, boundary) {
 		return "", false
 	}
 	mr := multipart.NewReader(bytes.NewReader(body), boundary)
@@ -202,32 +268,41 @@ func multipartField(body []byte, boundary, field string) (string, bool) {
 			if value, err = io.ReadAll(part); err != nil {
 				return "", false
 			}
-		case resembles(name, field):
+		case resemblesField(name, field):
 			return "", false
 		}
 	}
 }
 
-// plainBoundaryLines reports whether every line of body that starts with
-// the boundary's delimiter is one that parsers agree on: at the start of
-// the body or after a CRLF, and followed at once by CRLF or "--". Go's
-// reader also takes a bare LF and trailing spaces; others split elsewhere.
-func plainBoundaryLines(body []byte, boundary string) bool {
+// plainMultipart reports whether body is split into parts as every
+// parser splits it: it opens with the first delimiter (werkzeug starts a
+// part at a delimiter anywhere in a preamble, even mid-line), every
+// delimiter stands alone at the start of a line, after a CRLF, and is
+// followed at once by CRLF or "--" (Go's reader also takes a bare LF and
+// trailing spaces; others split elsewhere), and nothing but white space
+// follows the closing delimiter (PHP reads parts after it).
+func plainMultipart(body []byte, boundary string) bool {
 	delim := []byte("--" + boundary)
+	if !bytes.HasPrefix(body, append(delim, '\r', '\n')) {
+		return false
+	}
 	for i := 0; ; {
 		j := bytes.Index(body[i:], delim)
 		if j < 0 {
-			return true
+			return false // no closing delimiter
 		}
 		j += i
-		if j == 0 || body[j-1] == '\n' || body[j-1] == '\r' {
-			after := body[j+len(delim):]
-			afterCRLF := j == 0 || j >= 2 && body[j-2] == '\r' && body[j-1] == '\n'
-			if !afterCRLF || !bytes.HasPrefix(after, []byte("\r\n")) && !bytes.HasPrefix(after, []byte("--")) {
-				return false
-			}
+		if j > 0 && (j < 2 || body[j-2] != '\r' || body[j-1] != '\n') {
+			return false
 		}
-		i = j + 1
+		after := body[j+len(delim):]
+		if bytes.HasPrefix(after, []byte("--")) {
+			return len(bytes.Trim(after[2:], " \t\r\n")) == 0
+		}
+		if !bytes.HasPrefix(after, []byte("\r\n")) {
+			return false
+		}
+		i = j + len(delim)
 	}
 }
 
@@ -279,7 +354,7 @@ func dispositionValue(s string) (val, rest string, ok bool) {
 			end = len(s)
 		}
 		val, s = strings.TrimRight(s[:end], " \t"), s[end:]
-		if !isToken(val) {
+		if !isToken(val) || val[0] == '\'' { // PHP unquotes 'name'
 			return "", "", false
 		}
 	}
@@ -373,11 +448,13 @@ func (*JSONKeyer) ID() string { return bodyKeyerID }
 // Key implements Keyer. It walks the document's tokens itself rather than
 // decoding into a map, which would keep the last of two equal keys without
 // a word. It names nothing when origins could read the field differently:
-// a body that is not one JSON document, or an object on the path that has
+// a body that is not one JSON document, an object on the path that has
 // the path's key twice or in another case (Go's encoding/json matches keys
-// case-insensitively and keeps the last).
+// case-insensitively and keeps the last), or the field also in the query
+// string, in any spelling: Rails merges the query's user[name] over the
+// body's user.name.
 func (k *JSONKeyer) Key(r *http.Request, buf []byte) ([]byte, bool) {
-	if mediaType, _, ok := bodyType(r); !ok || mediaType != "application/json" {
+	if mediaType, _, ok := bodyType(r); !ok || mediaType != "application/json" || !absentFromQuery(r.URL.RawQuery, k.Path) {
 		return buf, false
 	}
 	body, ok := peekBody(r)

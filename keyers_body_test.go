@@ -575,6 +575,16 @@ func FuzzFormKeyer(f *testing.F) {
 	f.Add(mpX, []byte(part("=76ictim", `Content-Disposition: form-data; name="username"`, "Content-Transfer-Encoding: quoted-printable")+"--X--\r\n"), false)
 	f.Add(mpX, []byte("--X\nContent-Disposition: form-data; name=\"username\"\n\nvictim\n--X--\n"), false)
 	f.Add("application/x-www-form-urlencoded", []byte("username[]=victim&username=decoy"), false)
+	f.Add(mpX, []byte("x--X\r\n"+cdUsername+"\r\n\r\nvictim\r\n"+decoy), false)
+	f.Add(mpX, []byte(decoy+part("victim", cdUsername)+"--X--\r\n"), false)
+	f.Add("multipart/form-data; boundary*=utf-8''Y; boundary=X", []byte(decoy), false)
+	f.Add("multipart/form-data; xboundary=Y; boundary=X", []byte(decoy), false)
+	f.Add(mpX, []byte(part("victim", `Content-Disposition: form-data; name='username'`)+decoy), false)
+	f.Add("application/x-www-form-urlencoded; xcharset=utf-16be", []byte("username=alice"), false)
+	f.Add("application/x-www-form-urlencoded", []byte(`{"user":{"name":"victim"},"x":"&username=decoy"}`), false)
+	for _, name := range []string{"username%00", "username]", "[username]", "model.Username", "user[name"} {
+		f.Add("application/x-www-form-urlencoded", []byte("username=decoy&"+name+"=victim"), false)
+	}
 	k := &FormKeyer{Field: "username"}
 	k.Provision(caddy.Context{})
 	f.Fuzz(func(t *testing.T, ctype string, body []byte, noLength bool) {
@@ -601,6 +611,16 @@ func FuzzFormKeyer(f *testing.F) {
 			if len(values) != 1 || values[0] != string(v) {
 				t.Fatalf("value %q, but Go's multipart reader finds the field as %q", v, values)
 			}
+			// No preamble, where werkzeug could find a part.
+			if !bytes.HasPrefix(body, []byte("--"+params["boundary"]+"\r\n")) {
+				t.Fatalf("value %q from a multipart body that does not open with its boundary", v)
+			}
+		}
+		if ok && strings.HasPrefix(ctype, "application/x-www-form-urlencoded") && json.Valid(body) {
+			t.Fatalf("value %q from a form that is also a JSON document", v)
+		}
+		if ok && (strings.Contains(strings.ToLower(ctype), "xcharset") || strings.Contains(strings.ToLower(ctype), "xboundary")) {
+			t.Fatalf("value %q from a Content-Type with a parameter that lenient parsers misread: %q", v, ctype)
 		}
 		if ok && strings.HasPrefix(ctype, "application/x-www-form-urlencoded") {
 			form, err := url.ParseQuery(string(body))
@@ -872,7 +892,6 @@ const cdUsername = `Content-Disposition: form-data; name="username"`
 // parameter; werkzeug and Rack take the plain boundary parameter where Go
 // takes its RFC 2231 form; PHP unquotes a name in single quotes.
 func TestMultipartBodiesThatOriginsSplitAnotherWayNameNobody(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	decoy := func(i int) string { return part(fmt.Sprintf("decoy%d", i), cdUsername) }
 	mp := "multipart/form-data; boundary=X"
@@ -905,7 +924,6 @@ func TestMultipartBodiesThatOriginsSplitAnotherWayNameNobody(t *testing.T) {
 // plain field's. PHP's $_REQUEST, where no php.ini sets request_order (as
 // in the official Docker images), merges the cookies over the body.
 func TestFormFieldNamesThatOriginsReadAsTheFieldNameNobody(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	form := func(other string) func(i int) guess {
 		return func(i int) guess {
@@ -929,7 +947,6 @@ func TestFormFieldNamesThatOriginsReadAsTheFieldNameNobody(t *testing.T) {
 // Rails merges the query string over the body, JSON or form, top-level
 // keys of the query winning: params[:user][:name] is the query's.
 func TestAJSONFieldAlsoInTheQueryNamesNobody(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	expectOneBucket(t, []attack{
 		{"Rails reads the query's user[name] over the JSON body's", []string{"json user.name"}, func(i int) guess {
@@ -942,7 +959,6 @@ func TestAJSONFieldAlsoInTheQueryNamesNobody(t *testing.T) {
 // request.get_json(force=True), Express's express.json({type: "*/*"}))
 // read a urlencoded body that is also a JSON document as JSON.
 func TestAFormBodyThatIsAlsoJSONNamesNobody(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	expectOneBucket(t, []attack{
 		{"an origin that parses every body as JSON", []string{"form username", "json user.name"}, func(i int) guess {
@@ -955,7 +971,6 @@ func TestAFormBodyThatIsAlsoJSONNamesNobody(t *testing.T) {
 // user[password]. The keyer of user[name] must name the user of such a
 // form, not refuse it because user[password] shares the prefix.
 func TestANestedFormFieldNamesTheUserBesideItsSiblings(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	s, o := guessSite(t, "form user[name]")
 	got := sendGuesses(t, s, o, 10, func(i int) guess {
@@ -1050,11 +1065,50 @@ func utf16Form(s string) string {
 // the Content-Type, in whatever parameter it stands (Tomcat's
 // getCharsetFromContentType), and decode the fields in it.
 func TestAFormInTheCharsetOfAnotherParameterNamesNobody(t *testing.T) {
-	t.Skip("PENDING-R32: the keyers fix lands next")
 	useFakeClock(t)
 	expectOneBucket(t, []attack{
 		{"Tomcat decodes the form in the charset of xcharset", []string{"form username"}, func(i int) guess {
 			return guess{ctype: formType + "; xcharset=utf-16be", body: fmt.Sprintf("%s=%s&username=decoy%d", utf16Form("username"), utf16Form("victim"), i)}
 		}},
 	})
+}
+
+// The login forms that frameworks and clients send, with their siblings,
+// cookies and Content-Types, still name their user: the rules that make
+// lookalike names and odd bodies name nobody leave them alone.
+func TestLoginFormsOfCommonFrameworksStillNameTheirUser(t *testing.T) {
+	mp, mpType := multipartBody(t, map[string]string{"username": "alice", "password": "x", "remember": "on"})
+	const quotedBoundary = "multipart/form-data; charset=utf-8; boundary=\"b-1.2_3\""
+	for _, c := range []struct {
+		name, key, query, ctype, body string
+		cookies                       string
+	}{
+		{"Rails", "form user[email]", "", formType, "authenticity_token=t0k&user%5Bemail%5D=alice&user%5Bpassword%5D=x&user%5Bremember_me%5D=0&commit=Log+in", "_app_session=abc"},
+		{"ASP.NET Core Identity", "form Input.Email", "ReturnUrl=%2F", formType, "Input.Email=alice&Input.Password=x&Input.RememberMe=false&__RequestVerificationToken=t0k", ".AspNetCore.Antiforgery.x1=t0k; .AspNetCore.Session=s"},
+		{"Django", "form username", "next=/", formType, "csrfmiddlewaretoken=t0k&username=alice&password=x", "csrftoken=t0k; sessionid=s"},
+		{"Laravel", "form email", "", formType + "; charset=UTF-8", "_token=t0k&email=alice&password=x&remember=on", "XSRF-TOKEN=t0k; laravel_session=s"},
+		{"PHP with a remembered username", "form username", "", formType, "username=alice&password=x&remember[]=1", "PHPSESSID=s; username=alice"},
+		{"a multipart form", "form username", "", mpType, mp, ""},
+		{"a multipart form with a quoted boundary", "form username", "", quotedBoundary, "--b-1.2_3\r\n" + cdUsername + "\r\n\r\nalice\r\n--b-1.2_3--\r\n", ""},
+		{"a JSON login", "json user.name", "next=/home", "application/json; charset=utf-8", `{"user":{"name":"alice","password":"x"}}`, "session=s"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			kind, field, _ := strings.Cut(c.key, " ")
+			var k Keyer = &FormKeyer{Field: field}
+			if kind == "json" {
+				k = &JSONKeyer{Path: field}
+			}
+			if err := k.(caddy.Provisioner).Provision(caddy.Context{}); err != nil {
+				t.Fatal(err)
+			}
+			r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/login?"+c.query, strings.NewReader(c.body))
+			r.Header.Set("Content-Type", c.ctype)
+			if c.cookies != "" {
+				r.Header.Set("Cookie", c.cookies)
+			}
+			if got, ok := k.Key(r, nil); !ok || string(got) != "alice" {
+				t.Errorf("Key = %q, %v; want alice", got, ok)
+			}
+		})
+	}
 }
