@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // Regression tests for what review found broken in leases: a burst after
@@ -23,7 +24,7 @@ import (
 func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}}
 	var fleet [4]*leaseTable
 	for i := range fleet {
@@ -81,7 +82,7 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
 	var fleet [4]*leaseTable
 	for i := range fleet {
@@ -134,7 +135,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 7200 * second}
 	a := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
 	b := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
@@ -198,7 +199,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	for _, ban := range []int64{0, 60 * second} {
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
-		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+		m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
 		node := newModelTable(m, LeaseSize{percent: 10}, time.Hour)
 		var res bucket.Result
@@ -234,7 +235,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
 	defer node.close()
@@ -272,7 +273,7 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 // on a call starts again on a new one. It used to be refused, with
 // Retry-After 1.
 func TestEvictedWaiterIsNotRefused(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
 	defer node.close()
@@ -302,7 +303,7 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 // WaitGroup.Add beside Wait and give back on a closed client), and a
 // count_status give-back that reaches it goes to the shared bucket.
 func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	rounds := 20
 	if testing.Short() {

@@ -19,9 +19,9 @@ import (
 // Fleet leases (README: Sharing limits across edge nodes): a node takes
 // several tokens of a shared bucket at once, in one script call, and
 // decides the requests they cover in memory. The shared store counts what
-// is out on lease (shared.go), so the fleet never admits more than one
-// bucket would: a token is in the shared bucket, held by one node, or
-// spent, and the level never refills over what the nodes hold.
+// is out on lease (buckettest.Shared models it), so the fleet never admits
+// more than one bucket would: a token is in the shared bucket, held by one
+// node, or spent, and the level never refills over what the nodes hold.
 //
 // A node's first lease for a bucket is the request's cost, so a client seen
 // once costs one call, as in strict mode. Each later lease doubles, up to

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"go.uber.org/zap"
@@ -22,31 +23,31 @@ import (
 type sharedModel struct {
 	mu     sync.Mutex
 	now    func() int64
-	states map[string]*bucket.Shared
+	states map[string]*buckettest.Shared
 	calls  int
 	down   bool
 	// gate, when set, holds every lease call until it is closed.
 	gate chan struct{}
 	// mutate, when set, breaks the store after each lease call, so that a
 	// property test can show it would catch the defect.
-	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+	mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
 	// onLease, when set, sees each lease call's outcome, under the lock.
-	onLease func(key string, sh *bucket.Shared, res bucket.LeaseResult)
+	onLease func(key string, sh *buckettest.Shared, res bucket.LeaseResult)
 	// onReserve, when set, sees each strict take's outcome, under the lock.
-	onReserve func(key string, sh *bucket.Shared, res bucket.Result)
+	onReserve func(key string, sh *buckettest.Shared, res bucket.Result)
 	// mutateWait, when set, breaks each strict take's result.
-	mutateWait func(sh *bucket.Shared, res *bucket.Result)
+	mutateWait func(sh *buckettest.Shared, res *bucket.Result)
 	// onReturn, when set, sees the tokens each lease give-back returned.
 	onReturn func(n int64)
 	// onAsk, when set, sees each lease call's ask and the bucket after it,
 	// under the lock.
-	onAsk func(a bucket.LeaseAsk, sh *bucket.Shared, res bucket.LeaseResult)
+	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
 }
 
-func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
+func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
 	sh := m.states[key]
 	if sh == nil {
-		sh = &bucket.Shared{Levels: make([]bucket.State, n)}
+		sh = &buckettest.Shared{Levels: make([]bucket.State, n)}
 		m.states[key] = sh
 	}
 	return sh
@@ -144,7 +145,7 @@ func tableSync(t *leaseTable) { t.calls.Wait() }
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -175,7 +176,7 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
 	defer node.close()
@@ -210,7 +211,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
 	level := func() int64 { return m.level("k", l) }
 	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
@@ -493,7 +494,7 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 // back, and the store decides it in strict mode.
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	node.close()
 	_, err := node.take(bg, []byte("k"), bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}, 1)
@@ -510,7 +511,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
@@ -550,7 +551,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, gate: make(chan struct{})}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, gate: make(chan struct{})}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -618,7 +619,7 @@ func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
 	tr := quotaTier(40, 0)
 	_, midnight := tr.Quotas[0].Bounds(1_000_000)
 	clock.micros.Store(midnight - 12*3600*second) // noon
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
 	defer node.close()
 	node.jitter = func(n int64) int64 { return n - 1 } // the longest jitter
@@ -649,7 +650,7 @@ func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
 			tr := quotaTier(40, ban)
 			_, midnight := tr.Quotas[0].Bounds(1_000_000)
 			clock.micros.Store(midnight - 12*3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 			node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 			defer node.close()
 			node.jitter = func(n int64) int64 { return n - 1 }
@@ -703,7 +704,7 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	tr := Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
@@ -755,7 +756,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 			_, midnight := q.Bounds(1_000_000)
 			clock.micros.Store(midnight - 3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 			l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 			tr := Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 			a := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
@@ -830,7 +831,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{tokens: 8}, 5*time.Second)
 	defer node.close()
@@ -908,7 +909,7 @@ func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T)
 func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	tr := Tier{Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}}, Quotas: []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}}
 	ttl := time.Second
 	a, b := newModelTable(m, LeaseSize{percent: 50}, ttl), newModelTable(m, LeaseSize{percent: 50}, ttl)

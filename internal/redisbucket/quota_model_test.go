@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -42,9 +43,9 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 	var granted, quotaRefused, returned int
 	for i := range traces {
 		s.clockOffset = edges[rng.IntN(len(edges))].UnixMicro() - time.Now().UnixMicro()
-		ls := []bucket.Limit{bucket.RandomTrace(rng).Limit}
+		ls := []bucket.Limit{buckettest.RandomTrace(rng).Limit}
 		if rng.IntN(2) == 0 {
-			ls = append(ls, bucket.RandomTrace(rng).Limit)
+			ls = append(ls, buckettest.RandomTrace(rng).Limit)
 		}
 		for j := range ls {
 			ls[j].MaxWait = ls[0].MaxWait
@@ -69,7 +70,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 			minCap = min(minCap, l.Capacity)
 		}
 		key := string(bucketFor("quota-" + strconv.Itoa(i)))
-		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		nodes := []string{"a1", "b2"}
 		seq := map[string]int64{}
 		for j := range steps {
@@ -199,7 +200,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 }
 
 // quotaUsed is what a shared bucket's quotas have counted, in all.
-func quotaUsed(sh *bucket.Shared) int64 {
+func quotaUsed(sh *buckettest.Shared) int64 {
 	var n int64
 	for _, q := range sh.Quotas {
 		n += q.Used

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -30,7 +31,7 @@ func TestScriptChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 			t.Fatal(err)
 		}
 		now := time.Now().UnixMicro()
-		sh := &bucket.Shared{Levels: make([]bucket.State, 1), Quotas: []bucket.QuotaState{{Used: 1}, {Used: 1}}}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, 1), Quotas: []bucket.QuotaState{{Used: 1}, {Used: 1}}}
 		for j, q := range qs {
 			sh.Quotas[j].Start, _ = q.Bounds(now)
 		}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -63,14 +64,14 @@ func TestReview22GiveBackOfAWaiterIsHiddenByTheDenyCache(t *testing.T) {
 func TestReview22LeaseModeHangUpGiveBackIsSpentAtOnceUnlikeStrictMode(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	// capacity 10, 10/s, max_wait 1s; leases of 50%.
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
 	ls := []bucket.Limit{l}
 	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	key := []byte("review22-lease")
-	strict := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	take := func(what string) (lease, one bucket.Result) {
 		t.Helper()
 		res, err := node.take(bg, key, l, 1)
@@ -169,14 +170,14 @@ func TestReview22RedisLeaseGiveBackOfWaitersAdmitsWithoutWaiting(t *testing.T) {
 func TestReview22LeaseHoldOffRefusesARequestStrictModeLetsWait(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	// capacity 10, 10/s, max_wait 200 ms; leases of 50% (5 tokens).
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 200_000}
 	ls := []bucket.Limit{l}
 	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	key := []byte("review22-holdoff")
-	strict := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	for i := range 60 {
 		res, err := node.take(bg, key, l, 1)
 		tableSync(node)

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -51,7 +52,7 @@ func TestReview25bDefectOldPeriodsGiveBackGoesIntoTheNewPeriodsLease(t *testing.
 	_, midnight := day.Bounds(time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock := new(fakeClock)
 	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	tb := newModelTable(m, LeaseSize{tokens: 4}, time.Hour)
 	defer tb.close()
 	s := &Store{leases: tb}

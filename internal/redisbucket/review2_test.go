@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"context"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"sync"
 	"testing"
@@ -31,7 +32,7 @@ type review2Fleet struct {
 func newReview2Fleet(t *testing.T, l bucket.Limit) *review2Fleet {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	return &review2Fleet{t: t, clock: clock, m: &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}, l: l, fleetBan: -1, singleBan: -1}
+	return &review2Fleet{t: t, clock: clock, m: &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}, l: l, fleetBan: -1, singleBan: -1}
 }
 
 // request sends one request to node, or, with node nil, to a node in
@@ -71,7 +72,7 @@ func (f *review2Fleet) request(node *leaseTable) bucket.Result {
 }
 
 // record is the shared store's record of node's lease on "k", if any.
-func (f *review2Fleet) record(node *leaseTable) (bucket.Held, bool) {
+func (f *review2Fleet) record(node *leaseTable) (buckettest.Held, bool) {
 	f.m.mu.Lock()
 	defer f.m.mu.Unlock()
 	now := f.clock.now()
@@ -80,7 +81,7 @@ func (f *review2Fleet) record(node *leaseTable) (bucket.Held, bool) {
 			return h, true
 		}
 	}
-	return bucket.Held{}, false
+	return buckettest.Held{}, false
 }
 
 func (f *review2Fleet) entry(node *leaseTable) lease {
@@ -169,7 +170,7 @@ func TestReview2TokensHeldAcrossARefusedCallAreLostAtTheGiveBack(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := new(fakeClock)
 			clock.micros.Store(1_000_000)
-			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 			l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
 			ls := []bucket.Limit{l}
 			node := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
@@ -241,10 +242,10 @@ func TestReview2TokensHeldAcrossARefusedCallAreLostAtTheGiveBack(t *testing.T) {
 func TestReview2BanStartedByTheCallOfAClientThatHungUpIsNeverCounted(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	started := 0
-	m.onLease = func(_ string, _ *bucket.Shared, res bucket.LeaseResult) {
+	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
 			started++
 		}
@@ -382,7 +383,7 @@ func TestReview2RetryAtRetryAfterIsRefusedAtOnceWhileTheTimersCallIsOut(t *testi
 func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	rate, err := bucket.ParseRate(refill)
 	if err != nil {
 		t.Fatal(err)
@@ -468,7 +469,7 @@ func review2RetryAtRetryAfter(t *testing.T, refill string) {
 func TestReview2ReturningMapGrowsWithEvictionsBetweenSweeps(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 1000}}
 	node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Minute, 100*time.Millisecond, leaseShards, nopLogger)
 	defer node.close()
@@ -579,7 +580,7 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 func TestReview2TimerFiringAfterCloseStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 200_000}}
 	node := newModelTable(m, LeaseSize{tokens: 10}, 2*time.Second)
 	var timers review2Timers

@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"maps"
@@ -39,7 +40,7 @@ func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
 		t.Fatal(err)
 	}
 	leasedAt := v[7]
-	sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	if want := sh.Lease(leasedAt, ls, a); v[0] != want.Granted || v[0] != 50 {
 		t.Fatalf("lease: Redis granted %d, the model %d; want 50", v[0], want.Granted)
 	}
@@ -153,7 +154,7 @@ func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
 		mismatches := 0
 		for k := range 4 {
 			key := string(bucketFor(fmt.Sprintf("deep-%d-%d", li, k)))
-			sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
+			sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 			for _, o := range []struct {
 				op string
 				n  int64

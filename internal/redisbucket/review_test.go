@@ -2,6 +2,7 @@ package redisbucket
 
 import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"math/rand/v2"
 	"sync"
@@ -42,7 +43,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		}
 	})
 	t.Run("Shared.GiveBack", func(t *testing.T) {
-		sh := &bucket.Shared{Levels: []bucket.State{st}}
+		sh := &buckettest.Shared{Levels: []bucket.State{st}}
 		sh.GiveBack(now, []bucket.Limit{cur}, cur.Converted(1, old))
 		var out [1]bucket.Result
 		sh.Peek(now, []bucket.Limit{cur}, out[:])
@@ -55,7 +56,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		// back when its table closes, 2 s later, as the new config counts.
 		clock := new(fakeClock)
 		clock.micros.Store(now - 2*second)
-		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+		m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 		node := newModelTable(m, LeaseSize{tokens: 5}, time.Hour)
 		node.current = func(string, Tier) (Tier, bool) { return Tier{Limits: []bucket.Limit{cur}}, true }
 		for range 3 { // leases of 1, 2, 4: 3 held
@@ -94,7 +95,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
 	a := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
 	defer a.close()
@@ -155,7 +156,7 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
@@ -193,7 +194,7 @@ func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
 	if err != nil {
 		t.Fatal(err)
@@ -247,7 +248,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 // the test pass, never fail.
 func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 	for attempt := range 5 {
-		m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+		m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
 		l := slowLimit(100)
 		// 64 entries: one a shard.
 		node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
@@ -323,10 +324,10 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 func TestReviewBanStartedByAPrefetchGoesUncountedWhenTheNextRequestIsAllowed(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	var started int
-	m.onLease = func(_ string, _ *bucket.Shared, res bucket.LeaseResult) {
+	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
 			started++
 		}
@@ -383,7 +384,7 @@ func TestReviewConcurrentFleetKeepsTheWindowBound(t *testing.T) {
 	// records is caught.
 	for round := range 60 {
 		r := randomFleetRound(rng, 0)
-		r.mutate = func(_ *bucket.Shared, res *bucket.LeaseResult) {
+		r.mutate = func(_ *buckettest.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
@@ -402,9 +403,9 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 	l := r.limit
 	ls := []bucket.Limit{l}
 	key := "bucket"
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
 	now := clock.now()
-	start := &bucket.Shared{Levels: []bucket.State{{}}}
+	start := &buckettest.Shared{Levels: []bucket.State{{}}}
 	if k := rng.Int64N(l.Capacity + 1); k > 0 {
 		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"maps"
@@ -30,7 +31,7 @@ func (s *Store) run(ctx context.Context, key string, l bucket.Limit, cost int64)
 // encodeShared is what the bucket script keeps of sh at now, segment by
 // segment, by name: "1", "2"... for the limits not full, "l:<node>" for the
 // leases.
-func encodeShared(sh *bucket.Shared, now int64) map[string]string {
+func encodeShared(sh *buckettest.Shared, now int64) map[string]string {
 	m := map[string]string{}
 	for i, s := range sh.Levels {
 		if s.FullAt > now {
@@ -97,10 +98,10 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 		traces = 15
 	}
 	for i := range traces {
-		tr := bucket.RandomTrace(rng)
+		tr := buckettest.RandomTrace(rng)
 		ls := []bucket.Limit{tr.Limit}
 		for range rng.IntN(3) {
-			ls = append(ls, bucket.RandomTrace(rng).Limit)
+			ls = append(ls, buckettest.RandomTrace(rng).Limit)
 		}
 		for j := range ls {
 			ls[j].MaxWait = ls[0].MaxWait // one max_wait a tier
@@ -116,7 +117,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			minCap = min(minCap, l.Capacity)
 		}
 		key := string(bucketFor("shared-" + strconv.Itoa(i)))
-		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		nodes := []string{"a1", "b2", "c3"}
 		seq := map[string]int64{}
 		for j := range tr.Gaps {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -30,8 +31,8 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 		traces = 15
 	}
 	for i := range traces {
-		tr := bucket.RandomTrace(rng)
-		ref := bucket.NewReference(tr.Limit)
+		tr := buckettest.RandomTrace(rng)
+		ref := buckettest.NewReference(tr.Limit)
 		key := string(bucketFor("client-" + strconv.Itoa(i)))
 		var st bucket.State
 		for j := range tr.Gaps {
