@@ -210,31 +210,37 @@ func TakeAll(states []State, now int64, ls []Limit, cost int64, out []Result) bo
 		next[i], out[i] = take(states[i], now, l, cost)
 		allowed = allowed && out[i].Allowed
 	}
-	switch {
-	case allowed:
-		goTogether(states, next[:len(ls)], now, ls, cost, out)
-		copy(states, next[:len(ls)])
-	case ls[0].Ban > 0:
-		// A limit refused: one bucket would, so the ban empties them all.
-		started := false
-		for i, l := range ls {
-			states[i], out[i] = Ban(states[i], now, l, cost*l.Rate.Interval)
-			started = started || out[i].Banned
-		}
-		// Every limit's result says whether this request started the ban.
-		for i := range ls {
-			out[i].Banned = started
-		}
-	default:
+	if !allowed {
+		Refuse(states, now, ls, cost, out, ls[0].Ban > 0)
+		return false
+	}
+	goTogether(states, next[:len(ls)], now, ls, cost, out)
+	copy(states, next[:len(ls)])
+	return true
+}
+
+// Refuse answers a request of cost on limits ls that one of them refused,
+// given each one's take in out. With ban, every limit is emptied (Ban),
+// and every result says whether this request started the ban. Without,
+// nothing is taken: a limit that had room reports as it stands.
+func Refuse(states []State, now int64, ls []Limit, cost int64, out []Result, ban bool) {
+	if !ban {
 		for i, l := range ls {
 			if out[i].Allowed {
-				// This limit had room, but another had not: nothing taken.
 				out[i] = Peek(states[i], now, l)
 				out[i].Allowed = false
 			}
 		}
+		return
 	}
-	return allowed
+	started := false
+	for i, l := range ls {
+		states[i], out[i] = Ban(states[i], now, l, cost*l.Rate.Interval)
+		started = started || out[i].Banned
+	}
+	for i := range ls {
+		out[i].Banned = started
+	}
 }
 
 // Ban answers a denial under a ban setting: it empties the bucket for

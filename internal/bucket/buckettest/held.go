@@ -8,9 +8,9 @@ import "github.com/bramsley/caddy-ratelimit/internal/bucket"
 // back in a bucket no lease draws on; where the tokens out change nothing
 // (no record, no wait), these steps are its own, and where they do, they
 // repeat its arithmetic with the cap that the tokens out put on the
-// level: takeAll is bucket.TakeAll, takeWaiting and goTogether are
-// bucket's with the level so capped, giveBack is bucket.GiveBack above a
-// floor.
+// level: takeAll is bucket.TakeAll with its ban reckoning with the tokens
+// out, takeWaiting and goTogether are bucket's with the level so capped,
+// giveBack is bucket.GiveBack above a floor.
 
 // take decides a request against one limit as if there were no ban
 // setting, as package bucket does; a request that waits (max_wait)
@@ -36,30 +36,15 @@ func takeAll(states []bucket.State, now int64, ls []bucket.Limit, cost int64, ou
 		next[i], out[i] = take(states[i], now, l, cost, held)
 		allowed = allowed && out[i].Allowed
 	}
-	switch {
-	case allowed:
-		goTogether(states, next[:len(ls)], now, ls, cost, out, held)
-		copy(states, next[:len(ls)])
-	case ls[0].Ban > 0 && short(states, now, ls, cost, outOf(held)):
-		started := false
-		for i, l := range ls {
-			states[i], out[i] = bucket.Ban(states[i], now, l, cost*l.Rate.Interval)
-			started = started || out[i].Banned
-		}
-		// Every limit's result says whether this request started the ban.
-		for i := range ls {
-			out[i].Banned = started
-		}
-	default:
-		for i, l := range ls {
-			if out[i].Allowed {
-				// This limit had room, but another had not: nothing taken.
-				out[i] = bucket.Peek(states[i], now, l)
-				out[i].Allowed = false
-			}
-		}
+	if !allowed {
+		// One bucket would refuse too, and ban, only when a limit lacks
+		// the cost even with the tokens out counted.
+		bucket.Refuse(states, now, ls, cost, out, ls[0].Ban > 0 && short(states, now, ls, cost, outOf(held)))
+		return false
 	}
-	return allowed
+	goTogether(states, next[:len(ls)], now, ls, cost, out, held)
+	copy(states, next[:len(ls)])
+	return true
 }
 
 // short reports whether some limit lacks cost tokens at now even with held
