@@ -1,6 +1,6 @@
 // Package bucket is the token bucket's math: a bucket's state, its limits,
-// and what a request, a give-back and a charge do to it, on integers and
-// an injected clock, and the terms of a lease. It imports
+// a tier's shape, and what a request, a give-back and a charge do to it,
+// on integers and an injected clock, and the terms of a lease. It imports
 // nothing but the standard library; the models every store is held to are
 // in buckettest, which only tests import.
 package bucket

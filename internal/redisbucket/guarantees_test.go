@@ -34,7 +34,7 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 	var one bucket.State
 	var fleetAdmitted, oneAdmitted int64
 	request := func(node int) (admitted bool) {
-		res, err := fleet[node].take(bg, []byte("k"), l, 1)
+		res, err := fleet[node].take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(fleet[node])
 		if err != nil {
 			t.Fatal(err)
@@ -93,7 +93,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 	var fleetAdmitted, oneAdmitted, bans int
 	for i := range 600 {
 		node := fleet[i%4]
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -143,7 +143,7 @@ func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	defer b.close()
 	take := func(node *leaseTable) bucket.Result {
 		t.Helper()
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -205,7 +205,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 		var res bucket.Result
 		for range 200 {
 			var err error
-			if res, err = node.take(bg, []byte("k"), l, 1); err != nil {
+			if res, err = node.take(bg, []byte("k"), oneLimit(l), 1, nil); err != nil {
 				t.Fatal(err)
 			}
 			tableSync(node)
@@ -221,7 +221,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 			t.Errorf("ban %d s: Retry-After %d µs, want about %d: the request's own wait", ban/second, res.RetryAfter, want)
 		}
 		clock.advance(time.Duration(bucket.CeilDiv(res.RetryAfter, 1_000_000)) * time.Second)
-		if again, _ := node.take(bg, []byte("k"), l, 1); !again.Allowed {
+		if again, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil); !again.Allowed {
 			t.Errorf("ban %d s: at Retry-After: %+v, want allowed", ban/second, again)
 		}
 		tableSync(node)
@@ -241,7 +241,7 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	defer node.close()
 	key := []byte("k")
 	for range 2 { // leases of 1 and 2 tokens: one is left
-		if res, _ := node.take(bg, key, l, 1); !res.Allowed {
+		if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed {
 			t.Fatal("denied from a full bucket")
 		}
 		tableSync(node)
@@ -256,14 +256,14 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	m.mu.Unlock()
 	// The last token held is spent, and the prefetch that follows finds
 	// the bucket empty: refused, with no ban.
-	if res, _ := node.take(bg, key, l, 1); !res.Allowed || res.Banned {
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed || res.Banned {
 		t.Fatalf("the request on the last token held: %+v", res)
 	}
 	tableSync(node)
 	if sh := m.states["k"]; sh.Banned(clock.now()) {
 		t.Fatal("a refused prefetch started a ban")
 	}
-	if res, _ := node.take(bg, key, l, 1); res.Allowed || !res.Banned {
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); res.Allowed || !res.Banned {
 		t.Fatalf("the next request: %+v, want refused, reporting the ban it started", res)
 	}
 }
@@ -284,7 +284,7 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 			rng := rand.New(rand.NewPCG(uint64(g), 1))
 			for range 2000 {
 				key := []byte{byte('a' + rng.IntN(26)), byte('a' + rng.IntN(26))}
-				if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+				if res, err := node.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 					refused++
 				}
 			}
@@ -322,7 +322,7 @@ func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
 					return
 				default:
 				}
-				node.take(bg, []byte{byte(i), byte(i >> 8)}, l, 1)
+				node.take(bg, []byte{byte(i), byte(i >> 8)}, oneLimit(l), 1, nil)
 				takes.Add(1)
 			}
 		}()

@@ -29,7 +29,7 @@ func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 	key := []byte("charge-me")
 	// A few requests, so that the leases grow (they double from the cost).
 	for range 4 {
-		if res, err := tb.take(bg, key, l, 1); err != nil || !res.Allowed {
+		if res, err := tb.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 			t.Fatal(res, err)
 		}
 		tableSync(tb)
@@ -70,7 +70,7 @@ func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 // Redis; no token of any is made or lost.
 func TestLeasingNodesConserveEveryTokenOfATier(t *testing.T) {
 	hour := bucket.Rate{Tokens: 1, Interval: 3_600_000_000}
-	tr := Tier{
+	tr := bucket.Tier{
 		Limits: []bucket.Limit{{Capacity: 5000, Rate: hour}, {Capacity: 8000, Rate: hour}},
 		Quotas: []bucket.Quota{{N: 9000, Period: bucket.Month, Loc: time.UTC}},
 	}

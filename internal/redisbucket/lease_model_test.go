@@ -156,9 +156,9 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	l := r.limit
 	ls := append([]bucket.Limit{l}, r.more...)
 	qs := r.quotas
-	tr := loneLimit(l)
+	tr := oneLimit(l)
 	if len(ls) > 1 || len(qs) > 0 {
-		tr = Tier{Limits: ls, Quotas: qs}
+		tr = bucket.Tier{Limits: ls, Quotas: qs}
 	}
 	minCap := l.Capacity
 	for _, x := range r.more {
@@ -282,7 +282,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			i := rng.IntN(len(tables))
 			cost := 1 + rng.Int64N(min(3, minCap))
 			before := len(bans)
-			res, err := tables[i].takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+			res, err := tables[i].take(bg, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
 			tableSync(tables[i])
 			if err := lease(i, tables[i].node, cost, res, err); err != nil {
 				return err
@@ -360,7 +360,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			m.gate = gate
 			ctx, cancel := context.WithCancel(bg)
 			cancel()
-			res, err := tables[i].takeTier(ctx, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+			res, err := tables[i].take(ctx, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
 			close(gate)
 			tableSync(tables[i])
 			m.gate = nil
@@ -383,7 +383,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			done := make(chan answer, 1)
 			old := tables[i]
 			go func() {
-				res, err := old.takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+				res, err := old.take(bg, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
 				done <- answer{res, err}
 			}()
 			closed := make(chan struct{})
@@ -702,12 +702,12 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 200_000)
 	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	tr := Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
+	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
 	take := func() {
 		t.Helper()
-		if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+		if res, err := node.take(bg, []byte("k"), tr, 1, nil); err != nil || !res.Allowed {
 			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
 		}
 		tableSync(node)
@@ -762,13 +762,13 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 	_, midnight := day.Bounds(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock.micros.Store(midnight - 200_000)
 	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	tr := Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
+	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
 	admitted := int64(0)
 	take := func() {
 		t.Helper()
-		if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+		if res, err := node.take(bg, []byte("k"), tr, 1, nil); err != nil || !res.Allowed {
 			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
 		}
 		tableSync(node)

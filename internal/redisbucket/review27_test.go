@@ -183,7 +183,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 		switch op := rng.IntN(3); op {
 		case 0:
 			all := make([]bucket.Result, n)
-			v, err := s.decideBy(bg, "peek", key, ls, qs, 0, all, false)
+			v, err := s.decideBy(bg, "peek", key, bucket.Tier{Limits: ls, Quotas: qs}, 0, all, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -200,7 +200,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 				cost = 0
 			}
 			all := make([]bucket.Result, n)
-			v, err := s.decideBy(bg, "take", key, ls, qs, cost, all, false)
+			v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls, Quotas: qs}, cost, all, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -230,7 +230,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 				a.Spend = 1
 			}
 			each, wantEach := make([]bucket.Result, n), make([]bucket.Result, n)
-			got, now, err := s.leaseAt(key, ls, qs, a, each)
+			got, now, err := s.leaseAt(key, bucket.Tier{Limits: ls, Quotas: qs}, a, each)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -116,7 +116,7 @@ func TestReview27bScriptMatchesTheModelOnWaitingTakes(t *testing.T) {
 			cost = 1 + rng.Int64N(minCap)
 		}
 		all := make([]bucket.Result, len(ls)+len(qs))
-		v, err := s.decideBy(bg, "take", key, ls, qs, cost, all, false)
+		v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls, Quotas: qs}, cost, all, false)
 		if err != nil {
 			t.Fatal(err)
 		}

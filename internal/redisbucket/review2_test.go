@@ -43,7 +43,7 @@ func (f *review2Fleet) request(node *leaseTable) bucket.Result {
 	var res bucket.Result
 	if node != nil {
 		var err error
-		res, err = node.take(bg, []byte("k"), f.l, 1)
+		res, err = node.take(bg, []byte("k"), oneLimit(f.l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			f.t.Fatal(err)
@@ -177,7 +177,7 @@ func TestReview2TokensHeldAcrossARefusedCallAreLostAtTheGiveBack(t *testing.T) {
 			key := []byte("k")
 			spent := int64(0)
 			take := func(cost int64) bucket.Result {
-				res, err := node.take(bg, key, l, cost)
+				res, err := node.take(bg, key, oneLimit(l), cost, nil)
 				tableSync(node)
 				if err != nil {
 					t.Fatal(err)
@@ -256,7 +256,7 @@ func TestReview2BanStartedByTheCallOfAClientThatHungUpIsNeverCounted(t *testing.
 	counted := 0
 	node.onBan = func(string) { counted++ } // bans_total, for the bans no request reports
 	take := func(ctx context.Context) (bucket.Result, error) {
-		res, err := node.take(ctx, key, l, 1)
+		res, err := node.take(ctx, key, oneLimit(l), 1, nil)
 		if err == nil && !res.Allowed && res.Banned {
 			counted++ // what the handler counts in bans_total
 		}
@@ -396,7 +396,7 @@ func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	defer node.close()
 	key := []byte("k")
 	take := func() bucket.Result {
-		res, err := node.take(bg, key, l, 1)
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -430,7 +430,7 @@ func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	level := m.level("k", l)
 	answer := make(chan bucket.Result, 1)
 	go func() {
-		retry, err := node.take(bg, key, l, 1)
+		retry, err := node.take(bg, key, oneLimit(l), 1, nil)
 		if err != nil {
 			t.Error(err)
 		}
@@ -477,7 +477,7 @@ func TestReview2ReturningMapGrowsWithEvictionsBetweenSweeps(t *testing.T) {
 	for i := range keys {
 		key := []byte{'k', byte(i), byte(i >> 8), byte(i >> 16)}
 		for range 2 {
-			if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+			if res, err := node.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 				t.Fatalf("key %d: %+v %v", i, res, err)
 			}
 		}
@@ -524,7 +524,7 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 	// The 5th spends the last token held; its prefetch is out for a round
 	// trip, while the 6th comes.
 	f.m.gate = make(chan struct{})
-	res5, err := node.take(bg, []byte("k"), l, 1)
+	res5, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 	if err != nil || !res5.Allowed {
 		t.Fatalf("attempt 5: %+v %v", res5, err)
 	}
@@ -535,7 +535,7 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 	}
 	done := make(chan bucket.Result, 1)
 	go func() {
-		res, _ := node.take(bg, []byte("k"), l, 1)
+		res, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		done <- res
 	}()
 	redistest.WaitFor(t, 5*time.Second, "the 6th attempt to wait on the prefetch", func() bool {
@@ -586,7 +586,7 @@ func TestReview2TimerFiringAfterCloseStartsNoCall(t *testing.T) {
 	var timers review2Timers
 	timers.install(node)
 	for range 150 {
-		node.take(bg, []byte("k"), l, 1)
+		node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 	}
 	if timers.pending() == 0 {

@@ -24,7 +24,7 @@ func (s *Store) run(ctx context.Context, key string, l bucket.Limit, cost int64)
 		op = "peek"
 	}
 	var out [1]bucket.Result
-	_, now, err := s.takeAll(ctx, op, key, []bucket.Limit{l}, cost, out[:], true)
+	_, now, err := s.decideAt(ctx, op, key, bucket.Tier{Limits: []bucket.Limit{l}}, cost, out[:], true)
 	return out[0], now, err
 }
 
@@ -137,7 +137,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				if rng.IntN(5) == 0 {
 					cost = 0
 				}
-				v, err := s.decideBy(bg, "take", key, ls, nil, cost, out, false)
+				v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls}, cost, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -153,7 +153,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				}
 			case op < 4:
 				out := make([]bucket.Result, len(ls))
-				_, at, err := s.takeAll(bg, "peek", key, ls, 0, out, false)
+				_, at, err := s.decideAt(bg, "peek", key, bucket.Tier{Limits: ls}, 0, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -173,7 +173,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 					a.Prefetch = true
 				}
 				each, wantEach := make([]bucket.Result, len(ls)), make([]bucket.Result, len(ls))
-				got, at, err := s.leaseAt(key, ls, nil, a, each)
+				got, at, err := s.leaseAt(key, bucket.Tier{Limits: ls}, a, each)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -185,7 +185,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			case op < 8:
 				node := nodes[rng.IntN(len(nodes))]
 				n, at := 1+rng.Int64N(minCap), seq[node]-rng.Int64N(2)
-				v, err := s.call(bg, key, s.args("return", ls, n, node, at), false, 2)
+				v, err := s.call(bg, key, s.args("return", bucket.Tier{Limits: ls}, 0, n, node, at), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -195,7 +195,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				}
 			case op < 9:
 				n := 1 + rng.Int64N(minCap)
-				v, err := s.call(bg, key, s.args("giveback", ls, n), false, 2)
+				v, err := s.call(bg, key, s.args("giveback", bucket.Tier{Limits: ls}, 0, n), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -203,7 +203,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				sh.GiveBack(now, ls, n)
 			default:
 				n := rng.Int64N(3 * minCap)
-				v, err := s.call(bg, key, s.args("charge", ls, n), false, 2)
+				v, err := s.call(bg, key, s.args("charge", bucket.Tier{Limits: ls}, 0, n), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -261,11 +261,11 @@ func TestRedisScriptReadsABucketOfAnOlderVersion(t *testing.T) {
 	}
 	// Seven tokens taken, as an older version wrote it.
 	srv.Do("SET", key, fmt.Sprintf("%d 0", now+7*l.Rate.Interval), "PX", "3600000")
-	res, err = s.Peek(bg, b, l)
+	res, err = s.peekLimit(bg, b, l)
 	if err != nil || res.Remaining != 3 {
 		t.Fatalf("peek of the old bucket: %+v, %v; want 3 left", res, err)
 	}
-	res, err = s.Take(bg, b, l, 1)
+	res, err = s.takeLimit(bg, b, l, 1)
 	if err != nil || !res.Allowed || res.Remaining != 2 {
 		t.Fatalf("take: %+v, %v; want allowed with 2 left", res, err)
 	}
