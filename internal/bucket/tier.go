@@ -26,12 +26,10 @@ func (tr Tier) Parts() int { return len(tr.Limits) + len(tr.Quotas) }
 // Refill is how long the slowest of the tier's limits takes to refill n
 // tokens (µs); below 0 for n below 0.
 func (tr Tier) Refill(n int64) int64 {
-	w := refill(tr.Limits[0], n)
+	first := tr.Limits[0]
+	w := CeilDiv(n*first.Rate.Interval, first.Rate.Tokens)
 	for _, l := range tr.Limits[1:] {
-		w = max(w, refill(l, n))
+		w = max(w, CeilDiv(n*l.Rate.Interval, l.Rate.Tokens))
 	}
 	return w
 }
-
-// refill is how long l takes to refill n tokens (µs).
-func refill(l Limit, n int64) int64 { return CeilDiv(n*l.Rate.Interval, l.Rate.Tokens) }
