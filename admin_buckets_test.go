@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // adminView is GET /rate_limit/buckets's answer, with each limit's and
@@ -247,7 +248,7 @@ func TestAdminRetryAfterIsWhenATakePasses(t *testing.T) {
 	check := func(until func(bucket.Limit, bucket.Result, int64) int64) (checked int, failure string) {
 		rng := rand.New(rand.NewPCG(31, 1))
 		for range 300 {
-			tr := bucket.RandomTrace(rng)
+			tr := buckettest.RandomTrace(rng)
 			l := tr.Limit
 			if rng.IntN(3) == 0 {
 				l.Ban = 1 + rng.Int64N(2*l.Units()/l.Rate.Tokens+1)

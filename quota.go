@@ -290,28 +290,37 @@ func (lb *localBuckets) putLocked(sh *localShard, id uint64, st bucket.State, no
 	sh.states.put(id, st)
 }
 
-// TakeQuotas implements QuotaStore.
+// TakeQuotas implements QuotaStore: the engine writes the limits' results
+// then the quotas', which go apart into out and qout.
 func (s *RedisStore) TakeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
 	var buf [192]byte
-	return s.engine.TakeQuotas(ctx, s.key(buf[:0], b), ls, qs, cost, out, qout)
+	var all [bucket.MaxLimits + bucket.MaxQuotas]bucket.Result
+	allowed, err := s.engine.Take(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls, Quotas: qs}, cost, all[:])
+	copy(out, all[:len(ls)])
+	copy(qout, all[len(ls):len(ls)+len(qs)])
+	return allowed, err
 }
 
 // GiveBackQuotas implements QuotaStore.
 func (s *RedisStore) GiveBackQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, ln int64, qs []bucket.Quota, n, at int64) error {
 	var buf [192]byte
-	return s.engine.GiveBackQuotas(ctx, s.key(buf[:0], b), ls, ln, qs, n, at)
+	return s.engine.GiveBack(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls, Quotas: qs}, ln, n, at)
 }
 
-// PeekQuotas implements QuotaStore.
+// PeekQuotas implements QuotaStore, as TakeQuotas does.
 func (s *RedisStore) PeekQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
 	var buf [192]byte
-	return s.engine.PeekQuotas(ctx, s.key(buf[:0], b), ls, qs, out, qout)
+	var all [bucket.MaxLimits + bucket.MaxQuotas]bucket.Result
+	err := s.engine.Peek(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls, Quotas: qs}, all[:])
+	copy(out, all[:len(ls)])
+	copy(qout, all[len(ls):len(ls)+len(qs)])
+	return err
 }
 
 // ChargeQuotas implements QuotaStore.
 func (s *RedisStore) ChargeQuotas(ctx context.Context, b *Bucket, ls []bucket.Limit, qs []bucket.Quota, n int64) error {
 	var buf [192]byte
-	return s.engine.ChargeQuotas(ctx, s.key(buf[:0], b), ls, qs, n)
+	return s.engine.Charge(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls, Quotas: qs}, n)
 }
 
 // Interface guards

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -51,8 +52,8 @@ func TestLocalStoreMatchesReferenceModel(t *testing.T) {
 	lb := newLocalBuckets(100, clock.now)
 	rng := rand.New(rand.NewPCG(3, 4))
 	for i := range 100 {
-		tr := bucket.RandomTrace(rng)
-		ref := bucket.NewReference(tr.Limit)
+		tr := buckettest.RandomTrace(rng)
+		ref := buckettest.NewReference(tr.Limit)
 		b := bucketFor("client-" + strconv.Itoa(i))
 		for j := range tr.Gaps {
 			clock.micros.Add(tr.Gaps[j])

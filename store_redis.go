@@ -180,7 +180,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	if msg, capped := store.Lease.Capped(); capped {
 		store.Logger.Warn(msg)
 	}
-	store.Current = func(key string, tr redisbucket.Tier) (redisbucket.Tier, bool) {
+	store.Current = func(key string, tr bucket.Tier) (bucket.Tier, bool) {
 		policy, tier, ok := s.engine.SplitKey(key)
 		if !ok {
 			return tr, true
@@ -190,9 +190,9 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 		case !running:
 			return tr, true
 		case t == nil || t.Unlimited || t.Deny:
-			return redisbucket.Tier{}, false
+			return bucket.Tier{}, false
 		}
-		return redisbucket.Tier{Limits: t.limits, Quotas: t.quotas}, true
+		return bucket.Tier{Limits: t.limits, Quotas: t.quotas}, true
 	}
 	store.OnBan = func(key string) {
 		if policy, tier, ok := s.engine.SplitKey(key); ok {
@@ -364,41 +364,47 @@ func (s *RedisStore) key(buf []byte, b *Bucket) []byte {
 	return s.engine.AppendKey(buf, b.Policy, b.Tier, sum[:16])
 }
 
-// Take implements Store.
+// Take implements Store. The engine takes the tier's shape; a tier of
+// one limit is made here until the handler hands the engine its tier's
+// own slices (one allocation a decision meanwhile).
 func (s *RedisStore) Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
 	var buf [192]byte
-	return s.engine.Take(ctx, s.key(buf[:0], b), l, cost)
+	var out [1]bucket.Result
+	_, err := s.engine.Take(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, cost, out[:])
+	return out[0], err
 }
 
 // TakeAll implements Store, with one script call on one key.
 func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
 	var buf [192]byte
-	return s.engine.TakeAll(ctx, s.key(buf[:0], b), ls, cost, out)
+	return s.engine.Take(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls}, cost, out)
 }
 
 // Peek implements Store.
 func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
 	var buf [192]byte
-	return s.engine.Peek(ctx, s.key(buf[:0], b), l)
+	var out [1]bucket.Result
+	err := s.engine.Peek(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, out[:])
+	return out[0], err
 }
 
 // Charge implements Store.
 func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
 	var buf [192]byte
-	return s.engine.Charge(ctx, s.key(buf[:0], b), l, n)
+	return s.engine.Charge(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, n)
 }
 
 // GiveBack implements Store: into this node's lease when the tokens came
 // from one, else one script call.
 func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
 	var buf [192]byte
-	return s.engine.GiveBack(ctx, s.key(buf[:0], b), l, n)
+	return s.engine.GiveBack(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, n, n, 0)
 }
 
 // GiveBackAll implements Store.
 func (s *RedisStore) GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Limit, n int64) error {
 	var buf [192]byte
-	return s.engine.GiveBackAll(ctx, s.key(buf[:0], b), ls, n)
+	return s.engine.GiveBack(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls}, n, n, 0)
 }
 
 // Report implements StoreReporter.

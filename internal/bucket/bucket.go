@@ -1,7 +1,8 @@
 // Package bucket is the token bucket's math: a bucket's state, its limits,
-// and what a request, a lease, a give-back and a charge do to it, on
-// integers and an injected clock, with the reference model every store is
-// held to. It imports nothing but the standard library.
+// a tier's shape, and what a request, a give-back and a charge do to it,
+// on integers and an injected clock, and the terms of a lease. It imports
+// nothing but the standard library; the models every store is held to are
+// in buckettest, which only tests import.
 package bucket
 
 import (
@@ -106,12 +107,11 @@ func (l Limit) Validate(cost int64) error {
 	return nil
 }
 
-// units is the capacity in units.
 // Units is the capacity in units: Rate.Interval to a token.
 func (l Limit) Units() int64 { return l.Capacity * l.Rate.Interval }
 
-// deficit is how many units the bucket lacks at now, from 0 to units().
-func (s State) deficit(now int64, l Limit) int64 {
+// Deficit is how many units the bucket lacks at now, from 0 to l.Units().
+func (s State) Deficit(now int64, l Limit) int64 {
 	if now >= s.FullAt {
 		return 0
 	}
@@ -134,16 +134,16 @@ func (s State) deficit(now int64, l Limit) int64 {
 	return max(d, 0)
 }
 
-// stateAt is the state of a bucket that lacks deficit units (above 0) at
+// StateAt is the state of a bucket that lacks deficit units (above 0) at
 // now.
-func stateAt(now, deficit int64, l Limit) State {
+func StateAt(now, deficit int64, l Limit) State {
 	refill := CeilDiv(deficit, l.Rate.Tokens)
 	return State{FullAt: now + refill, Slack: refill*l.Rate.Tokens - deficit}
 }
 
-// rawDeficit is how many units the bucket lacks at now, unsaturated: more
+// RawDeficit is how many units the bucket lacks at now, unsaturated: more
 // than the capacity for a bucket in debt or under a ban, up to maxDeficit.
-func (s State) rawDeficit(now int64, l Limit) int64 {
+func (s State) RawDeficit(now int64, l Limit) int64 {
 	gap := s.FullAt - now
 	if gap <= 0 {
 		return 0
@@ -158,28 +158,26 @@ func (s State) rawDeficit(now int64, l Limit) int64 {
 // to a bucket in state s. It returns the new state, which equals s when the
 // request is denied, unless the denial starts a ban.
 func Take(s State, now int64, l Limit, cost int64) (State, Result) {
-	next, res := take(s, now, l, cost, nil)
+	next, res := take(s, now, l, cost)
 	if !res.Allowed && l.Ban > 0 {
-		return ban(s, now, l, cost*l.Rate.Interval)
+		return Ban(s, now, l, cost*l.Rate.Interval)
 	}
 	return next, res
 }
 
 // take decides a request against one limit as if there were no ban
-// setting: the state after it, and the result. held is what the nodes
-// hold on lease of a shared bucket, which a request that waits reckons
-// with (takeWaiting).
-func take(s State, now int64, l Limit, cost int64, held []Held) (State, Result) {
-	s = s.read(now, l)
-	if l.MaxWait > 0 && !(s.Banned && banned(s, now, l)) {
-		return takeWaiting(s, now, l, cost, held)
+// setting: the state after it, and the result.
+func take(s State, now int64, l Limit, cost int64) (State, Result) {
+	s = s.Read(now, l)
+	if l.MaxWait > 0 && !(s.Banned && s.Overdrawn(now, l)) {
+		return takeWaiting(s, now, l, cost)
 	}
-	if banned(s, now, l) {
+	if s.Overdrawn(now, l) {
 		// In debt (cost_from_response) or under a ban: empty until the
 		// refill covers what it lacks, even for a request of cost 0.
 		return s, Result{RetryAfter: retryBanned(s, now, l, cost*l.Rate.Interval), ResetAfter: s.FullAt - now}
 	}
-	deficit := s.deficit(now, l)
+	deficit := s.Deficit(now, l)
 	level := l.Units() - deficit
 	need := cost * l.Rate.Interval
 	if level < need {
@@ -193,7 +191,7 @@ func take(s State, now int64, l Limit, cost int64, held []Held) (State, Result) 
 		// Nothing taken, so nothing written: a ban's mark stays.
 		return s, Result{Allowed: true, Remaining: level / l.Rate.Interval, ResetAfter: CeilDiv(deficit, l.Rate.Tokens)}
 	}
-	next := stateAt(now, deficit+need, l)
+	next := StateAt(now, deficit+need, l)
 	return next, Result{Allowed: true, Remaining: (level - need) / l.Rate.Interval, ResetAfter: next.FullAt - now}
 }
 
@@ -205,74 +203,53 @@ const MaxLimits = 8
 // place, writes each limit's result into out, and reports whether the
 // request was allowed. With a ban, a denial empties every limit.
 func TakeAll(states []State, now int64, ls []Limit, cost int64, out []Result) bool {
-	return takeAll(states, now, ls, cost, out, nil)
-}
-
-// takeAll is TakeAll for a shared bucket of which nodes hold tokens on
-// lease: a denial starts a ban only when a limit lacks the cost even with
-// those tokens counted, so that only a request one bucket would deny
-// starts one.
-func takeAll(states []State, now int64, ls []Limit, cost int64, out []Result, held []Held) bool {
 	var next [MaxLimits]State
 	allowed := true
 	for i, l := range ls {
-		states[i] = states[i].read(now, l)
-		next[i], out[i] = take(states[i], now, l, cost, held)
+		states[i] = states[i].Read(now, l)
+		next[i], out[i] = take(states[i], now, l, cost)
 		allowed = allowed && out[i].Allowed
 	}
-	switch {
-	case allowed:
-		goTogether(states, next[:len(ls)], now, ls, cost, out, held)
-		copy(states, next[:len(ls)])
-	case ls[0].Ban > 0 && short(states, now, ls, cost, outOf(held)):
-		started := false
-		for i, l := range ls {
-			states[i], out[i] = ban(states[i], now, l, cost*l.Rate.Interval)
-			started = started || out[i].Banned
-		}
-		// Every limit's result says whether this request started the ban.
-		for i := range ls {
-			out[i].Banned = started
-		}
-	default:
+	if !allowed {
+		Refuse(states, now, ls, cost, out, ls[0].Ban > 0)
+		return false
+	}
+	goTogether(states, next[:len(ls)], now, ls, cost, out)
+	copy(states, next[:len(ls)])
+	return true
+}
+
+// Refuse answers a request of cost on limits ls that one of them refused,
+// given each one's take in out. With ban, every limit is emptied (Ban),
+// and every result says whether this request started the ban. Without,
+// nothing is taken: a limit that had room reports as it stands.
+func Refuse(states []State, now int64, ls []Limit, cost int64, out []Result, ban bool) {
+	if !ban {
 		for i, l := range ls {
 			if out[i].Allowed {
-				// This limit had room, but another had not: nothing taken.
 				out[i] = Peek(states[i], now, l)
 				out[i].Allowed = false
 			}
 		}
+		return
 	}
-	return allowed
-}
-
-// short reports whether some limit lacks cost tokens at now even with held
-// more: banned or in debt, or its level and held short of the cost. With
-// MaxWait, short of it by more than MaxWait refills: what take refuses.
-func short(states []State, now int64, ls []Limit, cost, held int64) bool {
+	started := false
 	for i, l := range ls {
-		s, extra := states[i], min(held, l.Capacity)*l.Rate.Interval
-		if l.MaxWait > 0 {
-			if s.Banned && banned(s, now, l) || s.rawDeficit(now, l)+cost*l.Rate.Interval-l.Units()-extra > l.MaxWait*l.Rate.Tokens {
-				return true
-			}
-			continue
-		}
-		level := l.Units() - s.deficit(now, l)
-		if banned(s, now, l) || level+extra < cost*l.Rate.Interval {
-			return true
-		}
+		states[i], out[i] = Ban(states[i], now, l, cost*l.Rate.Interval)
+		started = started || out[i].Banned
 	}
-	return false
+	for i := range ls {
+		out[i].Banned = started
+	}
 }
 
-// ban answers a denial under a ban setting: it empties the bucket for
+// Ban answers a denial under a ban setting: it empties the bucket for
 // l.Ban from now, unless a ban already holds it, and says how long until
 // need units are back.
-func ban(s State, now int64, l Limit, need int64) (State, Result) {
+func Ban(s State, now int64, l Limit, need int64) (State, Result) {
 	// With MaxWait, a bucket below empty holds waiters, not a ban: a
 	// refusal starts one, and it never shortens what the waiters took.
-	started := !banned(s, now, l) || (l.MaxWait > 0 && !s.Banned)
+	started := !s.Overdrawn(now, l) || (l.MaxWait > 0 && !s.Banned)
 	if started {
 		// Empty at now+Ban exactly, then refilling as usual.
 		refill := CeilDiv(l.Units(), l.Rate.Tokens)
@@ -300,9 +277,9 @@ func retryBanned(s State, now int64, l Limit, need int64) int64 {
 // last allowed. A bucket full again is no bucket, ban or not.
 func (s State) bannedSince(now int64) bool { return s.Banned && s.FullAt > now }
 
-// banned reports whether s lacks more than the whole bucket at now: a ban,
-// or a debt that cost_from_response ran up.
-func banned(s State, now int64, l Limit) bool {
+// Overdrawn reports whether s lacks more than the whole bucket at now: a
+// ban, or a debt that cost_from_response ran up.
+func (s State) Overdrawn(now int64, l Limit) bool {
 	gap := s.FullAt - now
 	return gap > 0 && gap > (l.Units()+s.Slack)/l.Rate.Tokens
 }
@@ -314,22 +291,13 @@ func untilLevel(s State, now int64, l Limit, x int64) int64 {
 	return max(1, s.FullAt-now-(l.Units()-x+s.Slack)/l.Rate.Tokens)
 }
 
-// wait is the microseconds until the bucket holds x units: 0 when it does
-// now.
-func wait(s State, now int64, l Limit, x int64) int64 {
-	if !banned(s, now, l) && l.Units()-s.deficit(now, l) >= x {
-		return 0
-	}
-	return untilLevel(s, now, l, x)
-}
-
 // Peek reports the bucket as it stands at now, without taking: Allowed says
 // whether a unit-cost request would pass. A bucket that lacks more than its
 // capacity (a ban, a debt, waiters queued past empty) is full again when
 // its state says, not one refill of the capacity from now.
 func Peek(s State, now int64, l Limit) Result {
-	s = s.read(now, l)
-	deficit := s.deficit(now, l)
+	s = s.Read(now, l)
+	deficit := s.Deficit(now, l)
 	level := l.Units() - deficit
 	reset := CeilDiv(deficit, l.Rate.Tokens)
 	if deficit == l.Units() {
@@ -342,10 +310,10 @@ func Peek(s State, now int64, l Limit) Result {
 	}
 }
 
-// read is s as the limit l reads it: an Instant limit is full a
+// Read is s as the limit l reads it: an Instant limit is full a
 // microsecond after any state, so that one another limit wrote before a
-// reload, or a charge's debt, never empties it.
-func (s State) read(now int64, l Limit) State {
+// reload, or a charge's debt, never empties it. Every step reads first.
+func (s State) Read(now int64, l Limit) State {
 	if l.Instant && s.FullAt-now > 1 {
 		return State{}
 	}
@@ -361,22 +329,15 @@ func CeilDiv(a, b int64) int64 { return (a + b - 1) / b }
 // off its debt, and the level never passes the capacity of l, whatever
 // limit the tokens were taken under.
 func GiveBack(s State, now int64, l Limit, n int64) State {
-	return giveBack(s, now, l, n, 0)
-}
-
-// giveBack is GiveBack for a bucket that must go on lacking at least floor
-// units: the tokens out on lease (shared.go).
-func giveBack(s State, now int64, l Limit, n, floor int64) State {
-	s = s.read(now, l)
+	s = s.Read(now, l)
 	if n <= 0 || s.bannedSince(now) {
 		return s
 	}
-	raw := s.rawDeficit(now, l)
-	d := max(raw-min(n, l.Capacity)*l.Rate.Interval, min(floor, raw))
+	d := s.RawDeficit(now, l) - min(n, l.Capacity)*l.Rate.Interval
 	if d <= 0 {
 		return State{}
 	}
-	return stateAt(now, d, l)
+	return StateAt(now, d, l)
 }
 
 // maxDeficit bounds how far below empty a charge may take a bucket: a
@@ -411,13 +372,13 @@ func (l Limit) Converted(n int64, from Limit) int64 {
 // may hold it empty for longer than the deepest debt (maxDeficit), and a
 // charge during it must not end it early.
 func Charge(s State, now int64, l Limit, n int64) State {
-	s = s.read(now, l)
+	s = s.Read(now, l)
 	n = min(n, l.maxDeficit()/l.Rate.Interval) // an origin's figure, bounded
-	raw := min(s.rawDeficit(now, l)+n*l.Rate.Interval, l.maxDeficit())
+	raw := min(s.RawDeficit(now, l)+n*l.Rate.Interval, l.maxDeficit())
 	if raw <= 0 {
 		return State{}
 	}
-	next := stateAt(now, raw, l)
+	next := StateAt(now, raw, l)
 	next.Banned = s.bannedSince(now)
 	if next.FullAt < s.FullAt {
 		return s

@@ -1,31 +1,34 @@
-package bucket
+package bucket_test
 
 import (
 	"math"
 	"math/big"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 func TestParseRate(t *testing.T) {
 	tests := []struct {
 		in   string
-		want Rate
+		want bucket.Rate
 	}{
-		{"100/s", Rate{Tokens: 1, Interval: 10_000}},
-		{"0.5/s", Rate{Tokens: 1, Interval: 2_000_000}},
-		{"1/10s", Rate{Tokens: 1, Interval: 10_000_000}},
-		{"30/m", Rate{Tokens: 1, Interval: 2_000_000}},
-		{"1000/h", Rate{Tokens: 1, Interval: 3_600_000}},
-		{"3/s", Rate{Tokens: 3, Interval: 1_000_000}},
-		{"5/1m30s", Rate{Tokens: 1, Interval: 18_000_000}},
-		{"7/250ms", Rate{Tokens: 7, Interval: 250_000}},
-		{"1/d", Rate{Tokens: 1, Interval: 86_400_000_000}},
-		{"2.25/s", Rate{Tokens: 9, Interval: 4_000_000}},
-		{".5/s", Rate{Tokens: 1, Interval: 2_000_000}},
+		{"100/s", bucket.Rate{Tokens: 1, Interval: 10_000}},
+		{"0.5/s", bucket.Rate{Tokens: 1, Interval: 2_000_000}},
+		{"1/10s", bucket.Rate{Tokens: 1, Interval: 10_000_000}},
+		{"30/m", bucket.Rate{Tokens: 1, Interval: 2_000_000}},
+		{"1000/h", bucket.Rate{Tokens: 1, Interval: 3_600_000}},
+		{"3/s", bucket.Rate{Tokens: 3, Interval: 1_000_000}},
+		{"5/1m30s", bucket.Rate{Tokens: 1, Interval: 18_000_000}},
+		{"7/250ms", bucket.Rate{Tokens: 7, Interval: 250_000}},
+		{"1/d", bucket.Rate{Tokens: 1, Interval: 86_400_000_000}},
+		{"2.25/s", bucket.Rate{Tokens: 9, Interval: 4_000_000}},
+		{".5/s", bucket.Rate{Tokens: 1, Interval: 2_000_000}},
 	}
 	for _, tt := range tests {
-		got, err := ParseRate(tt.in)
+		got, err := bucket.ParseRate(tt.in)
 		if err != nil {
 			t.Errorf("ParseRate(%q): %v", tt.in, err)
 			continue
@@ -41,29 +44,29 @@ func TestParseRateRejectsBadRefills(t *testing.T) {
 		"", "fast", "10", "/s", "10/", "0/s", "-1/s", "1/0s", "1/-1s", "1e3/s",
 		"1/x", "1/1ns", "0.0000001/s", "abc/s", "1/s/s", "+1/s", "1.2.3/s", "9999999999999999999/s",
 	} {
-		if r, err := ParseRate(in); err == nil {
+		if r, err := bucket.ParseRate(in); err == nil {
 			t.Errorf("ParseRate(%q) = %+v, want an error", in, r)
 		}
 	}
 }
 
 func TestLimitValidateNamesTheValue(t *testing.T) {
-	rate := Rate{Tokens: 1, Interval: 1_000_000}
+	rate := bucket.Rate{Tokens: 1, Interval: 1_000_000}
 	tests := []struct {
-		limit Limit
+		limit bucket.Limit
 		cost  int64
 	}{
-		{Limit{Capacity: 0, Rate: rate}, 1},
-		{Limit{Capacity: 5, Rate: rate}, 6},
-		{Limit{Capacity: 5, Rate: rate}, 0},
-		{Limit{Capacity: 1 << 40, Rate: Rate{Tokens: 1, Interval: 1 << 20}}, 1},
+		{bucket.Limit{Capacity: 0, Rate: rate}, 1},
+		{bucket.Limit{Capacity: 5, Rate: rate}, 6},
+		{bucket.Limit{Capacity: 5, Rate: rate}, 0},
+		{bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1 << 20}}, 1},
 	}
 	for _, tt := range tests {
 		if err := tt.limit.Validate(tt.cost); err == nil {
 			t.Errorf("Limit%+v.Validate(%d): want an error", tt.limit, tt.cost)
 		}
 	}
-	if err := (Limit{Capacity: 5, Rate: rate}).Validate(5); err != nil {
+	if err := (bucket.Limit{Capacity: 5, Rate: rate}).Validate(5); err != nil {
 		t.Errorf("cost equal to capacity: %v", err)
 	}
 }
@@ -72,15 +75,15 @@ func TestTakeMatchesReferenceModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	waited, refusedWaiting := 0, 0
 	for i := range 500 {
-		tr := RandomTrace(rng)
-		ref := NewReference(tr.Limit)
-		var st State
+		tr := buckettest.RandomTrace(rng)
+		ref := buckettest.NewReference(tr.Limit)
+		var st bucket.State
 		now := int64(1_000_000)
 		for j := range tr.Gaps {
 			now += tr.Gaps[j]
 			want := ref.Take(now, tr.Costs[j])
-			var got Result
-			st, got = Take(st, now, tr.Limit, tr.Costs[j])
+			var got bucket.Result
+			st, got = bucket.Take(st, now, tr.Limit, tr.Costs[j])
 			if got != want {
 				t.Fatalf("trace %d (limit %+v), step %d at %dµs cost %d: got %+v, want %+v", i, tr.Limit, j, now, tr.Costs[j], got, want)
 			}
@@ -109,19 +112,19 @@ func TestFullBucketAdmitsCapacityPlusRefillExactly(t *testing.T) {
 		{100, "30/m", 100},
 		{5, "7/250ms", 3},
 	} {
-		rate, err := ParseRate(tt.refill)
+		rate, err := bucket.ParseRate(tt.refill)
 		if err != nil {
 			t.Fatal(err)
 		}
-		l := Limit{Capacity: tt.capacity, Rate: rate}
-		var st State
+		l := bucket.Limit{Capacity: tt.capacity, Rate: rate}
+		var st bucket.State
 		start := int64(5_000_000)
 		end := start + tt.seconds*1_000_000
 		allowed := int64(0)
 		// A request every millisecond, from the first microsecond to the last.
 		for now := start; now <= end; now += 1000 {
-			var res Result
-			if st, res = Take(st, now, l, 1); res.Allowed {
+			var res bucket.Result
+			if st, res = bucket.Take(st, now, l, 1); res.Allowed {
 				allowed++
 			}
 		}
@@ -133,9 +136,9 @@ func TestFullBucketAdmitsCapacityPlusRefillExactly(t *testing.T) {
 }
 
 func TestDeniedRequestChangesNothing(t *testing.T) {
-	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: 1_000_000}}
-	st, _ := Take(State{}, 10, l, 2)
-	after, res := Take(st, 20, l, 1)
+	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
+	st, _ := bucket.Take(bucket.State{}, 10, l, 2)
+	after, res := bucket.Take(st, 20, l, 1)
 	if res.Allowed || after != st {
 		t.Fatalf("denied take: allowed %v, state %+v -> %+v; want a denial and no change", res.Allowed, st, after)
 	}
@@ -145,22 +148,22 @@ func TestDeniedRequestChangesNothing(t *testing.T) {
 }
 
 func TestRefilledBucketIsTheSameAsNoBucket(t *testing.T) {
-	l := Limit{Capacity: 4, Rate: Rate{Tokens: 1, Interval: 500_000}}
-	st, _ := Take(State{}, 100, l, 3)
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 500_000}}
+	st, _ := bucket.Take(bucket.State{}, 100, l, 3)
 	if st.FullAt != 100+3*500_000 {
 		t.Fatalf("FullAt %d, want %d", st.FullAt, 100+3*500_000)
 	}
-	_, fromOld := Take(st, st.FullAt, l, 1)
-	_, fromNone := Take(State{}, st.FullAt, l, 1)
+	_, fromOld := bucket.Take(st, st.FullAt, l, 1)
+	_, fromNone := bucket.Take(bucket.State{}, st.FullAt, l, 1)
 	if fromOld != fromNone {
 		t.Errorf("at FullAt: from the old state %+v, from none %+v; want the same", fromOld, fromNone)
 	}
 }
 
 func TestClockGoingBackwardsNeverAddsTokens(t *testing.T) {
-	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: 1_000_000}}
-	st, _ := Take(State{}, 10_000_000, l, 2)
-	if _, res := Take(st, 1, l, 1); res.Allowed {
+	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
+	st, _ := bucket.Take(bucket.State{}, 10_000_000, l, 2)
+	if _, res := bucket.Take(st, 1, l, 1); res.Allowed {
 		t.Errorf("a request from before the last one was allowed from an empty bucket")
 	}
 }
@@ -171,20 +174,20 @@ func TestClockGoingBackwardsNeverAddsTokens(t *testing.T) {
 // bound for the whole span.
 func TestTimesOutOfOrderNeverAdmitMoreThanTheBound(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	for _, l := range []Limit{
-		{Capacity: 10, Rate: Rate{Tokens: 1, Interval: 100_000}}, // 10/s
-		{Capacity: 3, Rate: Rate{Tokens: 1, Interval: 1_000_000}},
-		{Capacity: 100, Rate: Rate{Tokens: 7, Interval: 30_000}},
+	for _, l := range []bucket.Limit{
+		{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}}, // 10/s
+		{Capacity: 3, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}},
+		{Capacity: 100, Rate: bucket.Rate{Tokens: 7, Interval: 30_000}},
 	} {
 		const n, step, jitter = 20_000, 20_000, 500_000 // µs
-		var st State
+		var st bucket.State
 		start, last := int64(1_000_000), int64(0)
 		allowed := int64(0)
 		for i := range int64(n) {
 			now := max(start, start+i*step-rng.Int64N(jitter)) // read, then delayed
 			last = max(last, start+i*step)
-			var res Result
-			st, res = Take(st, now, l, 1)
+			var res bucket.Result
+			st, res = bucket.Take(st, now, l, 1)
 			if res.Allowed {
 				allowed++
 			}
@@ -201,7 +204,7 @@ func TestTimesOutOfOrderNeverAdmitMoreThanTheBound(t *testing.T) {
 
 // refDeficit is State.deficit computed without overflow: the units a bucket
 // in state s lacks at now under l, saturated to the capacity.
-func refDeficit(s State, now int64, l Limit) int64 {
+func refDeficit(s bucket.State, now int64, l bucket.Limit) int64 {
 	if now >= s.FullAt {
 		return 0
 	}
@@ -218,15 +221,15 @@ func refDeficit(s State, now int64, l Limit) int64 {
 
 // randomExtremeLimit is a valid limit near the edges of what Validate
 // accepts: huge capacities, huge or tiny rates, intervals up to maxUnits.
-func randomExtremeLimit(rng *rand.Rand) Limit {
+func randomExtremeLimit(rng *rand.Rand) bucket.Limit {
 	for {
-		interval := []int64{1, 1_000_000, 1 << 32, maxUnits, 1 + rng.Int64N(maxUnits)}[rng.IntN(5)]
+		interval := []int64{1, 1_000_000, 1 << 32, bucket.MaxUnits, 1 + rng.Int64N(bucket.MaxUnits)}[rng.IntN(5)]
 		tokens := []int64{1, math.MaxInt32, 1 + rng.Int64N(math.MaxInt32)}[rng.IntN(3)]
 		g := new(big.Int).GCD(nil, nil, big.NewInt(tokens), big.NewInt(interval)).Int64()
 		tokens, interval = tokens/g, interval/g
-		capMax := maxUnits / interval
+		capMax := bucket.MaxUnits / interval
 		capacity := []int64{1, capMax, 1 + rng.Int64N(capMax)}[rng.IntN(3)]
-		l := Limit{Capacity: capacity, Rate: Rate{Tokens: tokens, Interval: interval}}
+		l := bucket.Limit{Capacity: capacity, Rate: bucket.Rate{Tokens: tokens, Interval: interval}}
 		if l.Validate(1) == nil {
 			return l
 		}
@@ -246,28 +249,28 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 	for i := range n {
 		old, next := randomExtremeLimit(rng), randomExtremeLimit(rng)
 		start := rng.Int64N(1 << 50)
-		st, _ := Take(State{}, start, old, 1+rng.Int64N(old.Capacity))
+		st, _ := bucket.Take(bucket.State{}, start, old, 1+rng.Int64N(old.Capacity))
 		now := start + []int64{0, 1, -1, rng.Int64N(1 << 40), -rng.Int64N(1 << 40)}[rng.IntN(5)]
 		cost := 1 + rng.Int64N(next.Capacity)
 
 		deficit := refDeficit(st, now, next)
 		level := next.Units() - deficit
-		if got := st.deficit(now, next); got != deficit {
+		if got := st.Deficit(now, next); got != deficit {
 			t.Fatalf("case %d: state %+v at %d under %+v: deficit %d, want %d", i, st, now, next, got, deficit)
 		}
-		nst, res := Take(st, now, next, cost)
+		nst, res := bucket.Take(st, now, next, cost)
 		if want := level / next.Rate.Interval; res.Remaining > want || res.Remaining < 0 {
 			t.Fatalf("case %d: remaining %d, want at most %d and not negative", i, res.Remaining, want)
 		}
 		if res.Allowed != (level >= cost*next.Rate.Interval) {
 			t.Fatalf("case %d: allowed %v with level %d and cost %d", i, res.Allowed, level, cost)
 		}
-		if maxReset := CeilDiv(next.Units(), next.Rate.Tokens); res.ResetAfter < 0 || res.RetryAfter < 0 || res.Allowed && res.ResetAfter > maxReset {
+		if maxReset := bucket.CeilDiv(next.Units(), next.Rate.Tokens); res.ResetAfter < 0 || res.RetryAfter < 0 || res.Allowed && res.ResetAfter > maxReset {
 			t.Fatalf("case %d: reset after %d, retry after %d; want both at least 0, and reset at most %d when allowed", i, res.ResetAfter, res.RetryAfter, maxReset)
 		}
 		// The retry time is enough: the same request then is allowed.
 		if !res.Allowed {
-			if _, again := Take(st, now+res.RetryAfter, next, cost); !again.Allowed {
+			if _, again := bucket.Take(st, now+res.RetryAfter, next, cost); !again.Allowed {
 				t.Fatalf("case %d: denied with retry after %d, and denied again then: %+v", i, res.RetryAfter, again)
 			}
 		}
@@ -283,18 +286,18 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 // The fleet property test found it, charging huge figures. Regression test
 // for issue 30.
 func TestAChargeNeverShortensABan(t *testing.T) {
-	l := Limit{Capacity: 170, Rate: Rate{Tokens: 1, Interval: 1}, Ban: 15_000_000}
+	l := bucket.Limit{Capacity: 170, Rate: bucket.Rate{Tokens: 1, Interval: 1}, Ban: 15_000_000}
 	const now = 1_000_000
-	banned, res := Take(State{FullAt: now + 170}, now, l, 1)
+	banned, res := bucket.Take(bucket.State{FullAt: now + 170}, now, l, 1)
 	if !res.Banned {
 		t.Fatalf("a refusal under a ban setting: %+v, want a ban", res)
 	}
 	for _, n := range []int64{1, 170, 1 << 40, math.MaxInt64} {
-		got := Charge(banned, now+1000, l, n)
+		got := bucket.Charge(banned, now+1000, l, n)
 		if got.FullAt < banned.FullAt || !got.Banned {
 			t.Errorf("charge of %d during the ban: full at %d, banned %v; the ban held it until %d", n, got.FullAt, got.Banned, banned.FullAt)
 		}
-		if _, r := Take(got, now+2_000_000, l, 1); r.Allowed {
+		if _, r := bucket.Take(got, now+2_000_000, l, 1); r.Allowed {
 			t.Errorf("charge of %d: a request 2 s into a 15 s ban was allowed", n)
 		}
 	}

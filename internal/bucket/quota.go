@@ -234,7 +234,7 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []L
 		fits = fits && qout[i].Allowed
 	}
 	if !fits {
-		peekRefused(states, now, ls, cost, nil, out)
+		peekRefused(states, now, ls, cost, out)
 		refuseQuotas(qstates, wall, qs, qout)
 		return false
 	}
@@ -252,9 +252,9 @@ func TakeAllQuotas(states []State, qstates []QuotaState, now, wall int64, ls []L
 // peekRefused reports the limits of a request a quota refused, taking
 // nothing: as they stand, and, for a limit that would refuse too, when it
 // would not, so that Retry-After covers every refusal.
-func peekRefused(states []State, now int64, ls []Limit, cost int64, held []Held, out []Result) {
+func peekRefused(states []State, now int64, ls []Limit, cost int64, out []Result) {
 	for i, l := range ls {
-		_, r := take(states[i], now, l, cost, held)
+		_, r := take(states[i], now, l, cost)
 		out[i] = Peek(states[i], now, l)
 		if !r.Allowed {
 			out[i].RetryAfter = r.RetryAfter

@@ -1,10 +1,13 @@
-package bucket
+package bucket_test
 
 import (
 	"fmt"
 	"math"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 func mustZone(t *testing.T, name string) *time.Location {
@@ -26,23 +29,23 @@ func TestQuotaBoundsOnTheCalendarsEdges(t *testing.T) {
 	berlin := mustZone(t, "Europe/Berlin")
 	for _, tt := range []struct {
 		name   string
-		q      Quota
+		q      bucket.Quota
 		at     time.Time
 		length time.Duration
 		start  time.Time
 	}{
-		{"NY spring forward: 23 hours", Quota{1, Day, ny}, time.Date(2026, 3, 8, 12, 0, 0, 0, ny), 23 * time.Hour, time.Date(2026, 3, 8, 0, 0, 0, 0, ny)},
-		{"NY fall back: 25 hours", Quota{1, Day, ny}, time.Date(2026, 11, 1, 23, 59, 0, 0, ny), 25 * time.Hour, time.Date(2026, 11, 1, 0, 0, 0, 0, ny)},
-		{"an ordinary NY day", Quota{1, Day, ny}, time.Date(2026, 3, 9, 0, 0, 0, 0, ny), 24 * time.Hour, time.Date(2026, 3, 9, 0, 0, 0, 0, ny)},
-		{"February 2028: 29 days", Quota{1, Month, time.UTC}, time.Date(2028, 2, 29, 23, 59, 59, 0, time.UTC), 29 * 24 * time.Hour, time.Date(2028, 2, 1, 0, 0, 0, 0, time.UTC)},
-		{"February 2027: 28 days", Quota{1, Month, time.UTC}, time.Date(2027, 2, 14, 0, 0, 0, 0, time.UTC), 28 * 24 * time.Hour, time.Date(2027, 2, 1, 0, 0, 0, 0, time.UTC)},
-		{"31 December, last microsecond", Quota{1, Year, berlin}, time.Date(2026, 12, 31, 23, 59, 59, 999999000, berlin), 365 * 24 * time.Hour, time.Date(2026, 1, 1, 0, 0, 0, 0, berlin)},
-		{"1 January, first moment", Quota{1, Year, berlin}, time.Date(2027, 1, 1, 0, 0, 0, 0, berlin), 365 * 24 * time.Hour, time.Date(2027, 1, 1, 0, 0, 0, 0, berlin)},
-		{"a leap year", Quota{1, Year, time.UTC}, time.Date(2028, 7, 1, 0, 0, 0, 0, time.UTC), 366 * 24 * time.Hour, time.Date(2028, 1, 1, 0, 0, 0, 0, time.UTC)},
-		{"a week from Monday, on Sunday night", Quota{1, Week, berlin}, time.Date(2026, 12, 6, 23, 0, 0, 0, berlin), 7 * 24 * time.Hour, time.Date(2026, 11, 30, 0, 0, 0, 0, berlin)},
-		{"a week from Monday, on Monday", Quota{1, Week, berlin}, time.Date(2026, 12, 7, 0, 0, 0, 0, berlin), 7 * 24 * time.Hour, time.Date(2026, 12, 7, 0, 0, 0, 0, berlin)},
-		{"a week over the NY fall-back", Quota{1, Week, ny}, time.Date(2026, 11, 1, 12, 0, 0, 0, ny), 7*24*time.Hour + time.Hour, time.Date(2026, 10, 26, 0, 0, 0, 0, ny)},
-		{"a month in Berlin, over the spring change", Quota{1, Month, berlin}, time.Date(2026, 3, 31, 23, 0, 0, 0, berlin), 31*24*time.Hour - time.Hour, time.Date(2026, 3, 1, 0, 0, 0, 0, berlin)},
+		{"NY spring forward: 23 hours", bucket.Quota{1, bucket.Day, ny}, time.Date(2026, 3, 8, 12, 0, 0, 0, ny), 23 * time.Hour, time.Date(2026, 3, 8, 0, 0, 0, 0, ny)},
+		{"NY fall back: 25 hours", bucket.Quota{1, bucket.Day, ny}, time.Date(2026, 11, 1, 23, 59, 0, 0, ny), 25 * time.Hour, time.Date(2026, 11, 1, 0, 0, 0, 0, ny)},
+		{"an ordinary NY day", bucket.Quota{1, bucket.Day, ny}, time.Date(2026, 3, 9, 0, 0, 0, 0, ny), 24 * time.Hour, time.Date(2026, 3, 9, 0, 0, 0, 0, ny)},
+		{"February 2028: 29 days", bucket.Quota{1, bucket.Month, time.UTC}, time.Date(2028, 2, 29, 23, 59, 59, 0, time.UTC), 29 * 24 * time.Hour, time.Date(2028, 2, 1, 0, 0, 0, 0, time.UTC)},
+		{"February 2027: 28 days", bucket.Quota{1, bucket.Month, time.UTC}, time.Date(2027, 2, 14, 0, 0, 0, 0, time.UTC), 28 * 24 * time.Hour, time.Date(2027, 2, 1, 0, 0, 0, 0, time.UTC)},
+		{"31 December, last microsecond", bucket.Quota{1, bucket.Year, berlin}, time.Date(2026, 12, 31, 23, 59, 59, 999999000, berlin), 365 * 24 * time.Hour, time.Date(2026, 1, 1, 0, 0, 0, 0, berlin)},
+		{"1 January, first moment", bucket.Quota{1, bucket.Year, berlin}, time.Date(2027, 1, 1, 0, 0, 0, 0, berlin), 365 * 24 * time.Hour, time.Date(2027, 1, 1, 0, 0, 0, 0, berlin)},
+		{"a leap year", bucket.Quota{1, bucket.Year, time.UTC}, time.Date(2028, 7, 1, 0, 0, 0, 0, time.UTC), 366 * 24 * time.Hour, time.Date(2028, 1, 1, 0, 0, 0, 0, time.UTC)},
+		{"a week from Monday, on Sunday night", bucket.Quota{1, bucket.Week, berlin}, time.Date(2026, 12, 6, 23, 0, 0, 0, berlin), 7 * 24 * time.Hour, time.Date(2026, 11, 30, 0, 0, 0, 0, berlin)},
+		{"a week from Monday, on Monday", bucket.Quota{1, bucket.Week, berlin}, time.Date(2026, 12, 7, 0, 0, 0, 0, berlin), 7 * 24 * time.Hour, time.Date(2026, 12, 7, 0, 0, 0, 0, berlin)},
+		{"a week over the NY fall-back", bucket.Quota{1, bucket.Week, ny}, time.Date(2026, 11, 1, 12, 0, 0, 0, ny), 7*24*time.Hour + time.Hour, time.Date(2026, 10, 26, 0, 0, 0, 0, ny)},
+		{"a month in Berlin, over the spring change", bucket.Quota{1, bucket.Month, berlin}, time.Date(2026, 3, 31, 23, 0, 0, 0, berlin), 31*24*time.Hour - time.Hour, time.Date(2026, 3, 1, 0, 0, 0, 0, berlin)},
 	} {
 		start, end := tt.q.Bounds(micros(tt.at))
 		if start != micros(tt.start) || time.Duration(end-start)*time.Microsecond != tt.length {
@@ -55,19 +58,19 @@ func TestQuotaBoundsOnTheCalendarsEdges(t *testing.T) {
 // boundary, and starts over there; a refusal takes nothing.
 func TestQuotaAdmitsNAPeriodAndStartsOverAtTheBoundary(t *testing.T) {
 	ny := mustZone(t, "America/New_York")
-	q := Quota{N: 3, Period: Day, Loc: ny}
+	q := bucket.Quota{N: 3, Period: bucket.Day, Loc: ny}
 	// The 23-hour day: from 05:00 UTC on 8 March to 04:00 UTC on 9 March.
 	now := micros(time.Date(2026, 3, 8, 22, 0, 0, 0, ny))
 	boundary := micros(time.Date(2026, 3, 9, 0, 0, 0, 0, ny))
-	var s QuotaState
+	var s bucket.QuotaState
 	for i := range 3 {
-		var res Result
-		if s, res = TakeQuota(s, now, q, 1); !res.Allowed || res.Remaining != int64(2-i) || res.ResetAfter != boundary-now {
+		var res bucket.Result
+		if s, res = bucket.TakeQuota(s, now, q, 1); !res.Allowed || res.Remaining != int64(2-i) || res.ResetAfter != boundary-now {
 			t.Fatalf("take %d: %+v", i, res)
 		}
 	}
 	before := s
-	s, res := TakeQuota(s, now, q, 1)
+	s, res := bucket.TakeQuota(s, now, q, 1)
 	if res.Allowed || res.RetryAfter != boundary-now || s != before {
 		t.Fatalf("the 4th: %+v, state %+v; want refused until midnight (%d µs), nothing taken", res, s, boundary-now)
 	}
@@ -76,34 +79,34 @@ func TestQuotaAdmitsNAPeriodAndStartsOverAtTheBoundary(t *testing.T) {
 	}
 	// One microsecond before midnight: still refused; at midnight: a new
 	// day, N again.
-	if _, res = TakeQuota(s, boundary-1, q, 1); res.Allowed || res.RetryAfter != 1 {
+	if _, res = bucket.TakeQuota(s, boundary-1, q, 1); res.Allowed || res.RetryAfter != 1 {
 		t.Fatalf("just before midnight: %+v", res)
 	}
-	if s, res = TakeQuota(s, boundary, q, 3); !res.Allowed || res.Remaining != 0 {
+	if s, res = bucket.TakeQuota(s, boundary, q, 3); !res.Allowed || res.Remaining != 0 {
 		t.Fatalf("at midnight, all 3 at once: %+v", res)
 	}
 	// A give-back returns to this period's count; one of the last period
 	// is gone with it.
-	if got := GiveBackQuota(s, boundary+1, boundary, q, 2); got.Used != 1 {
+	if got := bucket.GiveBackQuota(s, boundary+1, boundary, q, 2); got.Used != 1 {
 		t.Fatalf("give-back: %+v", got)
 	}
-	if got := GiveBackQuota(before, boundary+1, now, q, 2); got != before {
+	if got := bucket.GiveBackQuota(before, boundary+1, now, q, 2); got != before {
 		t.Fatalf("a give-back of the last period changed %+v to %+v", before, got)
 	}
 	// A charge counts up to N, no further.
-	if got := ChargeQuota(QuotaState{}, now, q, 10); got.Used != 3 {
+	if got := bucket.ChargeQuota(bucket.QuotaState{}, now, q, 10); got.Used != 3 {
 		t.Fatalf("charge: %+v", got)
 	}
 }
 
 func TestParseQuota(t *testing.T) {
 	for _, s := range []string{"0/day", "5/fortnight", "x/day", "5", "-1/month", "3000000000/day"} {
-		if _, err := ParseQuota(s, nil); err == nil {
+		if _, err := bucket.ParseQuota(s, nil); err == nil {
 			t.Errorf("%q: want an error", s)
 		}
 	}
-	q, err := ParseQuota("10000/month", nil)
-	if err != nil || q.N != 10000 || q.Period != Month || q.Loc != time.UTC || q.String() != "10000/month" {
+	q, err := bucket.ParseQuota("10000/month", nil)
+	if err != nil || q.N != 10000 || q.Period != bucket.Month || q.Loc != time.UTC || q.String() != "10000/month" {
 		t.Fatalf("10000/month: %+v, %v", q, err)
 	}
 }
@@ -112,12 +115,12 @@ func TestParseQuota(t *testing.T) {
 // refusal by the rate limit takes nothing from the quota, and a refusal
 // by the quota takes nothing from the limit and starts no ban.
 func TestQuotasAndLimitsTakeAllOrNothing(t *testing.T) {
-	l := Limit{Capacity: 2, Rate: Rate{Tokens: 1, Interval: 1_000_000}, Ban: 60_000_000}
-	q := Quota{N: 3, Period: Day, Loc: time.UTC}
-	ls, qs := []Limit{l}, []Quota{q}
+	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}, Ban: 60_000_000}
+	q := bucket.Quota{N: 3, Period: bucket.Day, Loc: time.UTC}
+	ls, qs := []bucket.Limit{l}, []bucket.Quota{q}
 	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
-	sh := &Shared{Levels: make([]State, 1)}
-	out, qout := make([]Result, 1), make([]Result, 1)
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
 	for i := range 2 {
 		if !sh.TakeWithQuotas(now, ls, qs, 1, out, qout) {
 			t.Fatalf("request %d refused: %+v %+v", i, out, qout)
@@ -153,15 +156,15 @@ func TestQuotasAndLimitsTakeAllOrNothing(t *testing.T) {
 // around to a negative one, which would give the client the period back.
 // Regression test for issue 30 item 1.
 func TestAChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
-	q := Quota{N: 5, Period: Month, Loc: time.UTC}
+	q := bucket.Quota{N: 5, Period: bucket.Month, Loc: time.UTC}
 	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
-	if bad := chargeLeavesNoRoom(q, now, ChargeQuota); bad != "" {
+	if bad := chargeLeavesNoRoom(q, now, bucket.ChargeQuota); bad != "" {
 		t.Fatal(bad)
 	}
 	// The mutation the check must catch: the sum bounded after it wraps.
-	wrapping := func(s QuotaState, now int64, q Quota, n int64) QuotaState {
+	wrapping := func(s bucket.QuotaState, now int64, q bucket.Quota, n int64) bucket.QuotaState {
 		start, _ := q.Bounds(now)
-		return QuotaState{Start: start, Used: min(q.N, s.used(start)+max(0, n))}
+		return bucket.QuotaState{Start: start, Used: min(q.N, s.UsedIn(start)+max(0, n))}
 	}
 	if chargeLeavesNoRoom(q, now, wrapping) == "" {
 		t.Fatal("a charge whose sum wraps passed the check")
@@ -171,15 +174,15 @@ func TestAChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 // chargeLeavesNoRoom charges q, in several states, by figures up to
 // 2^63-1 with charge, and describes the first that leaves the quota room
 // for one more token ("" for none).
-func chargeLeavesNoRoom(q Quota, now int64, charge func(QuotaState, int64, Quota, int64) QuotaState) string {
+func chargeLeavesNoRoom(q bucket.Quota, now int64, charge func(bucket.QuotaState, int64, bucket.Quota, int64) bucket.QuotaState) string {
 	start, end := q.Bounds(now)
 	for _, used := range []int64{0, 1, q.N - 1, q.N} {
 		for _, n := range []int64{q.N - used, 1 << 62, math.MaxInt64 - q.N, math.MaxInt64 - used, math.MaxInt64 - max(used-1, 0), math.MaxInt64} {
-			s := charge(QuotaState{Start: start, Used: used}, now, q, n)
-			if s != (QuotaState{Start: start, Used: q.N}) {
+			s := charge(bucket.QuotaState{Start: start, Used: used}, now, q, n)
+			if s != (bucket.QuotaState{Start: start, Used: q.N}) {
 				return fmt.Sprintf("%d used, charged %d: %+v; want the quota used up (%d)", used, n, s, q.N)
 			}
-			if _, r := TakeQuota(s, now, q, 1); r.Allowed || r.RetryAfter != end-now {
+			if _, r := bucket.TakeQuota(s, now, q, 1); r.Allowed || r.RetryAfter != end-now {
 				return fmt.Sprintf("%d used, charged %d: the next take %+v; want refused until the period ends", used, n, r)
 			}
 		}
@@ -193,23 +196,23 @@ func chargeLeavesNoRoom(q Quota, now int64, charge func(QuotaState, int64, Quota
 // hand the client back what it used once n is raised again. (A charge
 // takes at most what is left: here nothing.)
 func TestAChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
-	ten := Quota{N: 10, Period: Day, Loc: time.UTC}
-	five := Quota{N: 5, Period: Day, Loc: time.UTC}
+	ten := bucket.Quota{N: 10, Period: bucket.Day, Loc: time.UTC}
+	five := bucket.Quota{N: 5, Period: bucket.Day, Loc: time.UTC}
 	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
-	var s QuotaState
+	var s bucket.QuotaState
 	for range 8 {
-		s, _ = TakeQuota(s, now, ten, 1)
+		s, _ = bucket.TakeQuota(s, now, ten, 1)
 	}
 	// The reload to 5: a response of the running config reports 1 more.
-	s = ChargeQuota(s, now, five, 1)
+	s = bucket.ChargeQuota(s, now, five, 1)
 	if s.Used < 8 {
 		t.Errorf("8 used, n lowered to 5, then charged 1: %d used; want at least the 8 (a charge never lowers the count)", s.Used)
 	}
 	// n back to 10: the day has 2 left at most, whatever the reloads did.
 	admitted := 0
 	for range 10 {
-		var r Result
-		if s, r = TakeQuota(s, now, ten, 1); r.Allowed {
+		var r bucket.Result
+		if s, r = bucket.TakeQuota(s, now, ten, 1); r.Allowed {
 			admitted++
 		}
 	}

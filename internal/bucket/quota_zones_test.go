@@ -1,4 +1,4 @@
-package bucket
+package bucket_test
 
 import (
 	"archive/zip"
@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // Every zone of the tz database, 2005 to 2030: around each of its
@@ -37,8 +39,8 @@ func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
 		}
 		for tr := range zoneTransitions(loc, from, to) {
 			for _, at := range aroundTransition(tr, loc) {
-				for p := Day; p <= Year; p++ {
-					q := Quota{N: 1, Period: p, Loc: loc}
+				for p := bucket.Day; p <= bucket.Year; p++ {
+					q := bucket.Quota{N: 1, Period: p, Loc: loc}
 					if bad := periodFault(q, q.Bounds, at.UnixMicro()); bad != "" {
 						report("%s, %s, at %s (%d µs): %s", name, p, at.In(loc).Format("2006-01-02 15:04:05 MST"), at.UnixMicro(), bad)
 					}
@@ -53,7 +55,7 @@ func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
 	t.Logf("%d zones, %d instants and periods checked", len(zones), checked)
 	// The mutation the check must catch: a day from the midnight of the
 	// date the clock shows, as time.Date resolves it.
-	byDate := func(q Quota) func(int64) (int64, int64) {
+	byDate := func(q bucket.Quota) func(int64) (int64, int64) {
 		return func(t int64) (int64, int64) {
 			y, m, d := time.UnixMicro(t).In(q.Loc).Date()
 			return time.Date(y, m, d, 0, 0, 0, 0, q.Loc).UnixMicro(), time.Date(y, m, d+1, 0, 0, 0, 0, q.Loc).UnixMicro()
@@ -67,7 +69,7 @@ func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
 		{"Asia/Amman", time.Date(2015, 10, 29, 21, 30, 0, 0, time.UTC)},      // 00:30 EEST, the first of two
 		{"Antarctica/Casey", time.Date(2019, 3, 16, 13, 30, 0, 0, time.UTC)}, // 00:30 +11, the first of two
 	} {
-		q := Quota{N: 1, Period: Day, Loc: mustZone(t, tt.zone)}
+		q := bucket.Quota{N: 1, Period: bucket.Day, Loc: mustZone(t, tt.zone)}
 		if periodFault(q, q.Bounds, tt.at.UnixMicro()) != "" || periodFault(q, byDate(q), tt.at.UnixMicro()) == "" {
 			t.Errorf("%s at %s: the check passes a day from the midnight of the date shown, or fails Bounds", tt.zone, tt.at)
 		}
@@ -76,7 +78,7 @@ func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
 
 // periodFault describes how the period of q around t, by bounds, fails
 // to be one of a partition of time into periods ("" when it does not).
-func periodFault(q Quota, bounds func(int64) (int64, int64), t int64) string {
+func periodFault(q bucket.Quota, bounds func(int64) (int64, int64), t int64) string {
 	s, e := bounds(t)
 	switch s2, e2 := bounds(s); {
 	case !(s <= t && t < e):
@@ -98,15 +100,15 @@ func periodFault(q Quota, bounds func(int64) (int64, int64), t int64) string {
 		return ""
 	}
 	_, m, d := at.Date()
-	if q.Period == Week && at.Weekday() != time.Monday || q.Period == Month && d != 1 || q.Period == Year && (m != 1 || d != 1) {
+	if q.Period == bucket.Week && at.Weekday() != time.Monday || q.Period == bucket.Month && d != 1 || q.Period == bucket.Year && (m != 1 || d != 1) {
 		return "the period " + span(q, s, e) + " starts on another day than its first"
 	}
 	return ""
 }
 
-func span(q Quota, s, e int64) string { return "[" + stamp(q, s) + ", " + stamp(q, e) + ")" }
+func span(q bucket.Quota, s, e int64) string { return "[" + stamp(q, s) + ", " + stamp(q, e) + ")" }
 
-func stamp(q Quota, t int64) string {
+func stamp(q bucket.Quota, t int64) string {
 	return time.UnixMicro(t).In(q.Loc).Format("2006-01-02 15:04:05 MST")
 }
 

@@ -1,8 +1,10 @@
-package bucket
+package bucket_test
 
 import (
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // Defect: Quota.Bounds on a day whose midnight does not exist (DST starts
@@ -26,7 +28,7 @@ func TestReview24BoundsHoldTWhenMidnightIsSkipped(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		q := Quota{N: 10, Period: Day, Loc: loc}
+		q := bucket.Quota{N: 10, Period: bucket.Day, Loc: loc}
 		// Saturday 23:30 local: an ordinary Saturday moment, 30 minutes
 		// before the clocks jump from 24:00 to 01:00.
 		at := time.Date(tt.y, time.Month(tt.m), tt.d-1, 23, 30, 0, 0, loc)
@@ -40,7 +42,7 @@ func TestReview24BoundsHoldTWhenMidnightIsSkipped(t *testing.T) {
 		if end != firstOfSunday {
 			t.Errorf("%s: Saturday ends at %s, want %s (the first moment of Sunday)", tt.zone, time.UnixMicro(end).In(loc), time.UnixMicro(firstOfSunday).In(loc))
 		}
-		_, res := TakeQuota(QuotaState{Start: start, Used: 10}, t0, q, 1)
+		_, res := bucket.TakeQuota(bucket.QuotaState{Start: start, Used: 10}, t0, q, 1)
 		if res.Allowed || res.RetryAfter <= 0 || res.ResetAfter <= 0 {
 			t.Errorf("%s: refused at Saturday 23:30 with RetryAfter %d µs, ResetAfter %d µs; want both positive (to the boundary, 30 min)", tt.zone, res.RetryAfter, res.ResetAfter)
 		}
@@ -57,20 +59,20 @@ func TestReview24BoundsHoldTWhenMidnightIsSkipped(t *testing.T) {
 // quota the tokens were taken from). The same logic is in the Lua
 // script's giveback (q.used - count in the current period).
 func TestReview24GiveBackAfterTheBoundaryDoesNotRefundTheNewPeriod(t *testing.T) {
-	q := Quota{N: 2, Period: Day, Loc: time.UTC}
+	q := bucket.Quota{N: 2, Period: bucket.Day, Loc: time.UTC}
 	before := time.Date(2026, 5, 4, 23, 59, 59, 900_000_000, time.UTC).UnixMicro()
 	after := time.Date(2026, 5, 5, 0, 0, 0, 100_000_000, time.UTC).UnixMicro()
-	var s QuotaState
-	s, _ = TakeQuota(s, before, q, 1) // request A, yesterday; its response is slow
+	var s bucket.QuotaState
+	s, _ = bucket.TakeQuota(s, before, q, 1) // request A, yesterday; its response is slow
 	admitted := 0
 	for range 2 {
-		var res Result
-		if s, res = TakeQuota(s, after, q, 1); res.Allowed {
+		var res bucket.Result
+		if s, res = bucket.TakeQuota(s, after, q, 1); res.Allowed {
 			admitted++
 		}
 	}
-	s = GiveBackQuota(s, after, before, q, 1) // A's response does not count: give back
-	if _, res := TakeQuota(s, after, q, 1); res.Allowed {
+	s = bucket.GiveBackQuota(s, after, before, q, 1) // A's response does not count: give back
+	if _, res := bucket.TakeQuota(s, after, q, 1); res.Allowed {
 		admitted++
 	}
 	if admitted != 2 {
@@ -84,14 +86,14 @@ func TestReview24GiveBackAfterTheBoundaryDoesNotRefundTheNewPeriod(t *testing.T)
 // and as the IETF item's r (a non-negative integer), and the admin API as
 // "left".
 func TestReview24RemainingNeverNegativeAfterNIsLowered(t *testing.T) {
-	q := Quota{N: 3, Period: Day, Loc: time.UTC}
+	q := bucket.Quota{N: 3, Period: bucket.Day, Loc: time.UTC}
 	now := time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro()
 	start, _ := q.Bounds(now)
-	s := QuotaState{Start: start, Used: 5} // counted under quota 10/day
-	if _, res := TakeQuota(s, now, q, 1); res.Remaining < 0 {
+	s := bucket.QuotaState{Start: start, Used: 5} // counted under quota 10/day
+	if _, res := bucket.TakeQuota(s, now, q, 1); res.Remaining < 0 {
 		t.Errorf("TakeQuota: Remaining %d, want 0", res.Remaining)
 	}
-	if res := PeekQuota(s, now, q); res.Remaining < 0 {
+	if res := bucket.PeekQuota(s, now, q); res.Remaining < 0 {
 		t.Errorf("PeekQuota: Remaining %d, want 0", res.Remaining)
 	}
 }

@@ -1,8 +1,10 @@
-package bucket
+package bucket_test
 
 import (
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // Adversarial review of the fixes of issue 25's review (3cb8e39). Tests
@@ -42,7 +44,7 @@ func TestReview25cDefectBoundsOfADayBeforeASkippedDayReturns(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		q := Quota{N: 10, Period: Day, Loc: loc}
+		q := bucket.Quota{N: 10, Period: bucket.Day, Loc: loc}
 		at := time.Date(tc.y, tc.m, tc.d, 12, 0, 0, 0, loc).UnixMicro()
 		type bounds struct{ start, end int64 }
 		got := make(chan bounds, 1)
@@ -76,7 +78,7 @@ func TestReview25cCountedAtIsInTheStoresPeriod(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		qs := []Quota{{N: 1, Period: Day, Loc: loc}, {N: 1, Period: Week, Loc: loc}, {N: 1, Period: Month, Loc: loc}, {N: 1, Period: Year, Loc: loc}}
+		qs := []bucket.Quota{{N: 1, Period: bucket.Day, Loc: loc}, {N: 1, Period: bucket.Week, Loc: loc}, {N: 1, Period: bucket.Month, Loc: loc}, {N: 1, Period: bucket.Year, Loc: loc}}
 		from := time.Date(2026, 1, 1, 0, 0, 0, 0, loc).UnixMicro()
 		to := time.Date(2027, 1, 3, 0, 0, 0, 0, loc).UnixMicro()
 		// Every 193 minutes over the year, and the moments next to each
@@ -93,12 +95,12 @@ func TestReview25cCountedAtIsInTheStoresPeriod(t *testing.T) {
 			for _, skew := range skews {
 				for _, lag := range []int64{0, 2_000_000} {
 					start := storeNow - lag + skew.Microseconds() // node's wall at the request's start
-					var qout [4]Result
+					var qout [4]bucket.Result
 					for i, q := range qs {
 						_, end := q.Bounds(storeNow)
-						qout[i] = Result{ResetAfter: end - storeNow}
+						qout[i] = bucket.Result{ResetAfter: end - storeNow}
 					}
-					at := CountedAt(start, qout[:])
+					at := bucket.CountedAt(start, qout[:])
 					for _, q := range qs {
 						want, _ := q.Bounds(storeNow)
 						if got, _ := q.Bounds(at); got != want {

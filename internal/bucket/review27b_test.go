@@ -1,4 +1,4 @@
-package bucket
+package bucket_test
 
 import (
 	"fmt"
@@ -6,6 +6,9 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // Review 27b: goTogether's results (f9ca558), on the Go model.
@@ -16,24 +19,24 @@ var r27bRates = append([]string{"2000000/s", "3000000/s"}, r27Rates...)
 
 // r27bTier is a tier of two or three limits that waits (max_wait, the
 // same for all, valid for each), with a ban one time in three.
-func r27bTier(rng *rand.Rand, rates []string) []Limit {
+func r27bTier(rng *rand.Rand, rates []string) []bucket.Limit {
 	n := 2 + rng.IntN(2)
-	var ls []Limit
+	var ls []bucket.Limit
 	for range n {
-		rate, err := ParseRate(rates[rng.IntN(len(rates))])
+		rate, err := bucket.ParseRate(rates[rng.IntN(len(rates))])
 		if err != nil {
 			panic(err)
 		}
-		ls = append(ls, Limit{Capacity: 1 + rng.Int64N(20), Rate: rate})
+		ls = append(ls, bucket.Limit{Capacity: 1 + rng.Int64N(20), Rate: rate})
 	}
-	full := CeilDiv(ls[0].Units(), ls[0].Rate.Tokens)
+	full := bucket.CeilDiv(ls[0].Units(), ls[0].Rate.Tokens)
 	mw := 1 + rng.Int64N(3*full+1)
 	var ban int64
 	if rng.IntN(3) == 0 {
 		ban = 1 + rng.Int64N(5*full+1)
 	}
 	for i := range ls {
-		mw = min(mw, (ls[i].maxDeficit()-ls[i].Units())/ls[i].Rate.Tokens)
+		mw = min(mw, (ls[i].MaxDeficit()-ls[i].Units())/ls[i].Rate.Tokens)
 	}
 	for i := range ls {
 		ls[i].MaxWait, ls[i].Ban = mw, ban
@@ -51,16 +54,16 @@ func r27bTier(rng *rand.Rand, rates []string) []Limit {
 // Remaining no more than the limit's level when the request goes on.
 func TestReview27bAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
 	rng := rand.New(rand.NewPCG(27, 0xb))
-	day := Quota{N: 40, Period: Day, Loc: time.UTC}
+	day := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
 	var allowedWaits, spread, exactMisses int
 	var firstMiss string
 	for trace := range 1500 {
 		ls := r27bTier(rng, r27bRates)
-		var qs []Quota
+		var qs []bucket.Quota
 		if rng.IntN(3) == 0 {
-			qs = []Quota{day}
+			qs = []bucket.Quota{day}
 		}
-		sh := &Shared{Levels: make([]State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		minCap := r27MinCap(ls)
 		now := time.Date(2026, 3, 1, 23, 0, 0, 0, time.UTC).UnixMicro() + rng.Int64N(3600e6)
 		perToken := max(1, ls[0].Rate.Interval/ls[0].Rate.Tokens)
@@ -78,8 +81,8 @@ func TestReview27bAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
 			switch op := rng.IntN(10); {
 			case op < 6:
 				cost := 1 + rng.Int64N(minCap)
-				out, qout := make([]Result, len(ls)), make([]Result, len(qs))
-				before := sh.clone()
+				out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
+				before := cloneShared(sh)
 				var allowed bool
 				if len(qs) > 0 {
 					allowed = sh.TakeWithQuotas(now, ls, qs, cost, out, qout)
@@ -95,25 +98,25 @@ func TestReview27bAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
 				}
 				if w > 0 {
 					allowedWaits++
-					if slices.ContainsFunc(out, func(r Result) bool { return r.Wait < w }) {
+					if slices.ContainsFunc(out, func(r bucket.Result) bool { return r.Wait < w }) {
 						t.Fatalf("%s: a waiting take of cost %d answers waits %+v, not the tier's %d", what, cost, out, w)
 					}
 				}
 				// The level each limit has when the request goes on, after
 				// the take: the state after, at now+w, held leases settled.
-				at := make([]Result, len(ls))
+				at := make([]bucket.Result, len(ls))
 				sh.Peek(now+w, ls, at)
 				for i, l := range ls {
 					r := out[i]
 					if !r.Allowed || r.ResetAfter < 0 || r.Remaining < 0 || r.Remaining > l.Capacity {
 						t.Fatalf("%s: limit %d of an allowed take: %+v", what, i, r)
 					}
-					p := Peek(sh.Levels[i], now, l)
+					p := bucket.Peek(sh.Levels[i], now, l)
 					if truth := r27Truth(sh.Levels[i], now, l); r.ResetAfter != p.ResetAfter || r.ResetAfter != truth {
 						t.Fatalf("%s: take of cost %d (before %+v): limit %d answers %+v, but its state after %+v peeks %+v, full by Peek in %d µs",
 							what, cost, before, i, r, sh.Levels[i], p, truth)
 					}
-					plain := Peek(sh.Levels[i], now+w, l)
+					plain := bucket.Peek(sh.Levels[i], now+w, l)
 					if r.Remaining > plain.Remaining || r.Remaining > at[i].Remaining {
 						t.Fatalf("%s: take of cost %d (before %+v): limit %d answers %d remaining, more than its level when it goes on (%d; shared %d)",
 							what, cost, before, i, r.Remaining, plain.Remaining, at[i].Remaining)
@@ -131,7 +134,7 @@ func TestReview27bAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
 			case op < 8:
 				node := nodes[rng.IntN(2)]
 				seq++
-				a := LeaseAsk{Node: node, Seq: seq, Held: rng.Int64N(minCap), Cost: 1, Want: 1 + rng.Int64N(max(1, minCap/2)), Hold: rng.Int64N(3 * ls[0].Capacity * perToken)}
+				a := bucket.LeaseAsk{Node: node, Seq: seq, Held: rng.Int64N(minCap), Cost: 1, Want: 1 + rng.Int64N(max(1, minCap/2)), Hold: rng.Int64N(3 * ls[0].Capacity * perToken)}
 				if rng.IntN(2) == 0 {
 					a.Spend = 1
 				}
@@ -149,8 +152,8 @@ func TestReview27bAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
 	}
 }
 
-func (sh *Shared) clone() Shared {
-	return Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held), Quotas: slices.Clone(sh.Quotas)}
+func cloneShared(sh *buckettest.Shared) buckettest.Shared {
+	return buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held), Quotas: slices.Clone(sh.Quotas)}
 }
 
 // Claim 1 at the model's level, the smallest case: a waiting take's
@@ -158,16 +161,16 @@ func (sh *Shared) clone() Shared {
 // refill of more than a token a microsecond, the wait is rounded up to a
 // whole microsecond, which refills more than the request lacked.
 func TestReview27bSlowestLimitRemainingAtHighRates(t *testing.T) {
-	rate, err := ParseRate("3000000/s") // 3 tokens a µs
+	rate, err := bucket.ParseRate("3000000/s") // 3 tokens a µs
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := Limit{Capacity: 10, Rate: rate, MaxWait: 100}
-	s := State{}
+	l := bucket.Limit{Capacity: 10, Rate: rate, MaxWait: 100}
+	s := bucket.State{}
 	now := int64(1e12)
-	s, _ = Take(s, now, l, 10)
-	s, r := Take(s, now, l, 1) // lacks 1 token: waits 1 µs, which refills 3
-	p := Peek(s, now+r.Wait, l)
+	s, _ = bucket.Take(s, now, l, 10)
+	s, r := bucket.Take(s, now, l, 1) // lacks 1 token: waits 1 µs, which refills 3
+	p := bucket.Peek(s, now+r.Wait, l)
 	t.Logf("result %+v; at now+%d the bucket holds %d", r, r.Wait, p.Remaining)
 	if r.Remaining > p.Remaining {
 		t.Errorf("answers %d remaining, more than the %d there when it goes on", r.Remaining, p.Remaining)

@@ -1,8 +1,11 @@
-package bucket
+package bucket_test
 
 import (
 	"math/rand/v2"
 	"testing"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // max_wait: a request whose tokens are due within it takes them now and
@@ -11,17 +14,17 @@ import (
 const ms = int64(1_000)
 
 // tenASecond is rate 10/s, capacity 1, max_wait 1s: the example.
-var tenASecond = Limit{Capacity: 1, Rate: Rate{Tokens: 1, Interval: 100 * ms}, MaxWait: second}
+var tenASecond = bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 100 * ms}, MaxWait: second}
 
 // 30 simultaneous requests: 11 pass, the k-th after k x 100 ms, and 19 are
 // refused, each told to come back when it would fit within max_wait.
 func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
-	var st State
+	var st bucket.State
 	now := 5 * second
 	allowed := 0
 	for k := range 30 {
-		var res Result
-		st, res = Take(st, now, tenASecond, 1)
+		var res bucket.Result
+		st, res = bucket.Take(st, now, tenASecond, 1)
 		if k <= 10 {
 			if !res.Allowed || res.Wait != int64(k)*100*ms || res.Remaining != 0 {
 				t.Fatalf("request %d: %+v, want allowed after %d ms", k, res, k*100)
@@ -39,11 +42,11 @@ func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
 	}
 	// 100 ms later there is room for exactly one more, waiting the whole
 	// second.
-	st, res := Take(st, now+100*ms, tenASecond, 1)
+	st, res := bucket.Take(st, now+100*ms, tenASecond, 1)
 	if !res.Allowed || res.Wait != second {
 		t.Fatalf("at 100 ms: %+v, want allowed after 1 s", res)
 	}
-	if _, res = Take(st, now+100*ms, tenASecond, 1); res.Allowed {
+	if _, res = bucket.Take(st, now+100*ms, tenASecond, 1); res.Allowed {
 		t.Fatalf("at 100 ms, a second one: %+v, want refused", res)
 	}
 }
@@ -52,20 +55,20 @@ func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
 // requests at 300 ms all fit, where only 3 would without the give-back.
 func TestAWaiterThatHangsUpMakesRoomForTheNext(t *testing.T) {
 	for _, giveBack := range []bool{true, false} {
-		var st State
+		var st bucket.State
 		now := 5 * second
 		for range 11 {
-			st, _ = Take(st, now, tenASecond, 1)
+			st, _ = bucket.Take(st, now, tenASecond, 1)
 		}
 		if giveBack {
 			for range 5 {
-				st = GiveBack(st, now+250*ms, tenASecond, 1)
+				st = bucket.GiveBack(st, now+250*ms, tenASecond, 1)
 			}
 		}
 		fit := 0
 		for range 5 {
-			var res Result
-			if st, res = Take(st, now+300*ms, tenASecond, 1); res.Allowed {
+			var res bucket.Result
+			if st, res = bucket.Take(st, now+300*ms, tenASecond, 1); res.Allowed {
 				fit++
 			}
 		}
@@ -86,25 +89,25 @@ func TestAWaiterThatHangsUpMakesRoomForTheNext(t *testing.T) {
 func TestABanHoldsAgainstWaiting(t *testing.T) {
 	l := tenASecond
 	l.Ban = 500 * ms
-	var st State
+	var st bucket.State
 	now := 5 * second
 	for range 11 {
-		st, _ = Take(st, now, l, 1)
+		st, _ = bucket.Take(st, now, l, 1)
 	}
 	queued := st.FullAt
-	st, res := Take(st, now, l, 1)
+	st, res := bucket.Take(st, now, l, 1)
 	if res.Allowed || !res.Banned {
 		t.Fatalf("the refusal: %+v, want a ban started", res)
 	}
 	if st.FullAt < queued {
 		t.Fatalf("the ban moved the bucket's full time from %d to %d: it forgave the waiters' tokens", queued, st.FullAt)
 	}
-	if st2 := GiveBack(st, now+10*ms, l, 1); st2 != st {
+	if st2 := bucket.GiveBack(st, now+10*ms, l, 1); st2 != st {
 		t.Fatalf("a waiter's give-back during the ban changed %+v to %+v", st, st2)
 	}
 	// 1.05 s in: the waiters' tokens are paid, the ban (of an empty bucket
 	// from the refusal) not yet over by the 0.5 s it adds... it holds.
-	if _, res = Take(st, now+950*ms, l, 1); res.Allowed {
+	if _, res = bucket.Take(st, now+950*ms, l, 1); res.Allowed {
 		t.Fatalf("during the ban: %+v, want refused", res)
 	}
 }
@@ -112,20 +115,20 @@ func TestABanHoldsAgainstWaiting(t *testing.T) {
 // A ban that ends within max_wait still refuses: a request does not wait
 // out a ban. A ban shorter than the queue only keeps the queue.
 func TestARequestDoesNotWaitOutABan(t *testing.T) {
-	l := Limit{Capacity: 1, Rate: Rate{Tokens: 1, Interval: 100 * ms}, MaxWait: 10 * second, Ban: 20 * second}
-	var st State
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 100 * ms}, MaxWait: 10 * second, Ban: 20 * second}
+	var st bucket.State
 	now := 5 * second
-	st, _ = Take(st, now, l, 1)
+	st, _ = bucket.Take(st, now, l, 1)
 	// Waiting 10 s would fit, so this request is allowed, no ban.
-	st, res := Take(st, now, l, 1)
+	st, res := bucket.Take(st, now, l, 1)
 	if !res.Allowed || res.Wait != 100*ms {
 		t.Fatalf("second request: %+v, want allowed after 100 ms", res)
 	}
 	// Fill the queue to 10 s, then one more is refused and bans.
 	for range 99 {
-		st, _ = Take(st, now, l, 1)
+		st, _ = bucket.Take(st, now, l, 1)
 	}
-	st, res = Take(st, now, l, 1)
+	st, res = bucket.Take(st, now, l, 1)
 	if res.Allowed || !res.Banned {
 		t.Fatalf("the 102nd: %+v, want refused, a ban", res)
 	}
@@ -133,25 +136,25 @@ func TestARequestDoesNotWaitOutABan(t *testing.T) {
 	// before the ban ends, a request is refused although it would fit
 	// within max_wait, and told to come back when the ban is over, when
 	// it fits, waiting.
-	if _, res = Take(st, now+19500*ms, l, 1); res.Allowed || res.RetryAfter != 500*ms {
+	if _, res = bucket.Take(st, now+19500*ms, l, 1); res.Allowed || res.RetryAfter != 500*ms {
 		t.Fatalf("0.5 s before the ban ends: %+v, want refused, retry after 0.5 s", res)
 	}
-	if _, res = Take(st, now+20*second, l, 1); !res.Allowed || res.Wait != 100*ms {
+	if _, res = bucket.Take(st, now+20*second, l, 1); !res.Allowed || res.Wait != 100*ms {
 		t.Fatalf("as the ban ends: %+v, want allowed after 100 ms", res)
 	}
 }
 
 // A debt that cost_from_response ran up is waited out like a queue.
 func TestMaxWaitWaitsOutADebtWithinIt(t *testing.T) {
-	l := Limit{Capacity: 10, Rate: Rate{Tokens: 10, Interval: second}, MaxWait: second}
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: second}, MaxWait: second}
 	now := 5 * second
-	st := Charge(State{}, now, l, 15) // 5 tokens of debt: 0.5 s
-	_, res := Take(st, now, l, 1)
+	st := bucket.Charge(bucket.State{}, now, l, 15) // 5 tokens of debt: 0.5 s
+	_, res := bucket.Take(st, now, l, 1)
 	if !res.Allowed || res.Wait != 600*ms {
 		t.Fatalf("in 0.5 s of debt, cost 1: %+v, want allowed after 0.6 s", res)
 	}
-	st = Charge(State{}, now, l, 30) // 2 s to pay
-	if _, res = Take(st, now, l, 1); res.Allowed || res.RetryAfter != 1100*ms {
+	st = bucket.Charge(bucket.State{}, now, l, 30) // 2 s to pay
+	if _, res = bucket.Take(st, now, l, 1); res.Allowed || res.RetryAfter != 1100*ms {
 		t.Fatalf("in 2 s of debt: %+v, want refused, retry after 1.1 s", res)
 	}
 }
@@ -159,19 +162,19 @@ func TestMaxWaitWaitsOutADebtWithinIt(t *testing.T) {
 // Several limits: a request waits for the slowest, and a refused one is
 // told when every limit would take it within max_wait.
 func TestMaxWaitWaitsForTheSlowestLimit(t *testing.T) {
-	fast := Limit{Capacity: 1, Rate: Rate{Tokens: 10, Interval: second}, MaxWait: second}
-	slow := Limit{Capacity: 1, Rate: Rate{Tokens: 2, Interval: second}, MaxWait: second}
-	ls := []Limit{fast, slow}
-	states := make([]State, 2)
-	out := make([]Result, 2)
+	fast := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 10, Interval: second}, MaxWait: second}
+	slow := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 2, Interval: second}, MaxWait: second}
+	ls := []bucket.Limit{fast, slow}
+	states := make([]bucket.State, 2)
+	out := make([]bucket.Result, 2)
 	now := 5 * second
 	for k, want := range []int64{0, 500 * ms, second} {
-		if !TakeAll(states, now, ls, 1, out) || max(out[0].Wait, out[1].Wait) != want {
+		if !bucket.TakeAll(states, now, ls, 1, out) || max(out[0].Wait, out[1].Wait) != want {
 			t.Fatalf("request %d: %+v, want allowed after %d µs", k, out, want)
 		}
 	}
-	before := append([]State(nil), states...)
-	if TakeAll(states, now, ls, 1, out) {
+	before := append([]bucket.State(nil), states...)
+	if bucket.TakeAll(states, now, ls, 1, out) {
 		t.Fatalf("the 4th: %+v, want refused", out)
 	}
 	if retry := max(out[0].RetryAfter, out[1].RetryAfter); retry != 500*ms {
@@ -188,21 +191,21 @@ func TestMaxWaitWaitsForTheSlowestLimit(t *testing.T) {
 func TestWaitingNeverOutrunsTheRate(t *testing.T) {
 	rng := rand.New(rand.NewPCG(22, 12))
 	for i := range 300 {
-		tr := RandomTrace(rng)
+		tr := buckettest.RandomTrace(rng)
 		l := tr.Limit
 		if l.MaxWait == 0 {
 			l.MaxWait = 1 + rng.Int64N(3*l.Units()/l.Rate.Tokens+1)
 		}
 		// A random state: anything from full to a whole queue.
-		st := stateAt(0, rng.Int64N(l.Units()+l.MaxWait*l.Rate.Tokens+1), l)
+		st := bucket.StateAt(0, rng.Int64N(l.Units()+l.MaxWait*l.Rate.Tokens+1), l)
 		st.FullAt = max(st.FullAt, 1)
 		type due struct{ at, cost int64 }
 		var dues []due
 		now := int64(0)
 		for j := range tr.Gaps {
 			now += tr.Gaps[j]
-			var res Result
-			st, res = Take(st, now, l, tr.Costs[j])
+			var res bucket.Result
+			st, res = bucket.Take(st, now, l, tr.Costs[j])
 			if res.Allowed {
 				if res.Wait > l.MaxWait {
 					t.Fatalf("trace %d: waited %d µs, over max_wait %d", i, res.Wait, l.MaxWait)
@@ -226,7 +229,7 @@ func TestWaitingNeverOutrunsTheRate(t *testing.T) {
 }
 
 func TestMaxWaitIsValidated(t *testing.T) {
-	l := Limit{Capacity: 10, Rate: Rate{Tokens: 1, Interval: second}}
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: second}}
 	for _, w := range []int64{-1, 10*1000*second + 1} {
 		l.MaxWait = w
 		if err := l.Validate(1); err == nil {

@@ -27,7 +27,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 		wg.Go(func() {
 			for range 10 {
 				ctx, cancel := context.WithTimeout(bg, time.Second)
-				vals, err := b.take(ctx, []string{key}, s.args("take", []bucket.Limit{l}, 1))
+				vals, err := b.take(ctx, []string{key}, s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1))
 				cancel()
 				if err != nil {
 					t.Error(err)
@@ -54,7 +54,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 		var wg sync.WaitGroup
 		for range n {
 			wg.Go(func() {
-				vals, err := b.take(bg, []string{key}, s.args("take", []bucket.Limit{l}, 1))
+				vals, err := b.take(bg, []string{key}, s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1))
 				if err != nil {
 					t.Errorf("take after SCRIPT FLUSH (%d at once): %v", n, err)
 					return
@@ -74,7 +74,7 @@ func TestRedisBatcherAnswersAfterClose(t *testing.T) {
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 	b := newRedisBatcher(s.conn.client(), 1, 8)
 	b.close()
-	if _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}, 1)); !errors.Is(err, redis.ErrClosed) {
+	if _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", bucket.Tier{Limits: []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}}, 0, 1)); !errors.Is(err, redis.ErrClosed) {
 		t.Fatalf("take on a closed batcher: %v, want %v", err, redis.ErrClosed)
 	}
 }
@@ -88,7 +88,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 	off := false // per-decision below is the store without its batcher
 	s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Batch: &off})
 	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1, Interval: 1}} // never denies
-	args := s.args("take", []bucket.Limit{l}, 1)
+	args := s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1)
 	var goroutines atomic.Int64
 	parallel := func(b *testing.B, take func(ctx context.Context, keys []string) error) {
 		b.SetParallelism(16)
@@ -112,7 +112,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 			b.Fatal("the store batches")
 		}
 		parallel(b, func(ctx context.Context, keys []string) error {
-			_, err := s.Take(ctx, []byte(keys[0]), l, 1)
+			_, err := s.takeLimit(ctx, []byte(keys[0]), l, 1)
 			return err
 		})
 	})
@@ -149,7 +149,7 @@ func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	b := newRedisBatcher(s.conn.client(), 2, 8)
 	defer b.close()
 	l := slowLimit(1000)
-	args := s.args("take", []bucket.Limit{l}, 1)
+	args := s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1)
 	key := string(bucketFor("192.0.2.40"))
 	if _, err := b.take(bg, []string{key}, args); err != nil {
 		t.Fatal(err)

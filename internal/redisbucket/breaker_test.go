@@ -29,13 +29,13 @@ func TestRedisBreakerClosesAfterAProbeWhoseClientHungUp(t *testing.T) {
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second,
 		BreakerFailures: 2, BreakerCooldown: cooldown})
 	s.conn.now = clock.now
-	if _, err := s.Take(bg, bucketFor("before"), slowLimit(10), 1); err != nil {
+	if _, err := s.takeLimit(bg, bucketFor("before"), slowLimit(10), 1); err != nil {
 		t.Fatalf("take with Redis up: %v", err)
 	}
 
 	srv.Kill() // refused at once: two failures open the breaker
 	for i := range 2 {
-		if _, err := s.Take(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
+		if _, err := s.takeLimit(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
 			t.Fatalf("take %d with Redis killed: no error", i)
 		}
 	}
@@ -43,17 +43,17 @@ func TestRedisBreakerClosesAfterAProbeWhoseClientHungUp(t *testing.T) {
 		t.Fatal("two failures did not open the breaker")
 	}
 	srv.Restart()
-	if _, err := s.Take(bg, bucketFor("cooling"), slowLimit(10), 1); !errors.Is(err, errBreakerOpen) {
+	if _, err := s.takeLimit(bg, bucketFor("cooling"), slowLimit(10), 1); !errors.Is(err, errBreakerOpen) {
 		t.Fatalf("take during the cool-down: %v, want errBreakerOpen", err)
 	}
 
 	clock.advance(cooldown)
 	gone, cancel := context.WithCancel(bg)
 	cancel()
-	if _, err := s.Take(gone, bucketFor("hung-up"), slowLimit(10), 1); err == nil {
+	if _, err := s.takeLimit(gone, bucketFor("hung-up"), slowLimit(10), 1); err == nil {
 		t.Fatal("the probe of a client that hung up: no error")
 	}
-	res, err := s.Take(bg, bucketFor("after"), slowLimit(10), 1)
+	res, err := s.takeLimit(bg, bucketFor("after"), slowLimit(10), 1)
 	if err != nil || !res.Allowed {
 		t.Fatalf("take after a probe whose client hung up, Redis up: %+v, %v; want allowed by Redis", res, err)
 	}
@@ -170,14 +170,14 @@ func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 	// per decision until the breaker opens, then nothing.
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 50 * time.Millisecond})
-	if _, err := s.Take(bg, bucketFor("y"), slowLimit(1), 1); err != nil {
+	if _, err := s.takeLimit(bg, bucketFor("y"), slowLimit(1), 1); err != nil {
 		t.Fatal(err)
 	}
 	srv.Pause()
 	defer srv.Resume()
 	for i := range DefaultBreakerFailures {
 		start := time.Now()
-		_, err := s.Take(bg, bucketFor("y"+strconv.Itoa(i)), slowLimit(1), 1)
+		_, err := s.takeLimit(bg, bucketFor("y"+strconv.Itoa(i)), slowLimit(1), 1)
 		if err == nil || !strings.Contains(err.Error(), "no answer within 50ms") {
 			t.Fatalf("take %d from a stopped Redis: %v", i, err)
 		}
@@ -186,7 +186,7 @@ func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 		}
 	}
 	start := time.Now()
-	if _, err := s.Take(bg, bucketFor("z"), slowLimit(1), 1); !errors.Is(err, errBreakerOpen) {
+	if _, err := s.takeLimit(bg, bucketFor("z"), slowLimit(1), 1); !errors.Is(err, errBreakerOpen) {
 		t.Fatalf("take with the breaker open: %v, want errBreakerOpen", err)
 	}
 	if d := time.Since(start); d > 10*time.Millisecond {
@@ -209,7 +209,7 @@ func TestRedisBreakerOpenNamesTheLastFailure(t *testing.T) {
 	defer conn.Close()
 	s := NewStore(conn, StoreOptions{})
 	for i := range 2 {
-		if _, err := s.Take(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
+		if _, err := s.takeLimit(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
 			t.Fatalf("take %d with nothing listening: no error", i)
 		}
 	}
@@ -223,7 +223,7 @@ func TestRedisBreakerOpenNamesTheLastFailure(t *testing.T) {
 	if cause, _ := opened[0].ContextMap()["cause"].(string); !strings.Contains(cause, "connection refused") {
 		t.Errorf("the breaker-open line names the cause %q, want the refused connection (fields %v)", cause, opened[0].ContextMap())
 	}
-	_, err = s.Take(bg, bucketFor("while-open"), slowLimit(10), 1)
+	_, err = s.takeLimit(bg, bucketFor("while-open"), slowLimit(10), 1)
 	if !errors.Is(err, errBreakerOpen) || !strings.Contains(err.Error(), "connection refused") {
 		t.Fatalf("take with the breaker open: %v; want the breaker's error naming the refused connection", err)
 	}

@@ -25,7 +25,7 @@ func TestOneClusterAddressIsFollowedAsACluster(t *testing.T) {
 	const clients = 40
 	failed := 0
 	for c := range clients {
-		res, err := s.Take(bg, bucketFor("10.0.1."+strconv.Itoa(c)), slowLimit(3), 1)
+		res, err := s.takeLimit(bg, bucketFor("10.0.1."+strconv.Itoa(c)), slowLimit(3), 1)
 		if err != nil || !res.Allowed {
 			failed++
 			t.Logf("client %d: %+v, %v", c, res, err)
@@ -53,7 +53,7 @@ func TestGoRedisLinesGoThroughTheConnectionsLogger(t *testing.T) {
 	conn := plan.Connect(zap.New(core))
 	defer conn.Close()
 	s := NewStore(conn, StoreOptions{})
-	if _, err := s.Take(bg, bucketFor("x"), slowLimit(1), 1); err == nil {
+	if _, err := s.takeLimit(bg, bucketFor("x"), slowLimit(1), 1); err == nil {
 		t.Fatal("take with nothing listening: no error")
 	}
 	redistest.WaitFor(t, 2*time.Second, "go-redis's line about the dial", func() bool {
@@ -85,7 +85,7 @@ func TestSentinelFailoverEndsTheBreakersHold(t *testing.T) {
 	defer conn.Close()
 	s := NewStore(conn, StoreOptions{})
 	redistest.WaitFor(t, 5*time.Second, "a decision by the master", func() bool {
-		_, err := s.Take(bg, bucketFor("before"), slowLimit(1000), 1)
+		_, err := s.takeLimit(bg, bucketFor("before"), slowLimit(1000), 1)
 		return err == nil
 	})
 
@@ -100,7 +100,7 @@ func TestSentinelFailoverEndsTheBreakersHold(t *testing.T) {
 				return
 			case <-time.After(20 * time.Millisecond):
 			}
-			_, err := s.Take(bg, bucketFor("during"+strconv.Itoa(i)), slowLimit(1000), 1)
+			_, err := s.takeLimit(bg, bucketFor("during"+strconv.Itoa(i)), slowLimit(1000), 1)
 			if err != nil && conn.breaker.open() {
 				opened.Store(true)
 			}

@@ -120,13 +120,13 @@ func (c *denyCache) put(key string, epoch uint64, l bucket.Limit, cost, start in
 
 // getAll is get for a tier of several limits or quotas: out gets each
 // one's answer, limits first, as Redis gave it, with the time left.
-func (c *denyCache) getAll(key string, ls []bucket.Limit, qs []bucket.Quota, cost, now int64, out []bucket.Result) (uint64, bool) {
+func (c *denyCache) getAll(key string, tr bucket.Tier, cost, now int64, out []bucket.Result) (uint64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	e, ok := sh.entries[key]
 	epoch := sh.epoch
 	sh.mu.Unlock()
-	if !ok || now >= e.until || e.cost != cost || !slices.Equal(e.limits, ls) || !slices.Equal(e.quotas, qs) {
+	if !ok || now >= e.until || e.cost != cost || !slices.Equal(e.limits, tr.Limits) || !slices.Equal(e.quotas, tr.Quotas) {
 		return epoch, false
 	}
 	c.hits.Add(1)
@@ -145,7 +145,7 @@ func (c *denyCache) getAll(key string, ls []bucket.Limit, qs []bucket.Quota, cos
 // putAll is put for a tier of several limits or quotas: res is the
 // answer of the one that makes the client wait longest; out holds every
 // one's, limits first.
-func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, qs []bucket.Quota, cost, start int64, res bucket.Result, out []bucket.Result) {
+func (c *denyCache) putAll(key string, epoch uint64, tr bucket.Tier, cost, start int64, res bucket.Result, out []bucket.Result) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -156,7 +156,7 @@ func (c *denyCache) putAll(key string, epoch uint64, ls []bucket.Limit, qs []buc
 		sh.makeRoom(start)
 	}
 	sh.entries[key] = denyEntry{cost: cost, result: res, until: start + res.RetryAfter, resetAt: start + res.ResetAfter,
-		limits: slices.Clone(ls), quotas: slices.Clone(qs), results: slices.Clone(out)}
+		limits: slices.Clone(tr.Limits), quotas: slices.Clone(tr.Quotas), results: slices.Clone(out)}
 }
 
 // claim is for a request the cache did not answer. Once a client's denial

@@ -44,17 +44,17 @@ func TestDenyCacheServesTiersOfSeveralLimits(t *testing.T) {
 	key := bucketFor("several-denied")
 	out := make([]bucket.Result, 2)
 	for range 2 {
-		if ok, err := s.TakeAll(bg, key, ls, 1, out); err != nil || !ok {
+		if ok, err := s.Take(bg, key, bucket.Tier{Limits: ls}, 1, out); err != nil || !ok {
 			t.Fatal(ok, err)
 		}
 	}
-	if ok, err := s.TakeAll(bg, key, ls, 1, out); err != nil || ok {
+	if ok, err := s.Take(bg, key, bucket.Tier{Limits: ls}, 1, out); err != nil || ok {
 		t.Fatalf("the third: %v %v", ok, err)
 	}
 	first := out[0]
 	srv.Do("CONFIG", "RESETSTAT")
 	for range 1000 {
-		if ok, err := s.TakeAll(bg, key, ls, 1, out); err != nil || ok {
+		if ok, err := s.Take(bg, key, bucket.Tier{Limits: ls}, 1, out); err != nil || ok {
 			t.Fatalf("the flood: %v %v", ok, err)
 		}
 	}
@@ -65,10 +65,10 @@ func TestDenyCacheServesTiersOfSeveralLimits(t *testing.T) {
 		t.Errorf("the cached answers: %+v (first %+v)", out, first)
 	}
 	// A give-back ends what the cache knew.
-	if err := s.GiveBackAll(bg, key, ls, 1); err != nil {
+	if err := s.GiveBack(bg, key, bucket.Tier{Limits: ls}, 1, 1, 0); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := s.TakeAll(bg, key, ls, 1, out); err != nil || !ok {
+	if ok, err := s.Take(bg, key, bucket.Tier{Limits: ls}, 1, out); err != nil || !ok {
 		t.Fatalf("after a give-back: %v %v; want allowed", ok, err)
 	}
 }
@@ -80,15 +80,15 @@ func TestDenyCacheAnswerStartsNoBan(t *testing.T) {
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 2 * time.Second})
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 60_000_000}, Ban: 3_600_000_000}
 	key := bucketFor("banned-once")
-	if res, err := s.Take(bg, key, l, 1); err != nil || !res.Allowed {
+	if res, err := s.takeLimit(bg, key, l, 1); err != nil || !res.Allowed {
 		t.Fatal(res, err)
 	}
-	res, err := s.Take(bg, key, l, 1)
+	res, err := s.takeLimit(bg, key, l, 1)
 	if err != nil || res.Allowed || !res.Banned {
 		t.Fatalf("the banning denial: %+v %v", res, err)
 	}
 	for range 5 {
-		if res, err := s.Take(bg, key, l, 1); err != nil || res.Allowed || res.Banned {
+		if res, err := s.takeLimit(bg, key, l, 1); err != nil || res.Allowed || res.Banned {
 			t.Fatalf("a later denial: %+v %v; want refused, starting no ban", res, err)
 		}
 	}

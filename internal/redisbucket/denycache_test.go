@@ -125,10 +125,10 @@ func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
 	s.conn.now = clock.now
 	key := bucketFor("probe-hangs-up")
 	l := slowLimit(1)
-	if res, err := s.Take(bg, key, l, 1); err != nil || !res.Allowed {
+	if res, err := s.takeLimit(bg, key, l, 1); err != nil || !res.Allowed {
 		t.Fatalf("the first take: %+v, %v", res, err)
 	}
-	if res, err := s.Take(bg, key, l, 1); err != nil || res.Allowed {
+	if res, err := s.takeLimit(bg, key, l, 1); err != nil || res.Allowed {
 		t.Fatalf("the second take: %+v, %v; want denied", res, err)
 	}
 	// The cached denial has expired on the node's clock; Redis, on its
@@ -145,14 +145,14 @@ func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
 	// the batcher, where a client that hangs up stops waiting at once.
 	other := make(chan error, 1)
 	go func() {
-		_, err := s.Take(bg, bucketFor("another-client"), l, 1)
+		_, err := s.takeLimit(bg, bucketFor("another-client"), l, 1)
 		other <- err
 	}()
 	redistest.WaitFor(t, 5*time.Second, "the other decision", func() bool { return s.conn.batcher().callers.Load() == 1 })
 	probeCtx, hangUp := context.WithCancel(bg)
 	probeErr := make(chan error, 1)
 	go func() {
-		_, err := s.Take(probeCtx, key, l, 1)
+		_, err := s.takeLimit(probeCtx, key, l, 1)
 		probeErr <- err
 	}()
 	redistest.WaitFor(t, 5*time.Second, "the probe's claim", func() bool {
@@ -169,7 +169,7 @@ func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
 	answers := make(chan answer, waiters)
 	for range waiters {
 		go func() {
-			res, err := s.Take(bg, key, l, 1)
+			res, err := s.takeLimit(bg, key, l, 1)
 			answers <- answer{res, err}
 		}()
 	}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // Regression tests for what review found broken in leases: a burst after
@@ -23,7 +24,7 @@ import (
 func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}}
 	var fleet [4]*leaseTable
 	for i := range fleet {
@@ -33,7 +34,7 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 	var one bucket.State
 	var fleetAdmitted, oneAdmitted int64
 	request := func(node int) (admitted bool) {
-		res, err := fleet[node].take(bg, []byte("k"), l, 1)
+		res, err := fleet[node].take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(fleet[node])
 		if err != nil {
 			t.Fatal(err)
@@ -81,7 +82,7 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
 	var fleet [4]*leaseTable
 	for i := range fleet {
@@ -92,7 +93,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 	var fleetAdmitted, oneAdmitted, bans int
 	for i := range 600 {
 		node := fleet[i%4]
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -134,7 +135,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 7200 * second}
 	a := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
 	b := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
@@ -142,7 +143,7 @@ func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	defer b.close()
 	take := func(node *leaseTable) bucket.Result {
 		t.Helper()
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -198,13 +199,13 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	for _, ban := range []int64{0, 60 * second} {
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
-		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+		m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
 		node := newModelTable(m, LeaseSize{percent: 10}, time.Hour)
 		var res bucket.Result
 		for range 200 {
 			var err error
-			if res, err = node.take(bg, []byte("k"), l, 1); err != nil {
+			if res, err = node.take(bg, []byte("k"), oneLimit(l), 1, nil); err != nil {
 				t.Fatal(err)
 			}
 			tableSync(node)
@@ -220,7 +221,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 			t.Errorf("ban %d s: Retry-After %d µs, want about %d: the request's own wait", ban/second, res.RetryAfter, want)
 		}
 		clock.advance(time.Duration(bucket.CeilDiv(res.RetryAfter, 1_000_000)) * time.Second)
-		if again, _ := node.take(bg, []byte("k"), l, 1); !again.Allowed {
+		if again, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil); !again.Allowed {
 			t.Errorf("ban %d s: at Retry-After: %+v, want allowed", ban/second, again)
 		}
 		tableSync(node)
@@ -234,13 +235,13 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
 	defer node.close()
 	key := []byte("k")
 	for range 2 { // leases of 1 and 2 tokens: one is left
-		if res, _ := node.take(bg, key, l, 1); !res.Allowed {
+		if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed {
 			t.Fatal("denied from a full bucket")
 		}
 		tableSync(node)
@@ -255,14 +256,14 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	m.mu.Unlock()
 	// The last token held is spent, and the prefetch that follows finds
 	// the bucket empty: refused, with no ban.
-	if res, _ := node.take(bg, key, l, 1); !res.Allowed || res.Banned {
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed || res.Banned {
 		t.Fatalf("the request on the last token held: %+v", res)
 	}
 	tableSync(node)
 	if sh := m.states["k"]; sh.Banned(clock.now()) {
 		t.Fatal("a refused prefetch started a ban")
 	}
-	if res, _ := node.take(bg, key, l, 1); res.Allowed || !res.Banned {
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); res.Allowed || !res.Banned {
 		t.Fatalf("the next request: %+v, want refused, reporting the ban it started", res)
 	}
 }
@@ -272,7 +273,7 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 // on a call starts again on a new one. It used to be refused, with
 // Retry-After 1.
 func TestEvictedWaiterIsNotRefused(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
 	defer node.close()
@@ -283,7 +284,7 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 			rng := rand.New(rand.NewPCG(uint64(g), 1))
 			for range 2000 {
 				key := []byte{byte('a' + rng.IntN(26)), byte('a' + rng.IntN(26))}
-				if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+				if res, err := node.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 					refused++
 				}
 			}
@@ -302,7 +303,7 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 // WaitGroup.Add beside Wait and give back on a closed client), and a
 // count_status give-back that reaches it goes to the shared bucket.
 func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	rounds := 20
 	if testing.Short() {
@@ -321,7 +322,7 @@ func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
 					return
 				default:
 				}
-				node.take(bg, []byte{byte(i), byte(i >> 8)}, l, 1)
+				node.take(bg, []byte{byte(i), byte(i >> 8)}, oneLimit(l), 1, nil)
 				takes.Add(1)
 			}
 		}()

@@ -73,3 +73,48 @@ func skipUnderShort(t *testing.T, kind string) {
 		t.Skipf("%s test: skipped under -short", kind)
 	}
 }
+
+// oneLimit is the tier of one limit l.
+func oneLimit(l bucket.Limit) bucket.Tier { return bucket.Tier{Limits: []bucket.Limit{l}} }
+
+// takeLimit is Take on the tier of one limit l: its result.
+func (s *Store) takeLimit(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
+	var out [1]bucket.Result
+	_, err := s.Take(ctx, key, oneLimit(l), cost, out[:])
+	return out[0], err
+}
+
+// peekLimit is Peek on the tier of one limit l: its result.
+func (s *Store) peekLimit(ctx context.Context, key []byte, l bucket.Limit) (bucket.Result, error) {
+	var out [1]bucket.Result
+	err := s.Peek(ctx, key, oneLimit(l), out[:])
+	return out[0], err
+}
+
+// takeQuotas is Take on the tier of limits ls and quotas qs, with the
+// limits' results in out and the quotas' in qout.
+func (s *Store) takeQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) (bool, error) {
+	all := make([]bucket.Result, len(ls)+len(qs))
+	allowed, err := s.Take(ctx, key, bucket.Tier{Limits: ls, Quotas: qs}, cost, all)
+	copy(out, all[:len(ls)])
+	copy(qout, all[len(ls):])
+	return allowed, err
+}
+
+// peekQuotas is Peek on the tier of limits ls and quotas qs, with the
+// limits' results in out and the quotas' in qout.
+func (s *Store) peekQuotas(ctx context.Context, key []byte, ls []bucket.Limit, qs []bucket.Quota, out, qout []bucket.Result) error {
+	all := make([]bucket.Result, len(ls)+len(qs))
+	err := s.Peek(ctx, key, bucket.Tier{Limits: ls, Quotas: qs}, all)
+	copy(out, all[:len(ls)])
+	copy(qout, all[len(ls):])
+	return err
+}
+
+// decideAt runs op, take or peek, on the tier tr at key by one script
+// call, and says whether it was allowed and the server's time of the
+// decision.
+func (s *Store) decideAt(ctx context.Context, op, key string, tr bucket.Tier, cost int64, out []bucket.Result, batched bool) (bool, int64, error) {
+	v, err := s.decideBy(ctx, op, key, tr, cost, out, batched)
+	return v.allowed, v.now, err
+}

@@ -19,9 +19,9 @@ import (
 // Fleet leases (README: Sharing limits across edge nodes): a node takes
 // several tokens of a shared bucket at once, in one script call, and
 // decides the requests they cover in memory. The shared store counts what
-// is out on lease (shared.go), so the fleet never admits more than one
-// bucket would: a token is in the shared bucket, held by one node, or
-// spent, and the level never refills over what the nodes hold.
+// is out on lease (buckettest.Shared models it), so the fleet never admits
+// more than one bucket would: a token is in the shared bucket, held by one
+// node, or spent, and the level never refills over what the nodes hold.
 //
 // A node's first lease for a bucket is the request's cost, so a client seen
 // once costs one call, as in strict mode. Each later lease doubles, up to
@@ -44,12 +44,13 @@ const leaseShards = 64
 type leaseRemote interface {
 	// lease writes each limit's and quota's remaining and reset into
 	// each, when given.
-	lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error)
+	lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error)
 	giveBack(node string, back []leaseReturn) (int64, error)
 	// reserve decides a request in the shared bucket as strict mode
 	// does, waiting included: for max_wait, when leases do not cover it.
-	// It writes each limit's and quota's result into out, when given.
-	reserve(ctx context.Context, key string, tr Tier, cost int64, out results) (bucket.Result, error)
+	// Its result is the binding one's; on a tier of several limits or
+	// quotas, each is each one's, limits first.
+	reserve(ctx context.Context, key string, tr bucket.Tier, cost int64) (res bucket.Result, each []bucket.Result, err error)
 }
 
 // leaseTable is one store's leases, by Redis key.
@@ -82,7 +83,7 @@ type leaseTable struct {
 	// current, when set, says what the running config's limit is for the
 	// bucket at key, whose lease was taken under l; false when the bucket's
 	// tier is gone. A table closed by a reload gives back under it.
-	current func(key string, tr Tier) (Tier, bool)
+	current func(key string, tr bucket.Tier) (bucket.Tier, bool)
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -101,7 +102,7 @@ type leaseShard struct {
 // lease is what this node holds of one shared bucket.
 type lease struct {
 	key  string
-	tier Tier
+	tier bucket.Tier
 	// tokens are the leased tokens not yet spent, and recorded what the
 	// shared store's record of them says at least: tokens never exceed it.
 	tokens, recorded int64
@@ -217,7 +218,7 @@ func (t *leaseTable) shard(key []byte) *leaseShard {
 }
 
 // entry finds or adds the entry for key, under its shard's lock.
-func (t *leaseTable) entry(sh *leaseShard, key []byte, tr Tier, now int64) *lease {
+func (t *leaseTable) entry(sh *leaseShard, key []byte, tr bucket.Tier, now int64) *lease {
 	e := sh.m[string(key)]
 	if e == nil {
 		e = t.insert(sh, string(key), tr, now)
@@ -228,24 +229,25 @@ func (t *leaseTable) entry(sh *leaseShard, key []byte, tr Tier, now int64) *leas
 }
 
 // take decides one request from this node's lease on the bucket at key,
-// fetching a lease when the tokens held do not cover it. With max_wait, a
-// request the leases refuse takes its tokens in the shared bucket as
-// strict mode does, waiting, or is refused by it.
-func (t *leaseTable) take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
-	return t.takeTier(ctx, key, loneLimit(l), cost, results{})
-}
-
-// takeTier is take on every limit and quota of a tier at once. On a tier
-// of several, it writes each one's result into out.
-func (t *leaseTable) takeTier(ctx context.Context, key []byte, tr Tier, cost int64, out results) (bucket.Result, error) {
+// on every limit and quota of its tier at once, fetching a lease when the
+// tokens held do not cover it. With max_wait, a request the leases refuse
+// takes its tokens in the shared bucket as strict mode does, waiting, or
+// is refused by it. It writes each limit's and quota's result into out
+// (room for tr.Parts()), and returns the binding one.
+func (t *leaseTable) take(ctx context.Context, key []byte, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
 	res, err := t.takeHeld(ctx, key, tr, cost, out)
-	if err != nil || res.Allowed || tr.first().MaxWait == 0 || res.Banned {
+	if err != nil || res.Allowed || tr.First().MaxWait == 0 || res.Banned {
 		return res, err
 	}
 	// The refusal may be this node's hold-off, which spaces its calls,
 	// not the shared bucket's level: ask the shared bucket, as strict
 	// mode does; the deny cache keeps a flood of refusals off Redis.
-	res, err = t.store.reserve(ctx, string(key), tr, cost, out)
+	res, each, err := t.store.reserve(ctx, string(key), tr, cost)
+	if len(out) == 1 {
+		out[0] = res
+	} else {
+		copy(out, each)
+	}
 	if err == nil && res.Allowed {
 		t.reserved(key, cost)
 	}
@@ -265,7 +267,7 @@ func (t *leaseTable) reserved(key []byte, cost int64) {
 }
 
 // takeHeld is take without max_wait: from the tokens held, or refused.
-func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int64, out results) (bucket.Result, error) {
+func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {
@@ -276,7 +278,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr Tier, cost int
 	}
 	now := t.now()
 	e := t.entry(sh, key, tr, now)
-	ban := tr.first().Ban
+	ban := tr.First().Ban
 	waited := false
 	for {
 		if e.tokens >= cost && !t.lapsed(e, now) {
@@ -337,7 +339,7 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 	switch {
 	case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil:
 		t.fetch(e, cost, now, true)
-	case e.tokens == 0 && e.recorded > 0 && e.tier.first().Ban > 0 && e.call == nil:
+	case e.tokens == 0 && e.recorded > 0 && e.tier.First().Ban > 0 && e.call == nil:
 		t.giveBackLater([]leaseReturn{e.takeBack()})
 	}
 	return e.result(now, true, cost)
@@ -392,8 +394,8 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 		return res
 	}
 	res.Remaining = e.tokens
-	res.RetryAfter = max(e.retryAt-now+e.tier.refill(cost-e.retryCost), e.banUntil-now)
-	if e.tier.first().Ban == 0 {
+	res.RetryAfter = max(e.retryAt-now+e.tier.Refill(cost-e.retryCost), e.banUntil-now)
+	if e.tier.First().Ban == 0 {
 		// No call before the hold-off ends: a retry before then would
 		// be refused again.
 		res.RetryAfter = max(res.RetryAfter, e.holdUntil-now)
@@ -401,17 +403,22 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 	if res.RetryAfter <= 0 {
 		// The call in flight gave too little for every request that
 		// waited on it: the shared bucket is empty for now.
-		res.RetryAfter = e.tier.refill(cost)
+		res.RetryAfter = e.tier.Refill(cost)
 	}
 	return res
 }
 
 // fill writes into out each limit's and quota's result for a request
 // decided from e at now as res: the same decision, each with its own
-// level (beside the tokens held) and reset.
-func (e *lease) fill(out results, res bucket.Result, now int64) {
-	for i := range out.len() {
-		r := out.at(i)
+// level (beside the tokens held) and reset, as the last call saw them. A
+// lone limit's is res.
+func (e *lease) fill(out []bucket.Result, res bucket.Result, now int64) {
+	if len(out) == 1 {
+		out[0] = res
+		return
+	}
+	for i := range out {
+		r := &out[i]
 		*r = res
 		if i < len(e.each) {
 			x := e.each[i]
@@ -424,7 +431,7 @@ func (e *lease) fill(out results, res bucket.Result, now int64) {
 }
 
 // insert adds an entry for key, first making room in a full shard.
-func (t *leaseTable) insert(sh *leaseShard, key string, tr Tier, now int64) *lease {
+func (t *leaseTable) insert(sh *leaseShard, key string, tr bucket.Tier, now int64) *lease {
 	if len(sh.m) >= t.perShard {
 		t.evict(sh, now)
 	}

@@ -20,7 +20,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			share /= 2
 		}
 		if now-e.leasedAt <= share {
-			want = max(cost, min(2*e.size, e.tier.leaseSize(t.size)))
+			want = max(cost, min(2*e.size, t.size.ofTier(e.tier)))
 		}
 	}
 	c := &leaseCall{done: make(chan struct{})}
@@ -34,14 +34,14 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	}
 	t.calls.Add(1)
 	returning := e.returning
-	go func(key string, tr Tier) {
+	go func(key string, tr bucket.Tier) {
 		defer t.calls.Done()
 		if returning != nil {
 			<-returning
 		}
 		var each []bucket.Result
-		if n := tr.parts(); n > 0 {
-			each = make([]bucket.Result, n)
+		if !tr.Lone() {
+			each = make([]bucket.Result, tr.Parts())
 		}
 		lr, err := t.store.lease(key, tr, ask, each)
 		sh := t.shard([]byte(key))
@@ -53,7 +53,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			for _, r := range each {
 				e.each = append(e.each, levelAt{r.Remaining, now + r.ResetAfter})
 			}
-			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && tr.first().Ban > 0 {
+			if lr.Granted == 0 && e.tokens == 0 && e.recorded > 0 && tr.First().Ban > 0 {
 				// Spent while the call was out: say so, as take does.
 				t.giveBackLater([]leaseReturn{e.takeBack()})
 			}
@@ -190,19 +190,19 @@ func leaseOutcome(granted, want int64) string {
 // through the breaker.
 // It writes each limit's and quota's remaining and reset into each, when
 // given.
-func (s *Store) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
-	lr, _, err := s.leaseAt(key, tr.all(), tr.Quotas, a, each)
+func (s *Store) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	lr, _, err := s.leaseAt(key, tr, a, each)
 	return lr, err
 }
 
 // leaseAt is lease, and also returns the server's time of the call.
-func (s *Store) leaseAt(key string, ls []bucket.Limit, qs []bucket.Quota, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
+func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
 	prefetch := 0
 	if a.Prefetch {
 		prefetch = 1
 	}
-	args := s.argsWithQuotas("lease", ls, qs, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
-	v, err := s.call(context.Background(), key, args, false, leaseAnswer+2*(len(ls)+len(qs)))
+	args := s.args("lease", tr, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
+	v, err := s.call(context.Background(), key, args, false, leaseAnswer+2*tr.Parts())
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
 	}
@@ -227,7 +227,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
 	args := func(g leaseReturn) []any {
-		return s.argsWithQuotas("return", g.tier.all(), g.tier.Quotas, 0, g.tokens, node, g.seq)
+		return s.args("return", g.tier, 0, g.tokens, node, g.seq)
 	}
 	cmds := make([]*redis.Cmd, len(back))
 	_, err := s.conn.client().Pipelined(ctx, func(pipe redis.Pipeliner) error {

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // cost_from_response with leases (issue 25): every allowed request is
@@ -21,14 +22,14 @@ func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
 func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 20, 1/s
 	tb := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
 	defer tb.close()
 	key := []byte("charge-me")
 	// A few requests, so that the leases grow (they double from the cost).
 	for range 4 {
-		if res, err := tb.take(bg, key, l, 1); err != nil || !res.Allowed {
+		if res, err := tb.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 			t.Fatal(res, err)
 		}
 		tableSync(tb)
@@ -69,7 +70,7 @@ func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 // Redis; no token of any is made or lost.
 func TestLeasingNodesConserveEveryTokenOfATier(t *testing.T) {
 	hour := bucket.Rate{Tokens: 1, Interval: 3_600_000_000}
-	tr := Tier{
+	tr := bucket.Tier{
 		Limits: []bucket.Limit{{Capacity: 5000, Rate: hour}, {Capacity: 8000, Rate: hour}},
 		Quotas: []bucket.Quota{{N: 9000, Period: bucket.Month, Loc: time.UTC}},
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // The fleet's guarantees, as a property over random traces on the model
@@ -73,13 +74,13 @@ type fleetRound struct {
 	ttl    time.Duration
 	nodes  int
 	steps  int
-	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+	mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
 	// mutateWait, when set, breaks the strict take that a waiting request
 	// makes.
-	mutateWait func(sh *bucket.Shared, res *bucket.Result)
+	mutateWait func(sh *buckettest.Shared, res *bucket.Result)
 	// mutateCharge, when set, breaks the shared bucket after a charge of
 	// n (cost_from_response).
-	mutateCharge func(sh *bucket.Shared, n int64)
+	mutateCharge func(sh *buckettest.Shared, n int64)
 }
 
 // lastCall is what a node's last lease call found, for the liveness check:
@@ -94,8 +95,8 @@ type lastCall struct {
 // whose last call was c, against the shared bucket sh as it stands: when
 // sh holds the cost in every limit and quota (one bucket would admit), the
 // refusal must be one the design allows.
-func liveLease(sh *bucket.Shared, now int64, ls []bucket.Limit, qs []bucket.Quota, cost int64, c lastCall) error {
-	one := bucket.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held), Quotas: slices.Clone(sh.Quotas)}
+func liveLease(sh *buckettest.Shared, now int64, ls []bucket.Limit, qs []bucket.Quota, cost int64, c lastCall) error {
+	one := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held), Quotas: slices.Clone(sh.Quotas)}
 	if one.Next(now, ls, qs, cost) > 0 {
 		return nil // one bucket refuses too (the tokens out on lease are not in its level)
 	}
@@ -117,7 +118,7 @@ func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
 	rate := bucket.Rate{Tokens: 1 + rng.Int64N(20), Interval: 1_000_000}
 	if rng.IntN(3) == 0 {
 		var err error
-		if rate, err = bucket.ParseRate(bucket.TraceRates[rng.IntN(len(bucket.TraceRates))]); err != nil {
+		if rate, err = bucket.ParseRate(buckettest.TraceRates[rng.IntN(len(buckettest.TraceRates))]); err != nil {
 			panic(err)
 		}
 	}
@@ -155,9 +156,9 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	l := r.limit
 	ls := append([]bucket.Limit{l}, r.more...)
 	qs := r.quotas
-	tr := loneLimit(l)
+	tr := oneLimit(l)
 	if len(ls) > 1 || len(qs) > 0 {
-		tr = Tier{Limits: ls, Quotas: qs}
+		tr = bucket.Tier{Limits: ls, Quotas: qs}
 	}
 	minCap := l.Capacity
 	for _, x := range r.more {
@@ -165,16 +166,16 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	}
 	key := "bucket"
 	var bans []banStart
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
 	var adm, backs []admission
-	m.onLease = func(_ string, sh *bucket.Shared, res bucket.LeaseResult) {
+	m.onLease = func(_ string, sh *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
 			bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
 		}
 	}
 	m.onReturn = func(n int64) { backs = append(backs, admission{at: clock.now(), cost: n}) }
 	calls := map[string]lastCall{}
-	m.onAsk = func(a bucket.LeaseAsk, sh *bucket.Shared, lr bucket.LeaseResult) {
+	m.onAsk = func(a bucket.LeaseAsk, sh *buckettest.Shared, lr bucket.LeaseResult) {
 		// A refused or short lease holds the node off until the limits hold
 		// what it asked for (its next lease, or the cost of the request
 		// that asked, if more); a short one only while the limits cannot
@@ -190,14 +191,14 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 		calls[a.Node] = c
 	}
 	m.mutateWait = r.mutateWait
-	m.onReserve = func(_ string, sh *bucket.Shared, res bucket.Result) {
+	m.onReserve = func(_ string, sh *buckettest.Shared, res bucket.Result) {
 		if res.Banned {
 			bans = append(bans, banStart{at: clock.now(), out: sh.Out(), until: clock.now() + l.Ban, after: len(adm)})
 		}
 	}
 	// A random state: part spent, and tokens out on a dead node's lease.
 	now := clock.now()
-	start := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+	start := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 	for i, x := range ls {
 		if k := rng.Int64N(x.Capacity + 1); k > 0 {
 			start.Levels[i], _ = bucket.Take(bucket.State{}, now, x, k)
@@ -205,17 +206,17 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	}
 	// Each quota part used: what its period may admit from here.
 	used0 := make([]int64, len(qs))
-	start0, _ := bucket.QuotaStop(now, nil)
+	start0, _ := buckettest.QuotaStop(now, nil)
 	for i, q := range qs {
 		start0, _ = q.Bounds(now)
 		used0[i] = rng.Int64N(q.N + 1)
 		start.Quotas = append(start.Quotas, bucket.QuotaState{Start: start0, Used: used0[i]})
 	}
 	if rng.IntN(2) == 0 {
-		dead := bucket.Held{Node: "dead", Tokens: rng.Int64N(minCap/2 + 1), Expires: now + rng.Int64N(3*int64(r.ttl/time.Microsecond)), Seq: 1}
+		dead := buckettest.Held{Node: "dead", Tokens: rng.Int64N(minCap/2 + 1), Expires: now + rng.Int64N(3*int64(r.ttl/time.Microsecond)), Seq: 1}
 		if len(qs) > 0 {
 			// Counted in the quotas when leased.
-			dead.QStop, dead.Mask = bucket.QuotaStop(now, qs)
+			dead.QStop, dead.Mask = buckettest.QuotaStop(now, qs)
 			dead.Tokens = min(dead.Tokens, slices.Min(used0))
 		}
 		start.Held = append(start.Held, dead)
@@ -281,7 +282,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			i := rng.IntN(len(tables))
 			cost := 1 + rng.Int64N(min(3, minCap))
 			before := len(bans)
-			res, err := tables[i].takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+			res, err := tables[i].take(bg, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
 			tableSync(tables[i])
 			if err := lease(i, tables[i].node, cost, res, err); err != nil {
 				return err
@@ -359,7 +360,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			m.gate = gate
 			ctx, cancel := context.WithCancel(bg)
 			cancel()
-			res, err := tables[i].takeTier(ctx, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+			res, err := tables[i].take(ctx, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
 			close(gate)
 			tableSync(tables[i])
 			m.gate = nil
@@ -382,7 +383,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			done := make(chan answer, 1)
 			old := tables[i]
 			go func() {
-				res, err := old.takeTier(bg, []byte(key), tr, cost, results{out: make([]bucket.Result, tr.parts())})
+				res, err := old.take(bg, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
 				done <- answer{res, err}
 			}()
 			closed := make(chan struct{})
@@ -541,14 +542,14 @@ func playRounds(t *testing.T, rng *rand.Rand, rounds int, round func(rng *rand.R
 func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 	for _, tt := range []struct {
 		name   string
-		mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+		mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
 	}{
-		{"one token more", func(_ *bucket.Shared, res *bucket.LeaseResult) {
+		{"one token more", func(_ *buckettest.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
 		}},
-		{"leases not counted", func(sh *bucket.Shared, _ *bucket.LeaseResult) { sh.Held = nil }},
+		{"leases not counted", func(sh *buckettest.Shared, _ *bucket.LeaseResult) { sh.Held = nil }},
 		{"a waiter goes 1 ms early", nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -557,7 +558,7 @@ func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 				r := randomFleetRound(rng, 800)
 				r.mutate = tt.mutate
 				if tt.mutate == nil {
-					r.mutateWait = func(_ *bucket.Shared, res *bucket.Result) {
+					r.mutateWait = func(_ *buckettest.Shared, res *bucket.Result) {
 						res.Wait = max(0, res.Wait-1000)
 					}
 				}
@@ -619,25 +620,25 @@ func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
 	for _, tt := range []struct {
 		name   string
 		quota  bool
-		mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
-		charge func(sh *bucket.Shared, n int64)
+		mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
+		charge func(sh *buckettest.Shared, n int64)
 	}{
-		{"one token more", false, func(_ *bucket.Shared, res *bucket.LeaseResult) {
+		{"one token more", false, func(_ *buckettest.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
 		}, nil},
-		{"a quota counts one token fewer", true, func(sh *bucket.Shared, res *bucket.LeaseResult) {
+		{"a quota counts one token fewer", true, func(sh *buckettest.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 && len(sh.Quotas) > 0 && sh.Quotas[0].Used > 0 {
 				sh.Quotas[0].Used--
 			}
 		}, nil},
-		{"a huge charge wraps the quota's count", true, nil, func(sh *bucket.Shared, n int64) {
+		{"a huge charge wraps the quota's count", true, nil, func(sh *buckettest.Shared, n int64) {
 			if n > 1<<62 {
 				sh.Quotas[0].Used = 0
 			}
 		}},
-		{"a used-up quota holds the node off to its period's end", true, func(_ *bucket.Shared, res *bucket.LeaseResult) {
+		{"a used-up quota holds the node off to its period's end", true, func(_ *buckettest.Shared, res *bucket.LeaseResult) {
 			res.HoldOff = max(res.HoldOff, res.QuotaHold)
 		}, nil},
 	} {
@@ -668,7 +669,7 @@ func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
 func TestAWaiterDoesNotGoOnBesideTokensOutOnLease(t *testing.T) {
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}, MaxWait: 5_000_000}
 	ls := []bucket.Limit{l}
-	sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	const start = 1_000_000
 	// A node leases 5 of the 10 for a second.
 	lr := sh.Lease(start, ls, bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 5, Want: 5, Hold: 1_000_000})
@@ -700,13 +701,13 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 	q := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 200_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
-	tr := Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
 	take := func() {
 		t.Helper()
-		if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+		if res, err := node.take(bg, []byte("k"), tr, 1, nil); err != nil || !res.Allowed {
 			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
 		}
 		tableSync(node)
@@ -760,14 +761,14 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 	month := bucket.Quota{N: 10000, Period: bucket.Month, Loc: time.UTC}
 	_, midnight := day.Bounds(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock.micros.Store(midnight - 200_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
-	tr := Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
 	admitted := int64(0)
 	take := func() {
 		t.Helper()
-		if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+		if res, err := node.take(bg, []byte("k"), tr, 1, nil); err != nil || !res.Allowed {
 			t.Fatalf("at %d µs: %+v, %v; want allowed", clock.now(), res, err)
 		}
 		tableSync(node)

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+
 	"go.uber.org/zap"
 )
 
@@ -76,7 +78,7 @@ func (t *leaseTable) chargeHeld(key []byte, n int64) int64 {
 	}
 	spent := min(n, e.tokens)
 	e.tokens -= spent
-	if e.tokens == 0 && e.recorded > 0 && e.tier.first().Ban > 0 && e.call == nil {
+	if e.tokens == 0 && e.recorded > 0 && e.tier.First().Ban > 0 && e.call == nil {
 		// As spend does: under a ban setting, a lease spent is said so at
 		// once, so that a refusal elsewhere does not count these tokens
 		// as held.
@@ -118,7 +120,7 @@ func (t *leaseTable) held() int {
 // naming the call that wrote the lease's record.
 type leaseReturn struct {
 	key    string
-	tier   Tier
+	tier   bucket.Tier
 	tokens int64
 	seq    int64
 	// done is closed once the shared store has answered.
@@ -222,7 +224,7 @@ func (t *leaseTable) close() {
 		// the new one counts it, or not at all if its tier is gone.
 		kept := back[:0]
 		for _, b := range back {
-			old := Tier{Limits: b.tier.all(), Quotas: b.tier.Quotas}
+			old := b.tier
 			if cur, ok := t.current(b.key, old); ok && len(cur.Limits) == len(old.Limits) {
 				// In the new limits' tokens, the fewest any of them
 				// would count: no limit gets back more than it lent.

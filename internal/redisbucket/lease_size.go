@@ -44,6 +44,16 @@ func (z LeaseSize) Of(l bucket.Limit) int64 {
 	return max(1, min(n, l.Capacity/2))
 }
 
+// ofTier is the lease size for a tier: the least of its limits', since a
+// lease takes from them all at once.
+func (z LeaseSize) ofTier(tr bucket.Tier) int64 {
+	n := z.Of(tr.Limits[0])
+	for _, l := range tr.Limits[1:] {
+		n = min(n, z.Of(l))
+	}
+	return n
+}
+
 // Capped says, for a share above half, that leases are held to half of
 // each capacity, as Of holds them: the setting asks for more than it gets.
 func (z LeaseSize) Capped() (string, bool) {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"go.uber.org/zap"
@@ -22,37 +23,37 @@ import (
 type sharedModel struct {
 	mu     sync.Mutex
 	now    func() int64
-	states map[string]*bucket.Shared
+	states map[string]*buckettest.Shared
 	calls  int
 	down   bool
 	// gate, when set, holds every lease call until it is closed.
 	gate chan struct{}
 	// mutate, when set, breaks the store after each lease call, so that a
 	// property test can show it would catch the defect.
-	mutate func(sh *bucket.Shared, res *bucket.LeaseResult)
+	mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
 	// onLease, when set, sees each lease call's outcome, under the lock.
-	onLease func(key string, sh *bucket.Shared, res bucket.LeaseResult)
+	onLease func(key string, sh *buckettest.Shared, res bucket.LeaseResult)
 	// onReserve, when set, sees each strict take's outcome, under the lock.
-	onReserve func(key string, sh *bucket.Shared, res bucket.Result)
+	onReserve func(key string, sh *buckettest.Shared, res bucket.Result)
 	// mutateWait, when set, breaks each strict take's result.
-	mutateWait func(sh *bucket.Shared, res *bucket.Result)
+	mutateWait func(sh *buckettest.Shared, res *bucket.Result)
 	// onReturn, when set, sees the tokens each lease give-back returned.
 	onReturn func(n int64)
 	// onAsk, when set, sees each lease call's ask and the bucket after it,
 	// under the lock.
-	onAsk func(a bucket.LeaseAsk, sh *bucket.Shared, res bucket.LeaseResult)
+	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
 }
 
-func (m *sharedModel) bucket(key string, n int) *bucket.Shared {
+func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
 	sh := m.states[key]
 	if sh == nil {
-		sh = &bucket.Shared{Levels: make([]bucket.State, n)}
+		sh = &buckettest.Shared{Levels: make([]bucket.State, n)}
 		m.states[key] = sh
 	}
 	return sh
 }
 
-func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+func (m *sharedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
 	if m.gate != nil {
 		<-m.gate
 	}
@@ -62,7 +63,7 @@ func (m *sharedModel) lease(key string, tr Tier, a bucket.LeaseAsk, each []bucke
 	if m.down {
 		return bucket.LeaseResult{}, errBreakerOpen
 	}
-	ls := tr.all()
+	ls := tr.Limits
 	sh := m.bucket(key, len(ls))
 	res := sh.LeaseQuotas(m.now(), ls, tr.Quotas, a)
 	if each != nil {
@@ -88,7 +89,7 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	}
 	var n int64
 	for _, g := range back {
-		ls := g.tier.all()
+		ls := g.tier.Limits
 		n += m.bucket(g.key, len(ls)).ReturnQuotas(m.now(), ls, g.tier.Quotas, node, g.seq, g.tokens)
 	}
 	if m.onReturn != nil && n > 0 {
@@ -97,20 +98,17 @@ func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
 	return n, nil
 }
 
-func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64, each results) (bucket.Result, error) {
+func (m *sharedModel) reserve(_ context.Context, key string, tr bucket.Tier, cost int64) (bucket.Result, []bucket.Result, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.calls++
 	if m.down {
-		return bucket.Result{}, errBreakerOpen
+		return bucket.Result{}, nil, errBreakerOpen
 	}
-	ls := tr.all()
+	ls := tr.Limits
 	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
 	sh := m.bucket(key, len(ls))
 	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
-	for i := range min(each.len(), len(all)) {
-		*each.at(i) = all[i]
-	}
 	res := Binding(all, allowed)
 	if m.mutateWait != nil {
 		m.mutateWait(sh, &res)
@@ -118,7 +116,7 @@ func (m *sharedModel) reserve(_ context.Context, key string, tr Tier, cost int64
 	if m.onReserve != nil {
 		m.onReserve(key, sh, res)
 	}
-	return res, nil
+	return res, all, nil
 }
 
 // level is the shared bucket's whole tokens at now.
@@ -144,13 +142,13 @@ func tableSync(t *leaseTable) { t.calls.Wait() }
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
 	var sizes []int64
 	for i := range 300 {
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil || !res.Allowed {
 			t.Fatalf("request %d: %+v, %v; want allowed", i, res, err)
@@ -175,14 +173,14 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
 	defer node.close()
 	key := []byte("k")
 	allowed := 0
 	for range 40 {
-		res, _ := node.take(bg, key, l, 1)
+		res, _ := node.take(bg, key, oneLimit(l), 1, nil)
 		tableSync(node)
 		if res.Allowed {
 			allowed++
@@ -192,7 +190,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 		t.Fatalf("%d allowed from a bucket of 10 with no time passing, want 10", allowed)
 	}
 	calls := m.calls
-	res, _ := node.take(bg, key, l, 1)
+	res, _ := node.take(bg, key, oneLimit(l), 1, nil)
 	if res.Allowed || res.RetryAfter <= 0 {
 		t.Fatalf("after the bucket ran dry: %+v, want denied with a retry time", res)
 	}
@@ -200,7 +198,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 		t.Errorf("a denial within the hold-off made %d calls, want none", m.calls-calls)
 	}
 	clock.advance(time.Duration(res.RetryAfter) * time.Microsecond)
-	if res, _ := node.take(bg, key, l, 1); !res.Allowed {
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed {
 		t.Errorf("after the hold-off: %+v, want allowed", res)
 	}
 }
@@ -210,12 +208,12 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
 	level := func() int64 { return m.level("k", l) }
 	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
 	for range 20 {
-		node.take(bg, []byte("k"), l, 1)
+		node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 	}
 	held := node.shard([]byte("k")).m["k"].tokens
@@ -231,7 +229,7 @@ func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	if level() != 80 {
 		t.Errorf("after lease_ttl the shared bucket holds %d, want 80", level())
 	}
-	node.take(bg, []byte("k"), l, 1)
+	node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 	tableSync(node)
 	node.close()
 	if level() != 79 {
@@ -272,16 +270,15 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	// A tier of two limits and a quota, decided from its lease too.
 	ls := []bucket.Limit{l, {Capacity: 1 << 41, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
 	qs := []bucket.Quota{{N: 1 << 50, Period: bucket.Month, Loc: time.UTC}}
+	// The tiers hold their slices, as a config's do.
+	one, tier := oneLimit(l), bucket.Tier{Limits: ls, Quotas: qs}
 	var out [3]bucket.Result
 	for _, tt := range []struct {
 		name string
 		take func(b []byte) (bool, error)
 	}{
-		{"one limit", func(b []byte) (bool, error) {
-			res, err := s.Take(bg, b, l, 1)
-			return res.Allowed, err
-		}},
-		{"two limits and a quota", func(b []byte) (bool, error) { return s.TakeQuotas(bg, b, ls, qs, 1, out[:2], out[2:]) }},
+		{"one limit", func(b []byte) (bool, error) { return s.Take(bg, b, one, 1, out[:1]) }},
+		{"two limits and a quota", func(b []byte) (bool, error) { return s.Take(bg, b, tier, 1, out[:]) }},
 	} {
 		b := bucketFor("steady " + tt.name)
 		if ok, err := tt.take(b); err != nil || !ok {
@@ -326,7 +323,7 @@ func TestLeasingNodesConserveEveryToken(t *testing.T) {
 // what was allowed and charged.
 func conserveTokens(t *testing.T, c, maxCharge int64) (allowed, charged int64) {
 	t.Helper()
-	return conserveTier(t, Tier{Limits: []bucket.Limit{{Capacity: c, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}}}, maxCharge)
+	return conserveTier(t, bucket.Tier{Limits: []bucket.Limit{{Capacity: c, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}}}, maxCharge)
 }
 
 // conserveTier runs 8 clients of 40 requests each through two nodes that
@@ -335,7 +332,7 @@ func conserveTokens(t *testing.T, c, maxCharge int64) (allowed, charged int64) {
 // up to maxCharge more after it (0: none). For each limit and quota,
 // allowed + charged + held on lease + left in Redis = its size, and again
 // once the nodes gave their leases back.
-func conserveTier(t *testing.T, tr Tier, maxCharge int64) (allowed, charged int64) {
+func conserveTier(t *testing.T, tr bucket.Tier, maxCharge int64) (allowed, charged int64) {
 	t.Helper()
 	srv := redistest.Start(t)
 	ls, qs := tr.Limits, tr.Quotas
@@ -348,16 +345,16 @@ func conserveTier(t *testing.T, tr Tier, maxCharge int64) (allowed, charged int6
 	b := bucketFor("shared")
 	take := func(node *Store) (bool, error) {
 		if lone {
-			res, err := node.Take(bg, b, ls[0], 1)
+			res, err := node.takeLimit(bg, b, ls[0], 1)
 			return res.Allowed, err
 		}
-		return node.TakeQuotas(bg, b, ls, qs, 1, make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs)))
+		return node.takeQuotas(bg, b, ls, qs, 1, make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs)))
 	}
 	charge := func(node *Store, n int64) error {
 		if lone {
-			return node.Charge(bg, b, ls[0], n)
+			return node.Charge(bg, b, oneLimit(ls[0]), n)
 		}
-		return node.ChargeQuotas(bg, b, ls, qs, n)
+		return node.Charge(bg, b, bucket.Tier{Limits: ls, Quotas: qs}, n)
 	}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -407,7 +404,7 @@ func conserveTier(t *testing.T, tr Tier, maxCharge int64) (allowed, charged int6
 	}
 	left := func() []int64 {
 		out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
-		if err := nodes[0].PeekQuotas(bg, b, ls, qs, out, qout); err != nil {
+		if err := nodes[0].peekQuotas(bg, b, ls, qs, out, qout); err != nil {
 			t.Fatal(err)
 		}
 		var l []int64
@@ -446,16 +443,17 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 	for i := range buckets {
 		buckets[i] = bucketFor("client-" + strconv.Itoa(i))
 	}
+	one, several := oneLimit(l), bucket.Tier{Limits: ls, Quotas: qs}
 	for _, lease := range []string{"1", "10%"} {
 		s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Lease: lease})
 		name := map[string]string{"1": "strict", "10%": "lease-10%"}[lease]
 		for _, tier := range []bool{false, true} {
 			take := func(key []byte, out []bucket.Result) error {
 				if tier {
-					_, err := s.TakeQuotas(bg, key, ls, qs, 1, out[:2], out[2:])
+					_, err := s.Take(bg, key, several, 1, out)
 					return err
 				}
-				_, err := s.Take(bg, key, l, 1)
+				_, err := s.Take(bg, key, one, 1, out)
 				return err
 			}
 			shape := map[bool]string{false: "", true: "/tier"}[tier]
@@ -493,10 +491,10 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 // back, and the store decides it in strict mode.
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	node.close()
-	_, err := node.take(bg, []byte("k"), bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}, 1)
+	_, err := node.take(bg, []byte("k"), oneLimit(bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}), 1, nil)
 	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
 		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
 	}
@@ -510,7 +508,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
@@ -522,7 +520,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	step := time.Second / perSecond
 	for i := range seconds * perSecond {
 		node := fleet[i%nodes]
-		res, err := node.take(bg, []byte("shared"), l, 1)
+		res, err := node.take(bg, []byte("shared"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -550,7 +548,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, gate: make(chan struct{})}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, gate: make(chan struct{})}
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -558,7 +556,7 @@ func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	results := make(chan bucket.Result, waiting)
 	for range waiting {
 		go func() {
-			res, _ := node.take(bg, []byte("k"), l, 1)
+			res, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 			results <- res
 		}()
 	}
@@ -580,8 +578,8 @@ func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 
 // quotaTier is a tier whose limit never binds, and a daily quota of n in
 // UTC: what a request is refused by is the quota.
-func quotaTier(n int64, ban int64) Tier {
-	return Tier{
+func quotaTier(n int64, ban int64) bucket.Tier {
+	return bucket.Tier{
 		Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}, Ban: ban}},
 		Quotas: []bucket.Quota{{N: n, Period: bucket.Day, Loc: time.UTC}},
 	}
@@ -589,11 +587,11 @@ func quotaTier(n int64, ban int64) Tier {
 
 // spendQuota takes requests of cost 1 on node until the quota refuses
 // one, 1 ms apart, and returns how many it admitted and the refusal.
-func spendQuota(t *testing.T, node *leaseTable, clock *fakeClock, tr Tier) (int64, bucket.Result) {
+func spendQuota(t *testing.T, node *leaseTable, clock *fakeClock, tr bucket.Tier) (int64, bucket.Result) {
 	t.Helper()
 	var admitted int64
 	for range 10_000 {
-		res, err := node.takeTier(bg, []byte("k"), tr, 1, results{})
+		res, err := node.take(bg, []byte("k"), tr, 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -618,7 +616,7 @@ func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
 	tr := quotaTier(40, 0)
 	_, midnight := tr.Quotas[0].Bounds(1_000_000)
 	clock.micros.Store(midnight - 12*3600*second) // noon
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
 	defer node.close()
 	node.jitter = func(n int64) int64 { return n - 1 } // the longest jitter
@@ -630,7 +628,7 @@ func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
 		t.Errorf("Retry-After %d µs, want the %d µs to midnight", refused.RetryAfter, want)
 	}
 	clock.micros.Store(midnight + 1000)
-	if res, err := node.takeTier(bg, []byte("k"), tr, 1, results{}); err != nil || !res.Allowed {
+	if res, err := node.take(bg, []byte("k"), tr, 1, nil); err != nil || !res.Allowed {
 		t.Errorf("just after midnight: %+v, %v; want allowed by the new day's quota", res, err)
 	}
 }
@@ -649,14 +647,14 @@ func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
 			tr := quotaTier(40, ban)
 			_, midnight := tr.Quotas[0].Bounds(1_000_000)
 			clock.micros.Store(midnight - 12*3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 			node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 			defer node.close()
 			node.jitter = func(n int64) int64 { return n - 1 }
 			spendQuota(t, node, clock, tr)
 			calls := m.calls
 			for range 200 { // a flood, 10 ms apart
-				if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); res.Allowed {
+				if res, _ := node.take(bg, []byte("k"), tr, 1, nil); res.Allowed {
 					t.Fatal("a request admitted past the quota")
 				}
 				tableSync(node)
@@ -670,11 +668,11 @@ func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
 			m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
 			m.mu.Unlock()
 			clock.advance(quotaDenyFor)
-			if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); !res.Allowed {
+			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); !res.Allowed {
 				t.Errorf("%s after a give-back elsewhere: %+v; want allowed", quotaDenyFor, res)
 			}
 			tableSync(node)
-			if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); res.Allowed {
+			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); res.Allowed {
 				t.Fatal("admitted past the quota")
 			}
 			tableSync(node)
@@ -686,7 +684,7 @@ func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
 				m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
 				m.mu.Unlock()
 			}
-			if res, _ := node.takeTier(bg, []byte("k"), tr, 1, results{}); !res.Allowed {
+			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); !res.Allowed {
 				t.Errorf("at once after this node's give-back: %+v; want allowed", res)
 			}
 		})
@@ -703,14 +701,14 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
-	tr := Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
 	defer node.close()
 	key := []byte("k")
 	for range 4 { // leases of 1, 2 and 4 tokens: 3 are left, of a lease of 4
-		if res, _ := node.takeTier(bg, key, tr, 1, results{}); !res.Allowed {
+		if res, _ := node.take(bg, key, tr, 1, nil); !res.Allowed {
 			t.Fatal("denied from a full bucket")
 		}
 		tableSync(node)
@@ -728,7 +726,7 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 	// bucket is empty, and a prefetch bans nobody.
 	m.gate = make(chan struct{})
 	for node.shard(key).m["k"].call == nil {
-		if res, _ := node.takeTier(bg, key, tr, 1, results{}); !res.Allowed {
+		if res, _ := node.take(bg, key, tr, 1, nil); !res.Allowed {
 			t.Fatalf("a request on a held token: %+v", res)
 		}
 	}
@@ -738,7 +736,7 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 	if m.states["k"].Banned(clock.now()) {
 		t.Fatal("a refused prefetch started a ban")
 	}
-	res, _ := node.takeTier(bg, key, tr, 1, results{})
+	res, _ := node.take(bg, key, tr, 1, nil)
 	if res.Allowed || !res.Banned {
 		t.Errorf("the next request, which one bucket refuses: %+v; want refused, starting the ban", res)
 	}
@@ -755,9 +753,9 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 			_, midnight := q.Bounds(1_000_000)
 			clock.micros.Store(midnight - 3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 			l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
-			tr := Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+			tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 			a := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
 			b := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
 			defer a.close()
@@ -765,7 +763,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			key := []byte("k")
 			admitted := int64(0)
 			take := func(node *leaseTable) bucket.Result {
-				res, err := node.takeTier(bg, key, tr, 1, results{})
+				res, err := node.take(bg, key, tr, 1, nil)
 				tableSync(node)
 				if err != nil {
 					t.Fatal(err)
@@ -789,7 +787,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 					break
 				}
 			}
-			if res, _ := b.takeTier(bg, key, tr, 5, results{}); !res.Banned {
+			if res, _ := b.take(bg, key, tr, 5, nil); !res.Banned {
 				t.Fatalf("a request of 5 with 3 tokens out and the level empty: %+v, want the ban started", res)
 			}
 			tableSync(b)
@@ -799,7 +797,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			switch learn {
 			case "lease call":
 				clock.advance(time.Millisecond)
-				a.takeTier(bg, key, tr, 5, results{}) // more than a holds: a call
+				a.take(bg, key, tr, 5, nil) // more than a holds: a call
 			case "give-back":
 				clock.advance(time.Second)
 				a.giveBackNow(a.sweep(clock.now(), false))
@@ -830,14 +828,14 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{tokens: 8}, 5*time.Second)
 	defer node.close()
 	key := []byte("k")
 	take := func() bucket.Result {
 		t.Helper()
-		res, err := node.take(bg, key, l, 1)
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -880,7 +878,7 @@ func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T)
 	}
 	fifth := make(chan bucket.Result, 1)
 	go func() {
-		res, _ := node.take(bg, key, l, 1)
+		res, _ := node.take(bg, key, oneLimit(l), 1, nil)
 		fifth <- res
 	}()
 	// It is answered at once, or joins the prefetch.
@@ -908,15 +906,15 @@ func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T)
 func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
-	tr := Tier{Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}}, Quotas: []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}}, Quotas: []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}}
 	ttl := time.Second
 	a, b := newModelTable(m, LeaseSize{percent: 50}, ttl), newModelTable(m, LeaseSize{percent: 50}, ttl)
 	defer a.close()
 	defer b.close()
 	admitted := 0
 	for range 30 {
-		if res, err := a.takeTier(bg, []byte("k"), tr, 1, results{}); err == nil && res.Allowed {
+		if res, err := a.take(bg, []byte("k"), tr, 1, nil); err == nil && res.Allowed {
 			admitted++
 		}
 		tableSync(a)
@@ -926,7 +924,7 @@ func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *tes
 	if held == 0 || admitted != 30 {
 		t.Fatalf("node a admitted %d of 30 and holds %d; want all admitted and tokens held", admitted, held)
 	}
-	res, err := b.takeTier(bg, []byte("k"), tr, 1, results{})
+	res, err := b.take(bg, []byte("k"), tr, 1, nil)
 	tableSync(b)
 	if err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -42,9 +43,9 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 	var granted, quotaRefused, returned int
 	for i := range traces {
 		s.clockOffset = edges[rng.IntN(len(edges))].UnixMicro() - time.Now().UnixMicro()
-		ls := []bucket.Limit{bucket.RandomTrace(rng).Limit}
+		ls := []bucket.Limit{buckettest.RandomTrace(rng).Limit}
 		if rng.IntN(2) == 0 {
-			ls = append(ls, bucket.RandomTrace(rng).Limit)
+			ls = append(ls, buckettest.RandomTrace(rng).Limit)
 		}
 		for j := range ls {
 			ls[j].MaxWait = ls[0].MaxWait
@@ -69,7 +70,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 			minCap = min(minCap, l.Capacity)
 		}
 		key := string(bucketFor("quota-" + strconv.Itoa(i)))
-		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		nodes := []string{"a1", "b2"}
 		seq := map[string]int64{}
 		for j := range steps {
@@ -91,7 +92,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 					// The give-back of a lease, named by its call, or
 					// by the one before.
 					n, at := 1+rng.Int64N(minCap), seq[node]-rng.Int64N(2)
-					v, err := s.call(bg, key, s.argsWithQuotas("return", ls, qs, 0, n, node, at), false, 2)
+					v, err := s.call(bg, key, s.args("return", bucket.Tier{Limits: ls, Quotas: qs}, 0, n, node, at), false, 2)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -110,7 +111,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 					a.Spend = cost
 				}
 				each, wantEach := make([]bucket.Result, len(ls)+len(qs)), make([]bucket.Result, len(ls)+len(qs))
-				got, now, err := s.leaseAt(key, ls, qs, a, each)
+				got, now, err := s.leaseAt(key, bucket.Tier{Limits: ls, Quotas: qs}, a, each)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -126,7 +127,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 				}
 			case op < 6:
 				all := make([]bucket.Result, len(ls)+len(qs))
-				v, err := s.decideBy(bg, "take", key, ls, qs, cost, all, false)
+				v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls, Quotas: qs}, cost, all, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -141,10 +142,13 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 					t.Fatalf("%s take %d at %s: Redis %+v %+v %+v, model %v %+v %+v next %d", what, cost, time.UnixMicro(v.now).UTC(), v, out, qout, w, want, wantQ, next)
 				}
 			case op < 7:
-				_, now, err := s.takeQuotas(bg, "peek", key, ls, qs, 0, out, qout)
+				all := make([]bucket.Result, len(ls)+len(qs))
+				_, now, err := s.decideAt(bg, "peek", key, bucket.Tier{Limits: ls, Quotas: qs}, 0, all, false)
 				if err != nil {
 					t.Fatal(err)
 				}
+				copy(out, all)
+				copy(qout, all[len(ls):])
 				sh.Peek(now, ls, want)
 				sh.PeekQuotas(now, qs, wantQ)
 				if !slices.Equal(out, want) || !slices.Equal(qout, wantQ) {
@@ -154,7 +158,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 				// Given back for a request taken a moment ago, or (now and
 				// then) one taken before the last boundary.
 				at := time.Now().UnixMicro() + s.clockOffset - rng.Int64N(2)*rng.Int64N(30*3600*1_000_000)
-				v, err := s.call(bg, key, s.argsWithQuotas("giveback", ls, qs, at, cost), false, 2)
+				v, err := s.call(bg, key, s.args("giveback", bucket.Tier{Limits: ls, Quotas: qs}, at, cost), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -162,7 +166,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 				sh.GiveBackQuotas(v[1], at, qs, cost)
 			default:
 				n := rng.Int64N(3 * minCap)
-				v, err := s.call(bg, key, s.argsWithQuotas("charge", ls, qs, 0, n), false, 2)
+				v, err := s.call(bg, key, s.args("charge", bucket.Tier{Limits: ls, Quotas: qs}, 0, n), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -199,7 +203,7 @@ func TestRedisScriptQuotasMatchTheModel(t *testing.T) {
 }
 
 // quotaUsed is what a shared bucket's quotas have counted, in all.
-func quotaUsed(sh *bucket.Shared) int64 {
+func quotaUsed(sh *buckettest.Shared) int64 {
 	var n int64
 	for _, q := range sh.Quotas {
 		n += q.Used

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -23,14 +24,14 @@ func TestScriptChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 2)
 	for i, n := range []int64{math.MaxInt64, math.MaxInt64 - 1, 1 << 62} {
 		key := bucketFor(fmt.Sprint("charge-", i))
-		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); !ok || err != nil {
+		if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); !ok || err != nil {
 			t.Fatalf("the first take: %v %v %+v", ok, err, qout)
 		}
-		if err := s.ChargeQuotas(bg, key, ls, qs, n); err != nil {
+		if err := s.Charge(bg, key, bucket.Tier{Limits: ls, Quotas: qs}, n); err != nil {
 			t.Fatal(err)
 		}
 		now := time.Now().UnixMicro()
-		sh := &bucket.Shared{Levels: make([]bucket.State, 1), Quotas: []bucket.QuotaState{{Used: 1}, {Used: 1}}}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, 1), Quotas: []bucket.QuotaState{{Used: 1}, {Used: 1}}}
 		for j, q := range qs {
 			sh.Quotas[j].Start, _ = q.Bounds(now)
 		}
@@ -44,7 +45,7 @@ func TestScriptChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 				t.Fatalf("charged %d: the key holds %q; want %q, the quota used up", n, stored, want)
 			}
 		}
-		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); ok || err != nil || qout[0].Remaining != 0 || qout[1].Remaining != 0 {
+		if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); ok || err != nil || qout[0].Remaining != 0 || qout[1].Remaining != 0 {
 			t.Fatalf("after a charge of %d: allowed %v (%v), %+v; want refused, both quotas used up", n, ok, err, qout)
 		}
 	}
@@ -67,7 +68,7 @@ func TestAQuotaRequestInARepeatedFirstHourIsCounted(t *testing.T) {
 	ls := []bucket.Limit{slowLimit(100)}
 	qs := []bucket.Quota{{N: 3, Period: bucket.Day, Loc: amman}}
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
-	ok, err := s.TakeQuotas(bg, bucketFor("amman"), ls, qs, 1, out, qout)
+	ok, err := s.takeQuotas(bg, bucketFor("amman"), ls, qs, 1, out, qout)
 	// The day ends at the next midnight, 25 hours after the first.
 	if want := (25*time.Hour - 30*time.Minute).Microseconds(); !ok || err != nil || qout[0].Remaining != 2 || qout[0].ResetAfter < want-5*second || qout[0].ResetAfter > want {
 		t.Fatalf("00:30 EEST on the 30th: allowed %v (%v), %+v; want 2 left of the 25-hour day", ok, err, qout[0])
@@ -91,20 +92,20 @@ func TestAGiveBackReturnsToTheQuotasWhatTheLimitsDoNotTakeBack(t *testing.T) {
 			// With leases, takes until the node holds one (the first is
 			// spent at once).
 			for held := false; !held; {
-				if ok, err := s.TakeQuotas(bg, key, ls, qs, 2, out, qout); !ok || err != nil {
+				if ok, err := s.takeQuotas(bg, key, ls, qs, 2, out, qout); !ok || err != nil {
 					t.Fatalf("a take: %v %v (%+v)", ok, err, qout)
 				}
 				stored, _ := srv.Do("GET", string(key)).(string)
 				held = lease == "" || strings.Contains(stored, ";l:")
 			}
 			peek := func() (limit, quota int64) {
-				if err := s.PeekQuotas(bg, key, ls, qs, out, qout); err != nil {
+				if err := s.peekQuotas(bg, key, ls, qs, out, qout); err != nil {
 					t.Fatal(err)
 				}
 				return out[0].Remaining, qout[0].Remaining
 			}
 			limit, quota := peek()
-			if err := s.GiveBackQuotas(bg, key, ls, 0, qs, 2, time.Now().UnixMicro()); err != nil {
+			if err := s.GiveBack(bg, key, bucket.Tier{Limits: ls, Quotas: qs}, 0, 2, time.Now().UnixMicro()); err != nil {
 				t.Fatal(err)
 			}
 			// At 100 a minute, the limit may refill a token meanwhile.
@@ -128,16 +129,16 @@ func TestScriptChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
 	key := bucketFor("charge-lowered-n")
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
 	for i := range 8 {
-		if ok, err := s.TakeQuotas(bg, key, ls, ten, 1, out, qout); !ok || err != nil {
+		if ok, err := s.takeQuotas(bg, key, ls, ten, 1, out, qout); !ok || err != nil {
 			t.Fatalf("take %d: %v %v %+v", i, ok, err, qout)
 		}
 	}
-	if err := s.ChargeQuotas(bg, key, ls, five, 1); err != nil {
+	if err := s.Charge(bg, key, bucket.Tier{Limits: ls, Quotas: five}, 1); err != nil {
 		t.Fatal(err)
 	}
 	admitted := 0
 	for range 10 {
-		ok, err := s.TakeQuotas(bg, key, ls, ten, 1, out, qout)
+		ok, err := s.takeQuotas(bg, key, ls, ten, 1, out, qout)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -175,25 +176,25 @@ func TestAnOldZonesGiveBackKeepsTheNewZonesCount(t *testing.T) {
 		t.Run(op, func(t *testing.T) {
 			key := bucketFor("zone-" + op)
 			// A request of the old config, at the origin across the reload.
-			if ok, err := s.TakeQuotas(bg, key, ls, old, 1, out, qout); !ok || err != nil {
+			if ok, err := s.takeQuotas(bg, key, ls, old, 1, out, qout); !ok || err != nil {
 				t.Fatalf("the old config's take: %v %v", ok, err)
 			}
 			// The running config counts 6 today.
 			for i := range 6 {
-				if ok, err := s.TakeQuotas(bg, key, ls, running, 1, out, qout); !ok || err != nil {
+				if ok, err := s.takeQuotas(bg, key, ls, running, 1, out, qout); !ok || err != nil {
 					t.Fatalf("take %d: %v %v", i, ok, err)
 				}
 			}
 			// The old request ends.
 			if op == "giveback" {
-				err = s.GiveBackQuotas(bg, key, ls, 1, old, 1, noon.UnixMicro())
+				err = s.GiveBack(bg, key, bucket.Tier{Limits: ls, Quotas: old}, 1, 1, noon.UnixMicro())
 			} else {
-				err = s.ChargeQuotas(bg, key, ls, old, 1)
+				err = s.Charge(bg, key, bucket.Tier{Limits: ls, Quotas: old}, 1)
 			}
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := s.PeekQuotas(bg, key, ls, running, out, qout); err != nil {
+			if err := s.peekQuotas(bg, key, ls, running, out, qout); err != nil {
 				t.Fatal(err)
 			}
 			if qout[0].Remaining > 4 {

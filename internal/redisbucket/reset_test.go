@@ -20,7 +20,7 @@ func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
 	hook := new(afterScriptHook)
 	s.conn.client().AddHook(hook)
 	b := bucketFor("reset-race")
-	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
+	if res, err := s.takeLimit(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
 		t.Fatalf("first take: %+v, %v", res, err)
 	}
 	// The first take left the bucket empty, which the deny cache learned
@@ -34,13 +34,13 @@ func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
 		}
 	}
 	hook.mu.Unlock()
-	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || res.Allowed {
+	if res, err := s.takeLimit(bg, b, slowLimit(1), 1); err != nil || res.Allowed {
 		t.Fatalf("second take, on the empty bucket: %+v, %v; want denied", res, err)
 	}
 	if n := srv.Do("EXISTS", string(b)).(int64); n != 0 {
 		t.Fatal("the reset did not delete the bucket in Redis")
 	}
-	if res, err := s.Take(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
+	if res, err := s.takeLimit(bg, b, slowLimit(1), 1); err != nil || !res.Allowed {
 		t.Fatalf("take after the reset: %+v, %v; want allowed: a denial from before the reset was kept", res, err)
 	}
 }

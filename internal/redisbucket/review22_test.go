@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -21,26 +22,26 @@ func TestReview22GiveBackOfAWaiterIsHiddenByTheDenyCache(t *testing.T) {
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
 	key := bucketFor("review22-denycache")
 	for i := range 11 {
-		res, err := s.Take(bg, key, l, 1)
+		res, err := s.takeLimit(bg, key, l, 1)
 		if err != nil || !res.Allowed {
 			t.Fatalf("take %d: %+v, %v; want allowed (waiting)", i, res, err)
 		}
 	}
 	// The 12th would wait 1.1 s: refused, retry in about 100 ms, and the
 	// deny cache remembers it.
-	res, err := s.Take(bg, key, l, 1)
+	res, err := s.takeLimit(bg, key, l, 1)
 	if err != nil || res.Allowed {
 		t.Fatalf("12th take: %+v, %v; want refused", res, err)
 	}
 	// The 5 last waiters hang up: each gives its token back, as the
 	// handler does (a give-back is at most one capacity).
 	for range 5 {
-		if err := s.GiveBack(bg, key, l, 1); err != nil {
+		if err := s.GiveBack(bg, key, oneLimit(l), 1, 1, 0); err != nil {
 			t.Fatal(err)
 		}
 	}
 	// Redis now lets the client's next request wait ~0.6 s for them.
-	res, err = s.Take(bg, key, l, 1)
+	res, err = s.takeLimit(bg, key, l, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,17 +64,17 @@ func TestReview22GiveBackOfAWaiterIsHiddenByTheDenyCache(t *testing.T) {
 func TestReview22LeaseModeHangUpGiveBackIsSpentAtOnceUnlikeStrictMode(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	// capacity 10, 10/s, max_wait 1s; leases of 50%.
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
 	ls := []bucket.Limit{l}
 	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	key := []byte("review22-lease")
-	strict := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	take := func(what string) (lease, one bucket.Result) {
 		t.Helper()
-		res, err := node.take(bg, key, l, 1)
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -123,7 +124,7 @@ func TestReview22RedisLeaseGiveBackOfWaitersAdmitsWithoutWaiting(t *testing.T) {
 	key := bucketFor("review22-lease-redis")
 	waiting := 0
 	for i := range 20 {
-		res, err := s.Take(bg, key, l, 1)
+		res, err := s.takeLimit(bg, key, l, 1)
 		if err != nil || !res.Allowed {
 			t.Fatalf("request %d of the burst: %+v, %v; want allowed", i, res, err)
 		}
@@ -135,18 +136,18 @@ func TestReview22RedisLeaseGiveBackOfWaitersAdmitsWithoutWaiting(t *testing.T) {
 		t.Fatalf("%d of the burst wait; want at least 5", waiting)
 	}
 	// 5 waiters hang up.
-	if err := s.GiveBack(bg, key, l, 5); err != nil {
+	if err := s.GiveBack(bg, key, oneLimit(l), 5, 5, 0); err != nil {
 		t.Fatal(err)
 	}
 	// The shared bucket still lacks tokens: one bucket would make every
 	// next request wait.
 	var out [1]bucket.Result
-	if _, _, err := s.takeAll(bg, "peek", string(key), []bucket.Limit{l}, 0, out[:], false); err != nil {
+	if _, _, err := s.decideAt(bg, "peek", string(key), bucket.Tier{Limits: []bucket.Limit{l}}, 0, out[:], false); err != nil {
 		t.Fatal(err)
 	}
 	atOnce := 0
 	for range 5 {
-		res, err := s.Take(bg, key, l, 1)
+		res, err := s.takeLimit(bg, key, l, 1)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -169,16 +170,16 @@ func TestReview22RedisLeaseGiveBackOfWaitersAdmitsWithoutWaiting(t *testing.T) {
 func TestReview22LeaseHoldOffRefusesARequestStrictModeLetsWait(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	// capacity 10, 10/s, max_wait 200 ms; leases of 50% (5 tokens).
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 200_000}
 	ls := []bucket.Limit{l}
 	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	key := []byte("review22-holdoff")
-	strict := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	for i := range 60 {
-		res, err := node.take(bg, key, l, 1)
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)

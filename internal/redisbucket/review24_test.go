@@ -28,12 +28,12 @@ func TestReview24RedisReloadAddingAQuotaKeepsTheMonthsCount(t *testing.T) {
 	day := bucket.Quota{N: 100, Period: bucket.Day, Loc: time.UTC}
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 2)
 	for range 5 {
-		if ok, err := s.TakeQuotas(bg, key, ls, []bucket.Quota{month}, 1, out, qout[:1]); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, key, ls, []bucket.Quota{month}, 1, out, qout[:1]); err != nil || !ok {
 			t.Fatalf("take: %v %v", ok, err)
 		}
 	}
 	// The reload: a day quota in front of the month's.
-	if _, err := s.TakeQuotas(bg, key, ls, []bucket.Quota{day, month}, 0, out, qout); err != nil {
+	if _, err := s.takeQuotas(bg, key, ls, []bucket.Quota{day, month}, 0, out, qout); err != nil {
 		t.Fatal(err)
 	}
 	if qout[1].Remaining != 995 || qout[0].Remaining != 100 {
@@ -69,23 +69,23 @@ func TestReview24RedisGiveBackAfterTheBoundaryDoesNotRefundTheNewDay(t *testing.
 		qs := []bucket.Quota{{N: 2, Period: bucket.Day, Loc: time.UTC}}
 		out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
 		s.clockOffset = midnight + tt.redis - time.Now().UnixMicro()
-		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || !ok {
 			t.Fatalf("%s: yesterday's request (by Redis's clock): %v %v", tt.name, ok, err)
 		}
 		at := bucket.CountedAt(midnight+tt.node, qout)
 		s.clockOffset += 200_000 // past midnight, by Redis's clock
 		admitted := 0
 		for range 2 {
-			if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
+			if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
 				t.Fatal(err)
 			} else if ok {
 				admitted++
 			}
 		}
-		if err := s.GiveBackQuotas(bg, key, ls, 1, qs, 1, at); err != nil { // yesterday's request did not count
+		if err := s.GiveBack(bg, key, bucket.Tier{Limits: ls, Quotas: qs}, 1, 1, at); err != nil { // yesterday's request did not count
 			t.Fatal(err)
 		}
-		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
+		if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); err != nil {
 			t.Fatal(err)
 		} else if ok {
 			admitted++
@@ -113,7 +113,7 @@ func TestReview24RedisPeriodIsRedissWhenTheNodeIsADayBehind(t *testing.T) {
 	// noon (ARGV[4] shifts only Redis's TIME).
 	node := time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro() - time.Now().UnixMicro()
 	s.clockOffset = node
-	args := s.argsWithQuotas("take", ls, qs, 0, 1)
+	args := s.args("take", bucket.Tier{Limits: ls, Quotas: qs}, 0, 1)
 	args[3] = node + 2*24*3600*1_000_000
 	// The node sends the boundaries of the periods around its own now;
 	// beyond them, Redis cannot tell the period: the call fails loudly

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -51,7 +52,7 @@ func TestReview25bDefectOldPeriodsGiveBackGoesIntoTheNewPeriodsLease(t *testing.
 	_, midnight := day.Bounds(time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock := new(fakeClock)
 	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	tb := newModelTable(m, LeaseSize{tokens: 4}, time.Hour)
 	defer tb.close()
 	s := &Store{leases: tb}
@@ -61,7 +62,7 @@ func TestReview25bDefectOldPeriodsGiveBackGoesIntoTheNewPeriodsLease(t *testing.
 	take := func(sync bool) bool {
 		t.Helper()
 		out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
-		ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout)
+		ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -160,16 +161,16 @@ func TestReview25bDefectRedisDenyCacheServesTiersWithQuotas(t *testing.T) {
 	key := bucketFor("review25b-deny-quota")
 	out, qout := make([]bucket.Result, 2), make([]bucket.Result, 1)
 	for range 2 {
-		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || !ok {
 			t.Fatal(ok, err)
 		}
 	}
-	if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || ok || qout[0].RetryAfter <= 0 {
+	if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || ok || qout[0].RetryAfter <= 0 {
 		t.Fatalf("the third: %v %v %+v; want refused by the quota", ok, err, qout[0])
 	}
 	srv.Do("CONFIG", "RESETSTAT")
 	for range 100 {
-		if ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || ok {
+		if ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout); err != nil || ok {
 			t.Fatalf("the flood: %v %v", ok, err)
 		}
 	}
@@ -208,23 +209,23 @@ func TestReview25bDefectRedisGiveBackNamingFewerQuotasKeepsTheOthersCount(t *tes
 	month := bucket.Quota{N: 1000, Period: bucket.Month, Loc: time.UTC}
 	out := make([]bucket.Result, 1)
 	// A request under the old config (day quota only) is at the origin.
-	if ok, err := s.TakeQuotas(bg, key, ls, []bucket.Quota{day}, 1, out, make([]bucket.Result, 1)); err != nil || !ok {
+	if ok, err := s.takeQuotas(bg, key, ls, []bucket.Quota{day}, 1, out, make([]bucket.Result, 1)); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
 	taken := time.Now().UnixMicro() + s.clockOffset
 	// The reload adds the month quota; the new config admits 5.
 	qout := make([]bucket.Result, 2)
 	for range 5 {
-		if ok, err := s.TakeQuotas(bg, key, ls, []bucket.Quota{day, month}, 1, out, qout); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, key, ls, []bucket.Quota{day, month}, 1, out, qout); err != nil || !ok {
 			t.Fatal(ok, err)
 		}
 	}
 	// The old request's response does not count: its give-back names the
 	// old tier's quotas.
-	if err := s.GiveBackQuotas(bg, key, ls, 1, []bucket.Quota{day}, 1, taken); err != nil {
+	if err := s.GiveBack(bg, key, bucket.Tier{Limits: ls, Quotas: []bucket.Quota{day}}, 1, 1, taken); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.PeekQuotas(bg, key, ls, []bucket.Quota{day, month}, out, qout); err != nil {
+	if err := s.peekQuotas(bg, key, ls, []bucket.Quota{day, month}, out, qout); err != nil {
 		t.Fatal(err)
 	}
 	if qout[1].Remaining != 995 {
@@ -244,7 +245,7 @@ func TestReview25bRedisOldLeaseRecordWithoutQuotaFieldsParses(t *testing.T) {
 	ls := []bucket.Limit{{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}}
 	qs := []bucket.Quota{{N: 100, Period: bucket.Day, Loc: time.UTC}}
 	// Build a record by the script, then strip its quota fields.
-	lr, now, err := s.leaseAt(key, ls, qs, bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 4, Hold: 60 * second}, nil)
+	lr, now, err := s.leaseAt(key, bucket.Tier{Limits: ls, Quotas: qs}, bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 4, Hold: 60 * second}, nil)
 	if err != nil || lr.Granted != 4 {
 		t.Fatalf("lease: %+v %v", lr, err)
 	}
@@ -267,12 +268,12 @@ func TestReview25bRedisOldLeaseRecordWithoutQuotaFieldsParses(t *testing.T) {
 	}
 	srv.Do("SET", key, old, "PX", 60000)
 	_ = now
-	n, err := s.giveBack("n1", []leaseReturn{{key: key, tier: Tier{Limits: ls, Quotas: qs}, tokens: 4, seq: 1, done: make(chan struct{})}})
+	n, err := s.giveBack("n1", []leaseReturn{{key: key, tier: bucket.Tier{Limits: ls, Quotas: qs}, tokens: 4, seq: 1, done: make(chan struct{})}})
 	if err != nil || n != 4 {
 		t.Errorf("give-back of an old record: %d %v; want 4 returned", n, err)
 	}
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
-	if err := s.PeekQuotas(bg, []byte(key), ls, qs, out, qout); err != nil {
+	if err := s.peekQuotas(bg, []byte(key), ls, qs, out, qout); err != nil {
 		t.Fatal(err)
 	}
 	if out[0].Remaining != 10 || qout[0].Remaining != 96 {

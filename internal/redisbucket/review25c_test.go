@@ -50,10 +50,10 @@ func TestReview25cDefectDenyCacheWaitersWaitPastTheTimeout(t *testing.T) {
 	denied := bucketFor("review25c-denied")
 	fresh := bucketFor("review25c-fresh")
 	out := make([]bucket.Result, 2)
-	if ok, err := s.TakeAll(bg, denied, ls, 1, out); err != nil || !ok {
+	if ok, err := s.Take(bg, denied, bucket.Tier{Limits: ls}, 1, out); err != nil || !ok {
 		t.Fatalf("set-up: first take %v %v", ok, err)
 	}
-	if ok, err := s.TakeAll(bg, denied, ls, 1, out); err != nil || ok {
+	if ok, err := s.Take(bg, denied, bucket.Tier{Limits: ls}, 1, out); err != nil || ok {
 		t.Fatalf("set-up: second take %v %v; want a denial (cached)", ok, err)
 	}
 	// The denial expires (the limit refills within the hour), and Redis
@@ -72,7 +72,7 @@ func TestReview25cDefectDenyCacheWaitersWaitPastTheTimeout(t *testing.T) {
 				defer wg.Done()
 				o := make([]bucket.Result, 2)
 				begin := time.Now()
-				_, err := s.TakeAll(bg, key, ls, 1, o)
+				_, err := s.Take(bg, key, bucket.Tier{Limits: ls}, 1, o)
 				took := time.Since(begin)
 				if err == nil {
 					t.Errorf("a take answered with Redis silent")
@@ -136,7 +136,7 @@ func TestReview25cDefectQuotaDenialOutlivesAnotherNodesGiveBack(t *testing.T) {
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
 	take := func(s *Store) bool {
 		t.Helper()
-		ok, err := s.TakeQuotas(bg, key, ls, qs, 1, out, qout)
+		ok, err := s.takeQuotas(bg, key, ls, qs, 1, out, qout)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -149,10 +149,10 @@ func TestReview25cDefectQuotaDenialOutlivesAnotherNodesGiveBack(t *testing.T) {
 	}
 	// A's request gets a status that does not count: it gives back.
 	taken := time.Now().UnixMicro() + mid
-	if err := nodeA.GiveBackQuotas(bg, key, ls, 1, qs, 1, taken); err != nil {
+	if err := nodeA.GiveBack(bg, key, bucket.Tier{Limits: ls, Quotas: qs}, 1, 1, taken); err != nil {
 		t.Fatal(err)
 	}
-	if err := nodeA.PeekQuotas(bg, key, ls, qs, out, qout); err != nil || qout[0].Remaining != 1 {
+	if err := nodeA.peekQuotas(bg, key, ls, qs, out, qout); err != nil || qout[0].Remaining != 1 {
 		t.Fatalf("Redis after the give-back: quota %d left (%v); want 1", qout[0].Remaining, err)
 	}
 	if take(nodeB) {
@@ -205,7 +205,7 @@ func TestReview25cDefectOldFormatQuotaCountOutlivesTheCallThatDoesNotNameIt(t *t
 	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}
 	day := bucket.Quota{N: 50, Period: bucket.Day, Loc: time.UTC}
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
-	if ok, err := s.TakeQuotas(bg, []byte(key), ls, []bucket.Quota{day}, 1, out, qout); err != nil || !ok {
+	if ok, err := s.takeQuotas(bg, []byte(key), ls, []bucket.Quota{day}, 1, out, qout); err != nil || !ok {
 		t.Fatal(ok, err)
 	}
 	v, _ := srv.Do("GET", key).(string)
@@ -247,7 +247,7 @@ func TestReview25cDefectOldFormatStaleCountOfADroppedQuotaStaysForever(t *testin
 	month := bucket.Quota{N: 1000, Period: bucket.Month, Loc: time.UTC}
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 1)
 	for range 3 {
-		if ok, err := s.TakeQuotas(bg, []byte(key), ls, []bucket.Quota{month}, 1, out, qout); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, []byte(key), ls, []bucket.Quota{month}, 1, out, qout); err != nil || !ok {
 			t.Fatal(ok, err)
 		}
 	}
@@ -275,19 +275,19 @@ func TestReview25cUnnamedNewFormatCountKeptUntilItsEnd(t *testing.T) {
 	month := bucket.Quota{N: 1000, Period: bucket.Month, Loc: time.UTC}
 	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 2)
 	for range 4 {
-		if ok, err := s.TakeQuotas(bg, key, ls, []bucket.Quota{day, month}, 1, out, qout); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, key, ls, []bucket.Quota{day, month}, 1, out, qout); err != nil || !ok {
 			t.Fatal(ok, err)
 		}
 	}
 	for range 3 {
-		if ok, err := s.TakeQuotas(bg, key, ls, []bucket.Quota{day}, 1, out, qout[:1]); err != nil || !ok {
+		if ok, err := s.takeQuotas(bg, key, ls, []bucket.Quota{day}, 1, out, qout[:1]); err != nil || !ok {
 			t.Fatal(ok, err)
 		}
 	}
 	if ttl := srv.Do("PTTL", string(key)).(int64) * 1000; ttl < (monthEnd-now)-60*second {
 		t.Errorf("PTTL %s; the month's count needs %s", time.Duration(ttl)*time.Microsecond, time.Duration(monthEnd-now)*time.Microsecond)
 	}
-	if err := s.PeekQuotas(bg, key, ls, []bucket.Quota{day, month}, out, qout); err != nil {
+	if err := s.peekQuotas(bg, key, ls, []bucket.Quota{day, month}, out, qout); err != nil {
 		t.Fatal(err)
 	}
 	if qout[0].Remaining != 43 || qout[1].Remaining != 996 {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -93,7 +94,7 @@ func r27State(rng *rand.Rand, base int64, l bucket.Limit) bucket.State {
 
 // r27Text is the key's value for sh, as the script writes it, the leases'
 // quota marks included.
-func r27Text(sh *bucket.Shared, qs []bucket.Quota) string {
+func r27Text(sh *buckettest.Shared, qs []bucket.Quota) string {
 	st := func(s bucket.State) string {
 		if s.FullAt == 0 {
 			return ""
@@ -152,7 +153,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 	for c := range cases {
 		ls := r27Tier(rng)
 		base := time.Now().UnixMicro()
-		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		for i, l := range ls {
 			sh.Levels[i] = r27State(rng, base, l)
 		}
@@ -164,7 +165,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 				minCap = min(minCap, l.Capacity)
 			}
 			for k, node := range []string{"a1", "b2"}[:1+rng.IntN(2)] {
-				sh.Held = append(sh.Held, bucket.Held{Node: node, Tokens: 1 + rng.Int64N(minCap), Expires: base + 2*second + rng.Int64N(10*second), Seq: int64(k + 1)})
+				sh.Held = append(sh.Held, buckettest.Held{Node: node, Tokens: 1 + rng.Int64N(minCap), Expires: base + 2*second + rng.Int64N(10*second), Seq: int64(k + 1)})
 			}
 		}
 		var qs []bucket.Quota
@@ -182,7 +183,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 		switch op := rng.IntN(3); op {
 		case 0:
 			all := make([]bucket.Result, n)
-			v, err := s.decideBy(bg, "peek", key, ls, qs, 0, all, false)
+			v, err := s.decideBy(bg, "peek", key, bucket.Tier{Limits: ls, Quotas: qs}, 0, all, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -199,7 +200,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 				cost = 0
 			}
 			all := make([]bucket.Result, n)
-			v, err := s.decideBy(bg, "take", key, ls, qs, cost, all, false)
+			v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls, Quotas: qs}, cost, all, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -229,7 +230,7 @@ func TestReview27ScriptMatchesTheModelOnStoredStates(t *testing.T) {
 				a.Spend = 1
 			}
 			each, wantEach := make([]bucket.Result, n), make([]bucket.Result, n)
-			got, now, err := s.leaseAt(key, ls, qs, a, each)
+			got, now, err := s.leaseAt(key, bucket.Tier{Limits: ls, Quotas: qs}, a, each)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 )
@@ -63,7 +64,7 @@ func TestReview27bScriptMatchesTheModelOnWaitingTakes(t *testing.T) {
 	for c := range cases {
 		ls := r27bTier(rng)
 		base := time.Now().UnixMicro() + 2*second
-		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		for i, l := range ls {
 			full := bucket.CeilDiv(l.Units(), l.Rate.Tokens)
 			var gap int64
@@ -97,9 +98,9 @@ func TestReview27bScriptMatchesTheModelOnWaitingTakes(t *testing.T) {
 		if rng.IntN(3) > 0 {
 			for k, node := range []string{"a1", "b2", "c3"}[:1+rng.IntN(3)] {
 				full := bucket.CeilDiv(ls[0].Units(), ls[0].Rate.Tokens)
-				h := bucket.Held{Node: node, Tokens: 1 + rng.Int64N(max(1, minCap/2)), Expires: base + rng.Int64N(2*full+1), Seq: int64(k + 1), Void: rng.IntN(5) == 0}
+				h := buckettest.Held{Node: node, Tokens: 1 + rng.Int64N(max(1, minCap/2)), Expires: base + rng.Int64N(2*full+1), Seq: int64(k + 1), Void: rng.IntN(5) == 0}
 				if len(qs) > 0 && rng.IntN(2) == 0 {
-					h.QStop, h.Mask = bucket.QuotaStop(base, qs)
+					h.QStop, h.Mask = buckettest.QuotaStop(base, qs)
 				}
 				sh.Held = append(sh.Held, h)
 			}
@@ -115,7 +116,7 @@ func TestReview27bScriptMatchesTheModelOnWaitingTakes(t *testing.T) {
 			cost = 1 + rng.Int64N(minCap)
 		}
 		all := make([]bucket.Result, len(ls)+len(qs))
-		v, err := s.decideBy(bg, "take", key, ls, qs, cost, all, false)
+		v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls, Quotas: qs}, cost, all, false)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -41,7 +41,7 @@ func TestReview2ClosedLeaseTableIsHeldByItsHoldOffTimer(t *testing.T) {
 			}
 			refused := 0
 			for range requests {
-				res, err := s.Take(bg, b, l, 1)
+				res, err := s.takeLimit(bg, b, l, 1)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -100,7 +100,7 @@ func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(
 	bk := bucketFor("refused-prefetch")
 	key := string(bk)
 	for i := range 8 {
-		res, err := a.Take(bg, bk, l, 1)
+		res, err := a.takeLimit(bg, bk, l, 1)
 		a.leases.calls.Wait()
 		if err != nil || !res.Allowed {
 			t.Fatalf("node A, request %d: %+v %v", i+1, res, err)
@@ -125,7 +125,7 @@ func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(
 		return *sh.m[key]
 	}
 	for entry().tokens > 0 {
-		res, err := a.Take(bg, bk, l, 1)
+		res, err := a.takeLimit(bg, bk, l, 1)
 		a.leases.calls.Wait()
 		if err != nil || !res.Allowed {
 			t.Fatalf("node A, on the tokens it holds: %+v %v", res, err)
@@ -139,7 +139,7 @@ func TestReview2RedisRefusedPrefetchKeepsASpentLeaseRecordedAndTheBanStartsLate(
 	refused := false
 	start := time.Now()
 	for time.Since(start) < 1500*time.Millisecond {
-		res, err := b.Take(bg, bk, l, 1)
+		res, err := b.takeLimit(bg, bk, l, 1)
 		if err != nil {
 			t.Fatal(err)
 		}

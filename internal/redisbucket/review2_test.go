@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"context"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"sync"
 	"testing"
@@ -31,7 +32,7 @@ type review2Fleet struct {
 func newReview2Fleet(t *testing.T, l bucket.Limit) *review2Fleet {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	return &review2Fleet{t: t, clock: clock, m: &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}, l: l, fleetBan: -1, singleBan: -1}
+	return &review2Fleet{t: t, clock: clock, m: &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}, l: l, fleetBan: -1, singleBan: -1}
 }
 
 // request sends one request to node, or, with node nil, to a node in
@@ -42,7 +43,7 @@ func (f *review2Fleet) request(node *leaseTable) bucket.Result {
 	var res bucket.Result
 	if node != nil {
 		var err error
-		res, err = node.take(bg, []byte("k"), f.l, 1)
+		res, err = node.take(bg, []byte("k"), oneLimit(f.l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			f.t.Fatal(err)
@@ -71,7 +72,7 @@ func (f *review2Fleet) request(node *leaseTable) bucket.Result {
 }
 
 // record is the shared store's record of node's lease on "k", if any.
-func (f *review2Fleet) record(node *leaseTable) (bucket.Held, bool) {
+func (f *review2Fleet) record(node *leaseTable) (buckettest.Held, bool) {
 	f.m.mu.Lock()
 	defer f.m.mu.Unlock()
 	now := f.clock.now()
@@ -80,7 +81,7 @@ func (f *review2Fleet) record(node *leaseTable) (bucket.Held, bool) {
 			return h, true
 		}
 	}
-	return bucket.Held{}, false
+	return buckettest.Held{}, false
 }
 
 func (f *review2Fleet) entry(node *leaseTable) lease {
@@ -169,14 +170,14 @@ func TestReview2TokensHeldAcrossARefusedCallAreLostAtTheGiveBack(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := new(fakeClock)
 			clock.micros.Store(1_000_000)
-			m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 			l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
 			ls := []bucket.Limit{l}
 			node := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
 			key := []byte("k")
 			spent := int64(0)
 			take := func(cost int64) bucket.Result {
-				res, err := node.take(bg, key, l, cost)
+				res, err := node.take(bg, key, oneLimit(l), cost, nil)
 				tableSync(node)
 				if err != nil {
 					t.Fatal(err)
@@ -241,10 +242,10 @@ func TestReview2TokensHeldAcrossARefusedCallAreLostAtTheGiveBack(t *testing.T) {
 func TestReview2BanStartedByTheCallOfAClientThatHungUpIsNeverCounted(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	started := 0
-	m.onLease = func(_ string, _ *bucket.Shared, res bucket.LeaseResult) {
+	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
 			started++
 		}
@@ -255,7 +256,7 @@ func TestReview2BanStartedByTheCallOfAClientThatHungUpIsNeverCounted(t *testing.
 	counted := 0
 	node.onBan = func(string) { counted++ } // bans_total, for the bans no request reports
 	take := func(ctx context.Context) (bucket.Result, error) {
-		res, err := node.take(ctx, key, l, 1)
+		res, err := node.take(ctx, key, oneLimit(l), 1, nil)
 		if err == nil && !res.Allowed && res.Banned {
 			counted++ // what the handler counts in bans_total
 		}
@@ -382,7 +383,7 @@ func TestReview2RetryAtRetryAfterIsRefusedAtOnceWhileTheTimersCallIsOut(t *testi
 func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	rate, err := bucket.ParseRate(refill)
 	if err != nil {
 		t.Fatal(err)
@@ -395,7 +396,7 @@ func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	defer node.close()
 	key := []byte("k")
 	take := func() bucket.Result {
-		res, err := node.take(bg, key, l, 1)
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -429,7 +430,7 @@ func review2RetryAtRetryAfter(t *testing.T, refill string) {
 	level := m.level("k", l)
 	answer := make(chan bucket.Result, 1)
 	go func() {
-		retry, err := node.take(bg, key, l, 1)
+		retry, err := node.take(bg, key, oneLimit(l), 1, nil)
 		if err != nil {
 			t.Error(err)
 		}
@@ -468,7 +469,7 @@ func review2RetryAtRetryAfter(t *testing.T, refill string) {
 func TestReview2ReturningMapGrowsWithEvictionsBetweenSweeps(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 1000}}
 	node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Minute, 100*time.Millisecond, leaseShards, nopLogger)
 	defer node.close()
@@ -476,7 +477,7 @@ func TestReview2ReturningMapGrowsWithEvictionsBetweenSweeps(t *testing.T) {
 	for i := range keys {
 		key := []byte{'k', byte(i), byte(i >> 8), byte(i >> 16)}
 		for range 2 {
-			if res, err := node.take(bg, key, l, 1); err != nil || !res.Allowed {
+			if res, err := node.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 				t.Fatalf("key %d: %+v %v", i, res, err)
 			}
 		}
@@ -523,7 +524,7 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 	// The 5th spends the last token held; its prefetch is out for a round
 	// trip, while the 6th comes.
 	f.m.gate = make(chan struct{})
-	res5, err := node.take(bg, []byte("k"), l, 1)
+	res5, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 	if err != nil || !res5.Allowed {
 		t.Fatalf("attempt 5: %+v %v", res5, err)
 	}
@@ -534,7 +535,7 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 	}
 	done := make(chan bucket.Result, 1)
 	go func() {
-		res, _ := node.take(bg, []byte("k"), l, 1)
+		res, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		done <- res
 	}()
 	redistest.WaitFor(t, 5*time.Second, "the 6th attempt to wait on the prefetch", func() bool {
@@ -579,13 +580,13 @@ func TestReview2RequestRefusedWithARefusedPrefetchStartsNoBan(t *testing.T) {
 func TestReview2TimerFiringAfterCloseStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 200_000}}
 	node := newModelTable(m, LeaseSize{tokens: 10}, 2*time.Second)
 	var timers review2Timers
 	timers.install(node)
 	for range 150 {
-		node.take(bg, []byte("k"), l, 1)
+		node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 	}
 	if timers.pending() == 0 {

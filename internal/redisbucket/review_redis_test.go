@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"maps"
@@ -34,19 +35,19 @@ func TestReviewRedisKeyExpiresWhileTheCappedLevelStillRefills(t *testing.T) {
 	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}}} // 100 100/s
 	key := string(bucketFor("capped"))
 	a := bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 50, Hold: 200_000}
-	v, err := s.call(bg, key, s.args("lease", ls, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, leaseAnswer+2)
+	v, err := s.call(bg, key, s.args("lease", bucket.Tier{Limits: ls}, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, leaseAnswer+2)
 	if err != nil {
 		t.Fatal(err)
 	}
 	leasedAt := v[7]
-	sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	if want := sh.Lease(leasedAt, ls, a); v[0] != want.Granted || v[0] != 50 {
 		t.Fatalf("lease: Redis granted %d, the model %d; want 50", v[0], want.Granted)
 	}
 	pttl := srv.Do("PTTL", key)
 	redistest.WaitFor(t, 3*time.Second, "the key to expire", func() bool { return srv.Do("EXISTS", key) == int64(0) })
 	var out, want [1]bucket.Result
-	_, now, err := s.takeAll(bg, "peek", key, ls, 0, out[:], false)
+	_, now, err := s.decideAt(bg, "peek", key, bucket.Tier{Limits: ls}, 0, out[:], false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +100,7 @@ func TestReviewRedisSpacedRequestsLoseTheirLeaseAndAreBannedUnderTheLimit(t *tes
 		b := bucketFor("spaced-" + string(rune('a'+round)))
 		var got strings.Builder
 		for range 5 {
-			res, err := s.Take(bg, b, l, 1)
+			res, err := s.takeLimit(bg, b, l, 1)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -153,7 +154,7 @@ func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
 		mismatches := 0
 		for k := range 4 {
 			key := string(bucketFor(fmt.Sprintf("deep-%d-%d", li, k)))
-			sh := &bucket.Shared{Levels: make([]bucket.State, 1)}
+			sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 			for _, o := range []struct {
 				op string
 				n  int64
@@ -162,7 +163,7 @@ func TestReviewRedisScriptDiffersFromTheModelAtTheDeepestDebt(t *testing.T) {
 				if o.op == "take" {
 					want = 8
 				}
-				v, err := s.call(bg, key, s.args(o.op, ls, o.n), false, want)
+				v, err := s.call(bg, key, s.args(o.op, bucket.Tier{Limits: ls}, 0, o.n), false, want)
 				if err != nil {
 					t.Fatalf("limit %+v %s: %v", l, o.op, err)
 				}

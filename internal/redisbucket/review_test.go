@@ -2,6 +2,7 @@ package redisbucket
 
 import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"math/rand/v2"
 	"sync"
@@ -42,7 +43,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		}
 	})
 	t.Run("Shared.GiveBack", func(t *testing.T) {
-		sh := &bucket.Shared{Levels: []bucket.State{st}}
+		sh := &buckettest.Shared{Levels: []bucket.State{st}}
 		sh.GiveBack(now, []bucket.Limit{cur}, cur.Converted(1, old))
 		var out [1]bucket.Result
 		sh.Peek(now, []bucket.Limit{cur}, out[:])
@@ -55,11 +56,11 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 		// back when its table closes, 2 s later, as the new config counts.
 		clock := new(fakeClock)
 		clock.micros.Store(now - 2*second)
-		m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+		m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 		node := newModelTable(m, LeaseSize{tokens: 5}, time.Hour)
-		node.current = func(string, Tier) (Tier, bool) { return Tier{Limits: []bucket.Limit{cur}}, true }
+		node.current = func(string, bucket.Tier) (bucket.Tier, bool) { return bucket.Tier{Limits: []bucket.Limit{cur}}, true }
 		for range 3 { // leases of 1, 2, 4: 3 held
-			if res, _ := node.take(bg, []byte("k"), old, 1); !res.Allowed {
+			if res, _ := node.take(bg, []byte("k"), oneLimit(old), 1, nil); !res.Allowed {
 				t.Fatal("denied from a full bucket")
 			}
 			tableSync(node)
@@ -94,7 +95,7 @@ func TestReviewGiveBackUnderAnOlderRateCreatesTokens(t *testing.T) {
 func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
 	a := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
 	defer a.close()
@@ -108,7 +109,7 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 		if i >= 20 {
 			node = b
 		}
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -155,13 +156,13 @@ func TestReviewBanStartsLateWhileASpentLeaseIsStillRecorded(t *testing.T) {
 func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
 	defer node.close()
 	var one bucket.State
 	for i := range 5 {
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		var r bucket.Result
 		one, r = bucket.Take(one, clock.now(), l, 1)
@@ -174,7 +175,7 @@ func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 		t.Errorf("after 5 attempts within the capacity of 5, none refused, the shared bucket is banned: %+v", sh.Levels)
 	}
 	clock.advance(time.Hour)
-	res, _ := node.take(bg, []byte("k"), l, 1)
+	res, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 	tableSync(node)
 	_, r := bucket.Take(one, clock.now(), l, 1)
 	if r.Allowed && !res.Allowed {
@@ -193,7 +194,7 @@ func TestReviewPrefetchBansAClientThatNeverExceededItsLimit(t *testing.T) {
 func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
 	if err != nil {
 		t.Fatal(err)
@@ -205,7 +206,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 	key := []byte("k")
 	var res bucket.Result
 	for range 200 {
-		res, _ = node.take(bg, key, l, 1)
+		res, _ = node.take(bg, key, oneLimit(l), 1, nil)
 		tableSync(node)
 		if !res.Allowed {
 			break
@@ -215,7 +216,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 		t.Fatal("200 requests at once from a bucket of 100 all allowed")
 	}
 	clock.advance(300 * time.Millisecond)
-	res, _ = node.take(bg, key, l, 1)
+	res, _ = node.take(bg, key, oneLimit(l), 1, nil)
 	tableSync(node)
 	if res.Allowed {
 		t.Fatalf("0.3 s after the bucket ran dry: %+v", res)
@@ -224,7 +225,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 	clock.advance(time.Duration(header) * time.Second)
 	level := m.level("k", l)
 	calls := m.calls
-	again, _ := node.take(bg, key, l, 1)
+	again, _ := node.take(bg, key, oneLimit(l), 1, nil)
 	tableSync(node)
 	if level >= 1 && !again.Allowed {
 		t.Errorf("the client retried after Retry-After: %d s; the shared bucket holds %d, but the node refused it from memory (%d calls): %+v", header, level, m.calls-calls, again)
@@ -247,7 +248,7 @@ func TestReviewRetryAfterFromMemoryEndsBeforeTheHoldOff(t *testing.T) {
 // the test pass, never fail.
 func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 	for attempt := range 5 {
-		m := &sharedModel{now: monotonicMicros, states: map[string]*bucket.Shared{}}
+		m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
 		l := slowLimit(100)
 		// 64 entries: one a shard.
 		node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
@@ -258,7 +259,7 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 				other = k
 			}
 		}
-		if res, err := node.take(bg, a, l, 1); err != nil || !res.Allowed {
+		if res, err := node.take(bg, a, oneLimit(l), 1, nil); err != nil || !res.Allowed {
 			t.Fatalf("first request: %+v, %v", res, err)
 		}
 		tableSync(node)
@@ -280,7 +281,7 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 			once.Do(func() {
 				go func() {
 					defer close(evicted)
-					node.take(bg, other, l, 1) // waits for the shard's lock, then evicts "a"
+					node.take(bg, other, oneLimit(l), 1, nil) // waits for the shard's lock, then evicts "a"
 				}()
 				time.Sleep(20 * time.Millisecond) // the evicting request is queued on the lock
 			})
@@ -289,7 +290,7 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 		results := make(chan bucket.Result, 2)
 		for range 2 {
 			go func() {
-				res, _ := node.take(bg, a, l, 1)
+				res, _ := node.take(bg, a, oneLimit(l), 1, nil)
 				results <- res
 			}()
 		}
@@ -323,10 +324,10 @@ func TestReviewWaiterOfAShortCallIsRefusedWhenItsEntryIsEvicted(t *testing.T) {
 func TestReviewBanStartedByAPrefetchGoesUncountedWhenTheNextRequestIsAllowed(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	var started int
-	m.onLease = func(_ string, _ *bucket.Shared, res bucket.LeaseResult) {
+	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
 			started++
 		}
@@ -335,7 +336,7 @@ func TestReviewBanStartedByAPrefetchGoesUncountedWhenTheNextRequestIsAllowed(t *
 	defer node.close()
 	counted := 0
 	take := func() bucket.Result {
-		res, err := node.take(bg, []byte("k"), l, 1)
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
 		tableSync(node)
 		if err != nil {
 			t.Fatal(err)
@@ -383,7 +384,7 @@ func TestReviewConcurrentFleetKeepsTheWindowBound(t *testing.T) {
 	// records is caught.
 	for round := range 60 {
 		r := randomFleetRound(rng, 0)
-		r.mutate = func(_ *bucket.Shared, res *bucket.LeaseResult) {
+		r.mutate = func(_ *buckettest.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
@@ -402,9 +403,9 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 	l := r.limit
 	ls := []bucket.Limit{l}
 	key := "bucket"
-	m := &sharedModel{now: clock.now, states: map[string]*bucket.Shared{}, mutate: r.mutate}
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
 	now := clock.now()
-	start := &bucket.Shared{Levels: []bucket.State{{}}}
+	start := &buckettest.Shared{Levels: []bucket.State{{}}}
 	if k := rng.Int64N(l.Capacity + 1); k > 0 {
 		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
 	}
@@ -453,11 +454,11 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 				// Another client: in a table of one entry a shard, one
 				// in 64 of these evicts the bucket's entry.
 				other := []byte{'o', byte(rng.IntN(256))}
-				wg.Go(func() { tb.take(bg, other, l, 1) })
+				wg.Go(func() { tb.take(bg, other, oneLimit(l), 1, nil) })
 				continue
 			}
 			wg.Go(func() {
-				res, err := tb.take(bg, []byte(key), l, cost)
+				res, err := tb.take(bg, []byte(key), oneLimit(l), cost, nil)
 				if err == nil && res.Allowed {
 					mu.Lock()
 					adm = append(adm, admission{at: at, due: at + res.Wait, cost: cost, node: i})

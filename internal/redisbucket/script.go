@@ -2,7 +2,8 @@ package redisbucket
 
 import "github.com/redis/go-redis/v9"
 
-// bucketLua applies bucket.go's and shared.go's steps to one bucket,
+// bucketLua applies package bucket's steps to one bucket, and those of
+// the model of a shared bucket (internal/bucket/buckettest/shared.go),
 // atomically: a request's take over every limit of its tier, a peek, a
 // lease, the give-back of a lease, a give-back outside leases
 // (count_status), and a charge after the fact (cost_from_response). It
@@ -51,7 +52,8 @@ const bucketLua = bucketLuaState + bucketLuaOps
 
 // bucketLuaState is the first part of the script: its arguments, the
 // bucket's text read into limits' states, leases and quota counts, the
-// steps of bucket.go and shared.go on them, and the write back.
+// steps of package bucket and of buckettest's shared.go on them, and the
+// write back.
 const bucketLuaState = `
 if redis.replicate_commands then redis.replicate_commands() end
 local function idiv(a, b)
@@ -291,8 +293,8 @@ local function life()
   return last - now
 end
 
--- floor_at, settled and wait_settled: bucket.go's floorAt,
--- settledDeficit and waitSettled, on the leases H.
+-- floor_at, settled and wait_settled: buckettest's floorAt,
+-- settledDeficit and waitSettled (held.go), on the leases H.
 local function floor_at(i, t, at_too)
   local o = 0
   for _, h in ipairs(H) do

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"maps"
@@ -23,14 +24,14 @@ func (s *Store) run(ctx context.Context, key string, l bucket.Limit, cost int64)
 		op = "peek"
 	}
 	var out [1]bucket.Result
-	_, now, err := s.takeAll(ctx, op, key, []bucket.Limit{l}, cost, out[:], true)
+	_, now, err := s.decideAt(ctx, op, key, bucket.Tier{Limits: []bucket.Limit{l}}, cost, out[:], true)
 	return out[0], now, err
 }
 
 // encodeShared is what the bucket script keeps of sh at now, segment by
 // segment, by name: "1", "2"... for the limits not full, "l:<node>" for the
 // leases.
-func encodeShared(sh *bucket.Shared, now int64) map[string]string {
+func encodeShared(sh *buckettest.Shared, now int64) map[string]string {
 	m := map[string]string{}
 	for i, s := range sh.Levels {
 		if s.FullAt > now {
@@ -97,10 +98,10 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 		traces = 15
 	}
 	for i := range traces {
-		tr := bucket.RandomTrace(rng)
+		tr := buckettest.RandomTrace(rng)
 		ls := []bucket.Limit{tr.Limit}
 		for range rng.IntN(3) {
-			ls = append(ls, bucket.RandomTrace(rng).Limit)
+			ls = append(ls, buckettest.RandomTrace(rng).Limit)
 		}
 		for j := range ls {
 			ls[j].MaxWait = ls[0].MaxWait // one max_wait a tier
@@ -116,7 +117,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			minCap = min(minCap, l.Capacity)
 		}
 		key := string(bucketFor("shared-" + strconv.Itoa(i)))
-		sh := &bucket.Shared{Levels: make([]bucket.State, len(ls))}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
 		nodes := []string{"a1", "b2", "c3"}
 		seq := map[string]int64{}
 		for j := range tr.Gaps {
@@ -136,7 +137,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				if rng.IntN(5) == 0 {
 					cost = 0
 				}
-				v, err := s.decideBy(bg, "take", key, ls, nil, cost, out, false)
+				v, err := s.decideBy(bg, "take", key, bucket.Tier{Limits: ls}, cost, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -152,7 +153,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				}
 			case op < 4:
 				out := make([]bucket.Result, len(ls))
-				_, at, err := s.takeAll(bg, "peek", key, ls, 0, out, false)
+				_, at, err := s.decideAt(bg, "peek", key, bucket.Tier{Limits: ls}, 0, out, false)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -172,7 +173,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 					a.Prefetch = true
 				}
 				each, wantEach := make([]bucket.Result, len(ls)), make([]bucket.Result, len(ls))
-				got, at, err := s.leaseAt(key, ls, nil, a, each)
+				got, at, err := s.leaseAt(key, bucket.Tier{Limits: ls}, a, each)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -184,7 +185,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 			case op < 8:
 				node := nodes[rng.IntN(len(nodes))]
 				n, at := 1+rng.Int64N(minCap), seq[node]-rng.Int64N(2)
-				v, err := s.call(bg, key, s.args("return", ls, n, node, at), false, 2)
+				v, err := s.call(bg, key, s.args("return", bucket.Tier{Limits: ls}, 0, n, node, at), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -194,7 +195,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				}
 			case op < 9:
 				n := 1 + rng.Int64N(minCap)
-				v, err := s.call(bg, key, s.args("giveback", ls, n), false, 2)
+				v, err := s.call(bg, key, s.args("giveback", bucket.Tier{Limits: ls}, 0, n), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -202,7 +203,7 @@ func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 				sh.GiveBack(now, ls, n)
 			default:
 				n := rng.Int64N(3 * minCap)
-				v, err := s.call(bg, key, s.args("charge", ls, n), false, 2)
+				v, err := s.call(bg, key, s.args("charge", bucket.Tier{Limits: ls}, 0, n), false, 2)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -260,11 +261,11 @@ func TestRedisScriptReadsABucketOfAnOlderVersion(t *testing.T) {
 	}
 	// Seven tokens taken, as an older version wrote it.
 	srv.Do("SET", key, fmt.Sprintf("%d 0", now+7*l.Rate.Interval), "PX", "3600000")
-	res, err = s.Peek(bg, b, l)
+	res, err = s.peekLimit(bg, b, l)
 	if err != nil || res.Remaining != 3 {
 		t.Fatalf("peek of the old bucket: %+v, %v; want 3 left", res, err)
 	}
-	res, err = s.Take(bg, b, l, 1)
+	res, err = s.takeLimit(bg, b, l, 1)
 	if err != nil || !res.Allowed || res.Remaining != 2 {
 		t.Fatalf("take: %+v, %v; want allowed with 2 left", res, err)
 	}

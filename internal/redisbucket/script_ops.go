@@ -113,7 +113,7 @@ if op == 'take' then
     for j, q in ipairs(Q) do qres[j] = quota_peek(q) end
   end
   if allowed then
-    -- bucket.go's goTogether: a request that waits takes from every limit
+    -- goTogether (held.go's): a request that waits takes from every limit
     -- when the slowest lets it go on.
     local w = 0
     if maxwait > 0 then

@@ -32,7 +32,7 @@ func TestRedisScriptExplainsARefusedWrite(t *testing.T) {
 	srv.Do("SET", "ballast", strings.Repeat("x", 1<<20))
 	srv.Do("CONFIG", "SET", "maxmemory-policy", "noeviction")
 	srv.Do("CONFIG", "SET", "maxmemory", "1")
-	_, err := s.Take(bg, bucketFor("refused"), slowLimit(5), 1)
+	_, err := s.takeLimit(bg, bucketFor("refused"), slowLimit(5), 1)
 	srv.Do("CONFIG", "SET", "maxmemory", "0")
 	if err == nil || !strings.Contains(err.Error(), "rate_limit: Redis refused to write the bucket") {
 		t.Fatalf("take with the write refused: %v, want the script to say the write was refused", err)

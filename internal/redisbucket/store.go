@@ -55,7 +55,7 @@ type StoreOptions struct {
 	// are for the bucket at key, whose lease was taken under tr, and false
 	// when the bucket's tier is gone: leases given back when the config
 	// unloads count in it.
-	Current func(key string, tr Tier) (Tier, bool)
+	Current func(key string, tr bucket.Tier) (bucket.Tier, bool)
 	// OnBan, when set, hears of each ban a lease call started, by the
 	// bucket's key: with leases, the request that started it may be gone,
 	// so results do not report it.
@@ -151,65 +151,68 @@ func (s *Store) SplitKey(key string) (policy, tier string, ok bool) {
 	return parts[0], parts[1], true
 }
 
-// Take decides one request on the bucket at key: from this node's lease
-// when leases are on and larger than the cost, else by one script call,
-// unless the deny cache already knows the answer.
-func (s *Store) Take(ctx context.Context, key []byte, l bucket.Limit, cost int64) (bucket.Result, error) {
-	if s.leases != nil && s.leases.size.Of(l) > cost && cost > 0 {
-		res, err := s.leases.take(ctx, key, l, cost)
+// Take decides one request costing cost on the tier tr of the bucket at
+// key, and writes each limit's result into out, then each quota's (room
+// for tr.Parts()): from this node's lease when leases are on and larger
+// than the cost, which takes from every limit and quota at once; else by
+// one script call on the key, which holds them all, unless the deny cache
+// already knows the answer. A lone limit's call goes through the batcher.
+// A denial is remembered until the retry time of the limit or quota that
+// makes the client wait longest: until then, no call.
+func (s *Store) Take(ctx context.Context, key []byte, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
+	out = out[:tr.Parts()]
+	if s.leases != nil && cost > 0 && s.leases.size.ofTier(tr) > cost {
+		res, err := s.leases.take(ctx, key, tr, cost, out)
 		if !errors.Is(err, errLeasesClosed) {
-			return res, err
+			return res.Allowed, err
 		}
 	}
-	return s.reserveOne(ctx, string(key), l, cost)
+	return s.decide(ctx, string(key), tr, cost, out)
 }
 
-// leased decides a request from this node's leases when they are on and
-// larger than the cost, as Take does for one limit; false when the
-// request goes to Redis by one script call instead.
+// Peek reports every limit and quota of the tier tr of the bucket at key
+// into out, as Take does, in one script call that changes nothing and
+// starts no ban.
+func (s *Store) Peek(ctx context.Context, key []byte, tr bucket.Tier, out []bucket.Result) error {
+	_, err := s.decideBy(ctx, "peek", string(key), tr, 0, out[:tr.Parts()], false)
+	return err
+}
+
+// GiveBack returns the n tokens a request took at the moment at
+// (microseconds since the epoch; for a tier with quotas, 0 otherwise) to
+// every quota of the tier tr of the bucket at key, and limitsN of them (at
+// most n) to every limit: into this node's lease when it holds one (its
+// tokens stay counted in the quotas, to be spent in the period that
+// counted them), up to what the lease's record counts, and the rest in one
+// script call, to a quota only while the period it was counted in lasts.
+// A denial this node cached for the bucket may no longer hold: it goes.
 //
-// It writes each limit's and quota's result into out.
-func (s *Store) leased(ctx context.Context, key []byte, tr Tier, cost int64, out results) (bucket.Result, bool, error) {
-	if s.leases == nil || cost <= 0 || tr.leaseSize(s.leases.size) <= cost {
-		return bucket.Result{}, false, nil
+// A lease holds tokens of the limits and the quotas at once: when the
+// limits take back fewer than the quotas (a reload changed them), it
+// takes none, and the script gives each its own.
+func (s *Store) GiveBack(ctx context.Context, key []byte, tr bucket.Tier, limitsN, n, at int64) error {
+	if limitsN == n {
+		if n = s.fromLease(key, n, true, at); n <= 0 {
+			return nil
+		}
+		limitsN = n
 	}
-	res, err := s.leases.takeTier(ctx, key, tr, cost, out)
-	if errors.Is(err, errLeasesClosed) {
-		return bucket.Result{}, false, nil
-	}
-	return res, true, err
+	k := string(key)
+	_, err := s.call(context.WithoutCancel(ctx), k, s.args("giveback", tr, at, n, max(0, limitsN)), false, 2)
+	s.conn.denied.remove(k)
+	return err
 }
 
-// TakeAll decides one request on every limit of the bucket at key, with
-// one script call: the key holds every limit. With leases, from this
-// node's lease, which takes from every limit at once; each limit's result
-// is then the lease's. A denial is remembered until the retry time of the
-// limit that makes the client wait longest, as for one limit: until then,
-// no call.
-func (s *Store) TakeAll(ctx context.Context, key []byte, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	if res, ok, err := s.leased(ctx, key, Tier{Limits: ls}, cost, results{out: out[:len(ls)]}); ok {
-		return res.Allowed, err
-	}
-	return s.takeAllStrict(ctx, string(key), ls, cost, out)
-}
-
-// args are the script's arguments for op on limits ls, and then extra.
-func (s *Store) args(op string, ls []bucket.Limit, count int64, extra ...any) []any {
-	return s.argsWithQuotas(op, ls, nil, 0, count, extra...)
-}
-
-// Charge takes n more tokens from the bucket at key, into debt if need
-// be, in one script call.
-//
-// With leases, the charge is taken from the tokens this node holds on
-// lease for the bucket when they cover it, with no call, as a request's
+// Charge takes n more tokens from every limit and quota of the tier tr of
+// the bucket at key, into debt if need be: from the tokens this node holds
+// on lease for the bucket when they cover it, with no call, as a request's
 // cost is; what they do not cover is charged to the shared bucket by one
-// call, into debt as in strict mode.
-func (s *Store) Charge(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
+// script call, into debt as in strict mode.
+func (s *Store) Charge(ctx context.Context, key []byte, tr bucket.Tier, n int64) error {
 	if n = s.fromLease(key, n, false, 0); n == 0 && s.leases != nil {
 		return nil
 	}
-	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", []bucket.Limit{l}, n), false, 2)
+	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", tr, 0, n), false, 2)
 	return err
 }
 
@@ -232,42 +235,6 @@ func (s *Store) fromLease(key []byte, n int64, give bool, at int64) int64 {
 	default:
 		return s.leases.chargeHeld(key, n)
 	}
-}
-
-// GiveBack returns n tokens a request took: into this node's lease when
-// it holds one for the bucket, up to what the lease's record counts, and
-// the rest by one script call.
-func (s *Store) GiveBack(ctx context.Context, key []byte, l bucket.Limit, n int64) error {
-	if n = s.fromLease(key, n, true, 0); n <= 0 {
-		return nil
-	}
-	return s.giveBackShared(ctx, string(key), []bucket.Limit{l}, n)
-}
-
-// giveBackShared returns n tokens to the shared bucket at key by one script
-// call. A denial this node cached for the bucket may no longer hold: it
-// goes.
-func (s *Store) giveBackShared(ctx context.Context, k string, ls []bucket.Limit, n int64) error {
-	_, err := s.call(context.WithoutCancel(ctx), k, s.args("giveback", ls, n), false, 2)
-	s.conn.denied.remove(k)
-	return err
-}
-
-// GiveBackAll returns n tokens to every limit of the bucket at key: into
-// this node's lease when it holds one, as GiveBack does, and the rest in
-// one script call.
-func (s *Store) GiveBackAll(ctx context.Context, key []byte, ls []bucket.Limit, n int64) error {
-	if n = s.fromLease(key, n, true, 0); n <= 0 {
-		return nil
-	}
-	return s.giveBackShared(ctx, string(key), ls, n)
-}
-
-// Peek reports the bucket at key, changing nothing.
-func (s *Store) Peek(ctx context.Context, key []byte, l bucket.Limit) (bucket.Result, error) {
-	var out [1]bucket.Result
-	_, _, err := s.takeAll(ctx, "peek", string(key), []bucket.Limit{l}, 0, out[:], false)
-	return out[0], err
 }
 
 // Reset deletes the bucket at key. It forgets the bucket's denial on this

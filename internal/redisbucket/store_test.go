@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
@@ -30,8 +31,8 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 		traces = 15
 	}
 	for i := range traces {
-		tr := bucket.RandomTrace(rng)
-		ref := bucket.NewReference(tr.Limit)
+		tr := buckettest.RandomTrace(rng)
+		ref := buckettest.NewReference(tr.Limit)
 		key := string(bucketFor("client-" + strconv.Itoa(i)))
 		var st bucket.State
 		for j := range tr.Gaps {
@@ -72,7 +73,7 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 
 	for range 4 {
-		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		if res, err := s.takeLimit(bg, b, l, 1); err != nil || !res.Allowed {
 			t.Fatalf("Take: %+v, %v", res, err)
 		}
 	}
@@ -87,17 +88,17 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 
 	// A denial writes nothing: neither the state nor the expiry.
 	for range 6 {
-		if _, err := s.Take(bg, b, l, 1); err != nil {
+		if _, err := s.takeLimit(bg, b, l, 1); err != nil {
 			t.Fatal(err)
 		}
 	}
-	denied, err := s.Take(bg, b, l, 1)
+	denied, err := s.takeLimit(bg, b, l, 1)
 	if err != nil || denied.Allowed {
 		t.Fatalf("11th take: %+v, %v; want denied", denied, err)
 	}
 	s.conn.denied.remove(key) // so that the next take reaches Redis
 	before := srv.Do("GET", key)
-	if res, err := s.Take(bg, b, l, 1); err != nil || res.Allowed {
+	if res, err := s.takeLimit(bg, b, l, 1); err != nil || res.Allowed {
 		t.Fatalf("take from the empty bucket, through Redis: %+v, %v", res, err)
 	}
 	if after := srv.Do("GET", key); after != before {
@@ -125,7 +126,7 @@ func TestRedisTwoNodesAdmitExactlyTheCapacity(t *testing.T) {
 	for i := range 10 * capacity {
 		wg.Go(func() {
 			<-start
-			res, err := nodes[i%2].Take(bg, b, slowLimit(capacity), 1)
+			res, err := nodes[i%2].takeLimit(bg, b, slowLimit(capacity), 1)
 			switch {
 			case err != nil:
 				t.Error(err)
@@ -150,6 +151,7 @@ func BenchmarkRedisTake(b *testing.B) {
 	srv := redistest.Start(b)
 	bk := bucketFor("bench")
 	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1, Interval: 1}} // never denies
+	one := oneLimit(l)
 	for _, batch := range []bool{true, false} {
 		s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Batch: &batch})
 		if (s.conn.batcher() != nil) != batch {
@@ -157,8 +159,9 @@ func BenchmarkRedisTake(b *testing.B) {
 		}
 		name := map[bool]string{true: "batch-on", false: "batch-off"}[batch]
 		b.Run(name+"/serial", func(b *testing.B) {
+			var out [1]bucket.Result
 			for b.Loop() {
-				if _, err := s.Take(bg, bk, l, 1); err != nil {
+				if _, err := s.Take(bg, bk, one, 1, out[:]); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -167,8 +170,9 @@ func BenchmarkRedisTake(b *testing.B) {
 		b.Run(name+"/parallel", func(b *testing.B) {
 			b.SetParallelism(16)
 			b.RunParallel(func(pb *testing.PB) {
+				var out [1]bucket.Result
 				for pb.Next() {
-					if _, err := s.Take(bg, bk, l, 1); err != nil {
+					if _, err := s.Take(bg, bk, one, 1, out[:]); err != nil {
 						b.Error(err)
 						return
 					}

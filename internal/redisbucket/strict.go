@@ -11,28 +11,23 @@ import (
 // Strict mode: a request decided by one script call, unless this node's
 // deny cache already knows the answer.
 
-// takeAllStrict is TakeAll by one script call, or the deny cache.
-func (s *Store) takeAllStrict(ctx context.Context, k string, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	return s.decide(ctx, k, ls, nil, cost, out)
-}
-
-// decide is strict mode's decision of one request on the tier at k, of
-// limits ls and quotas qs: from the deny cache when it knows the answer,
-// else by one script call (a lone limit's through the batcher). Once a
-// client's denial has expired, one request of this node asks Redis and
-// the others wait for its answer (denyCache.claim). out gets each limit's
-// and quota's result, limits first. A denial is remembered until the
-// retry time of the one that makes the client wait longest.
-func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out []bucket.Result) (bool, error) {
-	lone := len(ls) == 1 && len(qs) == 0
+// decide is strict mode's decision of one request on the tier tr at k:
+// from the deny cache when it knows the answer, else by one script call
+// (a lone limit's through the batcher). Once a client's denial has
+// expired, one request of this node asks Redis and the others wait for
+// its answer (denyCache.claim). out gets each limit's and quota's result,
+// limits first. A denial is remembered until the retry time of the one
+// that makes the client wait longest.
+func (s *Store) decide(ctx context.Context, k string, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
+	lone := tr.Lone()
 	for {
 		start := s.conn.now()
 		var epoch uint64
 		var hit bool
 		if lone {
-			out[0], epoch, hit = s.conn.denied.get(k, ls[0], cost, start)
+			out[0], epoch, hit = s.conn.denied.get(k, tr.Limits[0], cost, start)
 		} else {
-			epoch, hit = s.conn.denied.getAll(k, ls, qs, cost, start, out)
+			epoch, hit = s.conn.denied.getAll(k, tr, cost, start, out)
 		}
 		if hit {
 			return false, nil
@@ -49,12 +44,12 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 				return false, s.wrap(ctx.Err())
 			}
 		}
-		v, err := s.decideBy(ctx, "take", k, ls, qs, cost, out, lone)
+		v, err := s.decideBy(ctx, "take", k, tr, cost, out, lone)
 		switch {
 		case err != nil:
 		case !v.allowed:
-			s.remember(k, epoch, ls, qs, cost, start, out)
-		case v.next > 0 && ls[0].MaxWait == 0 && ls[0].Ban == 0:
+			s.remember(k, epoch, tr, cost, start, out)
+		case v.next > 0 && tr.First().MaxWait == 0 && tr.First().Ban == 0:
 			// The take left less than its cost: the same request is
 			// denied until next, as Redis said, and one that asks sooner
 			// need not. (Not with max_wait, where it could wait, nor
@@ -68,7 +63,7 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 				}
 				denied[i] = r
 			}
-			s.remember(k, epoch, ls, qs, cost, start, denied)
+			s.remember(k, epoch, tr, cost, start, denied)
 		}
 		if done != nil {
 			if err != nil && ctx.Err() != nil {
@@ -87,27 +82,20 @@ func (s *Store) decide(ctx context.Context, k string, ls []bucket.Limit, qs []bu
 // quota's result in out, into the deny cache: until its retry time or, a
 // quota's (a period's end), for quotaDenyFor at most, since a give-back or
 // a reset on another node may return the quota sooner.
-func (s *Store) remember(k string, epoch uint64, ls []bucket.Limit, qs []bucket.Quota, cost, start int64, out []bucket.Result) {
-	if len(ls) == 1 && len(qs) == 0 {
-		s.conn.denied.put(k, epoch, ls[0], cost, start, out[0])
+func (s *Store) remember(k string, epoch uint64, tr bucket.Tier, cost, start int64, out []bucket.Result) {
+	if tr.Lone() {
+		s.conn.denied.put(k, epoch, tr.Limits[0], cost, start, out[0])
 		return
 	}
 	worst := Binding(out, false)
-	if slices.IndexFunc(out[len(ls):], func(r bucket.Result) bool { return r.RetryAfter == worst.RetryAfter }) >= 0 {
+	if slices.IndexFunc(out[len(tr.Limits):], func(r bucket.Result) bool { return r.RetryAfter == worst.RetryAfter }) >= 0 {
 		worst.RetryAfter = min(worst.RetryAfter, quotaDenyFor.Microseconds())
 	}
-	s.conn.denied.putAll(k, epoch, ls, qs, cost, start, worst, out)
+	s.conn.denied.putAll(k, epoch, tr, cost, start, worst, out)
 }
 
 // quotaDenyFor bounds how long the deny cache keeps a quota's refusal.
 const quotaDenyFor = 5 * time.Second
-
-// takeAll runs op, take or peek, on key, and also returns the server's
-// time of the decision. A single limit's take goes through the batcher.
-func (s *Store) takeAll(ctx context.Context, op, key string, ls []bucket.Limit, cost int64, out []bucket.Result, batched bool) (bool, int64, error) {
-	v, err := s.decideBy(ctx, op, key, ls, nil, cost, out, batched)
-	return v.allowed, v.now, err
-}
 
 // verdict is the script's answer to a take or a peek, besides each
 // limit's and quota's result: whether it was allowed, the server's time
@@ -118,17 +106,18 @@ type verdict struct {
 	now, next int64
 }
 
-// decideBy runs op, take or peek, on the tier at key, of limits ls and
-// quotas qs: out gets each one's result, limits first.
-func (s *Store) decideBy(ctx context.Context, op, key string, ls []bucket.Limit, qs []bucket.Quota, cost int64, out []bucket.Result, batched bool) (verdict, error) {
-	n := len(ls) + len(qs)
-	vals, err := s.call(ctx, key, s.argsWithQuotas(op, ls, qs, 0, cost), batched, 4+4*n)
+// decideBy runs op, take or peek, on the tier tr at key, through the
+// batcher when batched: out gets each limit's and quota's result, limits
+// first.
+func (s *Store) decideBy(ctx context.Context, op, key string, tr bucket.Tier, cost int64, out []bucket.Result, batched bool) (verdict, error) {
+	n := tr.Parts()
+	vals, err := s.call(ctx, key, s.args(op, tr, 0, cost), batched, 4+4*n)
 	if err != nil {
 		return verdict{}, err
 	}
 	for i := range n {
 		// A quota starts no ban.
-		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1 && i < len(ls))
+		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1 && i < len(tr.Limits))
 	}
 	return verdict{allowed: vals[0] == 1, now: vals[2], next: vals[3+4*n]}, nil
 }
@@ -149,20 +138,20 @@ func decodeResult(v []int64, banned bool) bucket.Result {
 // reserve decides one request on the tier at key as strict mode does,
 // for a request that leases refused and that may wait (max_wait): one
 // script call, unless the deny cache already knows the answer. The result
-// is the binding limit's or quota's, with the longest wait.
-func (s *Store) reserve(ctx context.Context, k string, tr Tier, cost int64, each results) (bucket.Result, error) {
-	if tr.parts() == 0 {
-		return s.reserveOne(ctx, k, tr.first(), cost)
+// is the binding limit's or quota's, with the longest wait; on a tier of
+// several, each is each one's, limits first (nil for a lone limit).
+func (s *Store) reserve(ctx context.Context, k string, tr bucket.Tier, cost int64) (res bucket.Result, each []bucket.Result, err error) {
+	if tr.Lone() {
+		var one [1]bucket.Result
+		_, err := s.decide(ctx, k, tr, cost, one[:])
+		return one[0], nil, err
 	}
-	all := make([]bucket.Result, len(tr.Limits)+len(tr.Quotas))
-	allowed, err := s.decide(ctx, k, tr.Limits, tr.Quotas, cost, all)
+	each = make([]bucket.Result, tr.Parts())
+	allowed, err := s.decide(ctx, k, tr, cost, each)
 	if err != nil {
-		return bucket.Result{}, err
+		return bucket.Result{}, nil, err
 	}
-	for i := range min(each.len(), len(all)) {
-		*each.at(i) = all[i]
-	}
-	return Binding(all, allowed), nil
+	return Binding(each, allowed), each, nil
 }
 
 // Binding is the one result that stands for several limits' and quotas'
@@ -181,13 +170,4 @@ func Binding(all []bucket.Result, allowed bool) bucket.Result {
 	res := all[j]
 	res.Allowed, res.Wait = allowed, wait
 	return res
-}
-
-// reserveOne decides one request on the bucket at key, of one limit, by
-// one script call, as strict mode does, unless the deny cache already
-// knows the answer.
-func (s *Store) reserveOne(ctx context.Context, k string, l bucket.Limit, cost int64) (bucket.Result, error) {
-	var out [1]bucket.Result
-	_, err := s.decide(ctx, k, []bucket.Limit{l}, nil, cost, out[:])
-	return out[0], err
 }

@@ -1,12 +1,14 @@
-package bucket
+package buckettest
 
 import (
 	"math/big"
 	"math/rand/v2"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // Reference is the bucket as a formula, in exact rational arithmetic, the
-// model that Take and every store are held to on random traces:
+// model that bucket.Take and every store are held to on random traces:
 //
 //	tokens = min(C, tokens_prev + (t - t_prev) * r)
 //	if tokens >= k: allow; tokens -= k; t_prev = t
@@ -25,13 +27,13 @@ type Reference struct {
 }
 
 // NewReference is a full bucket of limit l.
-func NewReference(l Limit) *Reference {
+func NewReference(l bucket.Limit) *Reference {
 	c := new(big.Rat).SetInt64(l.Capacity)
 	return &Reference{capacity: c, maxWait: l.MaxWait, rate: big.NewRat(l.Rate.Tokens, l.Rate.Interval), tokens: new(big.Rat).Set(c)}
 }
 
 // Take applies a request, as the formula says.
-func (m *Reference) Take(now, cost int64) Result {
+func (m *Reference) Take(now, cost int64) bucket.Result {
 	tokens := new(big.Rat).Set(m.tokens)
 	if m.started {
 		tokens.Add(tokens, new(big.Rat).Mul(new(big.Rat).SetInt64(now-m.last), m.rate))
@@ -45,7 +47,7 @@ func (m *Reference) Take(now, cost int64) Result {
 		wait = ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(k, tokens), m.rate))
 	}
 	if wait > m.maxWait {
-		return Result{
+		return bucket.Result{
 			Remaining:  max(0, floorRat(tokens)),
 			RetryAfter: wait - m.maxWait,
 			ResetAfter: ceilRat(new(big.Rat).Quo(new(big.Rat).Sub(m.capacity, tokens), m.rate)),
@@ -55,7 +57,7 @@ func (m *Reference) Take(now, cost int64) Result {
 		tokens.Sub(tokens, k)
 		m.tokens, m.last, m.started = tokens, now, true
 	}
-	return Result{
+	return bucket.Result{
 		Allowed:    true,
 		Wait:       wait,
 		Remaining:  max(0, floorRat(tokens)),
@@ -82,7 +84,7 @@ var TraceRates = []string{"1/s", "3/s", "100/s", "0.5/s", "1/10s", "30/m", "1000
 // Trace is one case of a property test: a limit and a series of arrivals
 // with their costs.
 type Trace struct {
-	Limit Limit
+	Limit bucket.Limit
 	Gaps  []int64 // microseconds since the previous arrival
 	Costs []int64
 }
@@ -90,11 +92,11 @@ type Trace struct {
 // RandomTrace draws a limit and 200 arrivals: gaps from none to several
 // whole refills, most near one token's time, where the edges are.
 func RandomTrace(rng *rand.Rand) Trace {
-	rate, err := ParseRate(TraceRates[rng.IntN(len(TraceRates))])
+	rate, err := bucket.ParseRate(TraceRates[rng.IntN(len(TraceRates))])
 	if err != nil {
 		panic(err)
 	}
-	tr := Trace{Limit: Limit{Capacity: 1 + rng.Int64N(50), Rate: rate}}
+	tr := Trace{Limit: bucket.Limit{Capacity: 1 + rng.Int64N(50), Rate: rate}}
 	// Gaps from none at all to several refills of the whole bucket, with
 	// most near the time one token takes, where the edges are.
 	perToken := rate.Interval / rate.Tokens

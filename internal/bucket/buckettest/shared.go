@@ -1,12 +1,21 @@
-package bucket
+// Package buckettest holds the models every store is tested against: the
+// reference bucket (the formula, in exact rationals) with its random
+// traces, and the shared bucket a fleet leases from, which the Redis
+// script (internal/redisbucket) is held to step for step. Only tests
+// import it (TestOnlyTestsImportBuckettest).
+package buckettest
 
-import "slices"
+import (
+	"slices"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+)
 
 // A shared bucket: the bucket of a store that a fleet of nodes shares and
-// leases from (README: Sharing limits across edge nodes). It is the plain
-// bucket of bucket.go, one State per limit, plus the tokens each node holds
-// on lease. The Redis scripts apply these same steps, and the tests hold
-// the two to each other.
+// leases from (docs/fleet.md). It is the plain bucket of package bucket,
+// one State per limit, plus the tokens each node holds on lease. The Redis
+// script applies these same steps, and the tests hold the two to each
+// other.
 //
 // Tokens a node holds are out of the shared level but not spent yet. Were
 // the level free to refill to the capacity meanwhile, the holders could
@@ -21,11 +30,11 @@ import "slices"
 // Shared is a shared bucket.
 type Shared struct {
 	// Levels is each limit's state, as a single bucket keeps it.
-	Levels []State
+	Levels []bucket.State
 	// Held is what each node holds on lease, at most one record a node.
 	Held []Held
 	// Quotas are the counts of the bucket's calendar quotas.
-	Quotas []QuotaState
+	Quotas []bucket.QuotaState
 }
 
 // Held is what one node holds of a shared bucket.
@@ -50,83 +59,8 @@ type Held struct {
 	Mask  uint8
 }
 
-// LeaseAsk is one node's lease call.
-type LeaseAsk struct {
-	Node string
-	Seq  int64
-	// Held is what the node still holds of its earlier leases.
-	Held int64
-	// Cost is the cost of the request that needs the lease; Want the
-	// tokens the node asks for, at least Cost.
-	Cost, Want int64
-	// Spend is what the node spends of the grant at once, and so does not
-	// hold: the cost of the request waiting on the call, 0 for a
-	// prefetch.
-	Spend int64
-	// Prefetch marks a call made in the background, for no request: its
-	// refusal refuses nobody, so it starts no ban.
-	Prefetch bool
-	// Hold is how long the record lives (µs): lease_ttl plus timeout, so
-	// that a give-back sent at lease_ttl arrives before it expires.
-	Hold int64
-}
-
-// LeaseResult is what one lease call decided for a node.
-type LeaseResult struct {
-	// Granted is the whole tokens the node took; 0 when refused.
-	Granted int64
-	// Remaining is the whole tokens left in the shared bucket (the least
-	// of its limits).
-	Remaining int64
-	// RetryAfter is the microseconds until the shared bucket holds the
-	// cost; 0 when it does.
-	RetryAfter int64
-	// HoldOff is, when nothing was granted, or fewer tokens than asked for
-	// and the shared bucket's limits cannot cover a request's cost, the
-	// microseconds until they hold the tokens asked for (after a ban: the
-	// cost); 0 otherwise. QuotaHold is the same for its quotas:
-	// until the end of the period of a quota that lacks them. The node
-	// holds its calls off for the first, and for the second no longer
-	// than a while, since a give-back elsewhere may return a quota early.
-	HoldOff   int64
-	QuotaHold int64
-	// LimitRetry is RetryAfter for the limits alone: a ban's hold, say,
-	// without a quota's.
-	LimitRetry int64
-	// ResetAfter is the microseconds until the shared bucket is full again.
-	ResetAfter int64
-	// Banned says that this refusal started a ban.
-	Banned bool
-	// Drop says that a ban started since the node's last call, or that
-	// what it holds was counted in a quota period that has ended: it must
-	// drop what it holds.
-	Drop bool
-	// Void says that the node's record holds tokens a ban voided: the node
-	// gives back (Return) what it did not spend of them, so that the
-	// quotas count only what it admitted. When the bucket would grant,
-	// nothing is granted (Granted and RetryAfter are 0): the node asks
-	// again once its give-back is in.
-	Void bool
-	// BanHolds says that a ban holds the bucket empty: requests are
-	// refused until RetryAfter, and starting another is moot.
-	BanHolds bool
-	// Until, with quotas, is the microseconds until the end of the quota
-	// period that counted the tokens: the node may not spend them after.
-	// 0 without quotas.
-	Until int64
-}
-
 // Out is the tokens out on lease.
 func (sh *Shared) Out() int64 { return outOf(sh.Held) }
-
-// outOf is the tokens the records hold.
-func outOf(held []Held) int64 {
-	var n int64
-	for _, h := range held {
-		n += h.Tokens
-	}
-	return n
-}
 
 // find is the index of node's record, or -1.
 func (sh *Shared) find(node string) int {
@@ -136,9 +70,9 @@ func (sh *Shared) find(node string) int {
 // settle brings the bucket to now: records that expired since count as
 // spent, and each level refills, up to its capacity less the tokens then
 // out, across those expiries in order.
-func (sh *Shared) settle(now int64, ls []Limit) {
+func (sh *Shared) settle(now int64, ls []bucket.Limit) {
 	for i, l := range ls {
-		sh.Levels[i] = sh.Levels[i].read(now, l)
+		sh.Levels[i] = sh.Levels[i].Read(now, l)
 	}
 	for {
 		j := -1
@@ -158,16 +92,16 @@ func (sh *Shared) settle(now int64, ls []Limit) {
 
 // capAt holds every level at or under its capacity less the tokens out, at
 // time t.
-func (sh *Shared) capAt(t int64, ls []Limit) {
+func (sh *Shared) capAt(t int64, ls []bucket.Limit) {
 	out := sh.Out()
 	if out == 0 {
 		return
 	}
 	for i, l := range ls {
 		floor := min(out, l.Capacity) * l.Rate.Interval
-		if sh.Levels[i].deficit(t, l) < floor {
-			banned := sh.Levels[i].bannedSince(t)
-			sh.Levels[i] = stateAt(t, floor, l)
+		if sh.Levels[i].Deficit(t, l) < floor {
+			banned := bannedSince(sh.Levels[i], t)
+			sh.Levels[i] = bucket.StateAt(t, floor, l)
 			sh.Levels[i].Banned = banned
 		}
 	}
@@ -176,7 +110,7 @@ func (sh *Shared) capAt(t int64, ls []Limit) {
 // Life is how long after now the bucket must be kept: until every lease
 // has expired and every limit is full again, refilling from the cap each
 // expiry leaves. Past it, no bucket is the same as this one.
-func (sh Shared) Life(now int64, ls []Limit) int64 {
+func (sh Shared) Life(now int64, ls []bucket.Limit) int64 {
 	sh.Levels = slices.Clone(sh.Levels)
 	sh.Held = slices.Clone(sh.Held)
 	var last int64
@@ -191,7 +125,7 @@ func (sh Shared) Life(now int64, ls []Limit) int64 {
 }
 
 // floor is, for a limit, the units it must lack: the tokens out.
-func (sh *Shared) floor(l Limit) int64 {
+func (sh *Shared) floor(l bucket.Limit) int64 {
 	return min(sh.Out(), l.Capacity) * l.Rate.Interval
 }
 
@@ -204,9 +138,9 @@ func (sh *Shared) voidAll() {
 
 // banHolds reports whether a ban holds some limit empty at now: its
 // refill has not begun.
-func (sh *Shared) banHolds(now int64, ls []Limit) bool {
+func (sh *Shared) banHolds(now int64, ls []bucket.Limit) bool {
 	for i, l := range ls {
-		if s := sh.Levels[i]; s.Banned && banned(s, now, l) {
+		if s := sh.Levels[i]; s.Banned && s.Overdrawn(now, l) {
 			return true
 		}
 	}
@@ -216,29 +150,29 @@ func (sh *Shared) banHolds(now int64, ls []Limit) bool {
 // Banned reports whether a ban emptied the bucket since a request was last
 // allowed.
 func (sh *Shared) Banned(now int64) bool {
-	return slices.ContainsFunc(sh.Levels, func(s State) bool { return s.bannedSince(now) })
+	return slices.ContainsFunc(sh.Levels, func(s bucket.State) bool { return bannedSince(s, now) })
 }
 
 // Take applies a request of one node that holds no lease for it: TakeAll on
 // the levels. It starts a ban only when the bucket lacks the cost even
 // with the tokens out on lease, as one bucket would then deny too; a ban
 // voids every lease's give-back.
-func (sh *Shared) Take(now int64, ls []Limit, cost int64, out []Result) bool {
+func (sh *Shared) Take(now int64, ls []bucket.Limit, cost int64, out []bucket.Result) bool {
 	sh.settle(now, ls)
 	allowed := takeAll(sh.Levels, now, ls, cost, out, sh.Held)
-	if slices.ContainsFunc(out[:len(ls)], func(r Result) bool { return r.Banned }) {
+	if slices.ContainsFunc(out[:len(ls)], func(r bucket.Result) bool { return r.Banned }) {
 		sh.voidAll()
 	}
 	return allowed
 }
 
 // Peek reports each limit as it stands at now, changing nothing stored.
-func (sh Shared) Peek(now int64, ls []Limit, out []Result) {
+func (sh Shared) Peek(now int64, ls []bucket.Limit, out []bucket.Result) {
 	sh.Levels = slices.Clone(sh.Levels)
 	sh.Held = slices.Clone(sh.Held)
 	sh.settle(now, ls)
 	for i, l := range ls {
-		out[i] = Peek(sh.Levels[i], now, l)
+		out[i] = bucket.Peek(sh.Levels[i], now, l)
 	}
 }
 
@@ -253,7 +187,7 @@ func (sh Shared) Peek(now int64, ls []Limit, out []Result) {
 // one bucket would then refuse the request too (otherwise the nodes still
 // hold tokens, and a client under its limit would be banned). A short or refused lease says how long until the
 // bucket holds what was asked.
-func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
+func (sh *Shared) Lease(now int64, ls []bucket.Limit, a bucket.LeaseAsk) bucket.LeaseResult {
 	return sh.LeaseQuotas(now, ls, nil, a)
 }
 
@@ -263,10 +197,10 @@ func (sh *Shared) Lease(now int64, ls []Limit, a LeaseAsk) LeaseResult {
 // ban, and holds the node off until its period ends. Leased tokens may be
 // spent until the end of the quota period that counted them (Until): a
 // node's tokens of a period that has ended are dropped.
-func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) LeaseResult {
+func (sh *Shared) LeaseQuotas(now int64, ls []bucket.Limit, qs []bucket.Quota, a bucket.LeaseAsk) bucket.LeaseResult {
 	sh.settle(now, ls)
 	sh.quotas(qs)
-	var res LeaseResult
+	var res bucket.LeaseResult
 	qstop, mask := QuotaStop(now, qs)
 	mine := sh.find(a.Node)
 	if mine >= 0 {
@@ -299,8 +233,8 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 		want := a.Want
 		if quotaWait == 0 && ls[0].Ban > 0 && !a.Prefetch && short(sh.Levels, now, ls, a.Cost, sh.Out()) {
 			for i, l := range ls {
-				var r Result
-				sh.Levels[i], r = ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
+				var r bucket.Result
+				sh.Levels[i], r = bucket.Ban(sh.Levels[i], now, l, a.Cost*l.Rate.Interval)
 				res.Banned = res.Banned || r.Banned
 			}
 			if res.Banned {
@@ -335,20 +269,19 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 	}
 	grant := min(a.Want, sh.room(ls)-sh.Out())
 	for i, l := range ls {
-		grant = min(grant, (l.Units()-sh.Levels[i].deficit(now, l))/l.Rate.Interval)
+		grant = min(grant, (l.Units()-sh.Levels[i].Deficit(now, l))/l.Rate.Interval)
 	}
 	for i, q := range qs {
 		// Half of what a quota has left at most, so that the last of it
 		// is never idle on one node while another's client is refused.
-		start, _ := q.Bounds(now)
-		grant = min(grant, max(a.Cost, (q.N-sh.Quotas[i].used(start))/2))
+		grant = min(grant, max(a.Cost, bucket.PeekQuota(sh.Quotas[i], now, q).Remaining/2))
 	}
 	grant = max(grant, a.Cost)
 	for i, l := range ls {
-		sh.Levels[i] = stateAt(now, sh.Levels[i].deficit(now, l)+grant*l.Rate.Interval, l)
+		sh.Levels[i] = bucket.StateAt(now, sh.Levels[i].Deficit(now, l)+grant*l.Rate.Interval, l)
 	}
 	for i, q := range qs {
-		sh.Quotas[i], _ = TakeQuota(sh.Quotas[i], now, q, grant)
+		sh.Quotas[i], _ = bucket.TakeQuota(sh.Quotas[i], now, q, grant)
 	}
 	if mine < 0 {
 		sh.Held = append(sh.Held, Held{Node: a.Node})
@@ -380,7 +313,7 @@ func (sh *Shared) LeaseQuotas(now int64, ls []Limit, qs []Quota, a LeaseAsk) Lea
 
 // room is the most tokens that may be out on lease at once: half the
 // smallest capacity.
-func (sh *Shared) room(ls []Limit) int64 {
+func (sh *Shared) room(ls []bucket.Limit) int64 {
 	c := ls[0].Capacity
 	for _, l := range ls[1:] {
 		c = min(c, l.Capacity)
@@ -391,27 +324,27 @@ func (sh *Shared) room(ls []Limit) int64 {
 // wait is the microseconds until every limit holds x tokens: 0 when they
 // do now. The cap that leases put on the level may make it longer; a node
 // that asks too early is answered with a new wait.
-func (sh *Shared) wait(now int64, ls []Limit, x int64) int64 {
+func (sh *Shared) wait(now int64, ls []bucket.Limit, x int64) int64 {
 	var w int64
 	for i, l := range ls {
-		w = max(w, wait(sh.Levels[i], now, l, x*l.Rate.Interval))
+		w = max(w, untilHolds(sh.Levels[i], now, l, x*l.Rate.Interval))
 	}
 	return w
 }
 
 // report fills in the levels a lease result tells the node: the least
 // remaining, of limits and quotas, and the latest reset of a limit.
-func (sh *Shared) report(now int64, ls []Limit, qs []Quota, res *LeaseResult) {
+func (sh *Shared) report(now int64, ls []bucket.Limit, qs []bucket.Quota, res *bucket.LeaseResult) {
 	res.BanHolds = sh.banHolds(now, ls)
 	for i, l := range ls {
-		r := Peek(sh.Levels[i], now, l)
+		r := bucket.Peek(sh.Levels[i], now, l)
 		if i == 0 || r.Remaining < res.Remaining {
 			res.Remaining = r.Remaining
 		}
 		res.ResetAfter = max(res.ResetAfter, r.ResetAfter)
 	}
 	for i, q := range qs {
-		res.Remaining = min(res.Remaining, PeekQuota(sh.Quotas[i], now, q).Remaining)
+		res.Remaining = min(res.Remaining, bucket.PeekQuota(sh.Quotas[i], now, q).Remaining)
 	}
 }
 
@@ -420,14 +353,14 @@ func (sh *Shared) report(now int64, ls []Limit, qs []Quota, res *LeaseResult) {
 // to the levels, unless a ban started since. A record that a later call
 // rewrote, or that expired, returns nothing: those tokens are lost, which
 // only ever admits less. It reports the tokens returned.
-func (sh *Shared) Return(now int64, ls []Limit, node string, seq, n int64) int64 {
+func (sh *Shared) Return(now int64, ls []bucket.Limit, node string, seq, n int64) int64 {
 	return sh.ReturnQuotas(now, ls, nil, node, seq, n)
 }
 
 // ReturnQuotas is Return on a bucket with quotas too: the tokens go back
 // to each quota that counted them, ban or not, while the period that
 // counted them lasts (a quota counts what was admitted).
-func (sh *Shared) ReturnQuotas(now int64, ls []Limit, qs []Quota, node string, seq, n int64) int64 {
+func (sh *Shared) ReturnQuotas(now int64, ls []bucket.Limit, qs []bucket.Quota, node string, seq, n int64) int64 {
 	sh.settle(now, ls)
 	sh.quotas(qs)
 	j := sh.find(node)
@@ -449,7 +382,7 @@ func (sh *Shared) ReturnQuotas(now int64, ls []Limit, qs []Quota, node string, s
 
 // GiveBack returns n tokens a request took outside any lease (count_status),
 // as GiveBack does, and never past the cap that the tokens out set.
-func (sh *Shared) GiveBack(now int64, ls []Limit, n int64) {
+func (sh *Shared) GiveBack(now int64, ls []bucket.Limit, n int64) {
 	sh.settle(now, ls)
 	if sh.Banned(now) {
 		return
@@ -461,9 +394,9 @@ func (sh *Shared) GiveBack(now int64, ls []Limit, n int64) {
 
 // Charge takes n more tokens from every limit after the fact, as Charge
 // does.
-func (sh *Shared) Charge(now int64, ls []Limit, n int64) {
+func (sh *Shared) Charge(now int64, ls []bucket.Limit, n int64) {
 	sh.settle(now, ls)
 	for i, l := range ls {
-		sh.Levels[i] = Charge(sh.Levels[i], now, l, n)
+		sh.Levels[i] = bucket.Charge(sh.Levels[i], now, l, n)
 	}
 }
