@@ -244,7 +244,7 @@ func (h *Handler) view() policyView {
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.
-		v.Keys = h.local.buckets.live()
+		v.Keys = h.local.buckets.Live()
 	}
 	return v
 }

@@ -230,49 +230,16 @@ func (d *decision) appendConcurrencyItem(buf []byte, start int) []byte {
 // Acquire implements SlotStore: the count is kept beside the policy's
 // buckets, under the same shard lock, only while requests are in flight.
 func (s *LocalStore) Acquire(_ context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
-	inUse, ok := s.buckets.acquire(b, n)
+	inUse, ok := s.buckets.Acquire(localID(b), n)
 	return 0, inUse, ok, nil
 }
 
 // Release implements SlotStore.
-func (s *LocalStore) Release(b *Bucket, _ uint64) { s.buckets.release(b) }
+func (s *LocalStore) Release(b *Bucket, _ uint64) { s.buckets.Release(localID(b)) }
 
 // InFlight implements SlotStore.
 func (s *LocalStore) InFlight(_ context.Context, b *Bucket) (int64, error) {
-	return s.buckets.inFlight(b), nil
-}
-
-func (lb *localBuckets) acquire(b *Bucket, n int64) (int64, bool) {
-	sh, id := lb.locate(b)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	c := int64(sh.slots[id])
-	if c >= n {
-		return c, false
-	}
-	if sh.slots == nil {
-		sh.slots = map[uint64]int32{}
-	}
-	sh.slots[id] = int32(c + 1)
-	return c + 1, true
-}
-
-func (lb *localBuckets) release(b *Bucket) {
-	sh, id := lb.locate(b)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	if c := sh.slots[id]; c > 1 {
-		sh.slots[id] = c - 1
-	} else {
-		delete(sh.slots, id)
-	}
-}
-
-func (lb *localBuckets) inFlight(b *Bucket) int64 {
-	sh, id := lb.locate(b)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	return int64(sh.slots[id])
+	return s.buckets.InFlight(localID(b)), nil
 }
 
 // Acquire implements SlotStore.

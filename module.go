@@ -312,7 +312,7 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 		}
 		// Each config load starts with fresh fallback buckets.
 		if reg := ctx.GetMetricsRegistry(); reg != nil {
-			h.local.buckets.startLoad(reg)
+			h.local.buckets.StartLoad(reg)
 		}
 	}
 	return nil

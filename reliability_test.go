@@ -531,8 +531,7 @@ func TestLocalStoreReadsOnlyTheMonotonicClock(t *testing.T) {
 	if !strings.Contains(processStart.String(), " m=") {
 		t.Fatalf("processStart %s carries no monotonic reading", processStart)
 	}
-	lb := newLocalBuckets(10, localClock)
-	if reflect.ValueOf(lb.now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
+	if reflect.ValueOf(localOptions(10).Now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
 		t.Fatal("a new table does not read the monotonic clock")
 	}
 	// The clock never goes back, and starts above 0, where the zero State
