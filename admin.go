@@ -89,25 +89,23 @@ func handlerFor(q url.Values) (*Handler, error) {
 	return h, nil
 }
 
-// liveLimit is the running config's limit for a bucket of policy and tier
-// that a request or a lease took under l, through taker (nil for a lease):
-// what a give-back or a charge computed under an older config is counted
-// in. While taker runs, it is l. Otherwise it is the tier's limit in the
-// newest handler of the policy that has the tier (routes of one policy may
-// have different tiers), l when the policy is not running (a shutdown),
-// and false when no handler has the tier any more, or it no longer limits.
-func liveLimit(policy, tier string, l bucket.Limit, taker *Handler) (bucket.Limit, bool) {
+// liveLimit is the running config's first limit, as a tier of one, for a
+// bucket of policy and tier that a request or a lease took under taker
+// (nil for a lease): what a give-back or a charge computed under an older
+// config is counted in. It is false while taker runs, or when the policy
+// is not running (a shutdown): the taker's own limit stands. Otherwise it
+// is the tier's limit in the newest handler of the policy that has the
+// tier (routes of one policy may have different tiers), and false when no
+// handler has the tier any more, or it no longer limits.
+func liveLimit(policy, tier string, taker *Handler) ([]bucket.Limit, bool) {
 	liveHandlers.Lock()
 	runs := slices.Contains(liveHandlers.byPolicy[policy], taker)
 	liveHandlers.Unlock()
 	t, running := liveTier(policy, tier)
-	switch {
-	case runs || !running:
-		return l, true
-	case t == nil:
-		return bucket.Limit{}, false
+	if runs || !running || t == nil || t.Unlimited || t.Deny || len(t.limits) == 0 {
+		return nil, false
 	}
-	return t.limit, !t.Unlimited && !t.Deny
+	return t.limits[:1], true
 }
 
 // liveTier is the tier of that name in the newest handler of policy that
@@ -219,7 +217,7 @@ func (h *Handler) view() policyView {
 		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
 		if !t.Unlimited && !t.Deny && len(t.limits) > 0 {
 			if t.hidden == 0 {
-				for _, sh := range t.shapes() {
+				for _, sh := range t.limitsWritten() {
 					tv.Limits = append(tv.Limits, limitView(sh))
 				}
 			}
@@ -238,13 +236,13 @@ func (h *Handler) view() policyView {
 		v.Tiers = append(v.Tiers, tv)
 	}
 	v.Store = caddy.GetModuleName(h.store)
-	if r, ok := h.store.(StoreReporter); ok {
-		rep := r.Report()
-		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.Keys, rep.Breaker, rep.Leases, rep.Master
+	if r, ok := h.store.(reporter); ok {
+		rep := r.report()
+		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.keys, rep.breaker, rep.leases, rep.master
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.
-		v.Keys = h.local.buckets.Live()
+		v.Keys = h.local.report().keys
 	}
 	return v
 }

@@ -169,7 +169,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		return err
 	}
 	if tier.Concurrency > 0 {
-		n, err := h.store.(SlotStore).InFlight(ctx, b)
+		n, err := h.store.inFlight(ctx, b)
 		if err != nil {
 			return err
 		}
@@ -186,23 +186,20 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 // readLimits fills state with the tier's limits and quotas. The top
 // level's RetryAfter is the tier's: the longest of them all.
 func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
-	shapes := tier.shapes()
+	shapes := tier.limitsWritten()
 	now := time.Now().UnixMicro()
 	if len(tier.limits) == 0 {
 		return nil
 	}
+	out := make([]bucket.Result, tier.shape().Parts())
+	if err := h.store.peek(ctx, b, tier.shape(), out); err != nil {
+		return err
+	}
 	if len(tier.limits) == 1 && len(tier.quotas) == 0 {
-		res, err := h.store.Peek(ctx, b, tier.limit)
-		if err != nil {
-			return err
-		}
+		res := out[0]
 		res.RetryAfter = untilPasses(tier.limit, res, tier.cost)
 		state.limitState = newLimitState(shapes[0], res, now)
 		return nil
-	}
-	out := make([]bucket.Result, len(tier.limits)+len(tier.quotas))
-	if err := h.peekAll(ctx, b, tier, out); err != nil {
-		return err
 	}
 	var retry int64
 	for i, l := range tier.limits {
@@ -258,7 +255,7 @@ func untilPasses(l bucket.Limit, res bucket.Result, cost int64) int64 {
 	return max(0, until)
 }
 
-// peekedBinding is the binding one of peeked results, as bindingLimit
+// peekedBinding is the binding one of peeked results, as bucket.Binding
 // picks it: of those a request would wait for, the one it waits for
 // longest; else the least remaining and, of equals, the one full last (a
 // ban on an hour's limit outlasts the one on a minute's).
@@ -271,22 +268,6 @@ func peekedBinding(out []bucket.Result) int {
 		}
 	}
 	return j
-}
-
-// peekAll reads every limit and quota of a tier into out, the quotas'
-// after the limits'.
-func (h *Handler) peekAll(ctx context.Context, b *Bucket, tier *Tier, out []bucket.Result) error {
-	qs, ok := h.store.(QuotaStore)
-	if !ok {
-		if len(tier.quotas) > 0 {
-			return fmt.Errorf("the store keeps no quotas")
-		}
-		// A store of another module: read by a take of cost 0.
-		_, err := h.store.TakeAll(ctx, b, tier.limits, 0, out)
-		return err
-	}
-	n := len(tier.limits)
-	return qs.PeekQuotas(ctx, b, tier.limits, tier.quotas, out[:n], out[n:])
 }
 
 func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {
@@ -315,16 +296,16 @@ func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, f
 		}
 		failed[layer] = err.Error()
 	}
-	if lr, ok := h.store.(LayeredResetter); ok {
-		layers, errs := lr.ResetLayers(ctx, b)
+	if lr, ok := h.store.(layeredResetter); ok {
+		layers, errs := lr.resetLayers(ctx, b)
 		for i, layer := range layers {
 			note(layer, errs[i])
 		}
 	} else {
-		note(caddy.GetModuleName(h.store), h.store.Reset(ctx, b))
+		note(caddy.GetModuleName(h.store), h.store.reset(ctx, b))
 	}
 	if h.local != nil {
-		note("local_fallback", h.local.Reset(ctx, b))
+		note("local_fallback", h.local.reset(ctx, b))
 	}
 	return reset, failed
 }

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
-	"go.uber.org/zap"
 )
 
 // In-flight limits (README: Protect a slow origin): with concurrency, a
@@ -21,17 +19,6 @@ import (
 // request takes its rate tokens first, then a slot; refused a slot, it
 // gives its tokens back, so that it takes all or nothing. The slot is
 // freed on every path, panics included (settle.go).
-
-// SlotStore is a store that counts a bucket's requests in flight.
-type SlotStore interface {
-	// Acquire takes one of n slots of the bucket: it reports whether it
-	// got one, how many are in use with it, and the slot to free.
-	Acquire(ctx context.Context, b *Bucket, n int64) (slot uint64, inUse int64, ok bool, err error)
-	// Release frees a slot Acquire gave.
-	Release(b *Bucket, slot uint64)
-	// InFlight is the bucket's slots in use.
-	InFlight(ctx context.Context, b *Bucket) (int64, error)
-}
 
 // slotSource is where a request's slot is held, to free it there.
 type slotSource uint8
@@ -83,7 +70,7 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 	n := d.tier.Concurrency
 	d.result = res // what giveBackTaken gives back from
 	from, owner := slotInStore, h
-	slot, inUse, ok, err := h.slots.Acquire(r.Context(), &d.bucket, n)
+	slot, inUse, ok, err := h.store.acquire(r.Context(), &d.bucket, n)
 	if errors.Is(err, errSlotsUnloaded) {
 		// Each config tried is left out of the next look, should a second
 		// reload close the one found too.
@@ -94,7 +81,7 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 				// away, or the policy stopped): nothing limits the request.
 				return res, nil
 			}
-			slot, inUse, ok, err = owner.slots.Acquire(r.Context(), &d.bucket, n)
+			slot, inUse, ok, err = owner.store.acquire(r.Context(), &d.bucket, n)
 		}
 	}
 	if err != nil && r.Context().Err() != nil {
@@ -105,21 +92,16 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 	if err != nil {
 		// As the config that holds the slot says: its fallback is where
 		// releaseSlot frees it.
-		owner.storeErrors.Inc()
-		owner.storeLog.Warn("rate limit store failed to count requests in flight", zap.String("policy", h.Name), zap.String("on_store_error", owner.OnStoreError), zap.Error(err))
-		switch owner.OnStoreError {
-		case "allow":
+		switch owner.onStoreError(err, "rate limit store failed to count requests in flight", h.DryRun) {
+		case goOnUndecided:
+			// Without a slot.
 			return res, nil
-		case "deny":
-			if h.DryRun {
-				// A dry run never refuses: it goes on without a slot.
-				return res, nil
-			}
+		case refuseUndecided:
 			h.giveBackTaken(r, d, "store failed")
-			return res, errStoreDown
+			return res, err
 		}
 		from = slotInLocal
-		slot, inUse, ok, _ = owner.local.Acquire(r.Context(), &d.bucket, n)
+		slot, inUse, ok, _ = owner.local.acquire(r.Context(), &d.bucket, n)
 	}
 	if !ok {
 		d.refusedBy = refusedNoSlot
@@ -159,7 +141,7 @@ func liveSlots(policy, tier string, tried []*Handler) (*Handler, int64) {
 	defer liveHandlers.Unlock()
 	hs := liveHandlers.byPolicy[policy]
 	for i := len(hs) - 1; i >= 0; i-- {
-		if hs[i].slots == nil || slices.Contains(tried, hs[i]) {
+		if slices.Contains(tried, hs[i]) {
 			continue
 		}
 		for _, t := range hs[i].Tiers {
@@ -174,15 +156,15 @@ func liveSlots(policy, tier string, tried []*Handler) (*Handler, int64) {
 // untake shows the decision's results as they stand once the request's
 // tokens went back: each limit holds the cost more, up to its capacity.
 func (d *decision) untake() {
+	left := d.result.Remaining // the binding one's: for one limit, parts[0]
+	parts := d.parts()
 	for i, l := range d.tier.limits {
-		if d.limits != nil {
-			d.limits[i].Remaining = min(d.limits[i].Remaining+d.cost, l.Capacity)
-		}
+		parts[i].Remaining = min(parts[i].Remaining+d.cost, l.Capacity)
 	}
 	if int(d.binding) < len(d.tier.limits) {
-		d.result.Remaining = min(d.result.Remaining+d.cost, d.tier.limits[d.binding].Capacity)
+		d.result.Remaining = min(left+d.cost, d.tier.limits[d.binding].Capacity)
 	} else if j := int(d.binding) - len(d.tier.limits); j < len(d.tier.quotas) {
-		d.result.Remaining = min(d.result.Remaining+d.cost, d.tier.quotas[j].N)
+		d.result.Remaining = min(left+d.cost, d.tier.quotas[j].N)
 	}
 }
 
@@ -197,9 +179,9 @@ func (h *Handler) releaseSlot(d *decision) {
 	case noSlot:
 		return
 	case slotInLocal:
-		owner.local.Release(&d.bucket, d.slotID)
+		owner.local.release(&d.bucket, d.slotID)
 	default:
-		owner.slots.Release(&d.bucket, d.slotID)
+		owner.store.release(&d.bucket, d.slotID)
 	}
 	d.tier.inFlight.Dec()
 	d.slotFrom = noSlot
@@ -208,10 +190,6 @@ func (h *Handler) releaseSlot(d *decision) {
 // errClientGone ends a request whose client went away before it got a
 // slot.
 var errClientGone = errors.New("the client went away")
-
-// errStoreDown answers a request whose slot the store could not count,
-// with on_store_error deny.
-var errStoreDown = errors.New("rate limit store unavailable")
 
 // appendConcurrencyItem appends the RateLimit item of the tier's in-flight
 // limit, in the list that starts at start of buf: the slots left, when the
@@ -226,42 +204,3 @@ func (d *decision) appendConcurrencyItem(buf []byte, start int) []byte {
 	buf = append(buf, ";r="...)
 	return strconv.AppendInt(buf, int64(d.slotLeft), 10)
 }
-
-// Acquire implements SlotStore: the count is kept beside the policy's
-// buckets, under the same shard lock, only while requests are in flight.
-func (s *LocalStore) Acquire(_ context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
-	inUse, ok := s.buckets.Acquire(localID(b), n)
-	return 0, inUse, ok, nil
-}
-
-// Release implements SlotStore.
-func (s *LocalStore) Release(b *Bucket, _ uint64) { s.buckets.Release(localID(b)) }
-
-// InFlight implements SlotStore.
-func (s *LocalStore) InFlight(_ context.Context, b *Bucket) (int64, error) {
-	return s.buckets.InFlight(localID(b)), nil
-}
-
-// Acquire implements SlotStore.
-func (s *RedisStore) Acquire(ctx context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
-	var buf [192]byte
-	return s.engine.Acquire(ctx, s.key(buf[:0], b), n)
-}
-
-// Release implements SlotStore.
-func (s *RedisStore) Release(b *Bucket, slot uint64) {
-	var buf [192]byte
-	s.engine.Release(s.key(buf[:0], b), slot)
-}
-
-// InFlight implements SlotStore.
-func (s *RedisStore) InFlight(ctx context.Context, b *Bucket) (int64, error) {
-	var buf [192]byte
-	return s.engine.InFlight(ctx, s.key(buf[:0], b))
-}
-
-// Interface guards
-var (
-	_ SlotStore = (*LocalStore)(nil)
-	_ SlotStore = (*RedisStore)(nil)
-)

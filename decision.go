@@ -37,11 +37,12 @@ type decision struct {
 	slotFrom slotSource
 	slotLeft int32
 	// took is the store the tokens came from, for count_status.
-	took Store
+	took store
 	// cost is what this request takes: the tier's, or its placeholder's.
 	cost int64
-	// limits holds each limit's result, for tiers of several limits.
-	limits *[maxLimits]bucket.Result
+	// each holds each limit's and quota's result, for a tier of several
+	// (parts).
+	each *[maxLimits]bucket.Result
 	// slotID is the in-flight slot the request holds (concurrency), in
 	// the store slotFrom says, with slotLeft left after it.
 	slotID uint64
@@ -79,6 +80,23 @@ const (
 // the metrics' decision label show it.
 func (o outcome) String() string {
 	return [outcomeCount]string{"allowed", "denied", "dry_run", "unlimited", "error"}[o]
+}
+
+// parts are the request's results, each limit's then each quota's, where
+// the store writes them: for a tier of one limit, the decision's result
+// itself, so that the common case needs no array of its own.
+func (d *decision) parts() []bucket.Result {
+	switch n := d.tier.shape().Parts(); n {
+	case 0:
+		return nil
+	case 1:
+		return unsafe.Slice(&d.result, 1)
+	default:
+		if d.each == nil {
+			d.each = new([maxLimits]bucket.Result)
+		}
+		return d.each[:n]
+	}
 }
 
 // decide records the outcome and counts it.
@@ -132,10 +150,7 @@ func (h *Handler) render(d *decision) {
 	text := unsafe.String(unsafe.SliceData(buf), len(buf))
 	v := &d.resp
 	if h.xHeaders {
-		v.limit[0] = d.tier.limitText
-		if d.limits != nil {
-			v.limit[0] = d.tier.limitTexts[d.binding]
-		}
+		v.limit[0] = d.tier.limitTexts[d.binding]
 		v.remaining[0] = text[:at[0]]
 		v.reset[0] = text[at[0]:at[1]]
 	}
@@ -205,17 +220,14 @@ func (d *decision) placeholder(key string) (any, bool) {
 	switch name {
 	case "limit":
 		// The limit the X- headers report: with several, the binding one.
-		if d.limits != nil {
-			if j := int(d.binding) - len(d.tier.limits); j >= 0 {
-				return d.tier.quotas[j].N, true
-			}
-			return d.tier.limits[d.binding].Capacity, true
-		}
 		if len(d.tier.limits) == 0 {
 			// Only in-flight requests: the X- fields report the slots.
 			return d.tier.Concurrency, true
 		}
-		return d.tier.limit.Capacity, true
+		if j := int(d.binding) - len(d.tier.limits); j >= 0 {
+			return d.tier.quotas[j].N, true
+		}
+		return d.tier.limits[d.binding].Capacity, true
 	case "remaining":
 		return d.goingOn(int(d.binding), d.result).Remaining, true
 	case "reset":
@@ -256,7 +268,7 @@ func (d *decision) goingOn(i int, r bucket.Result) bucket.Result {
 // afterWait is goingOn for a request that waited.
 func (d *decision) afterWait(i int, r bucket.Result) bucket.Result {
 	w := d.result.Wait
-	if j := i - len(d.tier.limits); d.limits != nil && j >= 0 && r.ResetAfter <= w {
+	if j := i - len(d.tier.limits); j >= 0 && r.ResetAfter <= w {
 		q, at := d.tier.quotas[j], d.start.UnixMicro()+w
 		_, end := q.Bounds(at)
 		return bucket.Result{Allowed: r.Allowed, Remaining: q.N, ResetAfter: end - at}
@@ -347,19 +359,12 @@ func errorID() string {
 // quota, and for the in-flight limit.
 func (d *decision) appendIETF(buf []byte) []byte {
 	start := len(buf)
-	switch {
-	case len(d.tier.limits) == d.tier.hidden:
-	case d.limits == nil:
-		buf = appendIETFItem(buf, d.tier.quotedName, d.goingOn(0, d.result))
-	default:
-		for i := d.tier.hidden; i < len(d.tier.limits); i++ {
-			buf = appendSeparator(buf, start)
-			buf = appendIETFItem(buf, d.tier.itemName(i), d.goingOn(i, d.limits[i]))
-		}
+	parts := d.parts()
+	for i := d.tier.hidden; i < len(d.tier.limits); i++ {
+		buf = appendSeparator(buf, start)
+		buf = appendIETFItem(buf, d.tier.itemName(i), d.goingOn(i, parts[i]))
 	}
-	if len(d.tier.quotas) > 0 && d.limits != nil {
-		buf = d.appendQuotaItems(buf, start)
-	}
+	buf = d.appendQuotaItems(buf, start)
 	if d.tier.Concurrency > 0 {
 		buf = d.appendConcurrencyItem(buf, start)
 	}
@@ -414,9 +419,7 @@ func (h *Handler) newDecision(r *http.Request) *decision {
 // refuseDenyTier answers a client on a deny tier: 403.
 func (h *Handler) refuseDenyTier(d *decision) error {
 	d.decide(outcomeDenied)
-	if ce := h.logger.Check(zapcore.DebugLevel, "client on a deny tier"); ce != nil {
-		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
-	}
+	h.logDecision(d, "client on a deny tier", "")
 	return rejection(http.StatusForbidden, errDenyTier)
 }
 
@@ -429,9 +432,7 @@ func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddy
 		o, msg = outcomeDryRun, "no keyer named the client (dry run: let through)"
 	}
 	d.decide(o)
-	if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
-		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
-	}
+	h.logDecision(d, msg, "")
 	if h.DryRun {
 		return next.ServeHTTP(w, r)
 	}
@@ -444,24 +445,15 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	if res.Allowed && res.Wait > 0 {
 		var err error
 		if res, err = h.await(r, d, res); err != nil {
-			// The client went away while it waited: as reverse_proxy
-			// does, the access log gets 499 (client closed request).
-			w.WriteHeader(499)
-			return nil
+			return h.clientGone(w, d, outcomeAllowed)
 		}
 	}
 	if res.Allowed && d.tier.Concurrency > 0 {
 		var err error
 		if res, err = h.acquireSlot(r, d, res); errors.Is(err, errClientGone) {
-			d.decide(outcomeAllowed)
-			w.WriteHeader(499)
-			return nil
+			return h.clientGone(w, d, outcomeAllowed)
 		} else if err != nil {
-			// Nothing was decided: the placeholders of a failed store are
-			// empty, whatever the rate limit allowed before.
-			d.result, d.limits = bucket.Result{}, nil
-			d.decide(outcomeError)
-			return storeUnavailable(w, r, err)
+			return h.storeDown(w, r, d, err)
 		}
 		if len(d.tier.limits) == 0 && d.slotFrom != noSlot {
 			// Only in-flight requests: the X- fields report the slots.
@@ -494,9 +486,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		if !h.DryRun {
 			h.noteDenial(d)
 		}
-		if ce := h.logger.Check(zapcore.DebugLevel, msg); ce != nil {
-			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", d.retry[0]))
-		}
+		h.logDecision(d, msg, d.retry[0])
 		if !h.DryRun {
 			err := errLimited
 			switch d.refusedBy {
@@ -518,4 +508,18 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		return next.ServeHTTP(w, r)
 	}
 	return h.serveAndSettle(w, r, next, d)
+}
+
+// logDecision writes the decision's debug line: msg, the policy, the tier,
+// the client's key id and, for a refusal, its Retry-After.
+func (h *Handler) logDecision(d *decision, msg, retryAfter string) {
+	ce := h.logger.Check(zapcore.DebugLevel, msg)
+	if ce == nil {
+		return
+	}
+	if retryAfter == "" {
+		ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
+		return
+	}
+	ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()), zap.String("retry_after", retryAfter))
 }

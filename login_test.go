@@ -329,11 +329,11 @@ func (*givebackCounter) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "http.handlers.rate_limit.stores.test_giveback_counter", New: func() caddy.Module { return &givebackCounter{new(LocalStore)} }}
 }
 
-func (s *givebackCounter) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
+func (s *givebackCounter) giveBack(ctx context.Context, b *Bucket, tr bucket.Tier, limitsN, n, at int64) error {
 	givebacks.Lock()
 	givebacks.byTokens[n]++
 	givebacks.Unlock()
-	return s.LocalStore.GiveBack(ctx, b, l, n)
+	return s.LocalStore.giveBack(ctx, b, tr, limitsN, n, at)
 }
 
 func init() { caddy.RegisterModule(new(givebackCounter)) }

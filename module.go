@@ -144,7 +144,7 @@ type Handler struct {
 
 	keyers   []Keyer
 	fallback *IPKeyer
-	store    Store
+	store    store
 	// local limits per node while the shared store fails, with on_store_error local.
 	local       *LocalStore
 	keySecret   []byte
@@ -169,8 +169,6 @@ type Handler struct {
 	// maxWaiting.
 	waiting    *atomic.Int64
 	maxWaiting int
-	// slots is the store as a SlotStore, for tiers with concurrency.
-	slots SlotStore
 	// loadKey names the config load the handler is part of, unnamed says
 	// that the config gave it no name, and where is its server's
 	// listeners (registry.go).
@@ -231,15 +229,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionStore(ctx); err != nil {
 		return err
 	}
-	if rs, ok := h.store.(*RedisStore); ok {
-		rs.warnLeaseCaps(h.logger, h.Tiers)
-	}
-	if h.slots, _ = h.store.(SlotStore); h.slots == nil {
-		for _, t := range h.Tiers {
-			if t.Concurrency > 0 {
-				return fmt.Errorf("tier %q: concurrency: the store %s does not count requests in flight", t.Name, caddy.GetModuleName(h.store))
-			}
-		}
+	if lw, ok := h.store.(leaseWarner); ok {
+		lw.warnLeaseCaps(h.logger, h.Tiers)
 	}
 	h.denials = denialsFor(h.Name)
 	h.provisionWait()
@@ -294,16 +285,21 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading store: %v", err)
 	}
-	h.store = mod.(Store)
+	s, ok := mod.(store)
+	if !ok {
+		return fmt.Errorf("store %s: not a rate limit store", caddy.GetModuleName(mod))
+	}
+	h.store = s
 	storeName := caddy.GetModuleName(mod)
 	h.storeTime = storeDuration.WithLabelValues(storeName)
 	h.storeErrors = storeErrorsTotal.WithLabelValues(storeName)
-	if ps, ok := h.store.(policyStore); ok {
+	ps, local := h.store.(policyStore)
+	if local {
 		if err := ps.bind(h.Name); err != nil {
 			return err
 		}
 	}
-	if _, isLocal := h.store.(*LocalStore); !isLocal && h.OnStoreError == "local" {
+	if !local && h.OnStoreError == "local" {
 		// Named apart from the main local store, so that a policy that
 		// switches between local and Redis does not mix the two.
 		h.local = new(LocalStore)
@@ -478,9 +474,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err := d.readCost(r); err != nil {
 		return err
 	}
-	res, err := h.take(r.Context(), d)
+	began := time.Now()
+	res, err := d.take(r.Context(), h.store)
+	h.storeTime.Observe(time.Since(began).Seconds())
 	if err != nil {
-		return h.storeFailed(w, r, next, d, err)
+		return h.fallBack(w, r, next, d, err)
 	}
 	return h.answer(w, r, next, d, res)
 }

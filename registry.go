@@ -101,7 +101,7 @@ func (h *Handler) tierShapes() string {
 		}
 		b.WriteString(" (")
 		var parts []string
-		for _, s := range t.shapes() {
+		for _, s := range t.limitsWritten() {
 			if s.Capacity != 0 || s.Refill != "" {
 				parts = append(parts, fmt.Sprintf("%d %s", s.Capacity, s.Refill))
 			}

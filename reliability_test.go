@@ -428,7 +428,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 	for i := 0; len(onMaster) < 5; i++ {
 		b := bucketFor("failover-" + strconv.Itoa(i))
 		for n := range 4 {
-			res, err := s.Take(bg, b, slowLimit(3), 1)
+			res, err := takeLimit(bg, s, b, slowLimit(3), 1)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -473,11 +473,11 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 
 	// The store follows the MOVED redirections to the new master.
 	waitFor(t, 20*time.Second, "the store to reach the new master", func() bool {
-		_, err := s.Peek(bg, onMaster[0], slowLimit(3))
+		_, err := peekLimit(bg, s, onMaster[0], slowLimit(3))
 		return err == nil
 	})
 	for i, b := range onMaster {
-		res, err := s.Take(bg, b, slowLimit(3), 1)
+		res, err := takeLimit(bg, s, b, slowLimit(3), 1)
 		if err != nil || res.Allowed {
 			t.Fatalf("client %d, emptied before the failover: %+v, %v; want denied", i, res, err)
 		}
@@ -491,7 +491,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 		b := bucketFor("after-" + strconv.Itoa(i))
 		allowed := 0
 		for range 5 {
-			res, err := s.Take(bg, b, slowLimit(3), 1)
+			res, err := takeLimit(bg, s, b, slowLimit(3), 1)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -117,26 +117,18 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 		return
 	}
 	// A reload since the take: the origin's figure is in the running
-	// config's tokens.
-	l := d.tier.limit
-	if cur, ok := liveLimit(h.Name, d.tier.Name, l, h); ok {
-		l = cur
-	}
-	if qs, ok := d.took.(QuotaStore); ok && (len(d.tier.quotas) > 0 || len(d.tier.limits) > 1) {
-		// Every limit and quota of the tier, in one step. After a reload
-		// that changed them, nothing: the figure is in tokens of limits
-		// that no longer run.
-		if len(d.tier.limits) > 1 && !sameLimitsRun(h, d.tier) {
+	// config's tokens. A tier of several limits is charged only while
+	// they run: after a reload that changed them, the figure is in
+	// tokens of limits that no longer run.
+	tr := d.tier.shape()
+	if len(tr.Limits) > 1 {
+		if !sameLimitsRun(h, d.tier) {
 			return
 		}
-		ls := d.tier.limits
-		if len(ls) == 1 {
-			ls = []bucket.Limit{l}
-		}
-		err = qs.ChargeQuotas(context.WithoutCancel(r.Context()), &d.bucket, ls, d.tier.quotas, n)
-	} else {
-		err = d.took.Charge(context.WithoutCancel(r.Context()), &d.bucket, l, n)
+	} else if cur, ok := liveLimit(h.Name, d.tier.Name, h); ok {
+		tr.Limits = cur
 	}
+	err = d.took.charge(context.WithoutCancel(r.Context()), &d.bucket, tr, n)
 	if err != nil {
 		h.storeLog.Warn("rate limit store: charging the response's cost failed", zap.String("policy", h.Name), zap.Error(err))
 	}
@@ -157,24 +149,12 @@ func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	if ls == nil {
 		return
 	}
-	ctx := context.WithoutCancel(r.Context())
-	var err error
-	switch qs, ok := d.took.(QuotaStore); {
-	case len(d.tier.quotas) > 0 && ok:
-		// Counted when decided, in the store's period.
-		at := d.start.UnixMicro()
-		if d.limits != nil {
-			at = bucket.CountedAt(at, d.limits[len(d.tier.limits):len(d.tier.limits)+len(d.tier.quotas)])
-		}
-		err = qs.GiveBackQuotas(ctx, &d.bucket, ls, n, d.tier.quotas, d.cost, at)
-	case n <= 0 || len(d.tier.quotas) > 0:
-		// The limits take nothing back (and a store that keeps no quotas
-		// counted none).
-	case len(ls) > 1:
-		err = d.took.GiveBackAll(ctx, &d.bucket, ls, n)
-	default:
-		err = d.took.GiveBack(ctx, &d.bucket, ls[0], n)
+	tr := bucket.Tier{Limits: ls, Quotas: d.tier.quotas}
+	if n <= 0 && len(tr.Quotas) == 0 {
+		// The limits take nothing back, and no quota counted the request.
+		return
 	}
+	err := d.took.giveBack(context.WithoutCancel(r.Context()), &d.bucket, tr, n, d.cost, d.countedAt())
 	if err != nil {
 		h.storeLog.Warn("rate limit store: giving back a request's tokens failed", zap.String("policy", h.Name), zap.String("why", why), zap.Error(err))
 	}
@@ -206,6 +186,15 @@ func liveLimits(h *Handler, t *Tier, n int64) ([]bucket.Limit, int64) {
 		back = min(back, l.Converted(n, t.limits[i]))
 	}
 	return cur.limits, back
+}
+
+// countedAt is when the request was counted, by the store's periods, for
+// its quotas' give-back (bucket.CountedAt); 0 for a tier of no quota.
+func (d *decision) countedAt() int64 {
+	if len(d.tier.quotas) == 0 {
+		return 0
+	}
+	return bucket.CountedAt(d.start.UnixMicro(), d.parts()[len(d.tier.limits):])
 }
 
 // sameLimitsRun reports whether the limits a request of tier t took under

@@ -27,63 +27,81 @@ type Bucket struct {
 	secret []byte
 }
 
-// Store keeps buckets. Take must be atomic per bucket: two concurrent Takes
-// on one bucket behave as if one came first.
-type Store interface {
-	// Take applies a request costing cost tokens to the bucket.
-	Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error)
-	// TakeAll applies a request to the bucket's several limits, atomically:
-	// it takes cost tokens from every one, or, when one is short, from
-	// none. It writes each limit's result into out and reports whether the
-	// request was allowed.
-	TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error)
-	// Peek reports the bucket without changing it.
-	Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error)
-	// Reset makes the bucket full again.
-	Reset(ctx context.Context, b *Bucket) error
-	// Charge takes n more tokens after the fact, for cost_from_response:
-	// the bucket may go into debt.
-	Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error
-	// GiveBack returns n tokens that a Take took, up to the capacity: for
-	// count_status, when the response's status is not one that counts.
-	GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error
-	// GiveBackAll is GiveBack for a bucket of several limits: n tokens
-	// back to each, as TakeAll took them.
-	GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Limit, n int64) error
+// store keeps buckets: the local store, Redis (strict or with leases) and
+// the on_store_error local fallback. Every call takes the tier's shape,
+// its limits then its quotas (bucket.Tier), and writes or reads each one's
+// result in that order, so that the handler writes each step once,
+// whatever the shape and the store. Calls on one bucket are atomic: two
+// concurrent takes behave as if one came first.
+type store interface {
+	// take applies a request costing cost to every limit and quota of
+	// the bucket, all or none: it writes each one's result into out
+	// (room for tr.Parts()) and reports whether the request was allowed.
+	take(ctx context.Context, b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error)
+	// peek reports every limit and quota of the bucket into out, as take
+	// does, changing nothing and starting no ban.
+	peek(ctx context.Context, b *Bucket, tr bucket.Tier, out []bucket.Result) error
+	// giveBack returns limitsN tokens to every limit, up to its capacity,
+	// and n, which a request took at the moment at (Unix µs), to every
+	// quota while the period that counted them lasts: for count_status,
+	// max_wait and concurrency, when a request does not keep what it
+	// took. limitsN is at most n: after a reload that changed the limits,
+	// what they may take back.
+	giveBack(ctx context.Context, b *Bucket, tr bucket.Tier, limitsN, n, at int64) error
+	// charge takes n more tokens from every limit and quota after the
+	// fact, for cost_from_response: a limit may go into debt.
+	charge(ctx context.Context, b *Bucket, tr bucket.Tier, n int64) error
+	// reset makes the bucket full again.
+	reset(ctx context.Context, b *Bucket) error
+	// acquire takes one of n in-flight slots of the bucket (concurrency):
+	// it reports the slot to free, how many are in use with it, and
+	// whether it got one.
+	acquire(ctx context.Context, b *Bucket, n int64) (slot uint64, inUse int64, ok bool, err error)
+	// release frees a slot acquire gave.
+	release(b *Bucket, slot uint64)
+	// inFlight is the bucket's slots in use.
+	inFlight(ctx context.Context, b *Bucket) (int64, error)
 }
 
-// StoreReporter is a store that says how it stands, for GET
+// reporter is a store that says how it stands, for GET
 // /rate_limit/policies. A store that is not one is shown by name alone.
-type StoreReporter interface {
-	Report() StoreReport
+type reporter interface {
+	report() storeReport
 }
 
-// StoreReport is how a store stands on this node.
-type StoreReport struct {
-	// Keys is the buckets it holds in this process's memory.
-	Keys int
-	// Breaker is closed, open or half-open, for a store with one.
-	Breaker string
-	// Leases is the buckets this node holds leased tokens of.
-	Leases int
-	// Master is the address of the master in use, for a store that finds
+// storeReport is how a store stands on this node.
+type storeReport struct {
+	// keys is the buckets it holds in this process's memory.
+	keys int
+	// breaker is closed, open or half-open, for a store with one.
+	breaker string
+	// leases is the buckets this node holds leased tokens of.
+	leases int
+	// master is the address of the master in use, for a store that finds
 	// it through Sentinel.
-	Master string
+	master string
 }
 
-// LayeredResetter is a store whose Reset clears several layers, some on
+// layeredResetter is a store whose reset clears several layers, some on
 // this node whatever becomes of the others (a deny cache before Redis): it
 // resets each, and names them with each one's error, for DELETE
 // /rate_limit/buckets.
-type LayeredResetter interface {
-	ResetLayers(ctx context.Context, b *Bucket) (layers []string, errs []error)
+type layeredResetter interface {
+	resetLayers(ctx context.Context, b *Bucket) (layers []string, errs []error)
 }
 
-// policyStore is a store that keeps each policy's buckets apart. The handler
-// binds it to its policy once it has loaded it.
+// policyStore is a store that keeps each policy's buckets apart, in this
+// process: the handler binds it to its policy once it has loaded it, and
+// needs no fallback beside it (on_store_error local).
 type policyStore interface {
-	Store
+	store
 	bind(policy string) error
+}
+
+// leaseWarner is a store that warns, at load, of what its settings make
+// of the tiers (a lease the tiers' capacities cap).
+type leaseWarner interface {
+	warnLeaseCaps(logger *zap.Logger, tiers []*Tier)
 }
 
 // processStart anchors the monotonic clock. One is added so that the zero
@@ -126,56 +144,99 @@ func (b *Bucket) Digest() [sha256.Size]byte {
 	return sum
 }
 
-// take applies the request to its bucket. A cost of 0 takes nothing, and
-// is allowed unless the bucket is banned or in debt.
-func (h *Handler) take(ctx context.Context, d *decision) (bucket.Result, error) {
-	began := time.Now()
-	defer func() { h.storeTime.Observe(time.Since(began).Seconds()) }()
-	d.took = h.store
-	if len(d.tier.limits) == 0 {
+// take applies the request to its bucket in s: every limit and quota of
+// its tier in one step. A cost of 0 takes nothing, and is allowed unless
+// the bucket is banned or in debt. The result is the binding one's
+// (bucket.Binding): of the limits and quotas, the one with the least
+// remaining or, refused, the one that makes the client wait longest; its
+// Wait is the longest of the limits'.
+func (d *decision) take(ctx context.Context, s store) (bucket.Result, error) {
+	d.took = s
+	out := d.parts()
+	if len(out) == 0 {
 		// Only in-flight requests: the slot decides.
 		return bucket.Result{Allowed: true}, nil
 	}
-	if len(d.tier.quotas) > 0 {
-		return d.takeQuotas(ctx, h.store)
+	allowed, err := s.take(ctx, &d.bucket, d.tier.shape(), d.cost, out)
+	if err != nil {
+		// Nothing was decided, whatever the store wrote.
+		d.result = bucket.Result{}
+		return bucket.Result{}, err
 	}
-	if len(d.tier.limits) > 1 {
-		return d.takeAll(ctx, h.store)
+	// A hidden limit (quotaLimit) never binds.
+	hidden := d.tier.hidden
+	d.binding = uint8(hidden + bucket.Binding(out[hidden:], allowed))
+	res := out[d.binding]
+	res.Allowed = allowed
+	for _, r := range out[:len(d.tier.limits)] {
+		res.Wait = max(res.Wait, r.Wait)
 	}
-	return h.store.Take(ctx, &d.bucket, d.tier.limit, d.cost)
+	return res, nil
 }
 
-// storeFailed applies on_store_error.
-func (h *Handler) storeFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, err error) error {
+// fallBack applies on_store_error to a store that failed to decide the
+// request: it lets the request through undecided (allow), refuses it with
+// 503 (deny), or decides it with this node's own buckets (local).
+func (h *Handler) fallBack(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, err error) error {
 	if r.Context().Err() != nil {
 		// The client went away while the store decided: no store failed.
-		// As reverse_proxy does, the access log gets 499.
-		d.decide(outcomeError)
-		w.WriteHeader(499)
-		return nil
+		return h.clientGone(w, d, outcomeError)
 	}
-	h.storeErrors.Inc()
-	h.storeLog.Warn("rate limit store failed", zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
-	switch h.OnStoreError {
-	case "allow":
+	switch h.onStoreError(err, "rate limit store failed", h.DryRun) {
+	case goOnUndecided:
 		d.decide(outcomeError)
 		return next.ServeHTTP(w, r)
-	case "deny":
-		d.decide(outcomeError)
-		if h.DryRun {
-			// A dry run never refuses, not even for a store it cannot reach.
-			return next.ServeHTTP(w, r)
-		}
-		return storeUnavailable(w, r, fmt.Errorf("rate limit store unavailable: %w", err))
+	case refuseUndecided:
+		return h.storeDown(w, r, d, err)
 	}
-	var res bucket.Result
-	if len(d.tier.quotas) > 0 {
-		res, _ = d.takeQuotas(r.Context(), h.local)
-	} else if len(d.tier.limits) > 1 {
-		res, _ = d.takeAll(r.Context(), h.local)
-	} else {
-		res, _ = h.local.Take(r.Context(), &d.bucket, d.tier.limit, d.cost)
-	}
-	d.took = h.local
+	res, _ := d.take(r.Context(), h.local)
 	return h.answer(w, r, next, d, res)
+}
+
+// storeFallback is what on_store_error makes of a store's failure.
+type storeFallback uint8
+
+const (
+	// useLocal decides with this node's own buckets (local).
+	useLocal storeFallback = iota
+	// goOnUndecided lets the request through (allow; deny in a dry run,
+	// which never refuses).
+	goOnUndecided
+	// refuseUndecided answers 503 (deny).
+	refuseUndecided
+)
+
+// onStoreError counts and logs a store's failure, msg saying what failed,
+// and says what on_store_error makes of it.
+func (h *Handler) onStoreError(err error, msg string, dryRun bool) storeFallback {
+	h.storeErrors.Inc()
+	h.storeLog.Warn(msg, zap.String("policy", h.Name), zap.String("on_store_error", h.OnStoreError), zap.Error(err))
+	switch h.OnStoreError {
+	case "allow":
+		return goOnUndecided
+	case "deny":
+		if dryRun {
+			return goOnUndecided
+		}
+		return refuseUndecided
+	}
+	return useLocal
+}
+
+// storeDown refuses a request that the store could not decide, with
+// on_store_error deny: 503 with Retry-After: 1. Nothing was decided, so
+// its placeholders are empty, whatever the rate limit allowed before.
+func (h *Handler) storeDown(w http.ResponseWriter, r *http.Request, d *decision, err error) error {
+	d.result = bucket.Result{}
+	d.decide(outcomeError)
+	return storeUnavailable(w, r, fmt.Errorf("rate limit store unavailable: %w", err))
+}
+
+// clientGone answers a request whose client went away before it was
+// answered: as reverse_proxy does, the access log gets 499 (client closed
+// request).
+func (h *Handler) clientGone(w http.ResponseWriter, d *decision, o outcome) error {
+	d.decide(o)
+	w.WriteHeader(499)
+	return nil
 }

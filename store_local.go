@@ -87,51 +87,45 @@ func (s *LocalStore) Cleanup() error {
 	return err
 }
 
-// Take implements Store.
-func (s *LocalStore) Take(_ context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
-	var out [1]bucket.Result
-	s.buckets.Take(localID(b), bucket.Tier{Limits: []bucket.Limit{l}}, cost, out[:])
-	return out[0], nil
+func (s *LocalStore) take(_ context.Context, b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
+	return s.buckets.Take(localID(b), tr, cost, out), nil
 }
 
-// Peek implements Store.
-func (s *LocalStore) Peek(_ context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
-	var out [1]bucket.Result
-	s.buckets.Peek(localID(b), bucket.Tier{Limits: []bucket.Limit{l}}, out[:])
-	return out[0], nil
+func (s *LocalStore) peek(_ context.Context, b *Bucket, tr bucket.Tier, out []bucket.Result) error {
+	s.buckets.Peek(localID(b), tr, out)
+	return nil
 }
 
-// Reset implements Store.
-func (s *LocalStore) Reset(_ context.Context, b *Bucket) error {
+func (s *LocalStore) giveBack(_ context.Context, b *Bucket, tr bucket.Tier, limitsN, n, at int64) error {
+	s.buckets.GiveBack(localID(b), tr, limitsN, n, at)
+	return nil
+}
+
+func (s *LocalStore) charge(_ context.Context, b *Bucket, tr bucket.Tier, n int64) error {
+	s.buckets.Charge(localID(b), tr, n)
+	return nil
+}
+
+func (s *LocalStore) reset(_ context.Context, b *Bucket) error {
 	s.buckets.Reset(localID(b))
 	return nil
 }
 
-// TakeAll implements Store.
-func (s *LocalStore) TakeAll(_ context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
-	return s.buckets.Take(localID(b), bucket.Tier{Limits: ls}, cost, out), nil
+// acquire counts the slot beside the policy's buckets, under the same
+// shard lock, only while requests are in flight.
+func (s *LocalStore) acquire(_ context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
+	inUse, ok := s.buckets.Acquire(localID(b), n)
+	return 0, inUse, ok, nil
 }
 
-// Charge implements Store.
-func (s *LocalStore) Charge(_ context.Context, b *Bucket, l bucket.Limit, n int64) error {
-	s.buckets.Charge(localID(b), bucket.Tier{Limits: []bucket.Limit{l}}, n)
-	return nil
+func (s *LocalStore) release(b *Bucket, _ uint64) { s.buckets.Release(localID(b)) }
+
+func (s *LocalStore) inFlight(_ context.Context, b *Bucket) (int64, error) {
+	return s.buckets.InFlight(localID(b)), nil
 }
 
-// GiveBack implements Store.
-func (s *LocalStore) GiveBack(_ context.Context, b *Bucket, l bucket.Limit, n int64) error {
-	s.buckets.GiveBack(localID(b), bucket.Tier{Limits: []bucket.Limit{l}}, n, n, 0)
-	return nil
-}
-
-// GiveBackAll implements Store.
-func (s *LocalStore) GiveBackAll(_ context.Context, b *Bucket, ls []bucket.Limit, n int64) error {
-	s.buckets.GiveBack(localID(b), bucket.Tier{Limits: ls}, n, n, 0)
-	return nil
-}
-
-// Report implements StoreReporter: its Keys are the live buckets.
-func (s *LocalStore) Report() StoreReport { return StoreReport{Keys: s.buckets.Live()} }
+// report's keys are the live buckets.
+func (s *LocalStore) report() storeReport { return storeReport{keys: s.buckets.Live()} }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
 //
@@ -194,7 +188,7 @@ func localID(b *Bucket) uint64 {
 // Interface guards
 var (
 	_ policyStore           = (*LocalStore)(nil)
-	_ StoreReporter         = (*LocalStore)(nil)
+	_ reporter              = (*LocalStore)(nil)
 	_ caddy.Validator       = (*LocalStore)(nil)
 	_ caddy.CleanerUpper    = (*LocalStore)(nil)
 	_ caddyfile.Unmarshaler = (*LocalStore)(nil)

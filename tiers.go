@@ -85,7 +85,10 @@ type Tier struct {
 	limits []bucket.Limit
 	// hidden is how many of limits, from the first, nothing shows: 1 for
 	// a tier of quotas and no rate limit (quotaLimit), else 0.
-	hidden     int
+	hidden int
+	// limitTexts are the X-RateLimit-Limit of each limit, then of each
+	// quota, by the binding one's place; of the slots, for a tier of
+	// concurrency alone.
 	limitTexts []string
 	// costField is CostFromResponse in canonical form, as the response's
 	// header map keys its fields and trailers.
@@ -106,7 +109,6 @@ type Tier struct {
 	concurrencyName string
 	cost            int64
 	// Header values that do not change from request to request.
-	limitText  string
 	policyText string
 	quotedName string
 	counters   *outcomeCounters
@@ -190,9 +192,9 @@ type TierLimit struct {
 	Refill string `json:"refill"`
 }
 
-// shapes are the tier's limits as configured: Capacity and Refill first,
-// when given, then Limits.
-func (t *Tier) shapes() []TierLimit {
+// limitsWritten are the tier's limits as configured: Capacity and Refill
+// first, when given, then Limits.
+func (t *Tier) limitsWritten() []TierLimit {
 	if t.Capacity != 0 || t.Refill != "" || len(t.Limits) == 0 {
 		return append([]TierLimit{{Capacity: t.Capacity, Refill: t.Refill}}, t.Limits...)
 	}
@@ -222,7 +224,7 @@ func (t *Tier) validateLimits() error {
 		}
 		return fmt.Errorf("tier %q has no rate limit: give one such as `limit 100 10/s`, a quota or concurrency", t.Name)
 	}
-	shapes := t.shapes()
+	shapes := t.limitsWritten()
 	if len(shapes) > maxLimits {
 		return fmt.Errorf("tier %q: %d limits: at most %d", t.Name, len(shapes), maxLimits)
 	}
@@ -282,6 +284,10 @@ func checkTierName(name string) error {
 	return nil
 }
 
+// shape is the tier's shape as every store call takes it: its limits,
+// then its quotas, in the slices provisioned once.
+func (t *Tier) shape() bucket.Tier { return bucket.Tier{Limits: t.limits, Quotas: t.quotas} }
+
 // itemName is limit i's name in the IETF headers: "<tier>", then
 // "<tier>-2", "<tier>-3"...
 func (t *Tier) itemName(i int) string {
@@ -309,7 +315,6 @@ func (t *Tier) provision(ctx caddy.Context) error {
 			return fmt.Errorf("tier %q: %v", t.Name, err)
 		}
 	}
-	t.limitText = strconv.FormatInt(t.limit.Capacity, 10)
 	t.quotedName = strconv.Quote(t.Name)
 	if !t.Unlimited && !t.Deny {
 		var items []string
@@ -326,15 +331,12 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		for _, q := range t.quotas {
 			t.limitTexts = append(t.limitTexts, strconv.FormatInt(q.N, 10))
 		}
-		if t.hidden > 0 {
-			t.limitText = t.limitTexts[t.hidden]
-		}
 		if t.Concurrency > 0 {
 			t.concurrencyName = strconv.Quote(t.Name + "-concurrency")
 			items = append(items, t.concurrencyName+";q="+strconv.FormatInt(t.Concurrency, 10)+`;qu="concurrent-requests"`)
 			if len(t.limits) == 0 {
 				// Only in-flight requests: the X- fields report them.
-				t.limitText = strconv.FormatInt(t.Concurrency, 10)
+				t.limitTexts = append(t.limitTexts, strconv.FormatInt(t.Concurrency, 10))
 			}
 		}
 		t.policyText = strings.Join(items, ", ")

@@ -11,8 +11,6 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/caddyserver/caddy/v2"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // Smoothing bursts (README: Smooth bursts instead of refusing them): with
@@ -59,7 +57,8 @@ var errTooManyWaiting = errors.New("too many requests of this policy are waiting
 // await holds an allowed request until its tokens are due. A request that
 // would be one waiter too many is refused at once, and one whose client
 // goes away gives its tokens back: either way, the tokens it took go back.
-// It returns the result to answer with, or the client's error.
+// It returns the result to answer with, or the client's error, for
+// clientGone.
 func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
 	if h.DryRun {
 		// A dry run changes no request's timing.
@@ -84,10 +83,7 @@ func (h *Handler) await(r *http.Request, d *decision, res bucket.Result) (bucket
 		return res, nil
 	case <-r.Context().Done():
 		h.giveBackTaken(r, d, "client gone")
-		d.decide(outcomeAllowed)
-		if ce := h.logger.Check(zapcore.DebugLevel, "client went away while waiting; tokens given back"); ce != nil {
-			ce.Write(zap.String("policy", h.Name), zap.String("tier", d.tier.Name), zap.String("key_id", d.keyID()))
-		}
+		h.logDecision(d, "client went away while waiting; tokens given back", "")
 		return res, r.Context().Err()
 	}
 }
