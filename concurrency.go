@@ -137,9 +137,7 @@ var errSlotsUnloaded = redisbucket.ErrSlotsClosed
 // tier. It is nil when none has: the running config does not limit that
 // tier's requests in flight.
 func liveSlots(policy, tier string, tried []*Handler) (*Handler, int64) {
-	liveHandlers.Lock()
-	defer liveHandlers.Unlock()
-	hs := liveHandlers.byPolicy[policy]
+	hs := runningHandlers()[policy]
 	for i := len(hs) - 1; i >= 0; i-- {
 		if slices.Contains(tried, hs[i]) {
 			continue

@@ -244,7 +244,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.startNoting()
-	registerHandler(h)
+	h.register()
 	return nil
 }
 
@@ -443,7 +443,7 @@ func (h *Handler) validateNoKey() error {
 // Cleanup releases the on_store_error store. Caddy cleans up the store
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
-	unregisterHandler(h)
+	h.unregister()
 	h.leaveConfig()
 	h.stopNoting()
 	if h.local != nil {

@@ -4,15 +4,106 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
+
+// The running handlers, by policy, newest last: the live config that
+// give-backs, charges, in-flight slots and lease returns read on the
+// request path, and the admin API. Readers take no lock: the map is never
+// changed, only replaced, by register and unregister at provision and
+// cleanup, which copy it under runningMu.
+var (
+	running   atomic.Pointer[map[string][]*Handler]
+	runningMu sync.Mutex
+)
+
+// runningHandlers is the running handlers by policy, newest last. The
+// caller must not change it.
+func runningHandlers() map[string][]*Handler {
+	if m := running.Load(); m != nil {
+		return *m
+	}
+	return nil
+}
+
+// register adds h to the running handlers, newest of its policy.
+func (h *Handler) register() {
+	runningMu.Lock()
+	defer runningMu.Unlock()
+	next := maps.Clone(runningHandlers())
+	if next == nil {
+		next = make(map[string][]*Handler)
+	}
+	// Clipped, so that the append copies: readers still hold the old.
+	next[h.Name] = append(slices.Clip(next[h.Name]), h)
+	running.Store(&next)
+}
+
+// unregister takes h out of the running handlers.
+func (h *Handler) unregister() {
+	runningMu.Lock()
+	defer runningMu.Unlock()
+	next := maps.Clone(runningHandlers())
+	hs := slices.DeleteFunc(slices.Clone(next[h.Name]), func(x *Handler) bool { return x == h })
+	if len(hs) == 0 {
+		delete(next, h.Name)
+	} else {
+		next[h.Name] = hs
+	}
+	running.Store(&next)
+}
+
+// liveLimit is the running config's first limit, as a tier of one, for a
+// bucket of policy and tier that a request or a lease took under taker
+// (nil for a lease): what a give-back or a charge computed under an older
+// config is counted in. It is false while taker runs, or when the policy
+// is not running (a shutdown): the taker's own limit stands. Otherwise it
+// is the tier's limit in the newest handler of the policy that has the
+// tier (routes of one policy may have different tiers), and false when no
+// handler has the tier any more, or it no longer limits.
+func liveLimit(policy, tier string, taker *Handler) ([]bucket.Limit, bool) {
+	runs := slices.Contains(runningHandlers()[policy], taker)
+	t, running := liveTier(policy, tier)
+	if runs || !running || t == nil || t.Unlimited || t.Deny || len(t.limits) == 0 {
+		return nil, false
+	}
+	return t.limits[:1], true
+}
+
+// liveTier is the tier of that name in the newest handler of policy that
+// has it, nil when none has; running is false when no handler of the
+// policy runs (a shutdown).
+func liveTier(policy, tier string) (t *Tier, running bool) {
+	hs := runningHandlers()[policy]
+	for i := len(hs) - 1; i >= 0; i-- {
+		for _, t := range hs[i].Tiers {
+			if t.Name == tier {
+				return t, true
+			}
+		}
+	}
+	return nil, len(hs) > 0
+}
+
+// latestHandler is the newest running handler of policy, nil when none
+// runs.
+func latestHandler(policy string) *Handler {
+	hs := runningHandlers()[policy]
+	if len(hs) == 0 {
+		return nil
+	}
+	return hs[len(hs)-1]
+}
 
 // Handlers share buckets by policy name. Handlers with no name would all
 // be the policy "default", so two of them (two pasted recipes, two sites)

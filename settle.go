@@ -202,9 +202,7 @@ func (d *decision) countedAt() int64 {
 // config of its policy has a tier of that name with the same limits, as
 // after a reload that did not change them.
 func sameLimitsRun(h *Handler, t *Tier) bool {
-	liveHandlers.Lock()
-	defer liveHandlers.Unlock()
-	hs := liveHandlers.byPolicy[h.Name]
+	hs := runningHandlers()[h.Name]
 	if len(hs) == 0 || slices.Contains(hs, h) {
 		return true
 	}
