@@ -116,7 +116,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if catchAll != nil {
 		h.Tiers = append(h.Tiers, catchAll)
 	}
-	if err := h.validate(); err != nil {
+	if _, err := h.check(); err != nil {
 		return d.Errf("rate_limit: %v", err)
 	}
 	return nil
@@ -315,7 +315,7 @@ func (h *Handler) parseTier(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	if err := t.validate(); err != nil {
+	if _, err := t.check(tierContext{}); err != nil {
 		return d.Err(err.Error())
 	}
 	h.Tiers = append(h.Tiers, t)

@@ -54,7 +54,7 @@ func FuzzCaddyfile(f *testing.F) {
 			return
 		}
 		for _, h := range findHandlers(t, cfg) {
-			if err := h.validate(); err != nil {
+			if err := h.Validate(); err != nil {
 				t.Fatalf("adapted, but the config is invalid: %v\n%s", err, block)
 			}
 		}

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Protecting logins (README: count_status and ban): count_status keeps the
@@ -35,24 +37,22 @@ func parseStatusSet(list []string) (*statusSet, error) {
 	return set, nil
 }
 
-// validateLogin checks count_status and ban, and hands the ban to the
-// tiers' limits.
-func (h *Handler) validateLogin() error {
-	if h.CountStatus != nil {
-		if len(h.CountStatus) == 0 {
-			return errors.New("count_status: give one or more status codes or classes, such as 401 or 4xx")
+// checkLogin checks count_status and ban: the set of statuses that count
+// (nil: every one), and the ban in µs.
+func checkLogin(countStatus []string, ban caddy.Duration) (*statusSet, int64, error) {
+	var counted *statusSet
+	if countStatus != nil {
+		if len(countStatus) == 0 {
+			return nil, 0, errors.New("count_status: give one or more status codes or classes, such as 401 or 4xx")
 		}
-		set, err := parseStatusSet(h.CountStatus)
+		set, err := parseStatusSet(countStatus)
 		if err != nil {
-			return err
+			return nil, 0, err
 		}
-		h.counted = set
+		counted = set
 	}
-	if h.Ban < 0 {
-		return fmt.Errorf("ban %s: must be above 0", time.Duration(h.Ban))
+	if ban < 0 {
+		return nil, 0, fmt.Errorf("ban %s: must be above 0", time.Duration(ban))
 	}
-	for _, t := range h.Tiers {
-		t.ban = time.Duration(h.Ban).Microseconds()
-	}
-	return nil
+	return counted, time.Duration(ban).Microseconds(), nil
 }

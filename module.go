@@ -155,6 +155,9 @@ type Handler struct {
 	storeTime   prometheus.Observer
 	storeErrors prometheus.Counter
 
+	// checked says that Provision has checked the settings and applied
+	// what they imply (Validate).
+	checked bool
 	// noKeyDeny is NoKey == "deny".
 	noKeyDeny bool
 	// counted is CountStatus as a set; nil counts every response.
@@ -198,9 +201,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}))
 	unnamed := h.Name == ""
 	h.applyDefaults()
-	if err := h.validate(); err != nil {
+	v, err := h.check()
+	if err != nil {
 		return err
 	}
+	h.apply(v)
+	h.checked = true
 	if err := h.provisionKeySecret(); err != nil {
 		return err
 	}
@@ -323,65 +329,103 @@ func (h *Handler) applyDefaults() {
 	h.Status = cmp.Or(h.Status, http.StatusTooManyRequests)
 }
 
-// validate checks what needs no Caddy context, and changes no setting: the
-// Caddyfile adapter runs it too, so that mistakes fail `caddy adapt`, and
-// the adapted config shows only what was written. It derives what the
-// settings imply (header sets, the tiers' limits).
-func (h *Handler) validate() error {
+// Validate checks the handler's settings, and changes none. Caddy calls it
+// after Provision, which has run the same check (and worked out what the
+// settings imply) before it loaded the keyers, the matchers and the store,
+// whose JSON Caddy then drops: a provisioned handler passed it once.
+func (h *Handler) Validate() error {
+	if h.checked {
+		return nil
+	}
+	_, err := h.check()
+	return err
+}
+
+// settings is what a handler's settings imply, worked out by check and
+// applied once, at provision.
+type settings struct {
+	xHeaders, ietfHeaders, noKeyDeny bool
+	// counted is CountStatus as a set; nil counts every response.
+	counted *statusSet
+	// tiers are each tier's, in the order of Tiers.
+	tiers []tierSettings
+}
+
+// check checks what needs no Caddy context, and works out what the
+// settings imply, changing none: the Caddyfile adapter runs it too, so
+// that mistakes fail `caddy adapt`, and the adapted config shows only
+// what was written.
+func (h *Handler) check() (settings, error) {
+	var v settings
 	policy := cmp.Or(h.Name, "default")
 	onStoreError := cmp.Or(h.OnStoreError, "local")
 	headers := cmp.Or(h.Headers, "x")
 	status := cmp.Or(h.Status, http.StatusTooManyRequests)
 	if h.KeySecret != "" && !strings.Contains(h.KeySecret, "{") && len(h.KeySecret) < minKeySecret {
-		return fmt.Errorf("key_secret: the value given is %d bytes long; want at least %d", len(h.KeySecret), minKeySecret)
+		return v, fmt.Errorf("key_secret: the value given is %d bytes long; want at least %d", len(h.KeySecret), minKeySecret)
 	}
 	switch onStoreError {
 	case "local", "allow", "deny":
 	default:
-		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
+		return v, fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
 	}
-	if err := h.validateNoKey(); err != nil {
-		return err
+	if err := h.checkNoKey(); err != nil {
+		return v, err
 	}
-	if err := h.validateLogin(); err != nil {
-		return err
+	v.noKeyDeny = h.NoKey == "deny"
+	counted, ban, err := checkLogin(h.CountStatus, h.Ban)
+	if err != nil {
+		return v, err
 	}
-	if err := h.validateWait(); err != nil {
-		return err
+	v.counted = counted
+	if err := h.checkWait(); err != nil {
+		return v, err
 	}
-	if err := h.validateTimezone(); err != nil {
-		return err
+	loc, err := checkTimezone(h.Timezone)
+	if err != nil {
+		return v, err
 	}
 	switch headers {
 	case "x", "ietf", "both", "none":
 	default:
-		return fmt.Errorf("headers %q: want x, ietf, both or none", h.Headers)
+		return v, fmt.Errorf("headers %q: want x, ietf, both or none", h.Headers)
 	}
-	h.xHeaders = headers == "x" || headers == "both"
-	h.ietfHeaders = headers == "ietf" || headers == "both"
+	v.xHeaders = headers == "x" || headers == "both"
+	v.ietfHeaders = headers == "ietf" || headers == "both"
 	if status < 400 || status > 599 {
-		return fmt.Errorf("status %d: want a 4xx or 5xx code", h.Status)
+		return v, fmt.Errorf("status %d: want a 4xx or 5xx code", h.Status)
 	}
 	if len(h.Tiers) == 0 {
-		return fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", policy)
+		return v, fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", policy)
 	}
 	seen := make(map[string]bool, len(h.Tiers))
 	for i, t := range h.Tiers {
-		if err := t.validate(); err != nil {
-			return err
+		maxWait := time.Duration(cmp.Or(t.MaxWait, h.MaxWait)).Microseconds()
+		ts, err := t.check(tierContext{ban: ban, maxWait: maxWait, loc: loc})
+		if err != nil {
+			return v, err
 		}
+		v.tiers = append(v.tiers, ts)
 		if seen[t.Name] {
-			return fmt.Errorf("tier %q is defined twice", t.Name)
+			return v, fmt.Errorf("tier %q is defined twice", t.Name)
 		}
 		seen[t.Name] = true
 		if t.catchAll() && i < len(h.Tiers)-1 {
-			return fmt.Errorf("tier %q has no conditions, so the tiers after it would never apply", t.Name)
+			return v, fmt.Errorf("tier %q has no conditions, so the tiers after it would never apply", t.Name)
 		}
 	}
 	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
-		return fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", policy)
+		return v, fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", policy)
 	}
-	return nil
+	return v, nil
+}
+
+// apply sets the handler and its tiers up as their settings imply.
+func (h *Handler) apply(v settings) {
+	h.xHeaders, h.ietfHeaders, h.noKeyDeny, h.counted = v.xHeaders, v.ietfHeaders, v.noKeyDeny, v.counted
+	for i, t := range h.Tiers {
+		t.apply(v.tiers[i])
+	}
 }
 
 // minKeySecret is the shortest key_secret accepted, in bytes.
@@ -424,9 +468,9 @@ func (h *Handler) checkListeners(ctx caddy.Context) error {
 	return nil
 }
 
-// validateNoKey checks no_key. Its default is left unwritten, so that the
+// checkNoKey checks no_key. Its default is left unwritten, so that the
 // adapted config shows only what the Caddyfile says.
-func (h *Handler) validateNoKey() error {
+func (h *Handler) checkNoKey() error {
 	switch h.NoKey {
 	case "", "ip":
 	case "deny":
@@ -436,7 +480,6 @@ func (h *Handler) validateNoKey() error {
 	default:
 		return fmt.Errorf("no_key %q: want ip or deny", h.NoKey)
 	}
-	h.noKeyDeny = h.NoKey == "deny"
 	return nil
 }
 
@@ -486,6 +529,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // Interface guards
 var (
 	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
 	_ caddy.CleanerUpper          = (*Handler)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
 )

@@ -13,32 +13,28 @@ import (
 // zone; a request must fit every limit and every quota, and takes from all
 // or none.
 
-// validateTimezone reads the handler's time zone, and hands it to the
-// tiers, whose quotas count in it.
-func (h *Handler) validateTimezone() error {
-	loc := time.UTC
-	if h.Timezone != "" {
-		var err error
-		// "Local" is the machine's own zone, which nodes may not share.
-		if loc, err = time.LoadLocation(h.Timezone); err != nil || h.Timezone == "Local" {
-			return fmt.Errorf("timezone %q: not a time zone of the IANA database, such as Europe/Berlin or America/New_York", h.Timezone)
-		}
+// checkTimezone reads the time zone in which the tiers' quotas count.
+func checkTimezone(tz string) (*time.Location, error) {
+	if tz == "" {
+		return time.UTC, nil
 	}
-	for _, t := range h.Tiers {
-		t.loc = loc
+	// "Local" is the machine's own zone, which nodes may not share.
+	loc, err := time.LoadLocation(tz)
+	if err != nil || tz == "Local" {
+		return nil, fmt.Errorf("timezone %q: not a time zone of the IANA database, such as Europe/Berlin or America/New_York", tz)
 	}
-	return nil
+	return loc, nil
 }
 
-// validateQuotas reads the tier's quotas, each at least the tier's cost.
-func (t *Tier) validateQuotas() error {
-	t.quotas = t.quotas[:0]
-	if len(t.Quotas) > bucket.MaxQuotas || len(t.Quotas)+len(t.limits) > maxLimits {
-		return fmt.Errorf("tier %q: %d quotas beside %d limits: at most %d quotas, and %d limits and quotas in all", t.Name, len(t.Quotas), len(t.limits), bucket.MaxQuotas, maxLimits)
+// checkQuotas works out the tier's quotas into ts, each at least the
+// tier's cost.
+func (t *Tier) checkQuotas(ts *tierSettings) error {
+	if len(t.Quotas) > bucket.MaxQuotas || len(t.Quotas)+len(ts.limits) > maxLimits {
+		return fmt.Errorf("tier %q: %d quotas beside %d limits: at most %d quotas, and %d limits and quotas in all", t.Name, len(t.Quotas), len(ts.limits), bucket.MaxQuotas, maxLimits)
 	}
 	var seen [bucket.Year + 1]bool
 	for _, s := range t.Quotas {
-		q, err := bucket.ParseQuota(s, t.loc)
+		q, err := bucket.ParseQuota(s, ts.loc)
 		if err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
@@ -46,10 +42,10 @@ func (t *Tier) validateQuotas() error {
 			return fmt.Errorf("tier %q: quota %s: a second quota per %s; give one a period", t.Name, s, q.Period)
 		}
 		seen[q.Period] = true
-		if q.N < t.cost || t.CostPlaceholder != "" && q.N < t.maxCost {
+		if q.N < ts.cost || t.CostPlaceholder != "" && q.N < ts.maxCost {
 			return fmt.Errorf("tier %q: quota %s: smaller than a request's cost, which it could never admit", t.Name, s)
 		}
-		t.quotas = append(t.quotas, q)
+		ts.quotas = append(ts.quotas, q)
 	}
 	return nil
 }

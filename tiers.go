@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -114,64 +115,89 @@ type Tier struct {
 	counters   *outcomeCounters
 }
 
-// validate checks the tier and computes its limit. It needs no Caddy
-// context, so the Caddyfile adapter runs it too, and a mistake fails
-// `caddy adapt`.
-func (t *Tier) validate() error {
+// tierContext is what a tier's check reads of its handler: the ban and
+// the tier's max_wait (µs), and the time zone its quotas count in.
+type tierContext struct {
+	ban, maxWait int64
+	loc          *time.Location
+}
+
+// tierSettings is what a tier's settings imply, worked out by check and
+// applied once, at provision.
+type tierSettings struct {
+	tierContext
+	cost, maxCost int64
+	limits        []bucket.Limit
+	quotas        []bucket.Quota
+	hidden        int
+	costField     string
+}
+
+// check checks the tier in its handler's context c, and works out what
+// its settings imply, changing none. It needs no Caddy context, so the
+// Caddyfile adapter runs it too, and a mistake fails `caddy adapt`.
+func (t *Tier) check(c tierContext) (tierSettings, error) {
+	ts := tierSettings{tierContext: c}
 	if t.Name == "" {
-		return fmt.Errorf("a tier needs a name")
+		return ts, fmt.Errorf("a tier needs a name")
 	}
 	if err := checkTierName(t.Name); err != nil {
-		return err
+		return ts, err
 	}
 	for _, set := range t.MatcherSetsRaw {
 		if len(set) == 0 {
-			return fmt.Errorf("tier %q: match: an empty matcher set would match every request; give a matcher, or drop the set", t.Name)
+			return ts, fmt.Errorf("tier %q: match: an empty matcher set would match every request; give a matcher, or drop the set", t.Name)
 		}
 	}
 	if t.Unlimited && t.Deny {
-		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
+		return ts, fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
 	}
 	if t.Unlimited || t.Deny {
 		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 || t.Concurrency != 0 || len(t.Quotas) > 0 {
-			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost, quota or concurrency", t.Name)
+			return ts, fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost, quota or concurrency", t.Name)
 		}
-		return nil
+		return ts, nil
 	}
 	only, err := t.validateConcurrency()
 	if err != nil {
-		return err
+		return ts, err
 	}
 	if only {
 		// In-flight requests only: no bucket, no cost.
-		t.cost, t.limits, t.limit, t.maxCost, t.hidden = 0, nil, bucket.Limit{}, 0, 0
-		return t.validateKeyer()
+		return ts, t.validateKeyer()
 	}
-	t.cost = t.Cost
-	if t.cost == 0 {
-		t.cost = 1
-	}
+	ts.cost = cmp.Or(t.Cost, 1)
 	if t.CostPlaceholder != "" {
 		if t.Cost != 0 {
-			return fmt.Errorf("tier %q: give cost as a number or a placeholder, not both", t.Name)
+			return ts, fmt.Errorf("tier %q: give cost as a number or a placeholder, not both", t.Name)
 		}
 		if !strings.Contains(t.CostPlaceholder, "{") {
-			return fmt.Errorf("tier %q: cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", t.Name, t.CostPlaceholder)
+			return ts, fmt.Errorf("tier %q: cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", t.Name, t.CostPlaceholder)
 		}
 	}
-	if err := t.validateLimits(); err != nil {
-		return err
+	if err := t.checkLimits(&ts); err != nil {
+		return ts, err
 	}
-	if err := t.validateQuotas(); err != nil {
-		return err
+	if err := t.checkQuotas(&ts); err != nil {
+		return ts, err
 	}
-	if len(t.limits) == 0 {
-		if err := t.quotaLimit(); err != nil {
-			return err
+	if len(ts.limits) == 0 {
+		if err := t.quotaLimit(&ts); err != nil {
+			return ts, err
 		}
 	}
-	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
-	return t.validateKeyer()
+	ts.costField = http.CanonicalHeaderKey(t.CostFromResponse)
+	return ts, t.validateKeyer()
+}
+
+// apply sets the tier up as its settings imply, once, at provision.
+func (t *Tier) apply(ts tierSettings) {
+	t.ban, t.maxWait, t.loc = ts.ban, ts.maxWait, ts.loc
+	t.cost, t.maxCost, t.hidden, t.costField = ts.cost, ts.maxCost, ts.hidden, ts.costField
+	t.limits, t.quotas, t.limit = ts.limits, ts.quotas, bucket.Limit{}
+	if len(t.limits) > 0 {
+		t.limit = t.limits[0]
+	}
 }
 
 // validateKeyer checks the tier's keyer condition.
@@ -213,10 +239,9 @@ func (t *Tier) limitCount() int {
 // maxLimits bounds a tier's limits.
 const maxLimits = 8
 
-// validateLimits computes the tier's limits: Capacity and Refill first,
-// when given, then Limits. Each must hold the cost.
-func (t *Tier) validateLimits() error {
-	t.limits, t.hidden = t.limits[:0], 0
+// checkLimits works out the tier's limits into ts: Capacity and Refill
+// first, when given, then Limits. Each must hold the cost.
+func (t *Tier) checkLimits(ts *tierSettings) error {
 	if t.limitCount() == 0 {
 		if len(t.Quotas) > 0 {
 			// A plan of quotas alone: quotaLimit, once they are read.
@@ -239,16 +264,15 @@ func (t *Tier) validateLimits() error {
 		if err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
-		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban, MaxWait: t.maxWait}
-		if err := l.Validate(t.cost); err != nil {
+		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: ts.ban, MaxWait: ts.maxWait}
+		if err := l.Validate(ts.cost); err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
-		t.limits = append(t.limits, l)
+		ts.limits = append(ts.limits, l)
 	}
-	t.limit = t.limits[0]
-	t.maxCost = t.limit.Capacity
-	for _, l := range t.limits[1:] {
-		t.maxCost = min(t.maxCost, l.Capacity)
+	ts.maxCost = ts.limits[0].Capacity
+	for _, l := range ts.limits[1:] {
+		ts.maxCost = min(ts.maxCost, l.Capacity)
 	}
 	return nil
 }
@@ -258,18 +282,18 @@ func (t *Tier) validateLimits() error {
 // whole every microsecond. It never refuses what the quotas admit (within
 // a microsecond, they admit no more than it holds), and, hidden, no
 // header, placeholder or admin view shows it.
-func (t *Tier) quotaLimit() error {
-	n := t.quotas[0].N
-	for _, q := range t.quotas[1:] {
+func (t *Tier) quotaLimit(ts *tierSettings) error {
+	n := ts.quotas[0].N
+	for _, q := range ts.quotas[1:] {
 		n = min(n, q.N)
 	}
 	// No ban and no max_wait: a quota's refusal starts neither.
 	l := bucket.Limit{Capacity: n, Rate: bucket.Rate{Tokens: n, Interval: 1}, Instant: true}
-	if err := l.Validate(t.cost); err != nil {
+	if err := l.Validate(ts.cost); err != nil {
 		return fmt.Errorf("tier %q: %w", t.Name, err)
 	}
-	t.limit, t.limits = l, append(t.limits, l)
-	t.maxCost, t.hidden = n, 1
+	ts.limits = append(ts.limits, l)
+	ts.maxCost, ts.hidden = n, 1
 	return nil
 }
 
@@ -302,10 +326,9 @@ func (t *Tier) catchAll() bool {
 	return len(t.MatcherSetsRaw) == 0 && t.Keyer == "" && len(t.Claims) == 0
 }
 
+// provision loads the tier's matchers and renders the header values that
+// do not change from request to request; apply has set it up.
 func (t *Tier) provision(ctx caddy.Context) error {
-	if err := t.validate(); err != nil {
-		return err
-	}
 	if t.MatcherSetsRaw != nil {
 		mods, err := ctx.LoadModule(t, "MatcherSetsRaw")
 		if err != nil {

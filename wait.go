@@ -32,9 +32,9 @@ func waitersFor(policy string) *atomic.Int64 {
 	return n.(*atomic.Int64)
 }
 
-// validateWait checks max_wait and max_waiting, and hands each tier its
-// max_wait: its own, or the handler's.
-func (h *Handler) validateWait() error {
+// checkWait checks max_wait, the handler's and each tier's, and
+// max_waiting.
+func (h *Handler) checkWait() error {
 	if h.MaxWait < 0 || h.MaxWait > 0 && h.MaxWait < caddy.Duration(time.Microsecond) {
 		return fmt.Errorf("max_wait %s: must be at least 1µs", time.Duration(h.MaxWait))
 	}
@@ -45,7 +45,6 @@ func (h *Handler) validateWait() error {
 		if t.MaxWait < 0 || t.MaxWait > 0 && t.MaxWait < caddy.Duration(time.Microsecond) {
 			return fmt.Errorf("tier %q: max_wait %s: must be at least 1µs", t.Name, time.Duration(t.MaxWait))
 		}
-		t.maxWait = time.Duration(cmp.Or(t.MaxWait, h.MaxWait)).Microseconds()
 	}
 	return nil
 }
