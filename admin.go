@@ -123,14 +123,14 @@ func (a *Admin) servePolicies(w http.ResponseWriter, r *http.Request) error {
 	slices.SortFunc(handlers, func(a, b *Handler) int { return strings.Compare(a.Name, b.Name) })
 	views := make([]policyView, 0, len(handlers))
 	for _, h := range handlers {
-		views = append(views, h.view())
+		views = append(views, viewOf(h))
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
 }
 
-// view describes the handler's policy as it runs now.
-func (h *Handler) view() policyView {
+// viewOf describes h's policy as it runs now.
+func viewOf(h *Handler) policyView {
 	v := policyView{Policy: h.Name, Keyers: []string{}, Waiting: h.waiting.Load(), MaxWaiting: h.maxWaiting}
 	for _, k := range h.keyers {
 		v.Keyers = append(v.Keyers, k.ID())

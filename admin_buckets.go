@@ -99,7 +99,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	tier, err := h.tierNamed(q.Get("tier"))
+	tier, err := tierNamed(h, q.Get("tier"))
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: err}
 	}
@@ -107,7 +107,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	if keyerName == "" {
 		keyerName = "ip"
 	}
-	keyer := h.keyerNamed(keyerName)
+	keyer := keyerNamed(h, keyerName)
 	if keyer == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("keyer %q: policy %q has no such keyer", keyerName, h.Name)}
 	}
@@ -139,21 +139,21 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	w.Header().Set("Content-Type", "application/json")
 	if r.Method == http.MethodDelete {
 		report := resetReport{bucketName: name}
-		report.LayersReset, report.LayersFailed = h.resetBucket(r.Context(), b)
+		report.LayersReset, report.LayersFailed = resetBucket(r.Context(), h, b)
 		report.Deleted = len(report.LayersFailed) == 0
 		if !report.Deleted {
 			// Some layer kept the bucket; nothing to read it from.
 			w.WriteHeader(http.StatusBadGateway)
 			return json.NewEncoder(w).Encode(report)
 		}
-		if h.readBucket(r.Context(), b, tier, &state) != nil {
+		if readBucket(r.Context(), h, b, tier, &state) != nil {
 			// Reset, but not to be read back: say what was reset.
 			return json.NewEncoder(w).Encode(report)
 		}
 		state.Deleted, state.LayersReset = true, report.LayersReset
 		return json.NewEncoder(w).Encode(state)
 	}
-	if err := h.readBucket(r.Context(), b, tier, &state); err != nil {
+	if err := readBucket(r.Context(), h, b, tier, &state); err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("reading the bucket: the store %s failed: %v (a DELETE still resets this node's layers)", caddy.GetModuleName(h.store), err)}
 	}
 	return json.NewEncoder(w).Encode(state)
@@ -164,8 +164,8 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 // 0 could start a ban, with max_wait, on a bucket in debt). A tier of
 // several limits keeps them apart from a tier of one (in Redis, under
 // another key), so it is read as such.
-func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
-	if err := h.readLimits(ctx, b, tier, state); err != nil {
+func readBucket(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *bucketState) error {
+	if err := readLimits(ctx, h, b, tier, state); err != nil {
 		return err
 	}
 	if tier.Concurrency > 0 {
@@ -176,7 +176,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 		state.InFlight, state.Concurrency = &n, tier.Concurrency
 		if n >= tier.Concurrency {
 			// No free slot: a request is refused with Retry-After 1
-			// (concurrency.go).
+			// (Handler.acquireSlot).
 			state.RetryAfter = max(state.RetryAfter, 1)
 		}
 	}
@@ -185,7 +185,7 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 
 // readLimits fills state with the tier's limits and quotas. The top
 // level's RetryAfter is the tier's: the longest of them all.
-func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
+func readLimits(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *bucketState) error {
 	shapes := tier.limitsWritten()
 	now := time.Now().UnixMicro()
 	if len(tier.limits) == 0 {
@@ -285,7 +285,7 @@ func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {
 // not the others could be reached, and says which it reset and which it
 // could not. With Redis down, the local fallback still refills, so the
 // client gets through on this node while on_store_error local applies.
-func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, failed map[string]string) {
+func resetBucket(ctx context.Context, h *Handler, b *Bucket) (reset []string, failed map[string]string) {
 	note := func(layer string, err error) {
 		if err == nil {
 			reset = append(reset, layer)
@@ -311,7 +311,7 @@ func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, f
 }
 
 // tierNamed finds a tier that has buckets; "" names the catch-all.
-func (h *Handler) tierNamed(name string) (*Tier, error) {
+func tierNamed(h *Handler, name string) (*Tier, error) {
 	var t *Tier
 	if name == "" {
 		t = h.Tiers[len(h.Tiers)-1]
@@ -333,7 +333,7 @@ func (h *Handler) tierNamed(name string) (*Tier, error) {
 
 // keyerNamed finds a keyer by id or kind; "ip" always finds one, since the
 // client IP names clients that no keyer names.
-func (h *Handler) keyerNamed(name string) Keyer {
+func keyerNamed(h *Handler, name string) Keyer {
 	for _, k := range h.keyers {
 		if k.ID() == name || k.Kind() == name {
 			return k

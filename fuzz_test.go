@@ -1,10 +1,11 @@
 package ratelimit
 
 import (
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"strings"
 	"testing"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // FuzzParseRate: any string either fails to parse or gives a rate that

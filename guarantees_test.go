@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -10,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 )

@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -12,6 +11,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"

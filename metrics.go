@@ -2,10 +2,11 @@ package ratelimit
 
 import (
 	"errors"
-	"github.com/bramsley/caddy-ratelimit/internal/localbucket"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"strings"
 	"sync/atomic"
+
+	"github.com/bramsley/caddy-ratelimit/internal/localbucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 
 	"github.com/prometheus/client_golang/prometheus"
 )

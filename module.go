@@ -166,8 +166,6 @@ type Handler struct {
 	// notes feeds off the request path.
 	denials *denials
 	notes   *denialNotes
-	events  *caddyevents.App
-	ctx     caddy.Context
 	// waiting counts the policy's waiting requests on this node, up to
 	// maxWaiting.
 	waiting    *atomic.Int64
@@ -240,16 +238,16 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.denials = denialsFor(h.Name)
 	h.provisionWait()
-	// The http app loads the events app before its handlers; outside a
-	// server (tests that provision a handler alone) there is none.
-	if events, err := ctx.AppIfConfigured("events"); err == nil {
-		h.events = events.(*caddyevents.App)
-	}
-	h.ctx = ctx
 	if err := h.joinConfig(ctx, unnamed); err != nil {
 		return err
 	}
-	h.startNoting()
+	// The http app loads the events app before its handlers; outside a
+	// server (tests that provision a handler alone) there is none.
+	var events *caddyevents.App
+	if app, err := ctx.AppIfConfigured("events"); err == nil {
+		events = app.(*caddyevents.App)
+	}
+	h.notes = startNoting(h.Name, h.denials, h.logger, events, ctx)
 	h.register()
 	return nil
 }
@@ -306,15 +304,9 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 		}
 	}
 	if !local && h.OnStoreError == "local" {
-		// Named apart from the main local store, so that a policy that
-		// switches between local and Redis does not mix the two.
-		h.local = new(LocalStore)
-		if err := h.local.bind(h.Name + "/on_store_error"); err != nil {
+		var err error
+		if h.local, err = localFallback(ctx, h.Name); err != nil {
 			return err
-		}
-		// Each config load starts with fresh fallback buckets.
-		if reg := ctx.GetMetricsRegistry(); reg != nil {
-			h.local.buckets.StartLoad(reg)
 		}
 	}
 	return nil
@@ -327,6 +319,57 @@ func (h *Handler) applyDefaults() {
 	h.OnStoreError = cmp.Or(h.OnStoreError, "local")
 	h.Headers = cmp.Or(h.Headers, "x")
 	h.Status = cmp.Or(h.Status, http.StatusTooManyRequests)
+}
+
+// minKeySecret is the shortest key_secret accepted, in bytes.
+const minKeySecret = 16
+
+// provisionKeySecret expands key_secret. Its value is never shown in an
+// error: only what it was written as, when that is a placeholder.
+func (h *Handler) provisionKeySecret() error {
+	if h.KeySecret == "" {
+		return nil
+	}
+	secret := caddy.NewReplacer().ReplaceKnown(h.KeySecret, "")
+	if len(secret) < minKeySecret {
+		shown := "the value given"
+		if strings.Contains(h.KeySecret, "{") {
+			shown = strconv.Quote(h.KeySecret)
+		}
+		return fmt.Errorf("key_secret: %s is %d bytes long; want at least %d", shown, len(secret), minKeySecret)
+	}
+	h.keySecret = []byte(secret)
+	return nil
+}
+
+// checkListeners refuses a server that listens on a Unix socket without
+// trusted_proxies_unix: every client there has the remote address "@" and
+// no IP, so the client IP, which names any client no keyer names, would
+// put them all in one bucket. With trusted_proxies_unix, Caddy reads the
+// client IP from the proxy's headers.
+func (h *Handler) checkListeners(ctx caddy.Context) error {
+	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv.TrustedProxiesUnix || h.noKeyDeny {
+		return nil
+	}
+	for _, ln := range srv.Listen {
+		na, err := caddy.ParseNetworkAddress(ln)
+		if err == nil && na.IsUnixNetwork() {
+			return fmt.Errorf("policy %q: the server listens on the Unix socket %q, where clients have no IP address, so all would share one bucket: set the global server option trusted_proxies_unix (Caddy then reads the client IP from the proxy's headers), or no_key deny with a key that names every client", h.Name, ln)
+		}
+	}
+	return nil
+}
+
+// provisionWait sets up the waiting bound; the tiers' wait histograms are
+// looked up here, not per request.
+func (h *Handler) provisionWait() {
+	h.maxWaiting = cmp.Or(h.MaxWaiting, defaultMaxWaiting)
+	h.waiting = waitersFor(h.Name)
+	for _, t := range h.Tiers {
+		t.waitTime = waitSeconds.WithLabelValues(h.Name, t.Name)
+		t.inFlight = inFlightGauge.WithLabelValues(h.Name, t.Name)
+	}
 }
 
 // Validate checks the handler's settings, and changes none. Caddy calls it
@@ -378,7 +421,7 @@ func (h *Handler) check() (settings, error) {
 		return v, err
 	}
 	v.counted = counted
-	if err := h.checkWait(); err != nil {
+	if err := checkWait(h.MaxWait, h.MaxWaiting, h.Tiers); err != nil {
 		return v, err
 	}
 	loc, err := checkTimezone(h.Timezone)
@@ -420,54 +463,6 @@ func (h *Handler) check() (settings, error) {
 	return v, nil
 }
 
-// apply sets the handler and its tiers up as their settings imply.
-func (h *Handler) apply(v settings) {
-	h.xHeaders, h.ietfHeaders, h.noKeyDeny, h.counted = v.xHeaders, v.ietfHeaders, v.noKeyDeny, v.counted
-	for i, t := range h.Tiers {
-		t.apply(v.tiers[i])
-	}
-}
-
-// minKeySecret is the shortest key_secret accepted, in bytes.
-const minKeySecret = 16
-
-// provisionKeySecret expands key_secret. Its value is never shown in an
-// error: only what it was written as, when that is a placeholder.
-func (h *Handler) provisionKeySecret() error {
-	if h.KeySecret == "" {
-		return nil
-	}
-	secret := caddy.NewReplacer().ReplaceKnown(h.KeySecret, "")
-	if len(secret) < minKeySecret {
-		shown := "the value given"
-		if strings.Contains(h.KeySecret, "{") {
-			shown = strconv.Quote(h.KeySecret)
-		}
-		return fmt.Errorf("key_secret: %s is %d bytes long; want at least %d", shown, len(secret), minKeySecret)
-	}
-	h.keySecret = []byte(secret)
-	return nil
-}
-
-// checkListeners refuses a server that listens on a Unix socket without
-// trusted_proxies_unix: every client there has the remote address "@" and
-// no IP, so the client IP, which names any client no keyer names, would
-// put them all in one bucket. With trusted_proxies_unix, Caddy reads the
-// client IP from the proxy's headers.
-func (h *Handler) checkListeners(ctx caddy.Context) error {
-	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	if !ok || srv.TrustedProxiesUnix || h.noKeyDeny {
-		return nil
-	}
-	for _, ln := range srv.Listen {
-		na, err := caddy.ParseNetworkAddress(ln)
-		if err == nil && na.IsUnixNetwork() {
-			return fmt.Errorf("policy %q: the server listens on the Unix socket %q, where clients have no IP address, so all would share one bucket: set the global server option trusted_proxies_unix (Caddy then reads the client IP from the proxy's headers), or no_key deny with a key that names every client", h.Name, ln)
-		}
-	}
-	return nil
-}
-
 // checkNoKey checks no_key. Its default is left unwritten, so that the
 // adapted config shows only what the Caddyfile says.
 func (h *Handler) checkNoKey() error {
@@ -483,47 +478,24 @@ func (h *Handler) checkNoKey() error {
 	return nil
 }
 
+// apply sets the handler and its tiers up as their settings imply.
+func (h *Handler) apply(v settings) {
+	h.xHeaders, h.ietfHeaders, h.noKeyDeny, h.counted = v.xHeaders, v.ietfHeaders, v.noKeyDeny, v.counted
+	for i, t := range h.Tiers {
+		t.apply(v.tiers[i])
+	}
+}
+
 // Cleanup releases the on_store_error store. Caddy cleans up the store
 // itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	h.unregister()
 	h.leaveConfig()
-	h.stopNoting()
+	h.notes.end()
 	if h.local != nil {
 		return h.local.Cleanup()
 	}
 	return nil
-}
-
-// ServeHTTP limits the request: it names the client, chooses the tier,
-// reads the cost, takes from the bucket, and then passes the request on
-// with the limit's headers, settling its tokens after the response, or
-// rejects it.
-func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	d := h.newDecision(r)
-	keyer := h.nameClient(r, d)
-	if err := h.chooseTier(r, d, keyer); err != nil {
-		return err
-	}
-	switch {
-	case d.tier.Unlimited:
-		d.decide(outcomeUnlimited)
-		return next.ServeHTTP(w, r)
-	case d.tier.Deny:
-		return h.refuseDenyTier(d)
-	case h.noKeyDeny && keyer == h.fallback:
-		return h.refuseNoKey(w, r, next, d)
-	}
-	if err := d.readCost(r); err != nil {
-		return err
-	}
-	began := time.Now()
-	res, err := d.take(r.Context(), h.store)
-	h.storeTime.Observe(time.Since(began).Seconds())
-	if err != nil {
-		return h.fallBack(w, r, next, d, err)
-	}
-	return h.answer(w, r, next, d, res)
 }
 
 // Interface guards

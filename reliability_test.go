@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"net/http"
 	"reflect"
 	"slices"
@@ -13,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 
 	"github.com/caddyserver/caddy/v2"
 )

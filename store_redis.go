@@ -98,8 +98,8 @@ type RedisStore struct {
 	// Lease is how many tokens of a shared bucket this node takes at once,
 	// to decide the requests they cover without calling Redis: a number,
 	// or a share of each tier's capacity such as "10%" (at least 1). The
-	// fleet still admits no more than one bucket would (README: Sharing
-	// limits across edge nodes). Default 1: every decision asks Redis.
+	// fleet still admits no more than one bucket would (docs/fleet.md).
+	// Default 1: every decision asks Redis.
 	Lease string `json:"lease,omitempty"`
 
 	// LeaseTTL is how long leased tokens may stay unused on this node

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -17,6 +15,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"github.com/caddyserver/caddy/v2"
 )

@@ -2,18 +2,25 @@ package ratelimit
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 )
+
+// Tiers and their settings, checked once a load (check) and applied at
+// provision: limits and a cost (docs/metering-and-quotas.md), calendar
+// quotas in the handler's time zone, count_status and ban
+// (docs/logins.md), max_wait (docs/max-wait.md) and concurrency
+// (docs/concurrency.md).
 
 // A Tier is one class of client with its own bucket shape. The handler
 // tries its tiers in order; the first whose conditions all hold wins. A tier
@@ -115,6 +122,14 @@ type Tier struct {
 	counters   *outcomeCounters
 }
 
+// TierLimit is one limit of a tier: a bucket's capacity and refill.
+type TierLimit struct {
+	// Capacity is the bucket's size in tokens.
+	Capacity int64 `json:"capacity"`
+	// Refill is the rate at which tokens come back, such as 100/s or 10000/24h.
+	Refill string `json:"refill"`
+}
+
 // tierContext is what a tier's check reads of its handler: the ban and
 // the tier's max_wait (µs), and the time zone its quotas count in.
 type tierContext struct {
@@ -158,13 +173,13 @@ func (t *Tier) check(c tierContext) (tierSettings, error) {
 		}
 		return ts, nil
 	}
-	only, err := t.validateConcurrency()
+	only, err := t.checkConcurrency()
 	if err != nil {
 		return ts, err
 	}
 	if only {
 		// In-flight requests only: no bucket, no cost.
-		return ts, t.validateKeyer()
+		return ts, t.checkKeyer()
 	}
 	ts.cost = cmp.Or(t.Cost, 1)
 	if t.CostPlaceholder != "" {
@@ -187,7 +202,7 @@ func (t *Tier) check(c tierContext) (tierSettings, error) {
 		}
 	}
 	ts.costField = http.CanonicalHeaderKey(t.CostFromResponse)
-	return ts, t.validateKeyer()
+	return ts, t.checkKeyer()
 }
 
 // apply sets the tier up as its settings imply, once, at provision.
@@ -200,22 +215,29 @@ func (t *Tier) apply(ts tierSettings) {
 	}
 }
 
-// validateKeyer checks the tier's keyer condition.
-func (t *Tier) validateKeyer() error {
+// checkConcurrency checks a tier's concurrency: a tier may have it
+// beside its limits or quotas or instead of them, and then takes no cost.
+func (t *Tier) checkConcurrency() (only bool, err error) {
+	if t.Concurrency < 0 || t.Concurrency > math.MaxInt32 {
+		return false, fmt.Errorf("tier %q: concurrency %d: must be from 1 to %d", t.Name, t.Concurrency, math.MaxInt32)
+	}
+	if t.Concurrency == 0 || t.limitCount() > 0 || len(t.Quotas) > 0 {
+		return false, nil
+	}
+	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" {
+		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost; give it a rate limit or a quota to count", t.Name)
+	}
+	return true, nil
+}
+
+// checkKeyer checks the tier's keyer condition.
+func (t *Tier) checkKeyer() error {
 	switch t.Keyer {
 	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
 	default:
 		return fmt.Errorf("tier %q: keyer %q: want ip, header, cookie, jwt, form, json or placeholder", t.Name, t.Keyer)
 	}
 	return nil
-}
-
-// TierLimit is one limit of a tier: a bucket's capacity and refill.
-type TierLimit struct {
-	// Capacity is the bucket's size in tokens.
-	Capacity int64 `json:"capacity"`
-	// Refill is the rate at which tokens come back, such as 100/s or 10000/24h.
-	Refill string `json:"refill"`
 }
 
 // limitsWritten are the tier's limits as configured: Capacity and Refill
@@ -277,6 +299,30 @@ func (t *Tier) checkLimits(ts *tierSettings) error {
 	return nil
 }
 
+// checkQuotas works out the tier's quotas into ts, each at least the
+// tier's cost.
+func (t *Tier) checkQuotas(ts *tierSettings) error {
+	if len(t.Quotas) > bucket.MaxQuotas || len(t.Quotas)+len(ts.limits) > maxLimits {
+		return fmt.Errorf("tier %q: %d quotas beside %d limits: at most %d quotas, and %d limits and quotas in all", t.Name, len(t.Quotas), len(ts.limits), bucket.MaxQuotas, maxLimits)
+	}
+	var seen [bucket.Year + 1]bool
+	for _, s := range t.Quotas {
+		q, err := bucket.ParseQuota(s, ts.loc)
+		if err != nil {
+			return fmt.Errorf("tier %q: %w", t.Name, err)
+		}
+		if seen[q.Period] {
+			return fmt.Errorf("tier %q: quota %s: a second quota per %s; give one a period", t.Name, s, q.Period)
+		}
+		seen[q.Period] = true
+		if q.N < ts.cost || t.CostPlaceholder != "" && q.N < ts.maxCost {
+			return fmt.Errorf("tier %q: quota %s: smaller than a request's cost, which it could never admit", t.Name, s)
+		}
+		ts.quotas = append(ts.quotas, q)
+	}
+	return nil
+}
+
 // quotaLimit gives a tier of quotas and no rate limit the one limit every
 // store's step needs: a bucket of the smallest quota's n that refills
 // whole every microsecond. It never refuses what the quotas admit (within
@@ -308,22 +354,77 @@ func checkTierName(name string) error {
 	return nil
 }
 
-// shape is the tier's shape as every store call takes it: its limits,
-// then its quotas, in the slices provisioned once.
-func (t *Tier) shape() bucket.Tier { return bucket.Tier{Limits: t.limits, Quotas: t.quotas} }
-
-// itemName is limit i's name in the IETF headers: "<tier>", then
-// "<tier>-2", "<tier>-3"...
-func (t *Tier) itemName(i int) string {
-	if i == 0 {
-		return t.quotedName
+// checkTimezone reads the time zone in which the tiers' quotas count.
+func checkTimezone(tz string) (*time.Location, error) {
+	if tz == "" {
+		return time.UTC, nil
 	}
-	return strconv.Quote(t.Name + "-" + strconv.Itoa(i+1))
+	// "Local" is the machine's own zone, which nodes may not share.
+	loc, err := time.LoadLocation(tz)
+	if err != nil || tz == "Local" {
+		return nil, fmt.Errorf("timezone %q: not a time zone of the IANA database, such as Europe/Berlin or America/New_York", tz)
+	}
+	return loc, nil
 }
 
-// catchAll reports whether the tier has no conditions.
-func (t *Tier) catchAll() bool {
-	return len(t.MatcherSetsRaw) == 0 && t.Keyer == "" && len(t.Claims) == 0
+// statusSet is a set of response statuses, 100 to 599.
+type statusSet [600]bool
+
+// parseStatusSet reads codes ("401") and classes ("4xx").
+func parseStatusSet(list []string) (*statusSet, error) {
+	set := new(statusSet)
+	for _, s := range list {
+		if len(s) == 3 && s[0] >= '1' && s[0] <= '5' && (s[1:] == "xx" || s[1:] == "XX") {
+			lo := int(s[0]-'0') * 100
+			for c := lo; c < lo+100; c++ {
+				set[c] = true
+			}
+			continue
+		}
+		code, err := strconv.Atoi(s)
+		if err != nil || code < 100 || code > 599 {
+			return nil, fmt.Errorf("count_status %q: want a status code from 100 to 599, such as 401, or a class such as 4xx", s)
+		}
+		set[code] = true
+	}
+	return set, nil
+}
+
+// checkLogin checks count_status and ban: the set of statuses that count
+// (nil: every one), and the ban in µs.
+func checkLogin(countStatus []string, ban caddy.Duration) (*statusSet, int64, error) {
+	var counted *statusSet
+	if countStatus != nil {
+		if len(countStatus) == 0 {
+			return nil, 0, errors.New("count_status: give one or more status codes or classes, such as 401 or 4xx")
+		}
+		set, err := parseStatusSet(countStatus)
+		if err != nil {
+			return nil, 0, err
+		}
+		counted = set
+	}
+	if ban < 0 {
+		return nil, 0, fmt.Errorf("ban %s: must be above 0", time.Duration(ban))
+	}
+	return counted, time.Duration(ban).Microseconds(), nil
+}
+
+// checkWait checks max_wait, the handler's and each tier's, and
+// max_waiting.
+func checkWait(maxWait caddy.Duration, maxWaiting int, tiers []*Tier) error {
+	if maxWait < 0 || maxWait > 0 && maxWait < caddy.Duration(time.Microsecond) {
+		return fmt.Errorf("max_wait %s: must be at least 1µs", time.Duration(maxWait))
+	}
+	if maxWaiting < 0 {
+		return fmt.Errorf("max_waiting %d: must be at least 1", maxWaiting)
+	}
+	for _, t := range tiers {
+		if t.MaxWait < 0 || t.MaxWait > 0 && t.MaxWait < caddy.Duration(time.Microsecond) {
+			return fmt.Errorf("tier %q: max_wait %s: must be at least 1µs", t.Name, time.Duration(t.MaxWait))
+		}
+	}
+	return nil
 }
 
 // provision loads the tier's matchers and renders the header values that
@@ -367,6 +468,24 @@ func (t *Tier) provision(ctx caddy.Context) error {
 	return nil
 }
 
+// shape is the tier's shape as every store call takes it: its limits,
+// then its quotas, in the slices provisioned once.
+func (t *Tier) shape() bucket.Tier { return bucket.Tier{Limits: t.limits, Quotas: t.quotas} }
+
+// itemName is limit i's name in the IETF headers: "<tier>", then
+// "<tier>-2", "<tier>-3"...
+func (t *Tier) itemName(i int) string {
+	if i == 0 {
+		return t.quotedName
+	}
+	return strconv.Quote(t.Name + "-" + strconv.Itoa(i+1))
+}
+
+// catchAll reports whether the tier has no conditions.
+func (t *Tier) catchAll() bool {
+	return len(t.MatcherSetsRaw) == 0 && t.Keyer == "" && len(t.Claims) == 0
+}
+
 // applies reports whether the tier's conditions all hold for a client named
 // by a keyer of kind keyerKind, with verified claims (none without a JWT).
 // The claims are read only when the tier has a claim condition.
@@ -381,31 +500,4 @@ func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, 
 		return t.matchers.AnyMatchWithError(r)
 	}
 	return true, nil
-}
-
-// chooseTier picks the request's tier, for a client keyer named, and names
-// its bucket.
-func (h *Handler) chooseTier(r *http.Request, d *decision, keyer Keyer) error {
-	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
-	if err != nil {
-		return err
-	}
-	d.tier = tier
-	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: d.bucket.Value, secret: h.keySecret}
-	return nil
-}
-
-// tierFor returns the first tier whose conditions hold.
-func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Tier, error) {
-	for _, t := range h.Tiers {
-		ok, err := t.applies(r, keyerKind, claims)
-		if err != nil {
-			return nil, caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("tier %q: %w", t.Name, err))
-		}
-		if ok {
-			return t, nil
-		}
-	}
-	// Unreachable: validate guarantees a catch-all tier.
-	return h.Tiers[len(h.Tiers)-1], nil
 }

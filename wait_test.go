@@ -101,7 +101,7 @@ func TestMaxWaitPlaceholderMetricAndSlowestLimit(t *testing.T) {
 	if n := waitCount(t, "waited", "default") - before; n != 2 {
 		t.Errorf("wait_seconds counted %d requests, want the 2 that waited", n)
 	}
-	v := h.view()
+	v := viewOf(h)
 	if v.Tiers[0].MaxWait != "1s" || v.MaxWaiting != defaultMaxWaiting || v.Waiting != 0 {
 		t.Errorf("policy listing: %+v", v)
 	}
