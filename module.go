@@ -190,7 +190,10 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets the handler up: defaults, keyers, tiers and store.
+// Provision sets the handler up: it applies the defaults, checks the
+// settings and applies what they imply (check, once a load), then loads
+// the keyers, the tiers' matchers and the store, and joins the running
+// handlers of its policy (registry.go).
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	// Store trouble can come with every request; a few lines a second say it.
@@ -313,7 +316,7 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 }
 
 // applyDefaults fills in what the config leaves out. Provision does it,
-// never validation, so that `caddy adapt` shows only what was written.
+// never check, so that `caddy adapt` shows only what was written.
 func (h *Handler) applyDefaults() {
 	h.Name = cmp.Or(h.Name, "default")
 	h.OnStoreError = cmp.Or(h.OnStoreError, "local")
@@ -361,8 +364,8 @@ func (h *Handler) checkListeners(ctx caddy.Context) error {
 	return nil
 }
 
-// provisionWait sets up the waiting bound; the tiers' wait histograms are
-// looked up here, not per request.
+// provisionWait sets up the waiting bound (max_waiting); the tiers' wait
+// and in-flight metrics are looked up here, not per request.
 func (h *Handler) provisionWait() {
 	h.maxWaiting = cmp.Or(h.MaxWaiting, defaultMaxWaiting)
 	h.waiting = waitersFor(h.Name)
@@ -486,8 +489,9 @@ func (h *Handler) apply(v settings) {
 	}
 }
 
-// Cleanup releases the on_store_error store. Caddy cleans up the store
-// itself, as a module it loaded for the handler.
+// Cleanup takes the handler out of the running ones, ends its denial
+// recorder and releases the on_store_error store. Caddy cleans up the
+// store itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	h.unregister()
 	h.leaveConfig()

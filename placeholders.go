@@ -1,10 +1,5 @@
 package ratelimit
 
-// The {http.rate_limit.*} placeholders (their list is Handler's doc
-// comment): each request's decision answers them, lazily, for as long as
-// the request's replacer lives. Where several rate_limit handlers are
-// stacked on a route, the first answers for all, from the last decision.
-
 import (
 	"net/http"
 	"strings"
@@ -13,6 +8,12 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
+// The {http.rate_limit.*} placeholders (their list is Handler's doc
+// comment): each request's decision answers them, lazily, for as long as
+// the request's replacer lives. Where several rate_limit handlers are
+// stacked on a route, the first answers for all, from the last decision.
+
+// placeholderPrefix starts every name the handler answers.
 const placeholderPrefix = "http.rate_limit."
 
 // decisionRef is the placeholder name under which the first rate_limit

@@ -105,13 +105,79 @@ func latestHandler(policy string) *Handler {
 	return hs[len(hs)-1]
 }
 
+// liveLimits are the limits a give-back of n tokens that a request of
+// tier t took under h goes to, and how many tokens each takes back: t's
+// own and n while they run (sameLimitsRun). After a reload that changed
+// them, the running tier's, each taking back the n tokens as
+// bucket.Limit.Converted counts them from the limit at its place in t,
+// where its state was kept: no more than the time their refill took
+// under that limit buys under the new one. A limit the reload added took
+// nothing, and takes back nothing. The store gives every limit the same,
+// so they all take the least: a reload never creates tokens. Nil when the
+// tier no longer runs, or runs without limits (unlimited, deny).
+func liveLimits(h *Handler, t *Tier, n int64) ([]bucket.Limit, int64) {
+	if sameLimitsRun(h, t) {
+		return t.limits, n
+	}
+	cur, _ := liveTier(h.Name, t.Name)
+	if cur == nil || cur.Unlimited || cur.Deny || len(cur.limits) == 0 {
+		return nil, 0
+	}
+	back := n
+	for i, l := range cur.limits {
+		if i >= len(t.limits) {
+			return cur.limits, 0
+		}
+		back = min(back, l.Converted(n, t.limits[i]))
+	}
+	return cur.limits, back
+}
+
+// sameLimitsRun reports whether the limits a request of tier t took under
+// h still run: h runs (or runs outside a server, in tests), or the newest
+// config of its policy has a tier of that name with the same limits, as
+// after a reload that did not change them.
+func sameLimitsRun(h *Handler, t *Tier) bool {
+	hs := runningHandlers()[h.Name]
+	if len(hs) == 0 || slices.Contains(hs, h) {
+		return true
+	}
+	for _, x := range hs[len(hs)-1].Tiers {
+		if x.Name == t.Name {
+			return slices.Equal(x.limits, t.limits)
+		}
+	}
+	return false
+}
+
+// liveSlots is where a request of a tier of policy takes its slot once
+// the slots of its own config, and of those tried, have closed: the newest
+// running handler of the policy whose tier of that name has concurrency,
+// and that concurrency. The bucket is the same there, named by policy and
+// tier. It is nil when none has: the running config does not limit that
+// tier's requests in flight.
+func liveSlots(policy, tier string, tried []*Handler) (*Handler, int64) {
+	hs := runningHandlers()[policy]
+	for i := len(hs) - 1; i >= 0; i-- {
+		if slices.Contains(tried, hs[i]) {
+			continue
+		}
+		for _, t := range hs[i].Tiers {
+			if t.Name == tier && t.Concurrency > 0 {
+				return hs[i], t.Concurrency
+			}
+		}
+	}
+	return nil, 0
+}
+
 // Handlers share buckets by policy name. Handlers with no name would all
 // be the policy "default", so two of them (two pasted recipes, two sites)
 // would limit each other's clients: a config with two is refused. Copies
 // of one handler are not two: a site of two addresses on two ports is
 // served by two servers, each with a copy of the site's routes, so handlers
-// written alike in two servers are taken for copies. Handlers that share a name on purpose but limit differently are
-// warned of.
+// written alike in two servers are taken for copies. Handlers that share
+// a name on purpose but limit differently are warned of.
 
 // configLoads groups the provisioned handlers by the config load they
 // belong to: each load has a metrics registry of its own.
@@ -215,70 +281,4 @@ func listenersOf(ctx caddy.Context) string {
 		return ""
 	}
 	return strings.Join(srv.Listen, " ")
-}
-
-// liveLimits are the limits a give-back of n tokens that a request of
-// tier t took under h goes to, and how many tokens each takes back: t's
-// own and n while they run (sameLimitsRun). After a reload that changed
-// them, the running tier's, each taking back the n tokens as
-// bucket.Limit.Converted counts them from the limit at its place in t,
-// where its state was kept: no more than the time their refill took
-// under that limit buys under the new one. A limit the reload added took
-// nothing, and takes back nothing. The store gives every limit the same,
-// so they all take the least: a reload never creates tokens. Nil when the
-// tier no longer runs, or runs without limits (unlimited, deny).
-func liveLimits(h *Handler, t *Tier, n int64) ([]bucket.Limit, int64) {
-	if sameLimitsRun(h, t) {
-		return t.limits, n
-	}
-	cur, _ := liveTier(h.Name, t.Name)
-	if cur == nil || cur.Unlimited || cur.Deny || len(cur.limits) == 0 {
-		return nil, 0
-	}
-	back := n
-	for i, l := range cur.limits {
-		if i >= len(t.limits) {
-			return cur.limits, 0
-		}
-		back = min(back, l.Converted(n, t.limits[i]))
-	}
-	return cur.limits, back
-}
-
-// sameLimitsRun reports whether the limits a request of tier t took under
-// h still run: h runs (or runs outside a server, in tests), or the newest
-// config of its policy has a tier of that name with the same limits, as
-// after a reload that did not change them.
-func sameLimitsRun(h *Handler, t *Tier) bool {
-	hs := runningHandlers()[h.Name]
-	if len(hs) == 0 || slices.Contains(hs, h) {
-		return true
-	}
-	for _, x := range hs[len(hs)-1].Tiers {
-		if x.Name == t.Name {
-			return slices.Equal(x.limits, t.limits)
-		}
-	}
-	return false
-}
-
-// liveSlots is where a request of a tier of policy takes its slot once
-// the slots of its own config, and of those tried, have closed: the newest
-// running handler of the policy whose tier of that name has concurrency,
-// and that concurrency. The bucket is the same there, named by policy and
-// tier. It is nil when none has: the running config does not limit that
-// tier's requests in flight.
-func liveSlots(policy, tier string, tried []*Handler) (*Handler, int64) {
-	hs := runningHandlers()[policy]
-	for i := len(hs) - 1; i >= 0; i-- {
-		if slices.Contains(tried, hs[i]) {
-			continue
-		}
-		for _, t := range hs[i].Tiers {
-			if t.Name == tier && t.Concurrency > 0 {
-				return hs[i], t.Concurrency
-			}
-		}
-	}
-	return nil, 0
 }

@@ -85,7 +85,7 @@ type store interface {
 	// quota while the period that counted them lasts: for count_status,
 	// max_wait and concurrency, when a request does not keep what it
 	// took. limitsN is at most n: after a reload that changed the limits,
-	// what they may take back.
+	// what they may take back. A tier of no quota gives back limitsN.
 	giveBack(ctx context.Context, b *Bucket, tr bucket.Tier, limitsN, n, at int64) error
 	// charge takes n more tokens from every limit and quota after the
 	// fact, for cost_from_response: a limit may go into debt.
@@ -174,6 +174,7 @@ func (LocalStore) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
+// defaultMaxKeys is max_keys when the config does not say.
 const defaultMaxKeys = 1000000
 
 // Validate checks the configuration.
@@ -194,6 +195,8 @@ func (s *LocalStore) maxKeys() int {
 // localPool holds one bucket table per policy, across config reloads.
 var localPool = caddy.NewUsagePool()
 
+// bind implements policyStore: the store takes the policy's table, which
+// every loaded config of the policy shares, across reloads.
 func (s *LocalStore) bind(policy string) error {
 	if err := s.Validate(); err != nil {
 		return err

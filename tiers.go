@@ -249,7 +249,7 @@ func (t *Tier) limitsWritten() []TierLimit {
 	return t.Limits
 }
 
-// limitCount is how many limits the tier has, before validation.
+// limitCount is how many limits the tier has, as written.
 func (t *Tier) limitCount() int {
 	n := len(t.Limits)
 	if t.Capacity != 0 || t.Refill != "" {
