@@ -341,11 +341,13 @@ func (h *Handler) onStoreError(err error, msg string, dryRun bool) storeFallback
 
 // storeDown refuses a request that the store could not decide, with
 // on_store_error deny: 503 with Retry-After: 1. Nothing was decided, so
-// its placeholders are empty, whatever the rate limit allowed before.
+// its placeholders are empty, whatever the rate limit allowed before; the
+// store's failure is the handler's own sampled warn line (onStoreError).
 func (h *Handler) storeDown(w http.ResponseWriter, r *http.Request, d *decision, err error) error {
 	d.result = bucket.Result{}
 	d.decide(outcomeError)
-	return storeUnavailable(w, r, fmt.Errorf("rate limit store unavailable: %w", err))
+	w.Header()["Retry-After"] = []string{"1"}
+	return refuse(w, r, http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
 }
 
 // clientGone answers a request whose client went away before it was
@@ -641,14 +643,6 @@ func rejection(status int, err error) error {
 }
 
 const rejectionTrace = "ratelimit.rejection (handler.go)"
-
-// storeUnavailable answers 503 with Retry-After: 1 for a store that could
-// not decide; the store failure is the handler's own sampled warn line
-// (onStoreError).
-func storeUnavailable(w http.ResponseWriter, r *http.Request, err error) error {
-	w.Header()["Retry-After"] = []string{"1"}
-	return refuse(w, r, http.StatusServiceUnavailable, err)
-}
 
 // refuse answers a refusal of status. Caddy logs a handler's 5xx error at
 // error level, once a request, unsampled and with the request's headers
