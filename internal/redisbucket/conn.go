@@ -158,6 +158,19 @@ func isRedirect(err error) bool {
 	return moved || ask
 }
 
+// send sends a call on the client in use. A MOVED or ASK reply on a
+// connection of one address makes it follow the Cluster that the node
+// belongs to, and send the call again, now where its keys live: the node
+// ran nothing. Every call to Redis goes through it, so that whichever
+// first hears the redirect, the connection follows.
+func (c *Conn) send(ctx context.Context, call func(context.Context, *clientSet) error) error {
+	err := call(ctx, c.cur.Load())
+	if isRedirect(err) && c.follow("a MOVED or ASK reply") {
+		err = call(ctx, c.cur.Load())
+	}
+	return err
+}
+
 // follow makes a one-address connection follow the Cluster its node
 // belongs to: a Cluster client seeded with that address replaces the node
 // client, which a node of a Cluster answers MOVED for most keys. It says

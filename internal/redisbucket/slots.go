@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -229,23 +230,19 @@ func (s *Store) InFlight(ctx context.Context, key []byte) (int64, error) {
 	return vals[1], nil
 }
 
-// runSlots runs the slots script on k, within the timeout and through the
-// breaker.
+// runSlots runs the slots script on k (Store.do).
 func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return nil, s.conn.breaker.openError()
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
 	argv := append([]any{op, s.clockOffset, slotTTL(s.slotTTL).Microseconds()}, args...)
-	vals, err := slotsScript.Run(ctx, s.conn.client(), []string{k}, argv...).Int64Slice()
-	if err == nil && len(vals) != 2 {
-		err = fmt.Errorf("slots script answered %d values, want 2", len(vals))
-	}
-	s.record(ctx, probe, err)
+	var vals []int64
+	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
+		vals, err = slotsScript.Run(ctx, set.client, []string{k}, argv...).Int64Slice()
+		if err == nil && len(vals) != 2 {
+			err = fmt.Errorf("slots script answered %d values, want 2", len(vals))
+		}
+		return err
+	})
 	if err != nil {
-		return nil, s.wrap(err)
+		return nil, err
 	}
 	return vals, nil
 }
@@ -282,18 +279,16 @@ func (t *slotTable) freeLoop() {
 	}
 }
 
-// send frees slots in one pipeline of ZREMs.
-func (t *slotTable) send(batch []slotFree) { sendFrees(t.s, t.node, batch) }
-
-// sendFrees frees node's slots in one pipeline of ZREMs.
-func sendFrees(s *Store, node string, batch []slotFree) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-	defer cancel()
-	_, _ = s.conn.client().Pipelined(ctx, func(p redis.Pipeliner) error {
-		for _, f := range batch {
-			p.ZRem(ctx, f.key, member(node, f.id))
-		}
-		return nil
+// send frees slots in one pipeline of ZREMs (Store.do).
+func (t *slotTable) send(batch []slotFree) {
+	_ = t.s.do(context.Background(), func(ctx context.Context, set *clientSet) error {
+		_, err := set.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, f := range batch {
+				p.ZRem(ctx, f.key, t.member(f.id))
+			}
+			return nil
+		})
+		return err
 	})
 }
 
@@ -315,7 +310,9 @@ func (t *slotTable) renewLoop() {
 
 // renew pipelines one renew call per set this node holds slots in, and
 // the doubtful frees after them: one round trip, so that a renewal lands
-// within the timeout of its tick (MinSlotTTL counts on it).
+// within the timeout of its tick (MinSlotTTL counts on it). It goes
+// whatever the breaker says, since a slot renewed late may expire under
+// its request; it follows a Cluster on MOVED (Conn.send).
 func (t *slotTable) renew() {
 	byKey := map[string][]any{}
 	t.mu.Lock()
@@ -330,30 +327,27 @@ func (t *slotTable) renew() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), t.s.timeout)
 	defer cancel()
-	send := func() bool {
-		cmds, _ := t.s.conn.client().Pipelined(ctx, func(p redis.Pipeliner) error {
-			for k, ids := range byKey {
-				args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
-				slotsScript.EvalSha(ctx, p, []string{k}, args...)
-			}
-			for _, f := range doubt {
-				p.ZRem(ctx, f.key, t.member(f.id))
-			}
-			return nil
-		})
-		for _, c := range cmds {
-			if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
-				return false
-			}
+	_ = t.s.conn.send(ctx, func(ctx context.Context, set *clientSet) error {
+		send := func() ([]redis.Cmder, error) {
+			return set.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+				for k, ids := range byKey {
+					args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
+					slotsScript.EvalSha(ctx, p, []string{k}, args...)
+				}
+				for _, f := range doubt {
+					p.ZRem(ctx, f.key, t.member(f.id))
+				}
+				return nil
+			})
 		}
-		return true
-	}
-	if !send() {
-		// Redis lost the script (a restart, a failover): load it, once.
-		if slotsScript.Load(ctx, t.s.conn.client()).Err() == nil {
-			send()
+		cmds, err := send()
+		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return redis.HasErrorPrefix(c.Err(), "NOSCRIPT") }) &&
+			slotsScript.Load(ctx, set.client).Err() == nil {
+			// Redis lost the script (a restart, a failover): load it, once.
+			_, err = send()
 		}
-	}
+		return err
+	})
 }
 
 // retire stops the loops once no slot is held: at once, or when the last

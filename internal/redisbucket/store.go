@@ -250,50 +250,53 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 	// reset is dropped when it puts its denial, but one that set out
 	// between the first remove and the DEL carries the newer epoch.
 	defer s.conn.denied.remove(k)
+	return s.do(ctx, func(ctx context.Context, set *clientSet) error {
+		if err := set.client.Del(ctx, k).Err(); err != nil {
+			return fmt.Errorf("reset: %w", err)
+		}
+		return nil
+	})
+}
+
+// call runs the bucket script on one key (do); batched, through the
+// batcher if there is one. The script must answer want values.
+func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
+	var vals []int64
+	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
+		vals, err = set.runScript(ctx, key, args, batched)
+		if err == nil && len(vals) != want {
+			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return vals, nil
+}
+
+// do makes one call to Redis, within the timeout and through the breaker:
+// send sends it on the client in use (Conn.send, which follows a Cluster
+// on MOVED). Every call a decision, a give-back, a reset, a slot or a free
+// makes goes through it.
+func (s *Store) do(ctx context.Context, send func(context.Context, *clientSet) error) error {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
 		return s.conn.breaker.openError()
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	err := s.conn.client().Del(ctx, k).Err()
+	err := s.conn.send(ctx, send)
 	s.record(ctx, probe, err)
 	if err != nil {
-		return fmt.Errorf("redis store: reset: %w", err)
+		return s.wrap(err)
 	}
 	return nil
 }
 
-// call runs the bucket script on one key, within the timeout and through
-// the breaker; batched, through the batcher if there is one. The script
-// must answer want values.
-func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return nil, s.conn.breaker.openError()
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	vals, err := s.runScript(ctx, key, args, batched)
-	if isRedirect(err) && s.conn.follow("a MOVED or ASK reply") {
-		// The script did not run: the Cluster client sends it where the
-		// key lives.
-		vals, err = s.runScript(ctx, key, args, batched)
-	}
-	if err == nil && len(vals) != want {
-		err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
-	}
-	s.record(ctx, probe, err)
-	if err != nil {
-		return nil, s.wrap(err)
-	}
-	return vals, nil
-}
-
-// runScript runs the bucket script on one key, through the batcher when batched
-// and there is one.
-func (s *Store) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, error) {
-	set := s.conn.cur.Load()
+// runScript runs the bucket script on one key, through the batcher when
+// batched and there is one.
+func (set *clientSet) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, error) {
 	if batched && set.batcher != nil {
 		return set.batcher.take(ctx, []string{key}, args)
 	}
@@ -311,11 +314,12 @@ func (s *Store) wrap(err error) error {
 
 // record tells the breaker how a call went; probe says whether the breaker
 // let it through as its probe. A request whose client went away says
-// nothing about Redis, but it still ends its probe.
+// nothing about Redis, but it still ends its probe. A MOVED or ASK that
+// no Cluster client followed is an answer: Redis is up.
 func (s *Store) record(ctx context.Context, probe bool, err error) {
 	out := callOK
 	switch {
-	case err == nil:
+	case err == nil, isRedirect(err):
 	case errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled:
 		out = callAbandoned
 	default:
