@@ -169,8 +169,11 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
+	// The connection outlives this config, and so would a logger it kept:
+	// its lines go to the newest config that uses it (store.Logger,
+	// redisbucket.Conn.UseLogger), and nowhere when none does.
 	val, _, err := redisPool.LoadOrNew(plan.Key, func() (caddy.Destructor, error) {
-		return redisConn{plan.Connect(ctx.Logger())}, nil
+		return redisConn{plan.Connect(zap.NewNop())}, nil
 	})
 	if err != nil {
 		return err
@@ -203,7 +206,8 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Cleanup gives back what this config holds on lease and releases its
+// Cleanup gives back what this config holds on lease, hands the
+// connection's lines back to the newest config left, and releases its
 // hold on the connection; the last config to let go closes it.
 func (s *RedisStore) Cleanup() error {
 	if s.poolKey == "" {

@@ -814,7 +814,6 @@ func TestRedisPasswordPlaceholderThatExpandsToNothingIsWarnedOf(t *testing.T) {
 // config's log: the breaker opening after the reload is logged where the
 // new config says, not to the old config's file, which the reload closed.
 func TestRedisStoreLinesGoToTheRunningConfigsLogAfterAReload(t *testing.T) {
-	t.Skip("PENDING-R31: fixed once the internal refactor lands")
 	srv := startRedis(t)
 	dir := t.TempDir()
 	port := freePort(t)

@@ -225,3 +225,47 @@ func TestEveryCallFollowsAClusterGivenByOneAddress(t *testing.T) {
 		}
 	})
 }
+
+// A connection's lines, and go-redis's, go to the logger of the newest
+// store of it that names one; when that store closes, to the newest left;
+// with none, to the logger the connection was made with. A config that
+// unloads closes its log, so the lines must leave it.
+func TestAConnectionLogsToItsNewestStoresLogger(t *testing.T) {
+	// A Redis that answers: go-redis says nothing of its own meanwhile.
+	srv := redistest.Start(t)
+	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	observed := func() (*zap.Logger, *observer.ObservedLogs) {
+		core, logs := observer.New(zapcore.DebugLevel)
+		return zap.New(core), logs
+	}
+	made, madeLogs := observed()
+	older, olderLogs := observed()
+	newer, newerLogs := observed()
+	conn := plan.Connect(made)
+	defer conn.Close()
+	a := NewStore(conn, StoreOptions{Logger: older})
+	b := NewStore(conn, StoreOptions{Logger: newer})
+	logs := map[string]*observer.ObservedLogs{"made with": madeLogs, "older": olderLogs, "newer": newerLogs}
+	expect := func(step, want string) {
+		t.Helper()
+		for i := range 3 {
+			conn.masterSwitched("127.0.0.1:1", "127.0.0.1:"+strconv.Itoa(2+i)) // the connection's own line
+			goRedisLog{}.Printf(bg, "redis: %s", "dial failed")                // go-redis's
+		}
+		for name, l := range logs {
+			own, goRedis := l.FilterMessageSnippet("new master").Len(), l.FilterMessage("redis client").Len()
+			if name == want && (own == 0 || goRedis == 0) || name != want && own+goRedis > 0 {
+				t.Errorf("%s: the logger %s got %d of the connection's lines and %d of go-redis's; want them all in %s", step, name, own, goRedis, want)
+			}
+			l.TakeAll()
+		}
+	}
+	expect("two stores open", "newer")
+	b.Close()
+	expect("the newer closed", "older")
+	a.Close()
+	expect("both closed", "made with")
+}

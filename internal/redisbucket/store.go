@@ -24,6 +24,8 @@ type Store struct {
 	prefix  string
 	timeout time.Duration
 	leases  *leaseTable // nil in strict mode
+	// releaseLog hands the connection's lines back from Logger, when given.
+	releaseLog func()
 
 	// slots are the in-flight slots this node holds (concurrency), made
 	// on first use.
@@ -59,7 +61,9 @@ type StoreOptions struct {
 	// OnBan, when set, hears of each ban a lease call started, by the
 	// bucket's key: with leases, the request that started it may be gone,
 	// so results do not report it.
-	OnBan  func(key string)
+	OnBan func(key string)
+	// Logger, when set, takes the connection's lines while this view is
+	// the newest open one that names a logger (Conn.UseLogger).
 	Logger *zap.Logger
 }
 
@@ -78,6 +82,9 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 	}
 	if s.prefix == "" {
 		s.prefix = DefaultPrefix
+	}
+	if o.Logger != nil {
+		s.releaseLog = conn.UseLogger(o.Logger)
 	}
 	if !o.Lease.Strict() {
 		ttl := o.LeaseTTL
@@ -106,6 +113,9 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 func (s *Store) Close() {
 	if s.leases != nil {
 		s.leases.close()
+	}
+	if s.releaseLog != nil {
+		s.releaseLog()
 	}
 	s.slotsMu.Lock()
 	t := s.slots
