@@ -183,8 +183,12 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 	return nil
 }
 
-// readLimits fills state with the tier's limits and quotas. The top
-// level's RetryAfter is the tier's: the longest of them all.
+// readLimits fills state with the tier's limits and quotas, as this node
+// sees them: with leases, remaining counts the tokens it holds (the
+// store's Peek), and while they cover a request of the tier's cost, it
+// passes at once, since this node spends them without asking Redis
+// (LeaseHolder). The top level's RetryAfter is the tier's: the longest of
+// them all.
 func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
 	shapes := tier.shapes()
 	now := time.Now().UnixMicro()
@@ -196,7 +200,7 @@ func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *
 		if err != nil {
 			return err
 		}
-		res.RetryAfter = untilPasses(tier.limit, res, tier.cost)
+		res.RetryAfter = untilPassesHere(tier.limit, res, tier.cost, h.heldCovers(b, tier))
 		state.limitState = newLimitState(shapes[0], res, now)
 		return nil
 	}
@@ -205,8 +209,9 @@ func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *
 		return err
 	}
 	var retry int64
+	covered := h.heldCovers(b, tier)
 	for i, l := range tier.limits {
-		out[i].RetryAfter = untilPasses(l, out[i], tier.cost)
+		out[i].RetryAfter = untilPassesHere(l, out[i], tier.cost, covered)
 	}
 	for j, res := range out[len(tier.limits):] {
 		if res.Remaining < tier.cost {
@@ -235,6 +240,23 @@ func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *
 	// request passes.
 	state.RetryAfter = secondsUp(retry)
 	return nil
+}
+
+// untilPassesHere is untilPasses on this node: 0 while the tokens it
+// holds of the bucket on lease cover the cost (covered).
+func untilPassesHere(l bucket.Limit, res bucket.Result, cost int64, covered bool) int64 {
+	if covered {
+		return 0
+	}
+	return untilPasses(l, res, cost)
+}
+
+// heldCovers says whether the tokens this node holds of the bucket on
+// lease cover a request of the tier's cost: it passes every limit and
+// quota at once, whatever the shared bucket holds.
+func (h *Handler) heldCovers(b *Bucket, tier *Tier) bool {
+	lh, ok := h.store.(LeaseHolder)
+	return ok && lh.Held(b) >= tier.cost
 }
 
 // untilPasses is the microseconds until a request of cost tokens passes

@@ -71,6 +71,15 @@ type StoreReport struct {
 	Master string
 }
 
+// LeaseHolder is a store whose node may hold tokens of a bucket apart from
+// it (Redis leases): a request they cover is allowed on this node whatever
+// the bucket holds. Its Peek counts them in each remaining.
+type LeaseHolder interface {
+	// Held is how many tokens of the bucket b this node holds and may
+	// spend now.
+	Held(b *Bucket) int64
+}
+
 // LayeredResetter is a store whose Reset clears several layers, some on
 // this node whatever becomes of the others (a deny cache before Redis): it
 // resets each, and names them with each one's error, for DELETE

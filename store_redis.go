@@ -411,6 +411,12 @@ func (s *RedisStore) GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Lim
 	return s.engine.GiveBack(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls}, n, n, 0)
 }
 
+// Held implements LeaseHolder.
+func (s *RedisStore) Held(b *Bucket) int64 {
+	var buf [192]byte
+	return s.engine.Held(s.key(buf[:0], b))
+}
+
 // Report implements StoreReporter.
 func (s *RedisStore) Report() StoreReport {
 	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld(), Master: s.engine.Master()}
@@ -572,6 +578,7 @@ func (s *RedisStore) unmarshalTLS(d *caddyfile.Dispenser) error {
 var (
 	_ Store                 = (*RedisStore)(nil)
 	_ StoreReporter         = (*RedisStore)(nil)
+	_ LeaseHolder           = (*RedisStore)(nil)
 	_ LayeredResetter       = (*RedisStore)(nil)
 	_ caddy.Provisioner     = (*RedisStore)(nil)
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)

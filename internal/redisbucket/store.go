@@ -182,10 +182,30 @@ func (s *Store) Take(ctx context.Context, key []byte, tr bucket.Tier, cost int64
 
 // Peek reports every limit and quota of the tier tr of the bucket at key
 // into out, as Take does, in one script call that changes nothing and
-// starts no ban.
+// starts no ban. With leases, each remaining counts the tokens this node
+// holds of the bucket (Held) besides the shared level, as Take's does:
+// the quotas count them as used, but this node may still spend them.
 func (s *Store) Peek(ctx context.Context, key []byte, tr bucket.Tier, out []bucket.Result) error {
-	_, err := s.decideBy(ctx, "peek", string(key), tr, 0, out[:tr.Parts()], false)
-	return err
+	out = out[:tr.Parts()]
+	if _, err := s.decideBy(ctx, "peek", string(key), tr, 0, out, false); err != nil {
+		return err
+	}
+	if held := s.Held(key); held > 0 {
+		for i := range out {
+			out[i].Remaining += held
+		}
+	}
+	return nil
+}
+
+// Held is how many tokens of the bucket at key this node holds on lease
+// and may spend now, on every limit and quota of its tier at once: a
+// request they cover is allowed without Redis. 0 in strict mode.
+func (s *Store) Held(key []byte) int64 {
+	if s.leases == nil {
+		return 0
+	}
+	return s.leases.heldNow(key)
 }
 
 // GiveBack returns the n tokens a request took at the moment at
