@@ -124,7 +124,8 @@ func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
 		t.Skip("real-time test: skipped under -short")
 	}
 	srv := redistest.Start(t)
-	ttl := 300 * time.Millisecond
+	// Renewed every third of it: room for a renewal late under load.
+	ttl := time.Second
 	old := slotStore(t, ttl, srv.URL())
 	key := bucketFor("reload")
 	id, _, ok, err := old.Acquire(bg, key, 1)
