@@ -183,8 +183,12 @@ func readBucket(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *b
 	return nil
 }
 
-// readLimits fills state with the tier's limits and quotas. The top
-// level's RetryAfter is the tier's: the longest of them all.
+// readLimits fills state with the tier's limits and quotas, as this node
+// sees them: with leases, remaining counts the tokens it holds (the
+// store's peek), and while they cover a request of the tier's cost, it
+// passes at once, since this node spends them without asking Redis
+// (leaseHolder). The top level's RetryAfter is the tier's: the longest of
+// them all.
 func readLimits(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *bucketState) error {
 	shapes := tier.limitsWritten()
 	now := time.Now().UnixMicro()
@@ -197,13 +201,14 @@ func readLimits(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *b
 	}
 	if len(tier.limits) == 1 && len(tier.quotas) == 0 {
 		res := out[0]
-		res.RetryAfter = untilPasses(tier.limit, res, tier.cost)
+		res.RetryAfter = untilPassesHere(tier.limit, res, tier.cost, heldCovers(h, b, tier))
 		state.limitState = newLimitState(shapes[0], res, now)
 		return nil
 	}
 	var retry int64
+	covered := heldCovers(h, b, tier)
 	for i, l := range tier.limits {
-		out[i].RetryAfter = untilPasses(l, out[i], tier.cost)
+		out[i].RetryAfter = untilPassesHere(l, out[i], tier.cost, covered)
 	}
 	for j, res := range out[len(tier.limits):] {
 		if res.Remaining < tier.cost {
@@ -232,6 +237,23 @@ func readLimits(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *b
 	// request passes.
 	state.RetryAfter = secondsUp(retry)
 	return nil
+}
+
+// untilPassesHere is untilPasses on this node: 0 while the tokens it
+// holds of the bucket on lease cover the cost (covered).
+func untilPassesHere(l bucket.Limit, res bucket.Result, cost int64, covered bool) int64 {
+	if covered {
+		return 0
+	}
+	return untilPasses(l, res, cost)
+}
+
+// heldCovers says whether the tokens this node holds of the bucket on
+// lease cover a request of the tier's cost: it passes every limit and
+// quota at once, whatever the shared bucket holds.
+func heldCovers(h *Handler, b *Bucket, tier *Tier) bool {
+	lh, ok := h.store.(leaseHolder)
+	return ok && lh.held(b) >= tier.cost
 }
 
 // untilPasses is the microseconds until a request of cost tokens passes

@@ -298,7 +298,6 @@ func TestAdminRetryAfterIsWhenATakePasses(t *testing.T) {
 // that request passes, in every store mode. With a lease, the node's
 // tokens pass requests that the shared bucket alone would refuse.
 func TestAdminRetryAfterSaysWhetherTheNextRequestPassesInEveryStoreMode(t *testing.T) {
-	t.Skip("PENDING-R31: fixed once the internal refactor lands")
 	srv := startRedis(t)
 	modes := append(storeModes(srv), storeMode{"redis lease 5", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 5\n }"})
 	for i, mode := range modes {

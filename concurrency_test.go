@@ -407,7 +407,6 @@ func TestConcurrencyInTheRateLimitBlockRefusesASecondInFlight(t *testing.T) {
 // the rest of slot_ttl once Redis is back: the client, with nothing in
 // flight, would be refused "too many in flight" for up to 30 s.
 func TestARedisSlotWhoseFreeWasLostDoesNotHoldTheClientOffAfterRedisIsBack(t *testing.T) {
-	t.Skip("PENDING-R31: fixed once the internal refactor lands")
 	srv := startRedis(t)
 	proxy := startFaultProxy(t, srv.addr(), 0)
 	holding, release := make(chan struct{}, 1), make(chan struct{})

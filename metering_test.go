@@ -350,7 +350,6 @@ func TestLimitPlaceholderShowsTheBindingLimit(t *testing.T) {
 // placeholder, a cost from the response, a quota and concurrency. The
 // headers, the admin GET and a DELETE agree with what was taken.
 func TestTheCatchAllTierOfEveryLimitLineInEveryStoreMode(t *testing.T) {
-	t.Skip("PENDING-R31: fixed once the internal refactor lands")
 	srv := startRedis(t)
 	origin := streamingOrigin(t, "2")
 	modes := append(storeModes(srv), storeMode{"redis lease 10%", "store redis {\n address " + srv.url() + "\n timeout 2s\n lease 10%\n }"})

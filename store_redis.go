@@ -169,8 +169,11 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return err
 	}
+	// The connection outlives this config, and so would a logger it kept:
+	// its lines go to the newest config that uses it (store.Logger,
+	// redisbucket.Conn.UseLogger), and nowhere when none does.
 	val, _, err := redisPool.LoadOrNew(plan.Key, func() (caddy.Destructor, error) {
-		return redisConn{plan.Connect(ctx.Logger())}, nil
+		return redisConn{plan.Connect(zap.NewNop())}, nil
 	})
 	if err != nil {
 		return err
@@ -203,7 +206,8 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Cleanup gives back what this config holds on lease and releases its
+// Cleanup gives back what this config holds on lease, hands the
+// connection's lines back to the newest config left, and releases its
 // hold on the connection; the last config to let go closes it.
 func (s *RedisStore) Cleanup() error {
 	if s.poolKey == "" {
@@ -390,6 +394,13 @@ func (s *RedisStore) charge(ctx context.Context, b *Bucket, tr bucket.Tier, n in
 	return s.engine.Charge(ctx, s.key(buf[:0], b), tr, n)
 }
 
+// held is how many tokens of the bucket this node holds on lease and may
+// spend now (leaseHolder).
+func (s *RedisStore) held(b *Bucket) int64 {
+	var buf [192]byte
+	return s.engine.Held(s.key(buf[:0], b))
+}
+
 // reset resets the shared bucket, this node's lease and its deny cache
 // entry.
 func (s *RedisStore) reset(ctx context.Context, b *Bucket) error {
@@ -565,6 +576,7 @@ func (s *RedisStore) unmarshalTLS(d *caddyfile.Dispenser) error {
 var (
 	_ store                 = (*RedisStore)(nil)
 	_ reporter              = (*RedisStore)(nil)
+	_ leaseHolder           = (*RedisStore)(nil)
 	_ layeredResetter       = (*RedisStore)(nil)
 	_ leaseWarner           = (*RedisStore)(nil)
 	_ caddy.Provisioner     = (*RedisStore)(nil)

@@ -815,7 +815,6 @@ func TestRedisPasswordPlaceholderThatExpandsToNothingIsWarnedOf(t *testing.T) {
 // config's log: the breaker opening after the reload is logged where the
 // new config says, not to the old config's file, which the reload closed.
 func TestRedisStoreLinesGoToTheRunningConfigsLogAfterAReload(t *testing.T) {
-	t.Skip("PENDING-R31: fixed once the internal refactor lands")
 	srv := startRedis(t)
 	dir := t.TempDir()
 	port := freePort(t)
@@ -868,7 +867,6 @@ http://127.0.0.1:%d {
 // only the slots script. Either way, clients with nothing in flight and
 // tokens left are decided by Redis, not refused as a store failure.
 func TestATierFollowsAClusterGivenByOneAddressThatWasDownAtStart(t *testing.T) {
-	t.Skip("PENDING-R31: fixed once the internal refactor lands")
 	skipUnderShort(t, "Redis Cluster of three")
 	nodes := startCluster(t, 3)
 	for i, tier := range []string{"limit 5 1/h", "concurrency 1"} {

@@ -13,7 +13,7 @@ var errBreakerOpen = errors.New("redis store: circuit breaker open after repeate
 
 // breakerOpenError is errBreakerOpen with the failure that last counted,
 // so that every line logged while the breaker is open says why (a refused
-// connection, a certificate, a MOVED), not only that it is open.
+// connection, a certificate, a timeout), not only that it is open.
 type breakerOpenError struct{ cause error }
 
 func (e *breakerOpenError) Error() string {

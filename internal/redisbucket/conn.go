@@ -2,7 +2,6 @@ package redisbucket
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // Conn is a connection to Redis that every config with the same settings
@@ -25,8 +23,9 @@ type Conn struct {
 	batch        bool
 	timeout      time.Duration
 	denyCapacity int
-	logger       *zap.Logger
-	stop         context.CancelFunc
+	// log is where the connection's lines go: the newest config's log.
+	log  logRoute
+	stop context.CancelFunc
 
 	// asCluster makes the Cluster client that one address is followed
 	// by; nil once it has been, and for the other kinds of connection.
@@ -75,28 +74,31 @@ func (c *Conn) batcher() *redisBatcher { return c.cur.Load().batcher }
 // their timeout; a Redis that is down is no error here: decisions say so.
 // With one address, it asks that node first whether it is a Cluster's,
 // and follows the Cluster if so.
+//
+// The connection's lines go to logger while no Store of it names its own
+// (StoreOptions.Logger), and go-redis's too (the connection made last
+// names it).
 func (p *Plan) Connect(logger *zap.Logger) *Conn {
 	o := p.o
 	life, stop := context.WithCancel(context.Background())
-	// A flapping Redis turns the breaker often; a few lines a second say so.
-	logger = logger.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
-		return zapcore.NewSamplerWithOptions(c, time.Second, 2, 0)
-	}))
-	routeGoRedisLog(logger)
 	c := &Conn{
 		denied:       newDenyCache(o.DenyCacheSize),
 		batch:        o.Batch,
 		timeout:      o.Timeout,
 		denyCapacity: o.DenyCacheSize,
-		logger:       logger,
 		stop:         stop,
 		asCluster:    p.asCluster,
 		now:          monotonicMicros,
 	}
+	logger = sampled(logger)
+	c.log.fallBackTo(logger)
+	goRedisRoute.fallBackTo(logger)
+	routeGoRedisLog()
 	if len(o.Addresses) > 0 {
 		c.address = redactURL(o.Addresses[0])
 	}
 	c.breaker = breaker{threshold: int64(o.BreakerFailures), cooldown: o.BreakerCooldown.Microseconds(), changed: func(open bool) {
+		logger := c.log.logger()
 		if open {
 			logger.Warn("redis store unreachable: circuit breaker open, on_store_error decides",
 				zap.String("cause", causeText(c.breaker.cause())), zap.Int("failures", o.BreakerFailures), zap.Duration("cooldown", o.BreakerCooldown))
@@ -106,7 +108,7 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 	}}
 	c.cur.Store(c.newSet(p.newClient()))
 	if o.Sentinel != nil {
-		c.master = &masterWatch{name: o.Sentinel.Master, sentinels: p.sentinels, switched: c.masterSwitched, logger: logger}
+		c.master = &masterWatch{name: o.Sentinel.Master, sentinels: p.sentinels, switched: c.masterSwitched, log: &c.log}
 		c.master.start(life)
 	}
 	go func() {
@@ -118,6 +120,19 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 		_ = bucketScript.Load(ctx, c.client()).Err()
 	}()
 	return c
+}
+
+// UseLogger makes logger take the connection's lines, and go-redis's, until
+// a newer one does or release is called; then the newest left takes them
+// again, or Connect's. Each config that uses a shared connection hands it
+// its logger, since an older config's log is closed once it unloads.
+func (c *Conn) UseLogger(logger *zap.Logger) (release func()) {
+	logger = sampled(logger)
+	own, goRedis := c.log.use(logger), goRedisRoute.use(logger)
+	return func() {
+		own()
+		goRedis()
+	}
 }
 
 // Close closes the client.
@@ -158,6 +173,19 @@ func isRedirect(err error) bool {
 	return moved || ask
 }
 
+// send sends a call on the client in use. A MOVED or ASK reply on a
+// connection of one address makes it follow the Cluster that the node
+// belongs to, and send the call again, now where its keys live: the node
+// ran nothing. Every call to Redis goes through it, so that whichever
+// first hears the redirect, the connection follows.
+func (c *Conn) send(ctx context.Context, call func(context.Context, *clientSet) error) error {
+	err := call(ctx, c.cur.Load())
+	if isRedirect(err) && c.follow("a MOVED or ASK reply") {
+		err = call(ctx, c.cur.Load())
+	}
+	return err
+}
+
 // follow makes a one-address connection follow the Cluster its node
 // belongs to: a Cluster client seeded with that address replaces the node
 // client, which a node of a Cluster answers MOVED for most keys. It says
@@ -173,12 +201,12 @@ func (c *Conn) follow(seen string) bool {
 	c.asCluster = nil
 	client, err := newCluster()
 	if err != nil {
-		c.logger.Error("redis store: this is a Redis Cluster, and the address given cannot seed a Cluster client: list two or more of the Cluster's nodes",
+		c.log.logger().Error("redis store: this is a Redis Cluster, and the address given cannot seed a Cluster client: list two or more of the Cluster's nodes",
 			zap.String("address", c.address), zap.String("seen", seen), zap.Error(err))
 		return false
 	}
 	old := c.cur.Swap(c.newSet(client))
-	c.logger.Warn("redis store: the address is a node of a Redis Cluster; following the Cluster from it. List two or more of its nodes, so that the Cluster is found while this one is down",
+	c.log.logger().Warn("redis store: the address is a node of a Redis Cluster; following the Cluster from it. List two or more of its nodes, so that the Cluster is found while this one is down",
 		zap.String("address", c.address), zap.String("seen", seen))
 	// Calls under way on the node client end within the timeout.
 	time.AfterFunc(4*c.timeout+time.Second, func() { _ = old.close() })
@@ -196,7 +224,7 @@ func (c *Conn) follow(seen string) bool {
 // rest of its cool-down.
 func (c *Conn) masterSwitched(from, to string) {
 	wasOpen := c.breaker.reset()
-	c.logger.Warn("redis store: Sentinel names a new master; the client follows it",
+	c.log.logger().Warn("redis store: Sentinel names a new master; the client follows it",
 		zap.String("master", to), zap.String("previous", from), zap.Bool("breaker_closed", wasOpen))
 }
 
@@ -214,36 +242,3 @@ func (c *Conn) Master() string {
 var processStart = time.Now()
 
 func monotonicMicros() int64 { return time.Since(processStart).Microseconds() + 1 }
-
-// go-redis writes its own lines (a failed dial, a Sentinel's new master)
-// through one logger for the whole process, by default as plain text on
-// stderr, past Caddy's log and its sampling. They go to the logger of the
-// connection made last, sampled as its own lines are, under one message so
-// that the sampling holds however they vary.
-var (
-	goRedisLogger  atomic.Pointer[zap.Logger]
-	goRedisLogOnce sync.Once
-)
-
-func routeGoRedisLog(logger *zap.Logger) {
-	goRedisLogger.Store(logger)
-	goRedisLogOnce.Do(func() { redis.SetLogger(goRedisLog{}) })
-}
-
-// goRedisLog is go-redis's logger, writing to goRedisLogger.
-type goRedisLog struct{}
-
-func (goRedisLog) Printf(_ context.Context, format string, v ...any) {
-	l := goRedisLogger.Load()
-	if l == nil {
-		return
-	}
-	msg := strings.TrimPrefix(fmt.Sprintf(format, v...), "redis: ")
-	level := zapcore.InfoLevel
-	if strings.Contains(msg, "fail") || strings.Contains(msg, "error") || strings.Contains(msg, "bad") {
-		level = zapcore.WarnLevel
-	}
-	if ce := l.Check(level, "redis client"); ce != nil {
-		ce.Write(zap.String("said", msg))
-	}
-}

@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"errors"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -131,4 +133,139 @@ func TestSentinelFailoverEndsTheBreakersHold(t *testing.T) {
 	if len(switched) == 0 || switched[0].Level != zapcore.WarnLevel || switched[0].ContextMap()["master"] != st.Replica.Addr() {
 		t.Errorf("the switch was logged as %v; want one warn line naming the new master %s", switched, st.Replica.Addr())
 	}
+}
+
+// Every call to Redis follows a Cluster given by one address whose node
+// did not answer at connect, whichever call first hears MOVED: the slots
+// script, a reset, a give-back and a free, as the bucket script does. A
+// MOVED that cannot be followed is an answer, not a failure: the breaker,
+// opened here by one failure, stays closed.
+func TestEveryCallFollowsAClusterGivenByOneAddress(t *testing.T) {
+	skipUnderShort(t, "Redis Cluster of three")
+	nodes := redistest.StartCluster(t, 3)
+	// A client whose bucket and slots both live on another node than the
+	// one given, so that it answers MOVED for both.
+	var key []byte
+	for c := 0; key == nil; c++ {
+		k := bucketFor("elsewhere-" + strconv.Itoa(c))
+		_, movedB := redis.IsMovedError(nodes[0].Client().Exists(bg, string(k)).Err())
+		_, movedS := redis.IsMovedError(nodes[0].Client().Exists(bg, slotKey(k)).Err())
+		if movedB && movedS {
+			key = k
+		}
+	}
+	// connect gives a store the node through a link that is down while it
+	// connects, and up once it has looked.
+	connect := func(t *testing.T) *Store {
+		proxy := redistest.StartProxy(t, nodes[0].Addr(), 0)
+		proxy.Cut()
+		plan, err := NewPlan(Options{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: time.Second, BreakerFailures: 1, BreakerCooldown: time.Hour})
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn := plan.Connect(nopLogger)
+		s := NewStore(conn, StoreOptions{SlotTTL: time.Hour})
+		t.Cleanup(func() {
+			s.Close()
+			_ = conn.Close()
+		})
+		time.Sleep(300 * time.Millisecond)
+		proxy.Restore()
+		if _, ok := conn.client().(*redis.ClusterClient); ok {
+			t.Fatal("the store followed the Cluster while its node was down")
+		}
+		return s
+	}
+	tier := oneLimit(slowLimit(3))
+	for name, call := range map[string]func(s *Store) error{
+		"take":      func(s *Store) error { _, err := s.takeLimit(bg, key, tier.Limits[0], 1); return err },
+		"acquire":   func(s *Store) error { _, _, _, err := s.Acquire(bg, key, 1); return err },
+		"in flight": func(s *Store) error { _, err := s.InFlight(bg, key); return err },
+		"reset":     func(s *Store) error { return s.Reset(bg, key) },
+		"give back": func(s *Store) error {
+			_, err := s.giveBack("node", []leaseReturn{{key: string(key), tier: tier, tokens: 1, seq: 1, done: make(chan struct{})}})
+			return err
+		},
+		"free": func(s *Store) error {
+			tb := s.slotTable()
+			tb.send([]slotFree{{key: slotKey(key), id: 1}})
+			tb.mu.Lock()
+			defer tb.mu.Unlock()
+			if len(tb.doubt) > 0 {
+				return errors.New("the free failed")
+			}
+			return nil
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := connect(t)
+			if err := call(s); err != nil {
+				t.Errorf("the first call: %v", err)
+			}
+			if _, ok := s.conn.client().(*redis.ClusterClient); !ok {
+				t.Errorf("after the first call, the store does not follow the Cluster")
+			}
+			if got := s.BreakerState(); got != "closed" {
+				t.Errorf("the breaker is %s, want closed", got)
+			}
+		})
+	}
+	t.Run("MOVED not followed", func(t *testing.T) {
+		s := connect(t)
+		s.conn.followMu.Lock()
+		s.conn.asCluster = func() (redis.UniversalClient, error) { return nil, errors.New("no Cluster client from this address") }
+		s.conn.followMu.Unlock()
+		for i := range 3 {
+			if _, err := s.takeLimit(bg, key, tier.Limits[0], 1); err == nil || errors.Is(err, errBreakerOpen) {
+				t.Fatalf("take %d: %v; want the MOVED", i, err)
+			}
+		}
+		if got := s.BreakerState(); got != "closed" {
+			t.Errorf("after three MOVED, the breaker is %s; want closed, since Redis answered", got)
+		}
+	})
+}
+
+// A connection's lines, and go-redis's, go to the logger of the newest
+// store of it that names one; when that store closes, to the newest left;
+// with none, to the logger the connection was made with. A config that
+// unloads closes its log, so the lines must leave it.
+func TestAConnectionLogsToItsNewestStoresLogger(t *testing.T) {
+	// A Redis that answers: go-redis says nothing of its own meanwhile.
+	srv := redistest.Start(t)
+	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	observed := func() (*zap.Logger, *observer.ObservedLogs) {
+		core, logs := observer.New(zapcore.DebugLevel)
+		return zap.New(core), logs
+	}
+	made, madeLogs := observed()
+	older, olderLogs := observed()
+	newer, newerLogs := observed()
+	conn := plan.Connect(made)
+	defer conn.Close()
+	a := NewStore(conn, StoreOptions{Logger: older})
+	b := NewStore(conn, StoreOptions{Logger: newer})
+	logs := map[string]*observer.ObservedLogs{"made with": madeLogs, "older": olderLogs, "newer": newerLogs}
+	expect := func(step, want string) {
+		t.Helper()
+		for i := range 3 {
+			conn.masterSwitched("127.0.0.1:1", "127.0.0.1:"+strconv.Itoa(2+i)) // the connection's own line
+			goRedisLog{}.Printf(bg, "redis: %s", "dial failed")                // go-redis's
+		}
+		for name, l := range logs {
+			own, goRedis := l.FilterMessageSnippet("new master").Len(), l.FilterMessage("redis client").Len()
+			if name == want && (own == 0 || goRedis == 0) || name != want && own+goRedis > 0 {
+				t.Errorf("%s: the logger %s got %d of the connection's lines and %d of go-redis's; want them all in %s", step, name, own, goRedis, want)
+			}
+			l.TakeAll()
+		}
+	}
+	expect("two stores open", "newer")
+	b.Close()
+	expect("the newer closed", "older")
+	a.Close()
+	expect("both closed", "made with")
 }

@@ -218,48 +218,56 @@ func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bu
 const leaseAnswer = 13
 
 // giveBack returns the unused tokens of node's leases to their buckets in
-// one pipeline, and reports how many went back.
+// one pipeline, and reports how many went back. After a MOVED, only the
+// give-backs that were redirected go again (do).
 func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return 0, s.conn.breaker.openError()
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-	defer cancel()
 	args := func(g leaseReturn) []any {
 		return s.args("return", g.tier, 0, g.tokens, node, g.seq)
 	}
-	cmds := make([]*redis.Cmd, len(back))
-	_, err := s.conn.client().Pipelined(ctx, func(pipe redis.Pipeliner) error {
-		for i, g := range back {
-			cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
-		}
-		return nil
-	})
 	var returned int64
+	answered := make([]bool, len(back))
 	var failed error
-	for i, cmd := range cmds {
-		if isNoScript(cmd.Err()) {
-			// Redis lost its scripts (a restart, a failover): EVAL loads it.
-			cmd = bucketScript.Run(ctx, s.conn.client(), []string{back[i].key}, args(back[i])...)
+	err := s.do(context.Background(), func(ctx context.Context, set *clientSet) error {
+		cmds := make([]*redis.Cmd, len(back))
+		_, err := set.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+			for i, g := range back {
+				if !answered[i] {
+					cmds[i] = bucketScript.EvalSha(ctx, pipe, []string{g.key}, args(g)...)
+				}
+			}
+			return nil
+		})
+		var redirect error
+		for i, cmd := range cmds {
+			if cmd == nil {
+				continue
+			}
+			if isNoScript(cmd.Err()) {
+				// Redis lost its scripts (a restart, a failover): EVAL loads it.
+				cmd = bucketScript.Run(ctx, set.client, []string{back[i].key}, args(back[i])...)
+			}
+			vals, err := cmd.Int64Slice()
+			switch {
+			case isRedirect(err):
+				redirect = err
+				continue
+			case err == nil && len(vals) == 2:
+				returned += vals[0]
+			case failed != nil:
+			case err != nil:
+				failed = err
+			default:
+				failed = fmt.Errorf("script answered %d values, want 2", len(vals))
+			}
+			answered[i] = true
 		}
-		vals, err := cmd.Int64Slice()
-		switch {
-		case err == nil && len(vals) == 2:
-			returned += vals[0]
-		case failed != nil:
-		case err != nil:
+		if redirect != nil {
+			return redirect
+		}
+		if failed == nil && err != nil && !isNoScript(err) {
 			failed = err
-		default:
-			failed = fmt.Errorf("script answered %d values, want 2", len(vals))
 		}
-	}
-	if failed == nil && err != nil && !isNoScript(err) {
-		failed = err
-	}
-	s.record(ctx, probe, failed)
-	if failed != nil {
-		return returned, s.wrap(failed)
-	}
-	return returned, nil
+		return failed
+	})
+	return returned, err
 }

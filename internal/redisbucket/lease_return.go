@@ -116,6 +116,20 @@ func (t *leaseTable) held() int {
 	return n
 }
 
+// heldNow is the tokens this node holds on lease for the bucket at key
+// and may spend now: none once lease_ttl has passed since they were
+// leased, or the quota period that counted them has ended.
+func (t *leaseTable) heldNow(key []byte) int64 {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[string(key)]
+	if e == nil || t.closed.Load() || t.lapsed(e, t.now()) {
+		return 0
+	}
+	return e.tokens
+}
+
 // leaseReturn is unused leased tokens on their way back to a shared bucket,
 // naming the call that wrote the lease's record.
 type leaseReturn struct {

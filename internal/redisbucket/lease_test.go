@@ -402,9 +402,12 @@ func conserveTier(t *testing.T, tr bucket.Tier, maxCharge int64) (allowed, charg
 	for _, q := range qs {
 		sizes = append(sizes, q.N)
 	}
+	// A view without leases reads Redis alone: a node's peek counts what
+	// it holds too.
+	inRedis := NewStore(nodes[0].conn, StoreOptions{})
 	left := func() []int64 {
 		out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
-		if err := nodes[0].peekQuotas(bg, b, ls, qs, out, qout); err != nil {
+		if err := inRedis.peekQuotas(bg, b, ls, qs, out, qout); err != nil {
 			t.Fatal(err)
 		}
 		var l []int64
@@ -932,5 +935,43 @@ func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *tes
 	if !res.Allowed && res.RetryAfter > (ttl+quotaDenyFor).Microseconds() {
 		t.Errorf("%d of the quota's 50 admitted, %d idle on node a's lease: node b's request refused with Retry-After %s, the day's end; one bucket would admit it",
 			admitted, held, time.Duration(res.RetryAfter)*time.Microsecond)
+	}
+}
+
+// With a lease, a peek reports each limit's remaining as a take does (the
+// X-RateLimit-Remaining of the next request): the shared level and the
+// tokens this node holds, which it may spend without Redis. Held says how
+// many those are, none once lease_ttl has passed.
+func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Lease: "5", Timeout: 2 * time.Second})
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	s.leases.now = clock.now
+	tr := bucket.Tier{Limits: []bucket.Limit{slowLimit(10), slowLimit(100)}}
+	key := bucketFor("holder")
+	took := make([]bucket.Result, 2)
+	for i := range 3 {
+		if ok, err := s.Take(bg, key, tr, 1, took); err != nil || !ok {
+			t.Fatalf("take %d: %v, %v", i, ok, err)
+		}
+		tableSync(s.leases)
+	}
+	held := s.Held(key)
+	if held == 0 {
+		t.Fatal("no token held after three takes on a lease of 5")
+	}
+	peeked := make([]bucket.Result, 2)
+	if err := s.Peek(bg, key, tr, peeked); err != nil {
+		t.Fatal(err)
+	}
+	for i := range peeked {
+		if peeked[i].Remaining != took[i].Remaining {
+			t.Errorf("limit %d: the peek reports %d remaining, the last take %d; want the same (%d of them held here)", i, peeked[i].Remaining, took[i].Remaining, held)
+		}
+	}
+	clock.advance(time.Second)
+	if got := s.Held(key); got != 0 {
+		t.Errorf("after lease_ttl, %d tokens are held to spend; want none", got)
 	}
 }

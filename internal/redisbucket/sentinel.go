@@ -24,7 +24,7 @@ type masterWatch struct {
 	sentinels []*redis.Options
 	// switched hears each change of master after the first address.
 	switched func(from, to string)
-	logger   *zap.Logger
+	log      *logRoute
 
 	mu   sync.Mutex
 	addr string
@@ -58,7 +58,7 @@ func (w *masterWatch) set(addr string) {
 	w.addr = addr
 	w.mu.Unlock()
 	if from == "" {
-		w.logger.Info("redis store: Sentinel names the master", zap.String("master_name", w.name), zap.String("master", addr))
+		w.log.logger().Info("redis store: Sentinel names the master", zap.String("master_name", w.name), zap.String("master", addr))
 		return
 	}
 	w.switched(from, addr)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -81,28 +82,45 @@ type slotTable struct {
 
 	mu   sync.Mutex
 	held map[uint64]string // slot id -> its set's key
-	// doubt are slots whose acquire failed, which may have been taken:
-	// the next renewal frees them.
+	// doubt are frees to send again: of slots whose acquire failed,
+	// which may have been taken, and frees that did not reach Redis. The
+	// retry (freeRetry), the next renewal and the close send them, until
+	// each has reached Redis or its slot has expired there.
 	doubt []slotFree
 	// retiring: the store closed; the loops stop when the last slot held
 	// is freed. stopped: they stop or have; idle is closed once they have.
-	retiring, stopped bool
-	stopOnce          sync.Once
-	idle              chan struct{}
+	// doubtTaken: the close has sent the doubtful frees; none is kept now.
+	retiring, stopped, doubtTaken bool
+	stopOnce                      sync.Once
+	idle                          chan struct{}
 
 	frees chan slotFree
+	// retry asks the renewal loop to send the doubtful frees soon.
+	retry chan struct{}
 	stop  chan struct{}
 	done  sync.WaitGroup
 }
 
-// slotFree is one slot to free.
+// slotFree is one slot to free. until, once the free is doubtful, is when
+// the slot has surely expired in Redis (the table's clock): no need to
+// send it after.
 type slotFree struct {
-	key string
-	id  uint64
+	key   string
+	id    uint64
+	until int64
 }
 
-// maxFreeBatch bounds the frees sent in one pipeline.
-const maxFreeBatch = 256
+const (
+	// maxFreeBatch bounds the frees sent in one pipeline.
+	maxFreeBatch = 256
+	// maxDoubt bounds the doubtful frees kept; past it the oldest are
+	// left to expire within slot_ttl.
+	maxDoubt = 1 << 16
+	// freeRetry is how soon frees that did not reach Redis go again, so
+	// that a slot whose free a blip or a failover lost does not hold its
+	// client off until the slot expires (up to slot_ttl).
+	freeRetry = time.Second
+)
 
 // slotTTL is ttl, or the default.
 func slotTTL(ttl time.Duration) time.Duration {
@@ -113,7 +131,7 @@ func slotTTL(ttl time.Duration) time.Duration {
 }
 
 func newSlotTable(s *Store, ttl time.Duration) *slotTable {
-	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, frees: make(chan slotFree, 4096), stop: make(chan struct{}), idle: make(chan struct{})}
+	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, frees: make(chan slotFree, 4096), retry: make(chan struct{}, 1), stop: make(chan struct{}), idle: make(chan struct{})}
 	t.done.Add(2)
 	go t.freeLoop()
 	go t.renewLoop()
@@ -143,10 +161,12 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	vals, err := s.runSlots(ctx, k, "acquire", n, t.member(id))
 	if err != nil || vals[0] != 1 {
 		if err != nil {
-			// The call may have taken the slot before its answer was
-			// lost: free it, now and once more at the next renewal, in
-			// case the free arrives first.
-			t.doubtful(slotFree{k, id})
+			if !errors.Is(err, errBreakerOpen) {
+				// The call may have taken the slot before its answer was
+				// lost: free it, now and once more later, in case the
+				// free arrives first.
+				t.doubtful(slotFree{key: k, id: id})
+			}
 			return 0, 0, false, err
 		}
 		return id, vals[1], false, nil
@@ -160,19 +180,19 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	if stopped {
 		// The store closed while the call was out, and its loops are gone:
 		// the slot is freed at once.
-		t.send([]slotFree{{k, id}})
+		t.send([]slotFree{{key: k, id: id}})
 		return 0, 0, false, ErrSlotsClosed
 	}
 	return id, vals[1], true, nil
 }
 
-// doubtful frees a slot that a failed call may have taken: now, and at
-// the next renewal.
+// doubtful frees a slot that a failed call may have taken: now, and
+// again later (doubt).
 func (t *slotTable) doubtful(f slotFree) {
 	t.mu.Lock()
 	stopped := t.stopped
 	if !stopped {
-		t.doubt = append(t.doubt, f)
+		t.keepLocked([]slotFree{f})
 	}
 	t.mu.Unlock()
 	if stopped {
@@ -186,8 +206,8 @@ func (t *slotTable) doubtful(f slotFree) {
 }
 
 // Release frees the slot id of the bucket at key, pipelined with others.
-// It does not wait for Redis: a free that does not arrive leaves the slot
-// to expire within slot_ttl.
+// It does not wait for Redis: a free that does not arrive is sent again
+// (doubt).
 func (s *Store) Release(key []byte, id uint64) {
 	s.slotsMu.Lock()
 	t := s.slots
@@ -202,7 +222,7 @@ func (s *Store) Release(key []byte, id uint64) {
 	// before it.
 	queued := true
 	select {
-	case t.frees <- slotFree{k, id}:
+	case t.frees <- slotFree{key: k, id: id}:
 	default:
 		queued = false
 	}
@@ -213,7 +233,7 @@ func (s *Store) Release(key []byte, id uint64) {
 	t.mu.Unlock()
 	if !queued {
 		// The queue is full: this one goes on its own.
-		t.send([]slotFree{{k, id}})
+		t.send([]slotFree{{key: k, id: id}})
 	}
 	if last {
 		t.stopLoops()
@@ -229,23 +249,19 @@ func (s *Store) InFlight(ctx context.Context, key []byte) (int64, error) {
 	return vals[1], nil
 }
 
-// runSlots runs the slots script on k, within the timeout and through the
-// breaker.
+// runSlots runs the slots script on k (Store.do).
 func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return nil, s.conn.breaker.openError()
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
 	argv := append([]any{op, s.clockOffset, slotTTL(s.slotTTL).Microseconds()}, args...)
-	vals, err := slotsScript.Run(ctx, s.conn.client(), []string{k}, argv...).Int64Slice()
-	if err == nil && len(vals) != 2 {
-		err = fmt.Errorf("slots script answered %d values, want 2", len(vals))
-	}
-	s.record(ctx, probe, err)
+	var vals []int64
+	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
+		vals, err = slotsScript.Run(ctx, set.client, []string{k}, argv...).Int64Slice()
+		if err == nil && len(vals) != 2 {
+			err = fmt.Errorf("slots script answered %d values, want 2", len(vals))
+		}
+		return err
+	})
 	if err != nil {
-		return nil, s.wrap(err)
+		return nil, err
 	}
 	return vals, nil
 }
@@ -282,31 +298,97 @@ func (t *slotTable) freeLoop() {
 	}
 }
 
-// send frees slots in one pipeline of ZREMs.
-func (t *slotTable) send(batch []slotFree) { sendFrees(t.s, t.node, batch) }
-
-// sendFrees frees node's slots in one pipeline of ZREMs.
-func sendFrees(s *Store, node string, batch []slotFree) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
-	defer cancel()
-	_, _ = s.conn.client().Pipelined(ctx, func(p redis.Pipeliner) error {
-		for _, f := range batch {
-			p.ZRem(ctx, f.key, member(node, f.id))
-		}
-		return nil
+// send frees slots in one pipeline of ZREMs (Store.do). Frees that do
+// not reach Redis are sent again (keep).
+func (t *slotTable) send(batch []slotFree) {
+	err := t.s.do(context.Background(), func(ctx context.Context, set *clientSet) error {
+		_, err := set.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, f := range batch {
+				p.ZRem(ctx, f.key, t.member(f.id))
+			}
+			return nil
+		})
+		return err
 	})
+	if err != nil {
+		t.keep(batch)
+	}
+}
+
+// keep keeps frees to send again, and asks for the retry. Each is kept
+// until its slot has surely expired in Redis: slot_ttl after its last
+// renewal, which was before now, by clocks that may drift by the timeout.
+func (t *slotTable) keep(batch []slotFree) {
+	t.mu.Lock()
+	t.keepLocked(batch)
+	t.mu.Unlock()
+	select {
+	case t.retry <- struct{}{}:
+	default:
+	}
+}
+
+// keepLocked is keep, under t.mu, without asking for the retry.
+func (t *slotTable) keepLocked(batch []slotFree) {
+	if t.doubtTaken {
+		return // closed: the close sent them once
+	}
+	until := t.s.conn.now() + (t.ttl + t.s.timeout).Microseconds()
+	for _, f := range batch {
+		if f.until == 0 {
+			f.until = until
+		}
+		t.doubt = append(t.doubt, f)
+	}
+	if over := len(t.doubt) - maxDoubt; over > 0 {
+		t.doubt = append(t.doubt[:0], t.doubt[over:]...)
+	}
+}
+
+// takeDoubt takes the doubtful frees whose slots may still be in Redis.
+func (t *slotTable) takeDoubt() []slotFree {
+	now := t.s.conn.now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	doubt := t.doubt
+	t.doubt = nil
+	live := doubt[:0]
+	for _, f := range doubt {
+		if f.until == 0 || now < f.until {
+			live = append(live, f)
+		}
+	}
+	return live
+}
+
+// resend sends the doubtful frees again.
+func (t *slotTable) resend() {
+	for doubt := t.takeDoubt(); len(doubt) > 0; {
+		n := min(len(doubt), maxFreeBatch)
+		t.send(doubt[:n])
+		doubt = doubt[n:]
+	}
 }
 
 // renewLoop renews the slots held, three times a TTL, so that a request
-// that runs longer than slot_ttl keeps its slot while this node lives.
+// that runs longer than slot_ttl keeps its slot while this node lives;
+// and sends the frees that did not reach Redis again, freeRetry after.
 func (t *slotTable) renewLoop() {
 	defer t.done.Done()
 	tick := time.NewTicker(t.ttl / 3)
 	defer tick.Stop()
+	var retry <-chan time.Time
 	for {
 		select {
 		case <-tick.C:
 			t.renew()
+		case <-t.retry:
+			if retry == nil {
+				retry = time.After(freeRetry)
+			}
+		case <-retry:
+			retry = nil
+			t.resend()
 		case <-t.stop:
 			return
 		}
@@ -315,44 +397,46 @@ func (t *slotTable) renewLoop() {
 
 // renew pipelines one renew call per set this node holds slots in, and
 // the doubtful frees after them: one round trip, so that a renewal lands
-// within the timeout of its tick (MinSlotTTL counts on it).
+// within the timeout of its tick (MinSlotTTL counts on it). It goes
+// whatever the breaker says, since a slot renewed late may expire under
+// its request; it follows a Cluster on MOVED (Conn.send). The frees go
+// again if it fails.
 func (t *slotTable) renew() {
 	byKey := map[string][]any{}
 	t.mu.Lock()
 	for id, k := range t.held {
 		byKey[k] = append(byKey[k], t.member(id))
 	}
-	doubt := t.doubt
-	t.doubt = nil
 	t.mu.Unlock()
+	doubt := t.takeDoubt()
 	if len(byKey) == 0 && len(doubt) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), t.s.timeout)
 	defer cancel()
-	send := func() bool {
-		cmds, _ := t.s.conn.client().Pipelined(ctx, func(p redis.Pipeliner) error {
-			for k, ids := range byKey {
-				args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
-				slotsScript.EvalSha(ctx, p, []string{k}, args...)
-			}
-			for _, f := range doubt {
-				p.ZRem(ctx, f.key, t.member(f.id))
-			}
-			return nil
-		})
-		for _, c := range cmds {
-			if redis.HasErrorPrefix(c.Err(), "NOSCRIPT") {
-				return false
-			}
+	err := t.s.conn.send(ctx, func(ctx context.Context, set *clientSet) error {
+		send := func() ([]redis.Cmder, error) {
+			return set.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+				for k, ids := range byKey {
+					args := append([]any{"renew", t.s.clockOffset, t.ttl.Microseconds()}, ids...)
+					slotsScript.EvalSha(ctx, p, []string{k}, args...)
+				}
+				for _, f := range doubt {
+					p.ZRem(ctx, f.key, t.member(f.id))
+				}
+				return nil
+			})
 		}
-		return true
-	}
-	if !send() {
-		// Redis lost the script (a restart, a failover): load it, once.
-		if slotsScript.Load(ctx, t.s.conn.client()).Err() == nil {
-			send()
+		cmds, err := send()
+		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return redis.HasErrorPrefix(c.Err(), "NOSCRIPT") }) &&
+			slotsScript.Load(ctx, set.client).Err() == nil {
+			// Redis lost the script (a restart, a failover): load it, once.
+			_, err = send()
 		}
+		return err
+	})
+	if err != nil && len(doubt) > 0 {
+		t.keep(doubt)
 	}
 }
 
@@ -377,15 +461,10 @@ func (t *slotTable) stopLoops() {
 	t.stopOnce.Do(func() {
 		close(t.stop)
 		t.done.Wait()
+		t.resend()
 		t.mu.Lock()
-		doubt := t.doubt
-		t.doubt = nil
+		t.doubtTaken = true
 		t.mu.Unlock()
-		for len(doubt) > 0 {
-			n := min(len(doubt), maxFreeBatch)
-			t.send(doubt[:n])
-			doubt = doubt[n:]
-		}
 		for batch := drain(t.frees, nil, maxFreeBatch); len(batch) > 0; batch = drain(t.frees, batch[:0], maxFreeBatch) {
 			t.send(batch)
 		}

@@ -124,7 +124,8 @@ func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
 		t.Skip("real-time test: skipped under -short")
 	}
 	srv := redistest.Start(t)
-	ttl := 300 * time.Millisecond
+	// Renewed every third of it: room for a renewal late under load.
+	ttl := time.Second
 	old := slotStore(t, ttl, srv.URL())
 	key := bucketFor("reload")
 	id, _, ok, err := old.Acquire(bg, key, 1)
@@ -248,7 +249,7 @@ func TestSlotRenewalIsNotDelayedByDoubtfulFrees(t *testing.T) {
 	tb := s.slotTable()
 	tb.renew() // the connections it needs are open
 	tb.mu.Lock()
-	tb.doubt = append(tb.doubt, slotFree{slotKey(bucketFor("doubtful")), 1 << 40})
+	tb.doubt = append(tb.doubt, slotFree{key: slotKey(bucketFor("doubtful")), id: 1 << 40})
 	tb.mu.Unlock()
 	before := redisMicros(t, srv)
 	tb.renew()
@@ -285,11 +286,53 @@ func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
 	const id = 7
 	srv.Do("ZADD", slotKey(key), time.Now().Add(time.Hour).UnixMicro(), tb.member(id))
 	tb.mu.Lock()
-	tb.doubt = append(tb.doubt, slotFree{slotKey(key), id})
+	tb.doubt = append(tb.doubt, slotFree{key: slotKey(key), id: id})
 	tb.mu.Unlock()
 	s.Close()
 	<-s.SlotsIdle()
 	if n := srv.Do("ZCARD", slotKey(key)).(int64); n != 0 {
 		t.Errorf("after the store closed, Redis still holds the doubtful slot: %v", srv.Do("ZRANGE", slotKey(key), 0, -1))
+	}
+}
+
+// A free that does not reach Redis (a blip, a failover under way) goes
+// again once Redis answers, well before the slot would expire, and not
+// only at the next renewal: the client with nothing in flight is not
+// held off for the rest of slot_ttl. The frees a renewal carries and
+// fails to deliver go again too.
+func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, via := range []string{"release", "renewal"} {
+		t.Run(via, func(t *testing.T) {
+			proxy := redistest.StartProxy(t, srv.Addr(), 0)
+			s := slotStore(t, time.Hour, "redis://"+proxy.Addr()) // the renewals' ticks come never
+			key := bucketFor("lost-free-" + via)
+			id, _, ok, err := s.Acquire(bg, key, 1)
+			if err != nil || !ok {
+				t.Fatal(ok, err)
+			}
+			tb := s.slotTable()
+			proxy.Cut()
+			if via == "release" {
+				s.Release(key, id)
+			} else {
+				tb.mu.Lock()
+				delete(tb.held, id)
+				tb.doubt = append(tb.doubt, slotFree{key: slotKey(key), id: id})
+				tb.mu.Unlock()
+				tb.renew()
+			}
+			// Until the free has failed, and is kept to go again.
+			eventually(time.Second, func() bool {
+				tb.mu.Lock()
+				defer tb.mu.Unlock()
+				return len(tb.doubt) > 0
+			})
+			proxy.Restore()
+			const within = 3 * time.Second
+			if !eventually(within, func() bool { return srv.Do("ZCARD", slotKey(key)).(int64) == 0 }) {
+				t.Errorf("%v after Redis came back, it still holds the slot whose free failed: %v", within, srv.Do("ZRANGE", slotKey(key), 0, -1))
+			}
+		})
 	}
 }

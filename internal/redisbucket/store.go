@@ -24,6 +24,8 @@ type Store struct {
 	prefix  string
 	timeout time.Duration
 	leases  *leaseTable // nil in strict mode
+	// releaseLog hands the connection's lines back from Logger, when given.
+	releaseLog func()
 
 	// slots are the in-flight slots this node holds (concurrency), made
 	// on first use.
@@ -59,7 +61,9 @@ type StoreOptions struct {
 	// OnBan, when set, hears of each ban a lease call started, by the
 	// bucket's key: with leases, the request that started it may be gone,
 	// so results do not report it.
-	OnBan  func(key string)
+	OnBan func(key string)
+	// Logger, when set, takes the connection's lines while this view is
+	// the newest open one that names a logger (Conn.UseLogger).
 	Logger *zap.Logger
 }
 
@@ -78,6 +82,9 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 	}
 	if s.prefix == "" {
 		s.prefix = DefaultPrefix
+	}
+	if o.Logger != nil {
+		s.releaseLog = conn.UseLogger(o.Logger)
 	}
 	if !o.Lease.Strict() {
 		ttl := o.LeaseTTL
@@ -106,6 +113,9 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 func (s *Store) Close() {
 	if s.leases != nil {
 		s.leases.close()
+	}
+	if s.releaseLog != nil {
+		s.releaseLog()
 	}
 	s.slotsMu.Lock()
 	t := s.slots
@@ -172,10 +182,30 @@ func (s *Store) Take(ctx context.Context, key []byte, tr bucket.Tier, cost int64
 
 // Peek reports every limit and quota of the tier tr of the bucket at key
 // into out, as Take does, in one script call that changes nothing and
-// starts no ban.
+// starts no ban. With leases, each remaining counts the tokens this node
+// holds of the bucket (Held) besides the shared level, as Take's does:
+// the quotas count them as used, but this node may still spend them.
 func (s *Store) Peek(ctx context.Context, key []byte, tr bucket.Tier, out []bucket.Result) error {
-	_, err := s.decideBy(ctx, "peek", string(key), tr, 0, out[:tr.Parts()], false)
-	return err
+	out = out[:tr.Parts()]
+	if _, err := s.decideBy(ctx, "peek", string(key), tr, 0, out, false); err != nil {
+		return err
+	}
+	if held := s.Held(key); held > 0 {
+		for i := range out {
+			out[i].Remaining += held
+		}
+	}
+	return nil
+}
+
+// Held is how many tokens of the bucket at key this node holds on lease
+// and may spend now, on every limit and quota of its tier at once: a
+// request they cover is allowed without Redis. 0 in strict mode.
+func (s *Store) Held(key []byte) int64 {
+	if s.leases == nil {
+		return 0
+	}
+	return s.leases.heldNow(key)
 }
 
 // GiveBack returns the n tokens a request took at the moment at
@@ -250,50 +280,53 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 	// reset is dropped when it puts its denial, but one that set out
 	// between the first remove and the DEL carries the newer epoch.
 	defer s.conn.denied.remove(k)
+	return s.do(ctx, func(ctx context.Context, set *clientSet) error {
+		if err := set.client.Del(ctx, k).Err(); err != nil {
+			return fmt.Errorf("reset: %w", err)
+		}
+		return nil
+	})
+}
+
+// call runs the bucket script on one key (do); batched, through the
+// batcher if there is one. The script must answer want values.
+func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
+	var vals []int64
+	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
+		vals, err = set.runScript(ctx, key, args, batched)
+		if err == nil && len(vals) != want {
+			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return vals, nil
+}
+
+// do makes one call to Redis, within the timeout and through the breaker:
+// send sends it on the client in use (Conn.send, which follows a Cluster
+// on MOVED). Every call a decision, a give-back, a reset, a slot or a free
+// makes goes through it.
+func (s *Store) do(ctx context.Context, send func(context.Context, *clientSet) error) error {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
 		return s.conn.breaker.openError()
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	err := s.conn.client().Del(ctx, k).Err()
+	err := s.conn.send(ctx, send)
 	s.record(ctx, probe, err)
 	if err != nil {
-		return fmt.Errorf("redis store: reset: %w", err)
+		return s.wrap(err)
 	}
 	return nil
 }
 
-// call runs the bucket script on one key, within the timeout and through
-// the breaker; batched, through the batcher if there is one. The script
-// must answer want values.
-func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
-	ok, probe := s.conn.breaker.allow(s.conn.now())
-	if !ok {
-		return nil, s.conn.breaker.openError()
-	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	vals, err := s.runScript(ctx, key, args, batched)
-	if isRedirect(err) && s.conn.follow("a MOVED or ASK reply") {
-		// The script did not run: the Cluster client sends it where the
-		// key lives.
-		vals, err = s.runScript(ctx, key, args, batched)
-	}
-	if err == nil && len(vals) != want {
-		err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
-	}
-	s.record(ctx, probe, err)
-	if err != nil {
-		return nil, s.wrap(err)
-	}
-	return vals, nil
-}
-
-// runScript runs the bucket script on one key, through the batcher when batched
-// and there is one.
-func (s *Store) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, error) {
-	set := s.conn.cur.Load()
+// runScript runs the bucket script on one key, through the batcher when
+// batched and there is one.
+func (set *clientSet) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, error) {
 	if batched && set.batcher != nil {
 		return set.batcher.take(ctx, []string{key}, args)
 	}
@@ -311,11 +344,12 @@ func (s *Store) wrap(err error) error {
 
 // record tells the breaker how a call went; probe says whether the breaker
 // let it through as its probe. A request whose client went away says
-// nothing about Redis, but it still ends its probe.
+// nothing about Redis, but it still ends its probe. A MOVED or ASK that
+// no Cluster client followed is an answer: Redis is up.
 func (s *Store) record(ctx context.Context, probe bool, err error) {
 	out := callOK
 	switch {
-	case err == nil:
+	case err == nil, isRedirect(err):
 	case errors.Is(err, context.Canceled) && ctx.Err() == context.Canceled:
 		out = callAbandoned
 	default:

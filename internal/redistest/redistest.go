@@ -22,6 +22,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -30,15 +31,30 @@ import (
 )
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+//
+// A port is handed out once a process: the kernel may give a port again as
+// soon as it is free, and a test that asks for two (an admin endpoint and a
+// site) would then bind both to one port, where Caddy's listeners, which
+// share ports for graceful reloads, both accept.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 100 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if _, taken := handedOut.LoadOrStore(port, true); !taken {
+			return port
+		}
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatal("no free port that was not handed out already")
+	return 0
 }
+
+// handedOut holds the ports FreePort has handed out.
+var handedOut sync.Map
 
 // Tests that need Redis start real redis-server processes on free loopback
 // ports, each with its own temporary directory and no persistence.
