@@ -410,8 +410,9 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 
 // fill writes into out each limit's and quota's result for a request
 // decided from e at now as res: the same decision, each with its own
-// level (beside the tokens held) and reset, as the last call saw them. A
-// lone limit's is res.
+// level (beside the tokens held) and reset, as the last call saw them,
+// refused or not: a quota with room left is not said used up because a
+// limit refused. A lone limit's is res.
 func (e *lease) fill(out []bucket.Result, res bucket.Result, now int64) {
 	if len(out) == 1 {
 		out[0] = res
@@ -423,9 +424,7 @@ func (e *lease) fill(out []bucket.Result, res bucket.Result, now int64) {
 		if i < len(e.each) {
 			x := e.each[i]
 			r.ResetAfter = max(0, x.resetAt-now)
-			if res.Allowed {
-				r.Remaining = e.tokens + x.level
-			}
+			r.Remaining = e.tokens + max(0, x.level)
 		}
 	}
 }

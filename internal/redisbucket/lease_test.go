@@ -975,3 +975,37 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 		t.Errorf("after lease_ttl, %d tokens are held to spend; want none", got)
 	}
 }
+
+// A request the lease refuses for its rate limit tells each quota's
+// remaining as strict mode does: what the period has left, not the
+// tokens this node holds. A quota with room left is not said used up
+// until its period ends.
+func TestARequestRefusedWithLeasesReportsEachQuotaAsStrictModeDoes(t *testing.T) {
+	srv := redistest.Start(t)
+	q, err := bucket.ParseQuota("12/day", time.UTC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := bucket.Tier{Limits: []bucket.Limit{slowLimit(10)}, Quotas: []bucket.Quota{q}}
+	refused := map[string]bucket.Result{}
+	for _, lease := range []string{"", "2"} {
+		s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: lease})
+		key := bucketFor("quota beside a limit, lease " + lease)
+		for i := range 11 {
+			out := make([]bucket.Result, tr.Parts())
+			allowed, err := s.Take(bg, key, tr, 1, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if allowed != (i < 10) {
+				t.Fatalf("lease %q, request %d: allowed %v; want the 10 of the limit, then refused", lease, i+1, allowed)
+			}
+			if !allowed {
+				refused[lease] = out[1]
+			}
+		}
+	}
+	if strict, leased := refused[""], refused["2"]; strict.Remaining != 2 || leased.Remaining != strict.Remaining {
+		t.Errorf("the refused request's quota: %d left with leases, %d in strict mode; want 2 in both (12 a day, 10 taken)", leased.Remaining, strict.Remaining)
+	}
+}
