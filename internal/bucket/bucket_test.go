@@ -1,16 +1,21 @@
 package bucket_test
 
 import (
+	"fmt"
 	"math"
 	"math/big"
 	"math/rand/v2"
+	"os"
+	"strconv"
 	"testing"
+	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 func TestParseRate(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		in   string
 		want bucket.Rate
@@ -40,6 +45,7 @@ func TestParseRate(t *testing.T) {
 }
 
 func TestParseRateRejectsBadRefills(t *testing.T) {
+	t.Parallel()
 	for _, in := range []string{
 		"", "fast", "10", "/s", "10/", "0/s", "-1/s", "1/0s", "1/-1s", "1e3/s",
 		"1/x", "1/1ns", "0.0000001/s", "abc/s", "1/s/s", "+1/s", "1.2.3/s", "9999999999999999999/s",
@@ -51,6 +57,7 @@ func TestParseRateRejectsBadRefills(t *testing.T) {
 }
 
 func TestLimitValidateNamesTheValue(t *testing.T) {
+	t.Parallel()
 	rate := bucket.Rate{Tokens: 1, Interval: 1_000_000}
 	tests := []struct {
 		limit bucket.Limit
@@ -72,6 +79,7 @@ func TestLimitValidateNamesTheValue(t *testing.T) {
 }
 
 func TestTakeMatchesReferenceModel(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(1, 2))
 	waited, refusedWaiting := 0, 0
 	for i := range 500 {
@@ -102,6 +110,7 @@ func TestTakeMatchesReferenceModel(t *testing.T) {
 }
 
 func TestFullBucketAdmitsCapacityPlusRefillExactly(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		capacity int64
 		refill   string
@@ -136,6 +145,7 @@ func TestFullBucketAdmitsCapacityPlusRefillExactly(t *testing.T) {
 }
 
 func TestDeniedRequestChangesNothing(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
 	st, _ := bucket.Take(bucket.State{}, 10, l, 2)
 	after, res := bucket.Take(st, 20, l, 1)
@@ -148,6 +158,7 @@ func TestDeniedRequestChangesNothing(t *testing.T) {
 }
 
 func TestRefilledBucketIsTheSameAsNoBucket(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 500_000}}
 	st, _ := bucket.Take(bucket.State{}, 100, l, 3)
 	if st.FullAt != 100+3*500_000 {
@@ -161,6 +172,7 @@ func TestRefilledBucketIsTheSameAsNoBucket(t *testing.T) {
 }
 
 func TestClockGoingBackwardsNeverAddsTokens(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
 	st, _ := bucket.Take(bucket.State{}, 10_000_000, l, 2)
 	if _, res := bucket.Take(st, 1, l, 1); res.Allowed {
@@ -173,6 +185,7 @@ func TestClockGoingBackwardsNeverAddsTokens(t *testing.T) {
 // applied out of order by up to a jitter never admit more than the exact
 // bound for the whole span.
 func TestTimesOutOfOrderNeverAdmitMoreThanTheBound(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, l := range []bucket.Limit{
 		{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}}, // 10/s
@@ -241,6 +254,7 @@ func randomExtremeLimit(rng *rand.Rand) bucket.Limit {
 // arithmetic saturates: the level is never outside [0, capacity], and every
 // figure matches the overflow-free reference.
 func TestExtremeLimitChangesSaturate(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(12, 5))
 	n := 200_000
 	if testing.Short() {
@@ -286,6 +300,7 @@ func TestExtremeLimitChangesSaturate(t *testing.T) {
 // The fleet property test found it, charging huge figures. Regression test
 // for issue 30.
 func TestAChargeNeverShortensABan(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 170, Rate: bucket.Rate{Tokens: 1, Interval: 1}, Ban: 15_000_000}
 	const now = 1_000_000
 	banned, res := bucket.Take(bucket.State{FullAt: now + 170}, now, l, 1)
@@ -300,5 +315,257 @@ func TestAChargeNeverShortensABan(t *testing.T) {
 		if _, r := bucket.Take(got, now+2_000_000, l, 1); r.Allowed {
 			t.Errorf("charge of %d: a request 2 s into a 15 s ban was allowed", n)
 		}
+	}
+}
+
+// peekSaysFull says whether Peek calls the bucket full at t.
+func peekSaysFull(s bucket.State, t int64, l bucket.Limit) bool {
+	p := bucket.Peek(s, t, l)
+	return p.Remaining == l.Capacity && p.ResetAfter == 0
+}
+
+// untilPeekSaysFull is the microseconds from now until a Peek first says the bucket
+// is full, found by bisection on Peek's level alone (the deficit only falls
+// as time passes, and is 0 from FullAt on).
+func untilPeekSaysFull(s bucket.State, now int64, l bucket.Limit) int64 {
+	if peekSaysFull(s, now, l) {
+		return 0
+	}
+	lo, hi := now, max(now, s.FullAt) // full at hi, not at lo
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if peekSaysFull(s, mid, l) {
+			hi = mid
+		} else {
+			lo = mid
+		}
+	}
+	return hi - now
+}
+
+var peekRates = append([]string{"7/s", "999999/s", "1/s", "2/m"}, buckettest.TraceRates...)
+
+// randomLimit draws a valid limit, with a ban and a max_wait if asked.
+func randomLimit(rng *rand.Rand, ban, maxWait bool) bucket.Limit {
+	rate, err := bucket.ParseRate(peekRates[rng.IntN(len(peekRates))])
+	if err != nil {
+		panic(err)
+	}
+	l := bucket.Limit{Capacity: 1 + rng.Int64N(20), Rate: rate}
+	full := bucket.CeilDiv(l.Units(), rate.Tokens)
+	if ban {
+		l.Ban = 1 + rng.Int64N(5*full+1)
+	}
+	if maxWait {
+		l.MaxWait = 1 + rng.Int64N(2*full+1)
+	}
+	if err := l.Validate(1); err != nil {
+		panic(err)
+	}
+	return l
+}
+
+// randomTier draws a tier of one to three limits with one ban and one
+// max_wait setting, as a config gives them.
+func randomTier(rng *rand.Rand) []bucket.Limit {
+	ban, wait := rng.IntN(3) == 0, rng.IntN(3) == 0
+	ls := []bucket.Limit{randomLimit(rng, ban, wait)}
+	for range rng.IntN(3) {
+		ls = append(ls, randomLimit(rng, false, false))
+	}
+	// One max_wait for the tier, valid for every limit, as tiers.go
+	// validates it.
+	mw := ls[0].MaxWait
+	for i := range ls {
+		if mw > 0 {
+			mw = min(mw, (ls[i].MaxDeficit()-ls[i].Units())/ls[i].Rate.Tokens)
+		}
+	}
+	for i := range ls {
+		ls[i].Ban, ls[i].MaxWait = ls[0].Ban, mw
+		if err := ls[i].Validate(1); err != nil {
+			panic(err)
+		}
+	}
+	return ls
+}
+
+func minCapacity(ls []bucket.Limit) int64 {
+	c := ls[0].Capacity
+	for _, l := range ls {
+		c = min(c, l.Capacity)
+	}
+	return c
+}
+
+// randomStep applies one random operation (a take, a charge or a give-back)
+// to the tier's states at now, and checks that every take's ResetAfter,
+// Peek's in TakeAll's "had room" branch included, is the time until the
+// bucket is full again.
+func randomStep(t *testing.T, rng *rand.Rand, states []bucket.State, now int64, ls []bucket.Limit, what string) {
+	t.Helper()
+	out := make([]bucket.Result, len(ls))
+	switch op := rng.IntN(10); {
+	case op < 6:
+		cost := 1 + rng.Int64N(minCapacity(ls))
+		if rng.IntN(8) == 0 {
+			cost = 0
+		}
+		before := append([]bucket.State(nil), states...)
+		allowed := bucket.TakeAll(states, now, ls, cost, out)
+		for i, l := range ls {
+			if want := untilPeekSaysFull(states[i], now, l); out[i].ResetAfter != want {
+				t.Fatalf("%s: TakeAll(cost %d) allowed=%v, limit %d %+v: result %+v, but the state %+v (before %+v) is full in %d µs",
+					what, cost, allowed, i, l, out[i], states[i], before[i], want)
+			}
+		}
+	case op < 8:
+		n := rng.Int64N(3 * minCapacity(ls) * 5)
+		for i, l := range ls {
+			states[i] = bucket.Charge(states[i], now, l, n)
+		}
+	default:
+		n := 1 + rng.Int64N(minCapacity(ls))
+		for i, l := range ls {
+			states[i] = bucket.GiveBack(states[i], now, l, n)
+		}
+	}
+}
+
+// For every state reachable by Take, TakeAll, Charge, GiveBack, bans and
+// max_wait under one tier, Peek's ResetAfter is exactly when Peek first
+// says full, and never negative. PEEK_TRACES=n runs n traces of a new seed.
+func TestPeekResetIsExactOnEveryReachableState(t *testing.T) {
+	t.Parallel()
+	seed, traces := uint64(1), 400
+	if testing.Short() {
+		traces = 100
+	}
+	if v, err := strconv.Atoi(os.Getenv("PEEK_TRACES")); err == nil {
+		seed, traces = uint64(time.Now().UnixNano()), v
+		t.Logf("seed %d", seed)
+	}
+	rng := rand.New(rand.NewPCG(27, seed))
+	for trace := range traces {
+		ls := randomTier(rng)
+		states := make([]bucket.State, len(ls))
+		now := int64(1e12)
+		for step := range 120 {
+			perToken := ls[0].Rate.Interval / ls[0].Rate.Tokens
+			switch rng.IntN(4) {
+			case 0:
+			case 1:
+				now += rng.Int64N(perToken + 2)
+			case 2:
+				now += rng.Int64N(ls[0].Capacity*perToken*2 + 2)
+			default:
+				now += rng.Int64N(ls[0].Ban + 2)
+			}
+			what := fmt.Sprintf("trace %d step %d limits %+v", trace, step, ls)
+			randomStep(t, rng, states, now, ls, what)
+			for i, l := range ls {
+				at := now + rng.Int64N(3*perToken+1)
+				p := bucket.Peek(states[i], at, l)
+				want := untilPeekSaysFull(states[i], at, l)
+				if p.ResetAfter != want || p.ResetAfter < 0 {
+					t.Fatalf("%s: Peek(%+v, %d) under limit %d = %+v; full in %d µs", what, states[i], at, i, p, want)
+				}
+			}
+		}
+	}
+}
+
+// A state written under one limit and peeked under another (a reload):
+// Peek's reset is still exactly when Peek first says full.
+func TestPeekResetIsExactAcrossAReload(t *testing.T) {
+	t.Parallel()
+	// The smallest case: 2 tokens at 7/s leave Slack 5 (a microsecond's
+	// 7 units, 5 of them refilled already); reloaded to 2 at 1/100ms, the
+	// 5 units of Slack are 5 µs of refill, and the bucket lacks more than
+	// its capacity, so Peek takes the max with FullAt-now.
+	a := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 7, Interval: second}}
+	b := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}}
+	now := 10 * second
+	s, r := bucket.Take(bucket.State{}, now, a, 2)
+	if !r.Allowed {
+		t.Fatalf("take under a: %+v", r)
+	}
+	p := bucket.Peek(s, now, b)
+	want := untilPeekSaysFull(s, now, b)
+	t.Logf("state %+v under %+v: Peek %+v, full (by Peek) in %d µs", s, b, p, want)
+	if p.ResetAfter != want {
+		t.Errorf("Peek's reset %d µs, but Peek says full from %d µs on (at %d: %+v)", p.ResetAfter, want, now+want, bucket.Peek(s, now+want, b))
+	}
+
+	// And at random: reachable states under one tier, peeked under another.
+	rng := rand.New(rand.NewPCG(27, 2))
+	bad, worst := 0, int64(0)
+	for trace := range 300 {
+		ls := randomTier(rng)
+		states := make([]bucket.State, len(ls))
+		now := int64(1e12)
+		for step := range 40 {
+			now += rng.Int64N(ls[0].Capacity*ls[0].Rate.Interval/ls[0].Rate.Tokens + 2)
+			randomStep(t, rng, states, now, ls, fmt.Sprintf("trace %d step %d", trace, step))
+			for i := range states {
+				l := randomLimit(rng, false, false)
+				p := bucket.Peek(states[i], now, l)
+				want := untilPeekSaysFull(states[i], now, l)
+				if p.ResetAfter != want || p.ResetAfter < 0 {
+					if off := p.ResetAfter - want; off != states[i].Slack/l.Rate.Tokens {
+						t.Errorf("off by %d µs, not Slack/Tokens %d", off, states[i].Slack/l.Rate.Tokens)
+					}
+					worst = max(worst, p.ResetAfter-want)
+					if bad < 3 {
+						t.Errorf("state %+v written under %+v, peeked under %+v: reset %d µs, full by Peek in %d µs (%d µs off)",
+							states[i], ls[i], l, p.ResetAfter, want, p.ResetAfter-want)
+					}
+					bad++
+				}
+			}
+		}
+	}
+	if bad > 0 {
+		t.Errorf("%d peeks across a reload off, each by floor(Slack/Tokens) µs late, the worst %d µs", bad, worst)
+	}
+}
+
+// Peek never answers a negative or overflowing figure at the extremes a
+// store may hand it: a key's FullAt far ahead, a limit of MaxUnits.
+func TestPeekStaysInRangeAtTheExtremes(t *testing.T) {
+	t.Parallel()
+	big := bucket.Limit{Capacity: bucket.MaxUnits, Rate: bucket.Rate{Tokens: math.MaxInt32, Interval: 1}}
+	for _, c := range []struct {
+		s   bucket.State
+		now int64
+		l   bucket.Limit
+	}{
+		{bucket.State{FullAt: math.MaxInt64}, 0, big},
+		{bucket.State{FullAt: math.MaxInt64, Slack: math.MaxInt32 - 1}, 1, bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}},
+		{bucket.State{FullAt: math.MaxInt64 / 2}, math.MaxInt64 / 4, big},
+		{bucket.State{FullAt: 5, Slack: 1 << 40}, 0, big},
+	} {
+		p := bucket.Peek(c.s, c.now, c.l)
+		if p.ResetAfter < 0 || p.Remaining < 0 || p.Remaining > c.l.Capacity {
+			t.Errorf("Peek(%+v, %d, %+v) = %+v", c.s, c.now, c.l, p)
+		}
+	}
+}
+
+// A bucket exactly empty, not banned, whose state an older rate wrote with
+// a Slack of 5 units (7/s), read under 1/100ms: its deficit is exactly the
+// capacity, and Peek's reset is exactly when it is full (not Slack/Tokens
+// µs past it).
+func TestPeekOfAnExactlyEmptyBucketAfterAReloadIsExact(t *testing.T) {
+	t.Parallel()
+	b := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}}
+	now := 10 * second
+	s := bucket.State{FullAt: now + b.Units() + 5, Slack: 5} // Slack < 7, as 7/s writes it
+	if s.Overdrawn(now, b) || s.Deficit(now, b) != b.Units() {
+		t.Fatalf("not the case: banned %v, deficit %d", s.Overdrawn(now, b), s.Deficit(now, b))
+	}
+	p := bucket.Peek(s, now, b)
+	if want := untilPeekSaysFull(s, now, b); p.ResetAfter != want {
+		t.Errorf("Peek %+v; Peek says full from %d µs on (%+v)", p, want, bucket.Peek(s, now+want, b))
 	}
 }

@@ -16,6 +16,7 @@ const second = int64(1_000_000)
 // denials during the ban do not extend it; Retry-After is the ban left;
 // when it ends, the bucket refills from empty.
 func TestBanHoldsTheBucketEmptyThenRefillsFromEmpty(t *testing.T) {
+	t.Parallel()
 	sec := int64(1_000_000)
 	l := bucket.Limit{Capacity: 3, Rate: bucket.Rate{Tokens: 1, Interval: sec}, Ban: 60 * sec}
 	var st bucket.State
@@ -52,6 +53,7 @@ func TestBanHoldsTheBucketEmptyThenRefillsFromEmpty(t *testing.T) {
 // they came from. Found on the README's login setup: a right password
 // admitted before the ban, finishing after it, ended a one-hour ban.
 func TestGiveBackNeverLiftsABan(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 3, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 3600 * second}
 	var st bucket.State
 	now := 10 * second
@@ -87,6 +89,7 @@ func TestGiveBackNeverLiftsABan(t *testing.T) {
 // It used to subtract from a deficit capped at one bucket, so one token
 // back cut a 9,900 s wait to nothing.
 func TestGiveBackTakesOnlyItsTokensOffADebt(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}}
 	now := 5 * second
 	st, _ := bucket.Take(bucket.State{}, now, l, 1)
@@ -107,6 +110,7 @@ func TestGiveBackTakesOnlyItsTokensOffADebt(t *testing.T) {
 // tokens: a bucket of 100 with 20 left, given one token back under a
 // capacity of 10, holds 21, not 91.
 func TestGiveBackUnderAnOlderLimitCreatesNoTokens(t *testing.T) {
+	t.Parallel()
 	rate := bucket.Rate{Tokens: 1, Interval: second}
 	now := 10 * second
 	l := bucket.Limit{Capacity: 100, Rate: rate}
@@ -126,6 +130,7 @@ func TestGiveBackUnderAnOlderLimitCreatesNoTokens(t *testing.T) {
 // A request of cost 0 (a placeholder cost) takes nothing, but it is not a
 // way around a ban or a debt: it waits as any request does.
 func TestCostZeroWaitsOutABanAndADebt(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 60 * second}
 	now := 10 * second
 	st, _ := bucket.Take(bucket.State{}, now, l, 2)
@@ -147,6 +152,7 @@ func TestCostZeroWaitsOutABanAndADebt(t *testing.T) {
 // It used to say one refill of the capacity from now, so the admin API
 // showed a bucket banned for an hour full within seconds.
 func TestPeekResetIsWhenTheBucketIsFullAgain(t *testing.T) {
+	t.Parallel()
 	rate := bucket.Rate{Tokens: 1, Interval: second}
 	now := 100 * second
 	l := bucket.Limit{Capacity: 10, Rate: rate, Ban: 3600 * second}
