@@ -1,11 +1,12 @@
 package redisbucket
 
 import (
-	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"math/rand/v2"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
@@ -153,7 +154,7 @@ func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	for range 3 {
 		take(a) // leases of 1 and 2, then a prefetch: a holds tokens
 	}
-	held := a.heldTokens("k")
+	held := a.snapshot([]byte("k")).tokens
 	if held == 0 {
 		t.Fatal("node a holds no tokens")
 	}

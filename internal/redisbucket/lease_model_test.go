@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -717,7 +718,7 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 		take()
 	}
 	before := clock.now()
-	held := node.heldTokens("k")
+	held := node.snapshot([]byte("k")).tokens
 	if held == 0 {
 		t.Fatal("the node holds no leased tokens before midnight")
 	}
@@ -735,20 +736,20 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 	if used.Start != midnight || used.Used < 5 {
 		t.Errorf("the new day counts %+v; want at least the 5 requests admitted since midnight (%d)", used, midnight)
 	}
-	if spent := node.heldTokens("k"); used.Used-spent != 5 {
+	if spent := node.snapshot([]byte("k")).tokens; used.Used-spent != 5 {
 		t.Errorf("the new day counts %d, the node holds %d of them: %d spent, want 5", used.Used, spent, used.Used-spent)
 	}
 }
 
-// heldTokens is the tokens the table holds on lease for key.
-func (t *leaseTable) heldTokens(key string) int64 {
-	sh := t.shard([]byte(key))
+// snapshot is a copy of the table's entry for key, or none.
+func (t *leaseTable) snapshot(key []byte) lease {
+	sh := t.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if e := sh.m[key]; e != nil {
-		return e.tokens
+	if e := sh.m[string(key)]; e != nil {
+		return *e
 	}
-	return 0
+	return lease{}
 }
 
 // A tier of a day's and a month's quota: a lease is counted in both, and
@@ -777,7 +778,7 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 	for range 8 {
 		take()
 	}
-	if node.heldTokens("k") == 0 {
+	if node.snapshot([]byte("k")).tokens == 0 {
 		t.Fatal("the node holds no leased tokens before midnight")
 	}
 	clock.advance(300 * time.Millisecond) // past midnight, the month goes on
@@ -797,4 +798,237 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 	if counts[0].Used != 5 {
 		t.Errorf("the new day counts %d; want the 5 admitted since midnight", counts[0].Used)
 	}
+}
+
+// The window bound under concurrency: at each instant of a fake clock, 4 to
+// 16 requests run at once on 2 to 4 nodes (so they join calls in flight,
+// spend while a prefetch is out, and race its answer), then, at the next
+// instant, count_status give-backs, sweeps, reloads and outages run at
+// once. In every other round the tables hold one entry a shard and other
+// clients' requests evict the bucket's entry. Over every window between
+// two admissions the fleet takes at most C + floor(r*(b-a)) net of
+// give-backs (checkFleet, without its ban check, which needs an order
+// within an instant). A store that grants one token more than it records
+// is caught.
+func TestAConcurrentFleetKeepsTheWindowBound(t *testing.T) {
+	rng := rand.New(rand.NewPCG(20, 99))
+	rounds := 60
+	if testing.Short() {
+		rounds = 15
+	}
+	for round := range rounds {
+		r := randomFleetRound(rng, 0)
+		if err := runConcurrentFleet(rng, r, 150, round%2 == 1); err != nil {
+			t.Fatalf("round %d (limit %+v, lease %+v, ttl %s, %d nodes): %v", round, r.limit, r.size, r.ttl, r.nodes, err)
+		}
+	}
+	// The harness has teeth: a store that grants one token more than it
+	// records is caught.
+	for round := range 60 {
+		r := randomFleetRound(rng, 0)
+		r.mutate = func(_ *buckettest.Shared, res *bucket.LeaseResult) {
+			if res.Granted > 0 {
+				res.Granted++
+			}
+		}
+		if err := runConcurrentFleet(rng, r, 150, false); err != nil {
+			t.Logf("a broken store is caught in round %d: %v", round, err)
+			return
+		}
+	}
+	t.Error("no round caught a store that grants one token more than it records")
+}
+
+// runConcurrentFleet plays one round of TestAConcurrentFleetKeepsTheWindowBound
+// and reports the first breach of the bound, or nil.
+func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) error {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000 + rng.Int64N(1_000_000_000))
+	l := r.limit
+	ls := []bucket.Limit{l}
+	key := "bucket"
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
+	now := clock.now()
+	start := &buckettest.Shared{Levels: []bucket.State{{}}}
+	if k := rng.Int64N(l.Capacity + 1); k > 0 {
+		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
+	}
+	m.states[key] = start
+	timeout := time.Duration(rng.IntN(200)) * time.Millisecond
+	newTable := func() *leaseTable {
+		entries := 1000
+		if tiny {
+			entries = leaseShards // one entry a shard: another key evicts
+		}
+		tb := newLeaseTable(m, m.now, r.size, r.ttl, timeout, entries, nopLogger)
+		tb.jitter = rand.New(rand.NewPCG(rng.Uint64(), 0)).Int64N
+		return tb
+	}
+	tables := make([]*leaseTable, r.nodes)
+	for i := range tables {
+		tables[i] = newTable()
+	}
+	defer func() {
+		for _, tb := range tables {
+			tb.close()
+		}
+	}()
+	var mu sync.Mutex
+	var adm, backs []admission
+	m.onReturn = func(n int64) {
+		mu.Lock()
+		backs = append(backs, admission{at: clock.now(), cost: n})
+		mu.Unlock()
+	}
+	syncAll := func() {
+		for _, tb := range tables {
+			tableSync(tb)
+		}
+	}
+	for range instants {
+		clock.advance(time.Duration(rng.Int64N(int64(r.ttl) / 2)))
+		// The requests of this instant, at once.
+		var wg sync.WaitGroup
+		at := clock.now()
+		for range 4 + rng.IntN(13) {
+			i := rng.IntN(len(tables))
+			tb := tables[i]
+			cost := 1 + rng.Int64N(min(3, l.Capacity))
+			if tiny && rng.IntN(2) == 0 {
+				// Another client: in a table of one entry a shard, one
+				// in 64 of these evicts the bucket's entry.
+				other := []byte{'o', byte(rng.IntN(256))}
+				wg.Go(func() { tb.take(bg, other, oneLimit(l), 1, nil) })
+				continue
+			}
+			wg.Go(func() {
+				res, err := tb.take(bg, []byte(key), oneLimit(l), cost, nil)
+				if err == nil && res.Allowed {
+					mu.Lock()
+					adm = append(adm, admission{at: at, due: at + res.Wait, cost: cost, node: i})
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+		syncAll()
+		// Then, a microsecond later, what runs beside them.
+		clock.advance(time.Microsecond)
+		at = clock.now()
+		var returned []admission
+		for k := len(adm) - 1; k >= 0 && k >= len(adm)-20; k-- {
+			if !adm[k].returned && adm[k].cost > 0 && rng.IntN(3) == 0 {
+				adm[k].returned = true
+				returned = append(returned, adm[k])
+			}
+		}
+		for _, a := range returned {
+			tb := tables[a.node]
+			mu.Lock()
+			backs = append(backs, admission{at: at, cost: a.cost})
+			mu.Unlock()
+			adm = append(adm, admission{at: at, due: at, cost: -a.cost, node: a.node, returned: true})
+			wg.Go(func() {
+				rest := tb.giveBackHeld([]byte(key), a.cost)
+				if rest > 0 {
+					m.mu.Lock()
+					if !m.down {
+						m.bucket(key, 1).GiveBack(m.now(), ls, rest)
+					}
+					m.mu.Unlock()
+				}
+			})
+		}
+		for _, tb := range tables {
+			if rng.IntN(4) == 0 {
+				wg.Go(func() {
+					if back := tb.sweep(clock.now(), false); len(back) > 0 {
+						tb.giveBackNow(back)
+					}
+				})
+			}
+		}
+		wg.Wait()
+		if rng.IntN(20) == 0 {
+			i := rng.IntN(len(tables))
+			tables[i].close()
+			tables[i] = newTable()
+		}
+		if rng.IntN(30) == 0 {
+			m.mu.Lock()
+			m.down = !m.down
+			m.mu.Unlock()
+		}
+		syncAll()
+	}
+	return checkFleet(adm, backs, nil, l, r.ttl)
+}
+
+// sideBySide plays one client's arrivals on the nodes of a fleet (lease
+// tables on the model store) and on one bucket (strict mode), side by side,
+// on a fake clock.
+type sideBySide struct {
+	t     *testing.T
+	clock *fakeClock
+	m     *sharedModel
+	l     bucket.Limit
+	one   bucket.State
+	// admitted by the fleet and by one bucket; when each first banned.
+	fleet, single       int
+	fleetBan, singleBan int64
+}
+
+func newSideBySide(t *testing.T, l bucket.Limit) *sideBySide {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	return &sideBySide{t: t, clock: clock, m: &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}, l: l, fleetBan: -1, singleBan: -1}
+}
+
+// request sends one request to node, or, with node nil, to a node in
+// strict mode (a node without leases, or a cost as large as the lease),
+// and the same request to one bucket.
+func (f *sideBySide) request(node *leaseTable) bucket.Result {
+	f.t.Helper()
+	var res bucket.Result
+	if node != nil {
+		var err error
+		res, err = node.take(bg, []byte("k"), oneLimit(f.l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			f.t.Fatal(err)
+		}
+	} else {
+		f.m.mu.Lock()
+		var out [1]bucket.Result
+		f.m.bucket("k", 1).Take(f.clock.now(), []bucket.Limit{f.l}, 1, out[:])
+		f.m.mu.Unlock()
+		res = out[0]
+	}
+	if res.Allowed {
+		f.fleet++
+	}
+	if res.Banned && f.fleetBan < 0 {
+		f.fleetBan = f.clock.now()
+	}
+	var r bucket.Result
+	if f.one, r = bucket.Take(f.one, f.clock.now(), f.l, 1); r.Allowed {
+		f.single++
+	}
+	if r.Banned && f.singleBan < 0 {
+		f.singleBan = f.clock.now()
+	}
+	return res
+}
+
+// record is the shared store's record of node's lease on "k", if any.
+func (f *sideBySide) record(node *leaseTable) (buckettest.Held, bool) {
+	f.m.mu.Lock()
+	defer f.m.mu.Unlock()
+	now := f.clock.now()
+	for _, h := range f.m.bucket("k", 1).Held {
+		if h.Node == node.node && h.Expires > now {
+			return h, true
+		}
+	}
+	return buckettest.Held{}, false
 }

@@ -779,7 +779,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			for range 4 {
 				take(a) // leases of 1, 2 and 4 tokens: 3 held
 			}
-			if a.heldTokens("k") == 0 {
+			if a.snapshot([]byte("k")).tokens == 0 {
 				t.Fatal("node a holds nothing")
 			}
 			// Node b spends the shared level; then a request of b's that the
@@ -806,8 +806,8 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 				a.giveBackNow(a.sweep(clock.now(), false))
 			}
 			tableSync(a)
-			if a.heldTokens("k") != 0 {
-				t.Fatalf("node a still holds %d tokens after the ban", a.heldTokens("k"))
+			if a.snapshot([]byte("k")).tokens != 0 {
+				t.Fatalf("node a still holds %d tokens after the ban", a.snapshot([]byte("k")).tokens)
 			}
 			var qout [1]bucket.Result
 			m.mu.Lock()
@@ -923,7 +923,7 @@ func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *tes
 		tableSync(a)
 		clock.advance(time.Millisecond)
 	}
-	held := a.heldTokens("k")
+	held := a.snapshot([]byte("k")).tokens
 	if held == 0 || admitted != 30 {
 		t.Fatalf("node a admitted %d of 30 and holds %d; want all admitted and tokens held", admitted, held)
 	}
@@ -973,5 +973,161 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 	clock.advance(time.Second)
 	if got := s.Held(key); got != 0 {
 		t.Errorf("after lease_ttl, %d tokens are held to spend; want none", got)
+	}
+}
+
+// A request refused from memory during a node's hold-off is told a
+// Retry-After rounded up from its own time, which can end before the
+// hold-off does: when the client retries then and the shared bucket holds
+// its token, the node does not refuse it again without asking.
+func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := bucket.Limit{Capacity: 100, Rate: rate}
+	node := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
+	node.jitter = func(int64) int64 { return 0 }
+	defer node.close()
+	key := []byte("k")
+	var res bucket.Result
+	for range 200 {
+		res, _ = node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if !res.Allowed {
+			break
+		}
+	}
+	if res.Allowed {
+		t.Fatal("200 requests at once from a bucket of 100 all allowed")
+	}
+	clock.advance(300 * time.Millisecond)
+	res, _ = node.take(bg, key, oneLimit(l), 1, nil)
+	tableSync(node)
+	if res.Allowed {
+		t.Fatalf("0.3 s after the bucket ran dry: %+v", res)
+	}
+	header := max(1, bucket.CeilDiv(res.RetryAfter, 1_000_000))
+	clock.advance(time.Duration(header) * time.Second)
+	level := m.level("k", l)
+	calls := m.calls
+	again, _ := node.take(bg, key, oneLimit(l), 1, nil)
+	tableSync(node)
+	if level >= 1 && !again.Allowed {
+		t.Errorf("the client retried after Retry-After: %d s; the shared bucket holds %d, but the node refused it from memory (%d calls): %+v", header, level, m.calls-calls, again)
+	}
+}
+
+// A request whose entry is evicted while it waits on a short call (2 of the
+// 8 asked for granted, 1 spent by the request that made it, 1 left for the
+// waiter) is not refused: the entry's token goes back to the shared bucket
+// and the waiter takes it there. Another client's request on the same node
+// evicts the entry (a full shard) after the call returns and before the
+// waiter looks again; it is made to come first by holding the shard's lock
+// while the call's answer is applied (the hold-off's jitter runs under it).
+// A scheduling that lets the waiter in first can only make the test pass.
+func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
+	for attempt := range 5 {
+		m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
+		l := slowLimit(100)
+		// 64 entries: one a shard.
+		node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
+		a := []byte("a")
+		var other []byte
+		for i := 0; other == nil; i++ {
+			if k := []byte{'b', byte(i), byte(i >> 8)}; node.shard(k) == node.shard(a) {
+				other = k
+			}
+		}
+		if res, err := node.take(bg, a, oneLimit(l), 1, nil); err != nil || !res.Allowed {
+			t.Fatalf("first request: %+v, %v", res, err)
+		}
+		tableSync(node)
+		sh := node.shard(a)
+		sh.mu.Lock()
+		sh.m["a"].size = 4 // the node's leases have grown: the next asks for 8
+		sh.mu.Unlock()
+		// Other nodes leave 2 in the shared bucket.
+		m.mu.Lock()
+		var out [1]bucket.Result
+		if !m.bucket("a", 1).Take(m.now(), []bucket.Limit{l}, 97, out[:]) {
+			t.Fatalf("another node's take: %+v", out[0])
+		}
+		m.mu.Unlock()
+		m.gate = make(chan struct{})
+		evicted := make(chan struct{})
+		var once sync.Once
+		node.jitter = func(int64) int64 {
+			once.Do(func() {
+				go func() {
+					defer close(evicted)
+					node.take(bg, other, oneLimit(l), 1, nil) // waits for the shard's lock, then evicts "a"
+				}()
+				time.Sleep(20 * time.Millisecond) // the evicting request is queued on the lock
+			})
+			return 0
+		}
+		results := make(chan bucket.Result, 2)
+		for range 2 {
+			go func() {
+				res, _ := node.take(bg, a, oneLimit(l), 1, nil)
+				results <- res
+			}()
+		}
+		redistest.WaitFor(t, 5*time.Second, "the second request to join the call", func() bool {
+			sh.mu.Lock()
+			defer sh.mu.Unlock()
+			e := sh.m["a"]
+			return e != nil && e.call != nil && e.call.joined == 1
+		})
+		close(m.gate)
+		r1, r2 := <-results, <-results
+		<-evicted
+		tableSync(node)
+		node.close()
+		if !r1.Allowed || !r2.Allowed {
+			t.Fatalf("attempt %d: the shared bucket held 2 for 2 requests; one bucket allows both, the node answered %+v and %+v", attempt, r1, r2)
+		}
+	}
+}
+
+// With leases, a request the lease does not cover is not refused from
+// memory when the node's hold-off (until the shared bucket covers a whole
+// lease, plus jitter) is longer than max_wait: when the shared bucket's
+// retry time for its own cost is within max_wait, it takes its tokens
+// there, waiting, as strict mode does.
+func TestLeasesLetWaitWhatStrictModeLetsWaitThroughAHoldOff(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	// capacity 10, 10/s, max_wait 200 ms; leases of 50% (5 tokens).
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 200_000}
+	ls := []bucket.Limit{l}
+	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
+	defer node.close()
+	key := []byte("holdoff")
+	strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	for i := range 60 {
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out [1]bucket.Result
+		strict.Take(clock.now(), ls, 1, out[:])
+		one := out[0]
+		if res.Allowed != one.Allowed {
+			e := node.shard(key).m[string(key)]
+			t.Fatalf("request %d at %d ms: leases %+v, strict mode %+v (node holds %d, hold-off %d µs more, shared level %d)", i, (clock.now()-1_000_000)/1000, res, one, e.tokens, e.holdUntil-clock.now(), m.level(string(key), l))
+		}
+		if !res.Allowed {
+			// Strict refuses too: keep the histories the same.
+			clock.advance(10 * time.Millisecond)
+			continue
+		}
+		clock.advance(10 * time.Millisecond)
 	}
 }

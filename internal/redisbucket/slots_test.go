@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -334,5 +335,64 @@ func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
 				t.Errorf("%v after Redis came back, it still holds the slot whose free failed: %v", within, srv.Do("ZRANGE", slotKey(key), 0, -1))
 			}
 		})
+	}
+}
+
+// An acquire with a shorter slot_ttl (another node, or the config after a
+// reload) does not shorten the set's life below the slots others hold with
+// a longer one: a slot expires after its own slot_ttl unless renewed, and
+// at most n are in flight, fleet-wide.
+func TestAShorterSlotTTLElsewhereKeepsALiveSlot(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real-time test: skipped under -short")
+	}
+	srv := redistest.Start(t)
+	long := slotStore(t, 10*time.Second, srv.URL())
+	short := slotStore(t, 300*time.Millisecond, srv.URL())
+	key := bucketFor("mixed-ttl")
+	if _, _, ok, err := long.Acquire(bg, key, 2); !ok || err != nil {
+		t.Fatalf("the long-lived slot: %v, %v", ok, err)
+	}
+	id, _, ok, err := short.Acquire(bg, key, 2)
+	if !ok || err != nil {
+		t.Fatalf("the short-lived slot: %v, %v", ok, err)
+	}
+	short.Release(key, id)
+	time.Sleep(time.Second)
+	// The long node's request still runs: its slot is good for 10s.
+	if n, err := long.InFlight(bg, key); err != nil || n != 1 {
+		t.Fatalf("in flight %d, %v; want 1: the running request's slot (slot_ttl 10s, taken 1s ago) is gone", n, err)
+	}
+}
+
+// A store closed (the config unloaded) while an Acquire is between Redis's
+// answer and noting the slot as held leaves no slot taken in Redis: the
+// slot is the request's, freed when it ends, or the close refused it and
+// freed it.
+func TestACloseDuringAcquireLeavesNoSlotTaken(t *testing.T) {
+	srv := redistest.Start(t)
+	s := slotStore(t, 10*time.Second, srv.URL())
+	key := bucketFor("close-race")
+	// A first call makes the slot table (and loads the script).
+	if n, err := s.InFlight(bg, key); err != nil || n != 0 {
+		t.Fatalf("in flight %d, %v", n, err)
+	}
+	s.slotTable()
+	hook := new(afterScriptHook)
+	s.conn.client().AddHook(hook)
+	hook.mu.Lock()
+	hook.then = s.Close // the reload unloads the config now
+	hook.mu.Unlock()
+	// Either the slot is the request's, and freed when it ends, or the
+	// close refused it, and freed it: in neither case is it left taken.
+	id, _, ok, err := s.Acquire(bg, key, 1)
+	switch {
+	case err == nil && ok:
+		s.Release(key, id) // the request ends
+	case !errors.Is(err, ErrSlotsClosed):
+		t.Fatalf("acquire: %v, %v", ok, err)
+	}
+	if !eventually(2*time.Second, func() bool { return srv.Do("EXISTS", slotKey(key)).(int64) == 0 }) {
+		t.Fatalf("the request ended, but Redis still holds its slot: %v", srv.Do("ZRANGE", slotKey(key), 0, -1, "WITHSCORES"))
 	}
 }
