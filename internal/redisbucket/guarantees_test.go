@@ -9,7 +9,6 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // Regression tests for what review found broken in leases: a burst after
@@ -23,55 +22,34 @@ import (
 // on the same arrivals (it admitted 212 in the burst, 228 in all, against
 // 216).
 func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}}
+	f := newSideBySide(t, bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}})
 	var fleet [4]*leaseTable
 	for i := range fleet {
-		fleet[i] = newModelTable(m, LeaseSize{percent: 10}, time.Second)
-		defer fleet[i].close()
-	}
-	var one bucket.State
-	var fleetAdmitted, oneAdmitted int64
-	request := func(node int) (admitted bool) {
-		res, err := fleet[node].take(bg, []byte("k"), oneLimit(l), 1, nil)
-		tableSync(fleet[node])
-		if err != nil {
-			t.Fatal(err)
-		}
-		var r bucket.Result
-		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
-			oneAdmitted++
-		}
-		if res.Allowed {
-			fleetAdmitted++
-		}
-		return res.Allowed
+		fleet[i] = f.node(LeaseSize{percent: 10}, time.Second)
 	}
 	for node := range fleet {
 		for range 4 {
-			request(node)
-			clock.advance(time.Millisecond)
+			f.request(fleet[node])
+			f.clock.advance(time.Millisecond)
 		}
 	}
-	clock.advance(800 * time.Millisecond)
+	f.clock.advance(800 * time.Millisecond)
 	burst := 0
 	for i := range 400 {
-		if request(i % 4) {
+		if f.request(fleet[i%4]).Allowed {
 			burst++
 		}
 	}
 	if burst > 200 {
 		t.Errorf("the burst after the refill got %d, more than the capacity 200", burst)
 	}
-	if fleetAdmitted > oneAdmitted {
-		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleetAdmitted, oneAdmitted)
+	if f.fleet > f.single {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
 	}
 	if burst < 190 {
 		t.Errorf("the burst got %d, want near the capacity, 200", burst)
 	}
-	t.Logf("burst %d, in all %d; one bucket %d", burst, fleetAdmitted, oneAdmitted)
+	t.Logf("burst %d, in all %d; one bucket %d", burst, f.fleet, f.single)
 }
 
 // A ban with leases, on 4 nodes: 100 at 1/s, ban 10m, lease 10%, 10
@@ -81,50 +59,28 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 // the same arrivals (111; it admitted 157), and one request reports the
 // ban that started, for bans_total, even when a prefetch started it.
 func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second}
+	f := newSideBySide(t, bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second})
 	var fleet [4]*leaseTable
 	for i := range fleet {
-		fleet[i] = newModelTable(m, LeaseSize{percent: 10}, time.Second)
-		defer fleet[i].close()
+		fleet[i] = f.node(LeaseSize{percent: 10}, time.Second)
 	}
-	var one bucket.State
-	var fleetAdmitted, oneAdmitted, bans int
+	bans := 0
 	for i := range 600 {
-		node := fleet[i%4]
-		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if res.Allowed {
-			fleetAdmitted++
-		}
-		if res.Banned {
+		if f.request(fleet[i%4]).Banned {
 			bans++
 		}
-		var r bucket.Result
-		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
-			oneAdmitted++
-		}
-		clock.advance(100 * time.Millisecond)
+		f.clock.advance(100 * time.Millisecond)
 		if i%2 == 0 { // the sweep, every 250 ms with lease_ttl 1s
-			for _, n := range fleet {
-				if back := n.sweep(clock.now(), false); len(back) > 0 {
-					n.giveBackNow(back)
-				}
-			}
+			f.sweep(fleet[:]...)
 		}
 	}
-	if fleetAdmitted > oneAdmitted {
-		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleetAdmitted, oneAdmitted)
+	if f.fleet > f.single {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
 	}
 	if bans != 1 {
 		t.Errorf("%d requests reported a ban that started, want 1", bans)
 	}
-	t.Logf("fleet %d, one bucket %d", fleetAdmitted, oneAdmitted)
+	t.Logf("fleet %d, one bucket %d", f.fleet, f.single)
 }
 
 // With leases, a ban starts when one bucket would refuse: the shared level
@@ -136,7 +92,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 7200 * second}
 	a := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
 	b := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
@@ -200,7 +156,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	for _, ban := range []int64{0, 60 * second} {
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
-		m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+		m := newSharedModel(clock.now)
 		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
 		node := newModelTable(m, LeaseSize{percent: 10}, time.Hour)
 		var res bucket.Result
@@ -236,7 +192,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
 	defer node.close()
@@ -274,7 +230,7 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 // on a call starts again on a new one. It used to be refused, with
 // Retry-After 1.
 func TestEvictedWaiterIsNotRefused(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(monotonicMicros)
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
 	defer node.close()
@@ -304,7 +260,7 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 // WaitGroup.Add beside Wait and give back on a closed client), and a
 // count_status give-back that reaches it goes to the shared bucket.
 func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
-	m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(monotonicMicros)
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	rounds := 20
 	if testing.Short() {

@@ -18,55 +18,27 @@ import (
 // tokens as still out, refuse B's requests without a ban, and let B admit
 // the refill until A's record expires.
 func TestABanStartsOnTimeWhenTheClientMovesToAnotherNode(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
-	a := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
-	defer a.close()
-	b := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
-	defer b.close()
-	var one bucket.State
-	var fleet, single int
-	var fleetBan, singleBan int64 = -1, -1
+	f := newSideBySide(t, l)
+	a := f.node(LeaseSize{tokens: 10}, time.Second)
+	b := f.node(LeaseSize{tokens: 10}, time.Second)
 	for i := range 2000 { // one request a millisecond for 2 s
 		node := a
 		if i >= 20 {
 			node = b
 		}
-		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if res.Allowed {
-			fleet++
-		}
-		if res.Banned && fleetBan < 0 {
-			fleetBan = clock.now()
-		}
-		var r bucket.Result
-		if one, r = bucket.Take(one, clock.now(), l, 1); r.Allowed {
-			single++
-		}
-		if r.Banned && singleBan < 0 {
-			singleBan = clock.now()
-		}
-		clock.advance(time.Millisecond)
+		f.request(node)
+		f.clock.advance(time.Millisecond)
 		if i%250 == 0 { // the sweep, every lease_ttl/4
-			for _, n := range []*leaseTable{a, b} {
-				if back := n.sweep(clock.now(), false); len(back) > 0 {
-					n.giveBackNow(back)
-				}
-			}
+			f.sweep(a, b)
 		}
 	}
-	t.Logf("one bucket admitted %d and banned at %d µs; the fleet admitted %d and banned at %d µs", single, singleBan, fleet, fleetBan)
-	if fleet > single {
-		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", fleet, single)
+	t.Logf("one bucket admitted %d and banned at %d µs; the fleet admitted %d and banned at %d µs", f.single, f.singleBan, f.fleet, f.fleetBan)
+	if f.fleet > f.single {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
 	}
-	if fleetBan != singleBan {
-		t.Errorf("the ban started at %d µs, %d ms after one bucket's first refusal", fleetBan, (fleetBan-singleBan)/1000)
+	if f.fleetBan != f.singleBan {
+		t.Errorf("the ban started at %d µs, %d ms after one bucket's first refusal", f.fleetBan, (f.fleetBan-f.singleBan)/1000)
 	}
 }
 
@@ -77,31 +49,20 @@ func TestABanStartsOnTimeWhenTheClientMovesToAnotherNode(t *testing.T) {
 // refused; an hour later the sixth attempt is allowed, as one bucket
 // allows it.
 func TestAPrefetchDoesNotBanAClientWithinItsLimit(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
-	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
-	defer node.close()
-	var one bucket.State
+	f := newSideBySide(t, l)
+	node := f.node(LeaseSize{percent: 50}, time.Second)
 	for i := range 5 {
-		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-		tableSync(node)
-		var r bucket.Result
-		one, r = bucket.Take(one, clock.now(), l, 1)
-		if err != nil || !res.Allowed || !r.Allowed {
-			t.Fatalf("attempt %d of 5: fleet %+v %v, one bucket %+v", i+1, res, err, r)
+		if res := f.request(node); !res.Allowed || !f.oneLast.Allowed {
+			t.Fatalf("attempt %d of 5: fleet %+v, one bucket %+v", i+1, res, f.oneLast)
 		}
-		clock.advance(100 * time.Millisecond)
+		f.clock.advance(100 * time.Millisecond)
 	}
-	if sh := m.states["k"]; sh.Banned(clock.now()) {
+	if sh := f.m.states["k"]; sh.Banned(f.clock.now()) {
 		t.Errorf("after 5 attempts within the capacity of 5, none refused, the shared bucket is banned: %+v", sh.Levels)
 	}
-	clock.advance(time.Hour)
-	res, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-	tableSync(node)
-	_, r := bucket.Take(one, clock.now(), l, 1)
-	if r.Allowed && !res.Allowed {
+	f.clock.advance(time.Hour)
+	if res := f.request(node); f.oneLast.Allowed && !res.Allowed {
 		t.Errorf("an hour later: one bucket allows the 6th attempt, the fleet refuses it: %+v", res)
 	}
 }
@@ -114,7 +75,7 @@ func TestAPrefetchDoesNotBanAClientWithinItsLimit(t *testing.T) {
 func TestABanStartedByAPrefetchIsCountedWhenTheNextRequestIsAllowed(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	var started int
 	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
@@ -206,7 +167,7 @@ func TestABanStartsOnTimeAfterARefusedPrefetchOfASpentLease(t *testing.T) {
 func TestABanStartedByTheCallOfAClientThatHungUpIsCounted(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	started := 0
 	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
@@ -337,7 +298,7 @@ func TestARetryAtRetryAfterIsAllowedWhileTheHoldOffTimersCallIsOut(t *testing.T)
 func retryAtRetryAfter(t *testing.T, refill string) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	rate, err := bucket.ParseRate(refill)
 	if err != nil {
 		t.Fatal(err)
@@ -483,7 +444,7 @@ func TestARequestRefusedWithARefusedPrefetchStartsTheBan(t *testing.T) {
 func TestAHoldOffTimerFiringAfterCloseStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 200_000}}
 	node := newModelTable(m, LeaseSize{tokens: 10}, 2*time.Second)
 	var timers fakeTimers

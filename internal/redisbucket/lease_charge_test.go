@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // cost_from_response with leases (issue 25): every allowed request is
@@ -22,7 +21,7 @@ func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
 func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 20, 1/s
 	tb := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
 	defer tb.close()

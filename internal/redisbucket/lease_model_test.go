@@ -167,7 +167,8 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	}
 	key := "bucket"
 	var bans []banStart
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
+	m := newSharedModel(clock.now)
+	m.mutate = r.mutate
 	var adm, backs []admission
 	m.onLease = func(_ string, sh *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
@@ -702,7 +703,7 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 	q := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 200_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
@@ -762,7 +763,7 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 	month := bucket.Quota{N: 10000, Period: bucket.Month, Loc: time.UTC}
 	_, midnight := day.Bounds(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock.micros.Store(midnight - 200_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
@@ -847,7 +848,8 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 	l := r.limit
 	ls := []bucket.Limit{l}
 	key := "bucket"
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
+	m := newSharedModel(clock.now)
+	m.mutate = r.mutate
 	now := clock.now()
 	start := &buckettest.Shared{Levels: []bucket.State{{}}}
 	if k := rng.Int64N(l.Capacity + 1); k > 0 {
@@ -973,6 +975,8 @@ type sideBySide struct {
 	m     *sharedModel
 	l     bucket.Limit
 	one   bucket.State
+	// oneLast is one bucket's answer to the last request.
+	oneLast bucket.Result
 	// admitted by the fleet and by one bucket; when each first banned.
 	fleet, single       int
 	fleetBan, singleBan int64
@@ -981,7 +985,23 @@ type sideBySide struct {
 func newSideBySide(t *testing.T, l bucket.Limit) *sideBySide {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	return &sideBySide{t: t, clock: clock, m: &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}, l: l, fleetBan: -1, singleBan: -1}
+	return &sideBySide{t: t, clock: clock, m: newSharedModel(clock.now), l: l, fleetBan: -1, singleBan: -1}
+}
+
+// node is a lease table of the fleet, closed when the test ends.
+func (f *sideBySide) node(size LeaseSize, ttl time.Duration) *leaseTable {
+	tb := newModelTable(f.m, size, ttl)
+	f.t.Cleanup(tb.close)
+	return tb
+}
+
+// sweep runs each node's lease_ttl sweep and gives back what it finds.
+func (f *sideBySide) sweep(nodes ...*leaseTable) {
+	for _, n := range nodes {
+		if back := n.sweep(f.clock.now(), false); len(back) > 0 {
+			n.giveBackNow(back)
+		}
+	}
 }
 
 // request sends one request to node, or, with node nil, to a node in
@@ -1017,6 +1037,7 @@ func (f *sideBySide) request(node *leaseTable) bucket.Result {
 	if r.Banned && f.singleBan < 0 {
 		f.singleBan = f.clock.now()
 	}
+	f.oneLast = r
 	return res
 }
 

@@ -51,7 +51,7 @@ func TestAGiveBackUnderAnOlderRateCreatesNoTokens(t *testing.T) {
 		// back when its table closes, 2 s later, as the new config counts.
 		clock := new(fakeClock)
 		clock.micros.Store(now - 2*second)
-		m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+		m := newSharedModel(clock.now)
 		node := newModelTable(m, LeaseSize{tokens: 5}, time.Hour)
 		node.current = func(string, bucket.Tier) (bucket.Tier, bool) { return bucket.Tier{Limits: []bucket.Limit{cur}}, true }
 		for range 3 { // leases of 1, 2, 4: 3 held
@@ -91,7 +91,7 @@ func TestTokensHeldAcrossARefusedCallGoBackAtTheGiveBack(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := new(fakeClock)
 			clock.micros.Store(1_000_000)
-			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+			m := newSharedModel(clock.now)
 			l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
 			ls := []bucket.Limit{l}
 			node := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
@@ -163,7 +163,7 @@ func TestTokensHeldAcrossARefusedCallGoBackAtTheGiveBack(t *testing.T) {
 func TestEvictionsLeaveNoAnsweredGiveBacksBehind(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 1000}}
 	node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Minute, 100*time.Millisecond, leaseShards, nopLogger)
 	defer node.close()
@@ -264,7 +264,7 @@ func TestAClosedLeaseTableIsNotHeldByItsHoldOffTimer(t *testing.T) {
 func TestAWaitersGiveBackWithLeasesWaitsItsTurnAsInStrictMode(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	// capacity 10, 10/s, max_wait 1s; leases of 50%.
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
 	ls := []bucket.Limit{l}
@@ -373,7 +373,7 @@ func TestAGiveBackOfTheOldPeriodDoesNotGoIntoTheNewPeriodsLease(t *testing.T) {
 	_, midnight := day.Bounds(time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock := new(fakeClock)
 	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tb := newModelTable(m, LeaseSize{tokens: 4}, time.Hour)
 	defer tb.close()
 	s := &Store{leases: tb}

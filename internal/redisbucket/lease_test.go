@@ -44,6 +44,11 @@ type sharedModel struct {
 	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
 }
 
+// newSharedModel is an empty model store on the clock now.
+func newSharedModel(now func() int64) *sharedModel {
+	return &sharedModel{now: now, states: map[string]*buckettest.Shared{}}
+}
+
 func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
 	sh := m.states[key]
 	if sh == nil {
@@ -142,7 +147,7 @@ func tableSync(t *leaseTable) { t.calls.Wait() }
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -173,7 +178,7 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
 	defer node.close()
@@ -208,7 +213,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
 	level := func() int64 { return m.level("k", l) }
 	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
@@ -494,7 +499,7 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 // back, and the store decides it in strict mode.
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	clock := new(fakeClock)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	node.close()
 	_, err := node.take(bg, []byte("k"), oneLimit(bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}), 1, nil)
@@ -511,7 +516,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
@@ -551,7 +556,8 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, gate: make(chan struct{})}
+	m := newSharedModel(clock.now)
+	m.gate = make(chan struct{})
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -619,7 +625,7 @@ func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
 	tr := quotaTier(40, 0)
 	_, midnight := tr.Quotas[0].Bounds(1_000_000)
 	clock.micros.Store(midnight - 12*3600*second) // noon
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
 	defer node.close()
 	node.jitter = func(n int64) int64 { return n - 1 } // the longest jitter
@@ -650,7 +656,7 @@ func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
 			tr := quotaTier(40, ban)
 			_, midnight := tr.Quotas[0].Bounds(1_000_000)
 			clock.micros.Store(midnight - 12*3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+			m := newSharedModel(clock.now)
 			node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 			defer node.close()
 			node.jitter = func(n int64) int64 { return n - 1 }
@@ -704,7 +710,7 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
@@ -756,7 +762,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 			_, midnight := q.Bounds(1_000_000)
 			clock.micros.Store(midnight - 3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+			m := newSharedModel(clock.now)
 			l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 			tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 			a := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
@@ -831,7 +837,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{tokens: 8}, 5*time.Second)
 	defer node.close()
@@ -909,7 +915,7 @@ func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T)
 func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}}, Quotas: []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}}
 	ttl := time.Second
 	a, b := newModelTable(m, LeaseSize{percent: 50}, ttl), newModelTable(m, LeaseSize{percent: 50}, ttl)
@@ -983,7 +989,7 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
 	if err != nil {
 		t.Fatal(err)
@@ -1031,7 +1037,7 @@ func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
 // A scheduling that lets the waiter in first can only make the test pass.
 func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
 	for attempt := range 5 {
-		m := &sharedModel{now: monotonicMicros, states: map[string]*buckettest.Shared{}}
+		m := newSharedModel(monotonicMicros)
 		l := slowLimit(100)
 		// 64 entries: one a shard.
 		node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
@@ -1102,7 +1108,7 @@ func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
 func TestLeasesLetWaitWhatStrictModeLetsWaitThroughAHoldOff(t *testing.T) {
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	// capacity 10, 10/s, max_wait 200 ms; leases of 50% (5 tokens).
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 200_000}
 	ls := []bucket.Limit{l}
