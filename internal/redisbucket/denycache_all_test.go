@@ -35,6 +35,7 @@ func evalCalls(t *testing.T, srv *redistest.Server) int {
 // retry time (issue 25): the deny cache answers it, with each limit's
 // answer as Redis gave it.
 func TestDenyCacheServesTiersOfSeveralLimits(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 2 * time.Second})
 	ls := []bucket.Limit{
@@ -76,6 +77,7 @@ func TestDenyCacheServesTiersOfSeveralLimits(t *testing.T) {
 // A denial the deny cache answers never says it started a ban: only
 // Redis's did (bans_total counts each ban once).
 func TestDenyCacheAnswerStartsNoBan(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 2 * time.Second})
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 60_000_000}, Ban: 3_600_000_000}
@@ -97,6 +99,7 @@ func TestDenyCacheAnswerStartsNoBan(t *testing.T) {
 // The deny cache serves tiers with quotas too: a client refused by its
 // monthly quota costs no script call until its retry time.
 func TestTheDenyCacheServesTiersWithQuotas(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 2 * time.Second})
 	ls := []bucket.Limit{
@@ -131,6 +134,7 @@ func TestTheDenyCacheServesTiersWithQuotas(t *testing.T) {
 // tokens in Redis but clears only that node's deny cache, and every other
 // node sees it once quotaDenyFor has passed on its clock.
 func TestAQuotaDenialDoesNotOutliveAnotherNodesGiveBack(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	nodeA := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	nodeB := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})

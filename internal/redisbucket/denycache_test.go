@@ -15,6 +15,7 @@ import (
 )
 
 func TestDenyCacheIsBounded(t *testing.T) {
+	t.Parallel()
 	c := newDenyCache(1000)
 	l := slowLimit(1)
 	for i := range 20000 {
@@ -51,6 +52,7 @@ func TestDenyCacheIsBounded(t *testing.T) {
 // the race: a put that carries the epoch from before a reset is dropped,
 // one from after it is kept.
 func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
+	t.Parallel()
 	c := newDenyCache(100)
 	l := slowLimit(1)
 	denial := bucket.Result{RetryAfter: 1000, ResetAfter: 1000}
@@ -73,6 +75,7 @@ func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
 // what they find; without one, the expired entry goes, and they ask Redis
 // each.
 func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
+	t.Parallel()
 	c := newDenyCache(100)
 	l := slowLimit(1)
 	if done, wait := c.claim("k", 0); done != nil || wait != nil {
@@ -120,6 +123,7 @@ func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 // hears no failure.
 // Regression test for issue 30 item 1.
 func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	clock := new(fakeClock)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 10 * time.Second})
@@ -216,6 +220,7 @@ func waitingForProbe() int {
 // clears the deny cache: the client's next request may wait for the tokens
 // given back, as Redis lets it, not be refused from memory.
 func TestAWaitersGiveBackClearsTheDenyCache(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	// rate 10/s, capacity 1, max_wait 1s: 11 fit (1 now, 10 waiting).
@@ -258,6 +263,7 @@ func TestAWaitersGiveBackClearsTheDenyCache(t *testing.T) {
 // Redis silent, a client's burst does not wait one probe's timeout after
 // another (the k-th request k timeouts) until the breaker opens. A client
 // with no cached denial is the control.
+// Serial: it bounds decisions in wall-clock time.
 func TestDenyCacheWaitersAreAnsweredWithinTheTimeout(t *testing.T) {
 	srv := redistest.Start(t)
 	proxy := redistest.StartProxy(t, srv.Addr(), 0)

@@ -22,6 +22,7 @@ import (
 // on the same arrivals (it admitted 212 in the burst, 228 in all, against
 // 216).
 func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
+	t.Parallel()
 	f := newSideBySide(t, bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}})
 	var fleet [4]*leaseTable
 	for i := range fleet {
@@ -59,6 +60,7 @@ func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
 // the same arrivals (111; it admitted 157), and one request reports the
 // ban that started, for bans_total, even when a prefetch started it.
 func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
+	t.Parallel()
 	f := newSideBySide(t, bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second})
 	var fleet [4]*leaseTable
 	for i := range fleet {
@@ -90,6 +92,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 // refusal bans, and after the ban's start plus lease_ttl no node admits a
 // request until the ban is over.
 func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -153,6 +156,7 @@ func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 // With a ban, it waits the ban and one request's refill, as the README
 // says.
 func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
+	t.Parallel()
 	for _, ban := range []int64{0, 60 * second} {
 		clock := new(fakeClock)
 		clock.micros.Store(1_000_000)
@@ -190,6 +194,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 // refuses nobody; the request that starts it reports it, so that
 // bans_total counts it once.
 func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -230,6 +235,7 @@ func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 // on a call starts again on a new one. It used to be refused, with
 // Retry-After 1.
 func TestEvictedWaiterIsNotRefused(t *testing.T) {
+	t.Parallel()
 	m := newSharedModel(monotonicMicros)
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
@@ -260,6 +266,7 @@ func TestEvictedWaiterIsNotRefused(t *testing.T) {
 // WaitGroup.Add beside Wait and give back on a closed client), and a
 // count_status give-back that reaches it goes to the shared bucket.
 func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
+	t.Parallel()
 	m := newSharedModel(monotonicMicros)
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
 	rounds := 20

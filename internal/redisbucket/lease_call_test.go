@@ -18,6 +18,7 @@ import (
 // tokens as still out, refuse B's requests without a ban, and let B admit
 // the refill until A's record expires.
 func TestABanStartsOnTimeWhenTheClientMovesToAnotherNode(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
 	f := newSideBySide(t, l)
 	a := f.node(LeaseSize{tokens: 10}, time.Second)
@@ -49,6 +50,7 @@ func TestABanStartsOnTimeWhenTheClientMovesToAnotherNode(t *testing.T) {
 // refused; an hour later the sixth attempt is allowed, as one bucket
 // allows it.
 func TestAPrefetchDoesNotBanAClientWithinItsLimit(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	f := newSideBySide(t, l)
 	node := f.node(LeaseSize{percent: 50}, time.Second)
@@ -73,6 +75,7 @@ func TestAPrefetchDoesNotBanAClientWithinItsLimit(t *testing.T) {
 // (5 attempts 1/h, ban 15m, lease 50%), five attempts 100 ms apart, and the
 // user back 1 h 16 min later.
 func TestABanStartedByAPrefetchIsCountedWhenTheNextRequestIsAllowed(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -119,6 +122,7 @@ func TestABanStartedByAPrefetchIsCountedWhenTheNextRequestIsAllowed(t *testing.T
 // then A spends what it holds (its prefetch at half is refused), then the
 // client moves to node B, one request a millisecond for 2 s.
 func TestABanStartsOnTimeAfterARefusedPrefetchOfASpentLease(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second} // 20 20/s, ban 1h
 	f := newSideBySide(t, l)
 	a := newModelTable(f.m, LeaseSize{tokens: 10}, time.Second)
@@ -165,6 +169,7 @@ func TestABanStartsOnTimeAfterARefusedPrefetchOfASpentLease(t *testing.T) {
 // call starts a ban and its client hung up meanwhile (a brute-forcer that
 // sends and disconnects), the ban is still counted once, through onBan.
 func TestABanStartedByTheCallOfAClientThatHungUpIsCounted(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -290,6 +295,7 @@ func (tm *fakeTimers) pending() int {
 // (10 s), and the bucket stays in use (a request every 100 ms, refused
 // from memory).
 func TestARetryAtRetryAfterIsAllowedWhileTheHoldOffTimersCallIsOut(t *testing.T) {
+	t.Parallel()
 	for _, refill := range []string{"5/s", "1/10s"} {
 		t.Run(refill, func(t *testing.T) { retryAtRetryAfter(t, refill) })
 	}
@@ -378,6 +384,7 @@ func retryAtRetryAfter(t *testing.T, refill string) {
 // 1/h, ban 15m, lease 50%): the 5th and 6th attempts come together; the 5th
 // spends the last token held and starts the prefetch, the 6th waits on it.
 func TestARequestRefusedWithARefusedPrefetchStartsTheBan(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	f := newSideBySide(t, l)
 	node := newModelTable(f.m, LeaseSize{percent: 50}, time.Second)
@@ -442,6 +449,7 @@ func TestARequestRefusedWithARefusedPrefetchStartsTheBan(t *testing.T) {
 // A hold-off timer that fires after its table closed (a reload) starts no
 // lease call and no give-back.
 func TestAHoldOffTimerFiringAfterCloseStartsNoCall(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -478,6 +486,7 @@ func TestAHoldOffTimerFiringAfterCloseStartsNoCall(t *testing.T) {
 // every 2 ms. As one bucket, B's first request is refused with a ban, and
 // B admits nothing after it.
 func TestABanStartsOnTimeAfterARefusedPrefetchOfASpentLeaseOnRedis(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-time (1.5 s of a client on a real Redis)")
 	srv := redistest.Start(t)
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 50_000}, Ban: 3600 * second}

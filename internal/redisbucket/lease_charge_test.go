@@ -11,6 +11,7 @@ import (
 // charged a reported cost after it, taken from the node's lease when it
 // covers it, else from the shared bucket: no token is made or lost.
 func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
+	t.Parallel()
 	if _, charged := conserveTokens(t, 5000, 5); charged == 0 {
 		t.Error("nothing was charged")
 	}
@@ -19,6 +20,7 @@ func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
 // A charge the lease covers makes no call; one it does not is charged to
 // the shared bucket, into debt: the client is refused until it refilled.
 func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -68,6 +70,7 @@ func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 // and each charge from the node's lease or, beyond it, from all three in
 // Redis; no token of any is made or lost.
 func TestLeasingNodesConserveEveryTokenOfATier(t *testing.T) {
+	t.Parallel()
 	hour := bucket.Rate{Tokens: 1, Interval: 3_600_000_000}
 	tr := bucket.Tier{
 		Limits: []bucket.Limit{{Capacity: 5000, Rate: hour}, {Capacity: 8000, Rate: hour}},

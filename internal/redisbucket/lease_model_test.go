@@ -515,6 +515,7 @@ func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl tim
 }
 
 func TestLeasesNeverAdmitMoreThanOneBucketOverAnyWindow(t *testing.T) {
+	t.Parallel()
 	playRounds(t, rand.New(rand.NewPCG(20, 3)), 300, func(rng *rand.Rand, steps int) fleetRound { return randomFleetRound(rng, steps) })
 }
 
@@ -542,6 +543,7 @@ func playRounds(t *testing.T, rng *rand.Rand, rounds int, round func(rng *rand.R
 // grants a node one token more than it records, and one that forgets what
 // is out on lease, as the store did before it counted leases.
 func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		name   string
 		mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
@@ -605,6 +607,7 @@ func withTier(rng *rand.Rand, r fleetRound) fleetRound {
 // more than one bucket of each limit over any window, and no quota period
 // more than its N, with leases spent across a period's end.
 func TestLeasesOnTiersNeverAdmitMoreThanEachLimitOrQuota(t *testing.T) {
+	t.Parallel()
 	played := playRounds(t, rand.New(rand.NewPCG(25, 14)), 200, func(rng *rand.Rand, steps int) fleetRound {
 		return withTier(rng, randomFleetRound(rng, steps))
 	})
@@ -619,6 +622,7 @@ func TestLeasesOnTiersNeverAdmitMoreThanEachLimitOrQuota(t *testing.T) {
 // and, for liveness, on one that holds a node off a used-up quota until
 // its period ends (plus the hold-off's jitter), as leases once did.
 func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		name   string
 		quota  bool
@@ -669,6 +673,7 @@ func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
 // instant: 15 tokens at once from a bucket of 10. The property test found
 // it (round 352 of 3000 of the single-limit traces).
 func TestAWaiterDoesNotGoOnBesideTokensOutOnLease(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}, MaxWait: 5_000_000}
 	ls := []bucket.Limit{l}
 	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
@@ -699,6 +704,7 @@ func TestAWaiterDoesNotGoOnBesideTokensOutOnLease(t *testing.T) {
 // counts, and the day's count is what it admitted. A give-back of a
 // request taken the day before does not go into the new day's lease.
 func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	q := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
@@ -758,6 +764,7 @@ func (t *leaseTable) snapshot(key []byte) lease {
 // dropped, unspent: the month, whose period goes on, counts only what was
 // admitted (a quota counts what was admitted), not the dropped tokens too.
 func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	day := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 	month := bucket.Quota{N: 10000, Period: bucket.Month, Loc: time.UTC}
@@ -812,6 +819,7 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 // within an instant). A store that grants one token more than it records
 // is caught.
 func TestAConcurrentFleetKeepsTheWindowBound(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(20, 99))
 	rounds := 60
 	if testing.Short() {

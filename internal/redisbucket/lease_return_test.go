@@ -20,6 +20,7 @@ import (
 // (Limit.Converted), and so does a lease table closed at the reload: one
 // old token is not a second of the new bucket's refill (100 tokens).
 func TestAGiveBackUnderAnOlderRateCreatesNoTokens(t *testing.T) {
+	t.Parallel()
 	old := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: second}}   // 10 1/s
 	cur := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}} // 1000 100/s
 	now := 10 * second
@@ -84,6 +85,7 @@ func TestAGiveBackUnderAnOlderRateCreatesNoTokens(t *testing.T) {
 // the last token): the give-back names the refused call, and the store
 // must still return what the node held.
 func TestTokensHeldAcrossARefusedCallGoBackAtTheGiveBack(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		name string
 		cost int64
@@ -161,6 +163,7 @@ func TestTokensHeldAcrossARefusedCallGoBackAtTheGiveBack(t *testing.T) {
 // each seen twice (its second lease holds a token), through a table of 64
 // entries with lease_ttl 1m (a sweep every 15 s).
 func TestEvictionsLeaveNoAnsweredGiveBacksBehind(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -201,6 +204,7 @@ func TestEvictionsLeaveNoAnsweredGiveBacksBehind(t *testing.T) {
 // call's Retry-After (an hour for a limit of 1/h). With no hold-off
 // pending, the closed table is collected at once (the control).
 func TestAClosedLeaseTableIsNotHeldByItsHoldOffTimer(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
 	for _, tt := range []struct {
@@ -262,6 +266,7 @@ func TestAClosedLeaseTableIsNotHeldByItsHoldOffTimer(t *testing.T) {
 // history), not admitted at once; the origin never sees two of a client's
 // requests closer than the rate allows after a hang-up.
 func TestAWaitersGiveBackWithLeasesWaitsItsTurnAsInStrictMode(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -318,6 +323,7 @@ func TestAWaitersGiveBackWithLeasesWaitsItsTurnAsInStrictMode(t *testing.T) {
 // next requests through at once, the shared bucket's level being still
 // below zero.
 func TestAWaitersGiveBackWithLeasesOnRedisAdmitsNothingAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "50%"})
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
@@ -368,6 +374,7 @@ func TestAWaitersGiveBackWithLeasesOnRedisAdmitsNothingAtOnce(t *testing.T) {
 // holds tokens the new period counted: quota 20/day admits at most 20 in
 // the new day.
 func TestAGiveBackOfTheOldPeriodDoesNotGoIntoTheNewPeriodsLease(t *testing.T) {
+	t.Parallel()
 	// Room enough that a lease's half-of-what-is-left bound does not bite.
 	day := bucket.Quota{N: 20, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := day.Bounds(time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro())
@@ -454,6 +461,7 @@ func TestAGiveBackOfTheOldPeriodDoesNotGoIntoTheNewPeriodsLease(t *testing.T) {
 // A lease record written before quotas (no :qstop:mask) parses, and its
 // give-back returns tokens to the limits only.
 func TestALeaseRecordWithoutQuotaFieldsParses(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	key := string(bucketFor("old-record"))
@@ -505,6 +513,7 @@ func TestALeaseRecordWithoutQuotaFieldsParses(t *testing.T) {
 // node's clock is injected (requests 1 s apart); Redis's is real, so no
 // record expires meanwhile.
 func TestRequestsALeaseTTLApartKeepTheirTokensAndAreNotBanned(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	for round := range 3 {

@@ -145,6 +145,7 @@ func tableSync(t *leaseTable) { t.calls.Wait() }
 // lease is the cost, then they double up to the lease size, so a steady
 // client costs about one call per lease, and every request is allowed.
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -176,6 +177,7 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 // A refused or partial lease makes the node wait until the shared bucket
 // covers its next lease: meanwhile it answers from memory, with no call.
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -211,6 +213,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 // Tokens leased and unused go back after lease_ttl, and all of them when
 // the table closes (a reload or shutdown).
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -243,6 +246,7 @@ func TestUnusedLeasedTokensGoBack(t *testing.T) {
 }
 
 func TestLeaseSizes(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		setting  string
 		capacity int64
@@ -268,6 +272,7 @@ func TestLeaseSizes(t *testing.T) {
 
 // A decision that the tokens held cover makes no allocation and no call:
 // the key is built on the stack and looked up without a copy.
+// Serial: AllocsPerRun counts every goroutine's allocations.
 func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "1000000"})
@@ -315,6 +320,7 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 // capacity between them; and once both give back, Redis holds every
 // token not spent.
 func TestLeasingNodesConserveEveryToken(t *testing.T) {
+	t.Parallel()
 	allowed, _ := conserveTokens(t, 100, 0)
 	if allowed > 100 || allowed < 80 {
 		t.Errorf("%d allowed of a bucket of 100 over 320 requests, want at most 100 and near it", allowed)
@@ -498,6 +504,7 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 // table closed: it starts no lease call, whose tokens no one would give
 // back, and the store decides it in strict mode.
 func TestClosedLeaseTableStartsNoCall(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	m := newSharedModel(clock.now)
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
@@ -513,6 +520,7 @@ func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 // 10%). The fleet admits at most C + r*T and at least 0.9 of it, with
 // about one call per lease's worth of refill per node.
 func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
@@ -554,6 +562,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 // them. Only a short lease, which leaves the shared bucket empty, refuses
 // the requests it did not cover.
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -621,6 +630,7 @@ func spendQuota(t *testing.T, node *leaseTable, clock *fakeClock, tr bucket.Tier
 // noon refused until about 06:00 the next day. Regression test for issue
 // 30 (item 1).
 func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	tr := quotaTier(40, 0)
 	_, midnight := tr.Quotas[0].Bounds(1_000_000)
@@ -650,6 +660,7 @@ func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
 // quota starts no ban). Regression test for issue 30 (items 4 and the
 // flood under ban).
 func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
+	t.Parallel()
 	for _, ban := range []int64{0, 600 * second} {
 		t.Run(fmt.Sprintf("ban %ds", ban/second), func(t *testing.T) {
 			clock := new(fakeClock)
@@ -706,6 +717,7 @@ func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
 // off as if a ban held, so that no ban ever started. Regression test for
 // issue 30 ("a refused prefetch after a quota period change").
 func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
@@ -756,6 +768,7 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 // next lease call or gives them back first: a quota counts what was
 // admitted. Regression test for issue 30 (item 7).
 func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
+	t.Parallel()
 	for _, learn := range []string{"lease call", "give-back"} {
 		t.Run(learn, func(t *testing.T) {
 			clock := new(fakeClock)
@@ -835,6 +848,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 // beside a shared bucket that holds its cost (the "oversubscribed" mark of
 // the short lease outlives the hold-off that answered it).
 func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -913,6 +927,7 @@ func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T)
 // back (as a limit's tokens held elsewhere answer a refill wait); it is
 // not sent away until the day ends, which one bucket would never do.
 func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
 	m := newSharedModel(clock.now)
@@ -949,6 +964,7 @@ func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *tes
 // tokens this node holds, which it may spend without Redis. Held says how
 // many those are, none once lease_ttl has passed.
 func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Lease: "5", Timeout: 2 * time.Second})
 	clock := new(fakeClock)
@@ -987,6 +1003,7 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 // hold-off does: when the client retries then and the shared bucket holds
 // its token, the node does not refuse it again without asking.
 func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)
@@ -1036,6 +1053,7 @@ func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
 // while the call's answer is applied (the hold-off's jitter runs under it).
 // A scheduling that lets the waiter in first can only make the test pass.
 func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
+	t.Parallel()
 	for attempt := range 5 {
 		m := newSharedModel(monotonicMicros)
 		l := slowLimit(100)
@@ -1106,6 +1124,7 @@ func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
 // retry time for its own cost is within max_wait, it takes its tokens
 // there, waiting, as strict mode does.
 func TestLeasesLetWaitWhatStrictModeLetsWaitThroughAHoldOff(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	m := newSharedModel(clock.now)

@@ -17,6 +17,7 @@ import (
 // sum without wrapping, and the count it stores is N exactly.
 // Regression test for issue 30 item 1.
 func TestScriptChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	ls := []bucket.Limit{slowLimit(100)}
@@ -57,6 +58,7 @@ func TestScriptChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 // began at the first midnight.
 // Regression test for issue 30 item 3.
 func TestAQuotaRequestInARepeatedFirstHourIsCounted(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	amman, err := time.LoadLocation("Asia/Amman")
@@ -81,6 +83,7 @@ func TestAQuotaRequestInARepeatedFirstHourIsCounted(t *testing.T) {
 // lease, which then takes none of them.
 // Regression test for issue 30 item 4.
 func TestAGiveBackReturnsToTheQuotasWhatTheLimitsDoNotTakeBack(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	for _, lease := range []string{"", "50%"} {
 		t.Run("lease "+lease, func(t *testing.T) {
@@ -121,6 +124,7 @@ func TestAGiveBackReturnsToTheQuotasWhatTheLimitsDoNotTakeBack(t *testing.T) {
 // not bring the count down to the new n, so raising n again gives the
 // client back nothing it used.
 func TestScriptChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	ls := []bucket.Limit{slowLimit(100)}
@@ -159,6 +163,7 @@ func TestScriptChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
 // ends), or every client whose request straddled the reload gets its day
 // back.
 func TestAnOldZonesGiveBackKeepsTheNewZonesCount(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	berlin, err := time.LoadLocation("Europe/Berlin")
@@ -209,6 +214,7 @@ func TestAnOldZonesGiveBackKeepsTheNewZonesCount(t *testing.T) {
 // read the month's count as the day's by its index, which would start the
 // month over mid-month.
 func TestAReloadAddingAQuotaKeepsTheMonthsCount(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	s.clockOffset = time.Date(2026, 5, 15, 12, 0, 0, 0, time.UTC).UnixMicro() - time.Now().UnixMicro()
@@ -238,6 +244,7 @@ func TestAReloadAddingAQuotaKeepsTheMonthsCount(t *testing.T) {
 // runs 150 ms ahead of Redis's: the give-back names the moment from the
 // quota's answer (bucket.CountedAt), not the node's clock alone.
 func TestAGiveBackAfterTheBoundaryDoesNotRefundTheNewDay(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	midnight := time.Date(2026, 5, 5, 0, 0, 0, 0, time.UTC).UnixMicro()
@@ -286,6 +293,7 @@ func TestAGiveBackAfterTheBoundaryDoesNotRefundTheNewDay(t *testing.T) {
 // (on_store_error decides) and writes nothing, rather than count in a
 // period that ended, with a negative reset.
 func TestTheQuotaPeriodIsRedissWhenTheNodeIsADayBehind(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	key := string(bucketFor("skew"))
@@ -318,6 +326,7 @@ func TestTheQuotaPeriodIsRedissWhenTheNodeIsADayBehind(t *testing.T) {
 // quotas only; the script keeps the counts of the quotas a call does not
 // name, so the new month quota's count is not dropped.
 func TestAGiveBackNamingFewerQuotasKeepsTheOthersCount(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	s.clockOffset = time.Date(2026, 5, 15, 12, 0, 0, 0, time.UTC).UnixMicro() - time.Now().UnixMicro()
@@ -371,6 +380,7 @@ func quotaBoundsAround(at int64) (dayStart, dayEnd, yesterday, monthStart, month
 // keeps that life, and the month's count with it, though the call names
 // only a day quota.
 func TestAnOldFormatQuotaCountOutlivesACallThatDoesNotNameIt(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	now := time.Date(2026, 5, 15, 12, 0, 0, 0, time.UTC).UnixMicro()
@@ -401,6 +411,7 @@ func TestAnOldFormatQuotaCountOutlivesACallThatDoesNotNameIt(t *testing.T) {
 // (yesterday's count of a dropped day quota) does not stay in the key for
 // good: no call reads it, and today's takes drop it.
 func TestAnOldFormatCountOfADroppedQuotaIsDropped(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	now := time.Date(2026, 5, 15, 12, 0, 0, 0, time.UTC).UnixMicro()
@@ -431,6 +442,7 @@ func TestAnOldFormatCountOfADroppedQuotaIsDropped(t *testing.T) {
 // A count of a quota the call does not name is kept, with the key living
 // until its period ends, and is read again by a call that names it.
 func TestAnUnnamedQuotasCountIsKeptUntilItsPeriodEnds(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	now := time.Date(2026, 5, 15, 12, 0, 0, 0, time.UTC).UnixMicro()

@@ -17,6 +17,7 @@ import (
 // the script all the same. The Redis tests run it on the installed Redis;
 // no older Redis is at hand, so this reads the source.
 func TestRedisScriptReplicatesEffectsBeforeItReadsTime(t *testing.T) {
+	t.Parallel()
 	const want = "if redis.replicate_commands then redis.replicate_commands() end"
 	first, _, _ := strings.Cut(strings.TrimSpace(bucketLua), "\n")
 	if first != want {
@@ -31,6 +32,7 @@ func TestRedisScriptReplicatesEffectsBeforeItReadsTime(t *testing.T) {
 // write (maxmemory reached, the nearest a current Redis comes to the
 // refusal of an old one) and checks that the error says what happened.
 func TestRedisScriptExplainsARefusedWrite(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}})
 	srv.Do("SET", "ballast", strings.Repeat("x", 1<<20))
@@ -52,6 +54,7 @@ func TestRedisScriptExplainsARefusedWrite(t *testing.T) {
 // and the fleet (the node spending its 50 at its lease_ttl, then a burst
 // taking what Redis has) takes no more than C + floor(r*T).
 func TestABucketKeyOutlivesTheLeaseCapOnItsLevel(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("real-time test (a key's expiry): skipped under -short")
 	}

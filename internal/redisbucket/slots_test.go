@@ -38,6 +38,7 @@ func eventually(d time.Duration, cond func() bool) bool {
 // Slots are taken up to n, fleet-wide; frees arrive pipelined; when the
 // last is freed, Redis holds no key.
 func TestSlotsAcquireUpToNAndFreeEveryOne(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	a, b := slotStore(t, 0, srv.URL()), slotStore(t, 0, srv.URL())
 	key := bucketFor("slots")
@@ -73,6 +74,7 @@ func TestSlotsAcquireUpToNAndFreeEveryOne(t *testing.T) {
 
 // A node that dies stops renewing: its slots are back within slot_ttl;
 // a node that lives keeps its slots past slot_ttl.
+// Serial: it bounds the slots' expiry in wall-clock time.
 func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real-time test: skipped under -short")
@@ -121,6 +123,7 @@ func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
 // its requests hold, renewed, until they end: a stream that runs on
 // through a reload keeps its place.
 func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("real-time test: skipped under -short")
 	}
@@ -154,6 +157,7 @@ func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
 // An acquire whose answer is lost (Redis slow past the timeout) may have
 // taken the slot: it is freed, not left to block the client for slot_ttl.
 func TestSlotsOfAFailedAcquireAreFreed(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 100 * time.Millisecond})
 	if err != nil {
@@ -194,6 +198,7 @@ func TestSlotsOfAFailedAcquireAreFreed(t *testing.T) {
 
 // In a Cluster, each bucket's slots are one key on its own node.
 func TestSlotsInACluster(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("cluster test: skipped under -short")
 	}
@@ -238,6 +243,8 @@ func TestSlotsInACluster(t *testing.T) {
 // within the timeout, not after another round trip for the frees.
 // Regression test for issue 30 item 3.
 func TestSlotRenewalIsNotDelayedByDoubtfulFrees(t *testing.T) {
+	t.Parallel()
+	skipUnderShort(t, "fault injection (a slow link)")
 	srv := redistest.Start(t)
 	const trip = 100 * time.Millisecond // each way
 	proxy := redistest.StartProxy(t, srv.Addr(), trip)
@@ -280,6 +287,7 @@ func redisMicros(t *testing.T, srv *redistest.Server) int64 {
 // client for slot_ttl.
 // Regression test for issue 30 item 4.
 func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := slotStore(t, time.Hour, srv.URL()) // the loops' ticks come never
 	key := bucketFor("doubtful-at-close")
@@ -302,6 +310,8 @@ func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
 // held off for the rest of slot_ttl. The frees a renewal carries and
 // fails to deliver go again too.
 func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
+	t.Parallel()
+	skipUnderShort(t, "fault injection (a cut link)")
 	srv := redistest.Start(t)
 	for _, via := range []string{"release", "renewal"} {
 		t.Run(via, func(t *testing.T) {
@@ -343,6 +353,7 @@ func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
 // a longer one: a slot expires after its own slot_ttl unless renewed, and
 // at most n are in flight, fleet-wide.
 func TestAShorterSlotTTLElsewhereKeepsALiveSlot(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("real-time test: skipped under -short")
 	}
@@ -370,6 +381,7 @@ func TestAShorterSlotTTLElsewhereKeepsALiveSlot(t *testing.T) {
 // slot is the request's, freed when it ends, or the close refused it and
 // freed it.
 func TestACloseDuringAcquireLeavesNoSlotTaken(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := slotStore(t, 10*time.Second, srv.URL())
 	key := bucketFor("close-race")
