@@ -6,7 +6,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
-// Regression tests for the promises that review found broken: a give-back
+// Regression tests for promises that were once broken: a give-back
 // never lifts a ban or forgives a debt, never creates tokens under an
 // older limit, and a request of cost 0 waits out a ban or a debt.
 
@@ -50,7 +50,7 @@ func TestBanHoldsTheBucketEmptyThenRefillsFromEmpty(t *testing.T) {
 
 // A ban holds: tokens given back during it (count_status, a lease's
 // give-back, an eviction) are dropped, since the ban emptied the bucket
-// they came from. Found on the README's login setup: a right password
+// they came from. Found on the login setup of docs/logins.md: a right password
 // admitted before the ban, finishing after it, ended a one-hour ban.
 func TestGiveBackNeverLiftsABan(t *testing.T) {
 	t.Parallel()

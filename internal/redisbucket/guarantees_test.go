@@ -11,11 +11,11 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
-// Regression tests for what review found broken in leases: a burst after
+// Regression tests for what was once broken in leases: a burst after
 // a refill, bans on leasing nodes, Retry-After, and the lease table's
 // edges.
 
-// The README's setup, `rate_limit 200 50/s` with `lease 10%` and
+// docs/fleet.md's setup, `rate_limit 200 50/s` with `lease 10%` and
 // `lease_ttl 1s` on 4 nodes: 4 requests on each, a 0.8 s pause, then a
 // burst from all. The tokens the nodes hold stay out of the refill, so the
 // burst gets at most the capacity, and the fleet no more than one bucket
@@ -153,7 +153,7 @@ func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 // A refused request is told when the shared bucket holds its cost, not the
 // node's next lease, and the node calls again by then: lease 10% of 100 at
 // 1/s is a lease of 10 tokens, 10 s of refill, but one request waits 1 s.
-// With a ban, it waits the ban and one request's refill, as the README
+// With a ban, it waits the ban and one request's refill, as docs/fleet.md
 // says.
 func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	t.Parallel()

@@ -515,7 +515,7 @@ func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 	}
 }
 
-// The README's oversubscribed fleet on the model, with a simulated clock: 4
+// An oversubscribed fleet (docs/fleet.md) on the model, with a simulated clock: 4
 // nodes share a key at 8x its rate for 4 s (capacity 200, 50/s, lease
 // 10%). The fleet admits at most C + r*T and at least 0.9 of it, with
 // about one call per lease's worth of refill per node.
