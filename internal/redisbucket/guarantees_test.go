@@ -93,9 +93,7 @@ func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
 // request until the ban is over.
 func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 7200 * second}
 	a := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
 	b := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
@@ -158,9 +156,7 @@ func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
 func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	t.Parallel()
 	for _, ban := range []int64{0, 60 * second} {
-		clock := new(fakeClock)
-		clock.micros.Store(1_000_000)
-		m := newSharedModel(clock.now)
+		clock, m := newModelStore()
 		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
 		node := newModelTable(m, LeaseSize{percent: 10}, time.Hour)
 		var res bucket.Result
@@ -195,9 +191,7 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 // bans_total counts it once.
 func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
 	defer node.close()

@@ -76,9 +76,7 @@ func TestAPrefetchDoesNotBanAClientWithinItsLimit(t *testing.T) {
 // user back 1 h 16 min later.
 func TestABanStartedByAPrefetchIsCountedWhenTheNextRequestIsAllowed(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 15 * 60 * second}
 	var started int
 	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
@@ -170,9 +168,7 @@ func TestABanStartsOnTimeAfterARefusedPrefetchOfASpentLease(t *testing.T) {
 // sends and disconnects), the ban is still counted once, through onBan.
 func TestABanStartedByTheCallOfAClientThatHungUpIsCounted(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	_, m := newModelStore()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 	started := 0
 	m.onLease = func(_ string, _ *buckettest.Shared, res bucket.LeaseResult) {
@@ -302,9 +298,7 @@ func TestARetryAtRetryAfterIsAllowedWhileTheHoldOffTimersCallIsOut(t *testing.T)
 }
 
 func retryAtRetryAfter(t *testing.T, refill string) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	rate, err := bucket.ParseRate(refill)
 	if err != nil {
 		t.Fatal(err)
@@ -450,9 +444,7 @@ func TestARequestRefusedWithARefusedPrefetchStartsTheBan(t *testing.T) {
 // lease call and no give-back.
 func TestAHoldOffTimerFiringAfterCloseStartsNoCall(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 200_000}}
 	node := newModelTable(m, LeaseSize{tokens: 10}, 2*time.Second)
 	var timers fakeTimers

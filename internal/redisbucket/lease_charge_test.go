@@ -21,9 +21,7 @@ func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
 // the shared bucket, into debt: the client is refused until it refilled.
 func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 20, 1/s
 	tb := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
 	defer tb.close()

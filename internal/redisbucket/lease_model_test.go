@@ -991,9 +991,8 @@ type sideBySide struct {
 }
 
 func newSideBySide(t *testing.T, l bucket.Limit) *sideBySide {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	return &sideBySide{t: t, clock: clock, m: newSharedModel(clock.now), l: l, fleetBan: -1, singleBan: -1}
+	clock, m := newModelStore()
+	return &sideBySide{t: t, clock: clock, m: m, l: l, fleetBan: -1, singleBan: -1}
 }
 
 // node is a lease table of the fleet, closed when the test ends.

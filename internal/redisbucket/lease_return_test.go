@@ -91,9 +91,7 @@ func TestTokensHeldAcrossARefusedCallGoBackAtTheGiveBack(t *testing.T) {
 		cost int64
 	}{{"a refused prefetch", 1}, {"a refused request of cost 2", 2}} {
 		t.Run(tt.name, func(t *testing.T) {
-			clock := new(fakeClock)
-			clock.micros.Store(1_000_000)
-			m := newSharedModel(clock.now)
+			clock, m := newModelStore()
 			l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}} // 100 1/h
 			ls := []bucket.Limit{l}
 			node := newModelTable(m, LeaseSize{tokens: 10}, time.Second)
@@ -164,9 +162,7 @@ func TestTokensHeldAcrossARefusedCallGoBackAtTheGiveBack(t *testing.T) {
 // entries with lease_ttl 1m (a sweep every 15 s).
 func TestEvictionsLeaveNoAnsweredGiveBacksBehind(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	_, m := newModelStore()
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 1000}}
 	node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Minute, 100*time.Millisecond, leaseShards, nopLogger)
 	defer node.close()
@@ -267,9 +263,7 @@ func TestAClosedLeaseTableIsNotHeldByItsHoldOffTimer(t *testing.T) {
 // requests closer than the rate allows after a hang-up.
 func TestAWaitersGiveBackWithLeasesWaitsItsTurnAsInStrictMode(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	// capacity 10, 10/s, max_wait 1s; leases of 50%.
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
 	ls := []bucket.Limit{l}

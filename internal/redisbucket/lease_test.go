@@ -44,6 +44,14 @@ type sharedModel struct {
 	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
 }
 
+// newModelStore is an empty model store on a fake clock at 1 s, the
+// clock every node of a test's fleet reads.
+func newModelStore() (*fakeClock, *sharedModel) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	return clock, newSharedModel(clock.now)
+}
+
 // newSharedModel is an empty model store on the clock now.
 func newSharedModel(now func() int64) *sharedModel {
 	return &sharedModel{now: now, states: map[string]*buckettest.Shared{}}
@@ -146,9 +154,7 @@ func tableSync(t *leaseTable) { t.calls.Wait() }
 // client costs about one call per lease, and every request is allowed.
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -178,9 +184,7 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 // covers its next lease: meanwhile it answers from memory, with no call.
 func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
 	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
 	defer node.close()
@@ -214,9 +218,7 @@ func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
 // the table closes (a reload or shutdown).
 func TestUnusedLeasedTokensGoBack(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
 	level := func() int64 { return m.level("k", l) }
 	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
@@ -563,9 +565,7 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 // the requests it did not cover.
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	_, m := newModelStore()
 	m.gate = make(chan struct{})
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
@@ -849,9 +849,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 // the short lease outlives the hold-off that answered it).
 func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{tokens: 8}, 5*time.Second)
 	defer node.close()
@@ -1004,9 +1002,7 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 // its token, the node does not refuse it again without asking.
 func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
 	if err != nil {
 		t.Fatal(err)
@@ -1125,9 +1121,7 @@ func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
 // there, waiting, as strict mode does.
 func TestLeasesLetWaitWhatStrictModeLetsWaitThroughAHoldOff(t *testing.T) {
 	t.Parallel()
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := newSharedModel(clock.now)
+	clock, m := newModelStore()
 	// capacity 10, 10/s, max_wait 200 ms; leases of 50% (5 tokens).
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 200_000}
 	ls := []bucket.Limit{l}
