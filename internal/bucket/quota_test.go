@@ -378,20 +378,22 @@ func TestCountedAtIsInTheStoresPeriod(t *testing.T) {
 			moments = append(moments, end-1, end-1_000_000, end-3_599_000_000)
 		}
 		for _, storeNow := range moments {
+			// What the store answers, and the periods it counted in.
+			var qout [4]bucket.Result
+			var want [4]int64
+			for i, q := range qs {
+				var end int64
+				want[i], end = q.Bounds(storeNow)
+				qout[i] = bucket.Result{ResetAfter: end - storeNow}
+			}
 			for _, skew := range skews {
 				for _, lag := range []int64{0, 2_000_000} {
 					start := storeNow - lag + skew.Microseconds() // node's wall at the request's start
-					var qout [4]bucket.Result
-					for i, q := range qs {
-						_, end := q.Bounds(storeNow)
-						qout[i] = bucket.Result{ResetAfter: end - storeNow}
-					}
 					at := bucket.CountedAt(start, qout[:])
-					for _, q := range qs {
-						want, _ := q.Bounds(storeNow)
-						if got, _ := q.Bounds(at); got != want {
+					for i, q := range qs {
+						if got, _ := q.Bounds(at); got != want[i] {
 							t.Fatalf("%s %v skew %v: CountedAt names the period starting %v, the store counted in %v's",
-								z, time.UnixMicro(storeNow).In(loc), skew, time.UnixMicro(got).In(loc), time.UnixMicro(want).In(loc))
+								z, time.UnixMicro(storeNow).In(loc), skew, time.UnixMicro(got).In(loc), time.UnixMicro(want[i]).In(loc))
 						}
 					}
 				}
