@@ -2,6 +2,7 @@ package redisbucket
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -551,5 +552,283 @@ func TestABanStartsOnTimeAfterARefusedPrefetchOfASpentLeaseOnRedis(t *testing.T)
 	}
 	if admitted > 0 {
 		t.Errorf("node B admitted %d after its first refusal, within 1.5 s of the client spending its bucket; one bucket, banned there, admits none", admitted)
+	}
+}
+
+// A ban with leases, on 4 nodes: 100 at 1/s, ban 10m, lease 10%, 10
+// requests a second for 60 s. The ban starts in the shared store on the
+// first refusal, other nodes spend at most what they hold, and their
+// give-backs do not end it: the fleet admits no more than one bucket on
+// the same arrivals (111; it admitted 157), and one request reports the
+// ban that started, for bans_total, even when a prefetch started it.
+func TestBanHoldsOnEveryLeasingNode(t *testing.T) {
+	t.Parallel()
+	f := newSideBySide(t, bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: 600 * second})
+	var fleet [4]*leaseTable
+	for i := range fleet {
+		fleet[i] = f.node(LeaseSize{percent: 10}, time.Second)
+	}
+	bans := 0
+	for i := range 600 {
+		if f.request(fleet[i%4]).Banned {
+			bans++
+		}
+		f.clock.advance(100 * time.Millisecond)
+		if i%2 == 0 { // the sweep, every 250 ms with lease_ttl 1s
+			f.sweep(fleet[:]...)
+		}
+	}
+	if f.fleet > f.single {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
+	}
+	if bans != 1 {
+		t.Errorf("%d requests reported a ban that started, want 1", bans)
+	}
+	t.Logf("fleet %d, one bucket %d", f.fleet, f.single)
+}
+
+// With leases, a ban starts when one bucket would refuse: the shared level
+// plus the tokens out on lease cannot cover the cost. The first refusal, made
+// only because another node holds the tokens, answers a refill wait and bans
+// nobody, and the holder still spends them; once they are spent, the next
+// refusal bans, and after the ban's start plus lease_ttl no node admits a
+// request until the ban is over.
+func TestARefusalCausedOnlyByTokensOutOnLeaseStartsNoBan(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 7200 * second}
+	a := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
+	b := newModelTable(m, LeaseSize{tokens: 5}, time.Second)
+	defer a.close()
+	defer b.close()
+	take := func(node *leaseTable) bucket.Result {
+		t.Helper()
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	for range 3 {
+		take(a) // leases of 1 and 2, then a prefetch: a holds tokens
+	}
+	held := a.snapshot([]byte("k")).tokens
+	if held == 0 {
+		t.Fatal("node a holds no tokens")
+	}
+	var refused bucket.Result
+	for range 20 {
+		if refused = take(b); !refused.Allowed {
+			break
+		}
+	}
+	if refused.Allowed || refused.Banned || m.states["k"].Banned(clock.now()) {
+		t.Fatalf("b refused with %d tokens on a's lease: %+v, banned %v; want a refusal that bans nobody", held, refused, m.states["k"].Banned(clock.now()))
+	}
+	if refused.RetryAfter >= l.Ban {
+		t.Errorf("the refusal's Retry-After is %d µs, the ban's; want a refill wait", refused.RetryAfter)
+	}
+	for range held {
+		if res := take(a); !res.Allowed {
+			t.Fatalf("a's held token refused: %+v", res)
+		}
+	}
+	res := take(b)
+	if res.Allowed || !res.Banned {
+		t.Fatalf("b's refusal with nothing out on lease: %+v; want the ban started", res)
+	}
+	start := clock.now()
+	clock.advance(time.Second) // lease_ttl
+	for clock.now() < start+l.Ban {
+		for _, node := range []*leaseTable{a, b} {
+			if res := take(node); res.Allowed {
+				t.Fatalf("admitted %d µs after the ban started, past lease_ttl", clock.now()-start)
+			}
+		}
+		clock.advance(30 * time.Second)
+	}
+}
+
+// A ban starts at a refused request, not at a refused prefetch, which
+// refuses nobody; the request that starts it reports it, so that
+// bans_total counts it once.
+func TestABanStartsAtARefusedRequestNotAPrefetch(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
+	defer node.close()
+	key := []byte("k")
+	for range 2 { // leases of 1 and 2 tokens: one is left
+		if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed {
+			t.Fatal("denied from a full bucket")
+		}
+		tableSync(node)
+	}
+	// Another node empties the shared bucket.
+	left := m.level("k", l)
+	m.mu.Lock()
+	var out [1]bucket.Result
+	if !m.bucket("k", 1).Take(clock.now(), []bucket.Limit{l}, left, out[:]) {
+		t.Fatalf("another node's take of the %d left: %+v", left, out[0])
+	}
+	m.mu.Unlock()
+	// The last token held is spent, and the prefetch that follows finds
+	// the bucket empty: refused, with no ban.
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed || res.Banned {
+		t.Fatalf("the request on the last token held: %+v", res)
+	}
+	tableSync(node)
+	if sh := m.states["k"]; sh.Banned(clock.now()) {
+		t.Fatal("a refused prefetch started a ban")
+	}
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); res.Allowed || !res.Banned {
+		t.Fatalf("the next request: %+v, want refused, reporting the ban it started", res)
+	}
+}
+
+// A refused or partial lease makes the node wait until the shared bucket
+// covers its next lease: meanwhile it answers from memory, with no call.
+func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
+	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
+	defer node.close()
+	key := []byte("k")
+	allowed := 0
+	for range 40 {
+		res, _ := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if res.Allowed {
+			allowed++
+		}
+	}
+	if allowed != 10 {
+		t.Fatalf("%d allowed from a bucket of 10 with no time passing, want 10", allowed)
+	}
+	calls := m.calls
+	res, _ := node.take(bg, key, oneLimit(l), 1, nil)
+	if res.Allowed || res.RetryAfter <= 0 {
+		t.Fatalf("after the bucket ran dry: %+v, want denied with a retry time", res)
+	}
+	if m.calls != calls {
+		t.Errorf("a denial within the hold-off made %d calls, want none", m.calls-calls)
+	}
+	clock.advance(time.Duration(res.RetryAfter) * time.Microsecond)
+	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed {
+		t.Errorf("after the hold-off: %+v, want allowed", res)
+	}
+}
+
+// A node whose lease call found a quota used up holds its calls off for
+// as long as strict mode's deny cache keeps a quota's refusal, at most:
+// a give-back elsewhere returns the quota, and the node sees it within
+// that time; a give-back on the node itself clears the hold at once. A
+// flood of refusals meanwhile costs no call, under a ban setting too (a
+// quota starts no ban). Regression test for issue 30 (items 4 and the
+// flood under ban).
+func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
+	t.Parallel()
+	for _, ban := range []int64{0, 600 * second} {
+		t.Run(fmt.Sprintf("ban %ds", ban/second), func(t *testing.T) {
+			clock := new(fakeClock)
+			tr := quotaTier(40, ban)
+			_, midnight := tr.Quotas[0].Bounds(1_000_000)
+			clock.micros.Store(midnight - 12*3600*second)
+			m := newSharedModel(clock.now)
+			node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
+			defer node.close()
+			node.jitter = func(n int64) int64 { return n - 1 }
+			spendQuota(t, node, clock, tr)
+			calls := m.calls
+			for range 200 { // a flood, 10 ms apart
+				if res, _ := node.take(bg, []byte("k"), tr, 1, nil); res.Allowed {
+					t.Fatal("a request admitted past the quota")
+				}
+				tableSync(node)
+				clock.advance(10 * time.Millisecond)
+			}
+			if extra := m.calls - calls; extra > 1 {
+				t.Errorf("a flood of 200 refusals over 2 s cost %d calls, want at most 1", extra)
+			}
+			// Another node's request did not count: its give-back returns one.
+			m.mu.Lock()
+			m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
+			m.mu.Unlock()
+			clock.advance(quotaDenyFor)
+			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); !res.Allowed {
+				t.Errorf("%s after a give-back elsewhere: %+v; want allowed", quotaDenyFor, res)
+			}
+			tableSync(node)
+			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); res.Allowed {
+				t.Fatal("admitted past the quota")
+			}
+			tableSync(node)
+			// This node's own give-back (count_status), past lease_ttl, goes
+			// to the shared bucket, and the next request sees it at once.
+			clock.advance(11 * time.Second)
+			if rest := node.giveBackHeldSince([]byte("k"), 1, clock.now()); rest == 1 {
+				m.mu.Lock()
+				m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
+				m.mu.Unlock()
+			}
+			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); !res.Allowed {
+				t.Errorf("at once after this node's give-back: %+v; want allowed", res)
+			}
+		})
+	}
+}
+
+// A refused prefetch whose answer drops tokens of a quota period that has
+// ended, with no ban holding the bucket, leaves the node's requests to
+// the shared store, which bans when one bucket would: it once held them
+// off as if a ban held, so that no ban ever started. Regression test for
+// issue 30 ("a refused prefetch after a quota period change").
+func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
+	_, midnight := q.Bounds(1_000_000)
+	clock.micros.Store(midnight - 10*second)
+	m := newSharedModel(clock.now)
+	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
+	defer node.close()
+	key := []byte("k")
+	for range 4 { // leases of 1, 2 and 4 tokens: 3 are left, of a lease of 4
+		if res, _ := node.take(bg, key, tr, 1, nil); !res.Allowed {
+			t.Fatal("denied from a full bucket")
+		}
+		tableSync(node)
+	}
+	// Another node empties the shared bucket.
+	m.mu.Lock()
+	var peek, out, qout [1]bucket.Result
+	m.bucket("k", 1).Peek(clock.now(), []bucket.Limit{l}, peek[:])
+	if !m.bucket("k", 1).TakeWithQuotas(clock.now(), []bucket.Limit{l}, []bucket.Quota{q}, peek[0].Remaining, out[:], qout[:]) {
+		t.Fatalf("another node's take of the %d left: %+v", peek[0].Remaining, out[0])
+	}
+	m.mu.Unlock()
+	// The next requests spend held tokens, and the prefetch that follows
+	// reaches the store after midnight: the tokens' period has ended, the
+	// bucket is empty, and a prefetch bans nobody.
+	m.gate = make(chan struct{})
+	for node.shard(key).m["k"].call == nil {
+		if res, _ := node.take(bg, key, tr, 1, nil); !res.Allowed {
+			t.Fatalf("a request on a held token: %+v", res)
+		}
+	}
+	clock.micros.Store(midnight + second)
+	close(m.gate)
+	tableSync(node)
+	if m.states["k"].Banned(clock.now()) {
+		t.Fatal("a refused prefetch started a ban")
+	}
+	res, _ := node.take(bg, key, tr, 1, nil)
+	if res.Allowed || !res.Banned {
+		t.Errorf("the next request, which one bucket refuses: %+v; want refused, starting the ban", res)
 	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
+	"go.uber.org/zap"
 )
 
 // The fleet's guarantees, as a property over random traces on the model
@@ -1071,3 +1072,134 @@ func (f *sideBySide) record(node *leaseTable) (buckettest.Held, bool) {
 	}
 	return buckettest.Held{}, false
 }
+
+// sharedModel is the shared store as a plain model: shared.go's Shared on
+// one bucket per key, on an injected clock. It counts its calls.
+type sharedModel struct {
+	mu     sync.Mutex
+	now    func() int64
+	states map[string]*buckettest.Shared
+	calls  int
+	down   bool
+	// gate, when set, holds every lease call until it is closed.
+	gate chan struct{}
+	// mutate, when set, breaks the store after each lease call, so that a
+	// property test can show it would catch the defect.
+	mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
+	// onLease, when set, sees each lease call's outcome, under the lock.
+	onLease func(key string, sh *buckettest.Shared, res bucket.LeaseResult)
+	// onReserve, when set, sees each strict take's outcome, under the lock.
+	onReserve func(key string, sh *buckettest.Shared, res bucket.Result)
+	// mutateWait, when set, breaks each strict take's result.
+	mutateWait func(sh *buckettest.Shared, res *bucket.Result)
+	// onReturn, when set, sees the tokens each lease give-back returned.
+	onReturn func(n int64)
+	// onAsk, when set, sees each lease call's ask and the bucket after it,
+	// under the lock.
+	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
+}
+
+// newModelStore is an empty model store on a fake clock at 1 s, the
+// clock every node of a test's fleet reads.
+func newModelStore() (*fakeClock, *sharedModel) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	return clock, newSharedModel(clock.now)
+}
+
+// newSharedModel is an empty model store on the clock now.
+func newSharedModel(now func() int64) *sharedModel {
+	return &sharedModel{now: now, states: map[string]*buckettest.Shared{}}
+}
+
+func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
+	sh := m.states[key]
+	if sh == nil {
+		sh = &buckettest.Shared{Levels: make([]bucket.State, n)}
+		m.states[key] = sh
+	}
+	return sh
+}
+
+func (m *sharedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	if m.gate != nil {
+		<-m.gate
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.calls++
+	if m.down {
+		return bucket.LeaseResult{}, errBreakerOpen
+	}
+	ls := tr.Limits
+	sh := m.bucket(key, len(ls))
+	res := sh.LeaseQuotas(m.now(), ls, tr.Quotas, a)
+	if each != nil {
+		sh.ReportEach(m.now(), ls, tr.Quotas, each)
+	}
+	if m.mutate != nil {
+		m.mutate(sh, &res)
+	}
+	if m.onLease != nil {
+		m.onLease(key, sh, res)
+	}
+	if m.onAsk != nil {
+		m.onAsk(a, sh, res)
+	}
+	return res, nil
+}
+
+func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.down {
+		return 0, errBreakerOpen
+	}
+	var n int64
+	for _, g := range back {
+		ls := g.tier.Limits
+		n += m.bucket(g.key, len(ls)).ReturnQuotas(m.now(), ls, g.tier.Quotas, node, g.seq, g.tokens)
+	}
+	if m.onReturn != nil && n > 0 {
+		m.onReturn(n)
+	}
+	return n, nil
+}
+
+func (m *sharedModel) reserve(_ context.Context, key string, tr bucket.Tier, cost int64) (bucket.Result, []bucket.Result, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.calls++
+	if m.down {
+		return bucket.Result{}, nil, errBreakerOpen
+	}
+	ls := tr.Limits
+	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
+	sh := m.bucket(key, len(ls))
+	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
+	res := Binding(all, allowed)
+	if m.mutateWait != nil {
+		m.mutateWait(sh, &res)
+	}
+	if m.onReserve != nil {
+		m.onReserve(key, sh, res)
+	}
+	return res, all, nil
+}
+
+// level is the shared bucket's whole tokens at now.
+func (m *sharedModel) level(key string, l bucket.Limit) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out [1]bucket.Result
+	m.bucket(key, 1).Peek(m.now(), []bucket.Limit{l}, out[:])
+	return out[0].Remaining
+}
+
+// newModelTable is a lease table on the model, whose calls finish before
+// the test goes on: tableSync waits for them.
+func newModelTable(m *sharedModel, size LeaseSize, ttl time.Duration) *leaseTable {
+	return newLeaseTable(m, m.now, size, ttl, 100*time.Millisecond, 1000, zap.NewNop())
+}
+
+func tableSync(t *leaseTable) { t.calls.Wait() }

@@ -1,9 +1,11 @@
 package redisbucket
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"weak"
@@ -538,5 +540,103 @@ func TestRequestsALeaseTTLApartKeepTheirTokensAndAreNotBanned(t *testing.T) {
 		if got.String() != strings.Repeat("allowed ", 5) {
 			t.Errorf("round %d: 5 attempts 1 s apart (lease_ttl 1s) on a limit of 5 an hour: %s; one bucket allows all 5", round, got.String())
 		}
+	}
+}
+
+// A table closed by a reload while requests still run through it starts no
+// eviction, give-back or lease after close returns (it used to call
+// WaitGroup.Add beside Wait and give back on a closed client), and a
+// count_status give-back that reaches it goes to the shared bucket.
+func TestClosedLeaseTableStartsNothingAndPassesGiveBacksOn(t *testing.T) {
+	t.Parallel()
+	m := newSharedModel(monotonicMicros)
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
+	rounds := 20
+	if testing.Short() {
+		rounds = 4
+	}
+	for range rounds {
+		node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
+		var takes atomic.Int64
+		stop := make(chan struct{})
+		finished := make(chan struct{})
+		go func() {
+			defer close(finished)
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				node.take(bg, []byte{byte(i), byte(i >> 8)}, oneLimit(l), 1, nil)
+				takes.Add(1)
+			}
+		}()
+		redistest.WaitFor(t, 5*time.Second, "requests through the table", func() bool { return takes.Load() > 100 })
+		node.close()
+		m.mu.Lock()
+		calls := m.calls
+		m.mu.Unlock()
+		closedAt := takes.Load()
+		redistest.WaitFor(t, 5*time.Second, "requests after close", func() bool { return takes.Load() > closedAt+100 })
+		close(stop)
+		<-finished
+		m.mu.Lock()
+		after := m.calls
+		m.mu.Unlock()
+		if after != calls {
+			t.Fatalf("%d lease calls after close returned", after-calls)
+		}
+		if rest := node.giveBackHeld([]byte{0, 0}, 3); rest != 3 {
+			t.Fatalf("a give-back to a closed table kept %d of 3, want none: they go to the shared bucket", 3-rest)
+		}
+	}
+}
+
+// Tokens leased and unused go back after lease_ttl, and all of them when
+// the table closes (a reload or shutdown).
+func TestUnusedLeasedTokensGoBack(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
+	level := func() int64 { return m.level("k", l) }
+	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
+	for range 20 {
+		node.take(bg, []byte("k"), oneLimit(l), 1, nil)
+		tableSync(node)
+	}
+	held := node.shard([]byte("k")).m["k"].tokens
+	if got := level() + held + 20; got != 100 {
+		t.Fatalf("shared %d + held %d + spent 20 = %d, want 100", level(), held, got)
+	}
+	clock.advance(time.Second)
+	if back := node.sweep(clock.now(), false); len(back) != 1 {
+		t.Fatalf("sweep after lease_ttl gave back %v", back)
+	} else {
+		node.giveBackNow(back)
+	}
+	if level() != 80 {
+		t.Errorf("after lease_ttl the shared bucket holds %d, want 80", level())
+	}
+	node.take(bg, []byte("k"), oneLimit(l), 1, nil)
+	tableSync(node)
+	node.close()
+	if level() != 79 {
+		t.Errorf("after close the shared bucket holds %d, want 79", level())
+	}
+}
+
+// A request still in flight through an unloaded config finds its lease
+// table closed: it starts no lease call, whose tokens no one would give
+// back, and the store decides it in strict mode.
+func TestClosedLeaseTableStartsNoCall(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	m := newSharedModel(clock.now)
+	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
+	node.close()
+	_, err := node.take(bg, []byte("k"), oneLimit(bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}), 1, nil)
+	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
+		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
 	}
 }
