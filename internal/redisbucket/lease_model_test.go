@@ -469,11 +469,30 @@ func checkQuota(adm []admission, q bucket.Quota, start0, used0 int64) error {
 func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl time.Duration) error {
 	byDue := slices.Clone(adm)
 	slices.SortStableFunc(byDue, func(a, b admission) int { return cmp.Compare(a.due, b.due) })
+	// The give-backs by time, and given[k], the tokens of the first k.
+	var backAt, given []int64
+	if l.MaxWait > 0 {
+		sorted := slices.Clone(backs)
+		slices.SortStableFunc(sorted, func(a, b admission) int { return cmp.Compare(a.at, b.at) })
+		given = make([]int64, len(sorted)+1)
+		for k, g := range sorted {
+			backAt = append(backAt, g.at)
+			given[k+1] = given[k] + g.cost
+		}
+	}
+	// ahead[i] is the tokens admitted from the i-th on: no window from it
+	// takes more, and its bound only grows, so a window that reaches
+	// ahead[i] ends the search from i.
+	ahead := make([]int64, len(byDue)+1)
+	for i := len(byDue) - 1; i >= 0; i-- {
+		ahead[i] = ahead[i+1] + max(byDue[i].cost, 0)
+	}
 	for i := range byDue {
 		if byDue[i].cost < 0 {
 			continue
 		}
 		var net int64
+		from, _ := slices.BinarySearch(backAt, byDue[i].due-l.MaxWait)
 		for j := i; j < len(byDue); j++ {
 			if l.MaxWait > 0 && byDue[j].cost < 0 {
 				continue
@@ -486,14 +505,15 @@ func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl tim
 			}
 			bound := l.Capacity + span*l.Rate.Tokens/l.Rate.Interval
 			if l.MaxWait > 0 {
-				for _, g := range backs {
-					if g.at >= byDue[i].due-l.MaxWait && g.at <= byDue[j].due {
-						bound += g.cost
-					}
-				}
+				// The give-backs from max_wait before the window to its end.
+				to, _ := slices.BinarySearch(backAt, byDue[j].due+1)
+				bound += given[to] - given[from]
 			}
 			if byDue[j].cost > 0 && net > bound {
 				return fmt.Errorf("%d admitted, net of give-backs, due between %d and %d µs, more than C + floor(r*T) = %d", net, byDue[i].due, byDue[j].due, bound)
+			}
+			if bound >= ahead[i] {
+				break
 			}
 		}
 	}
