@@ -398,11 +398,30 @@ func minCapacity(ls []bucket.Limit) int64 {
 	return c
 }
 
+// traceStep names a step of a random trace in a failure message; it is
+// formatted only when one is written.
+type traceStep struct {
+	trace, step int
+	limits      []bucket.Limit
+	quotas      []bucket.Quota
+}
+
+func (s traceStep) String() string {
+	w := fmt.Sprintf("trace %d step %d", s.trace, s.step)
+	if s.limits != nil {
+		w += fmt.Sprintf(" limits %+v", s.limits)
+	}
+	if s.quotas != nil {
+		w += fmt.Sprintf(" quotas %v", s.quotas)
+	}
+	return w
+}
+
 // randomStep applies one random operation (a take, a charge or a give-back)
 // to the tier's states at now, and checks that every take's ResetAfter,
 // Peek's in TakeAll's "had room" branch included, is the time until the
 // bucket is full again.
-func randomStep(t *testing.T, rng *rand.Rand, states []bucket.State, now int64, ls []bucket.Limit, what string) {
+func randomStep(t *testing.T, rng *rand.Rand, states []bucket.State, now int64, ls []bucket.Limit, what traceStep) {
 	t.Helper()
 	out := make([]bucket.Result, len(ls))
 	switch op := rng.IntN(10); {
@@ -461,7 +480,7 @@ func TestPeekResetIsExactOnEveryReachableState(t *testing.T) {
 			default:
 				now += rng.Int64N(ls[0].Ban + 2)
 			}
-			what := fmt.Sprintf("trace %d step %d limits %+v", trace, step, ls)
+			what := traceStep{trace: trace, step: step, limits: ls}
 			randomStep(t, rng, states, now, ls, what)
 			for i, l := range ls {
 				at := now + rng.Int64N(3*perToken+1)
@@ -506,7 +525,7 @@ func TestPeekResetIsExactAcrossAReload(t *testing.T) {
 		now := int64(1e12)
 		for step := range 40 {
 			now += rng.Int64N(ls[0].Capacity*ls[0].Rate.Interval/ls[0].Rate.Tokens + 2)
-			randomStep(t, rng, states, now, ls, fmt.Sprintf("trace %d step %d", trace, step))
+			randomStep(t, rng, states, now, ls, traceStep{trace: trace, step: step})
 			for i := range states {
 				l := randomLimit(rng, false, false)
 				p := bucket.Peek(states[i], now, l)

@@ -382,7 +382,7 @@ func TestAnAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
 			default:
 				now += rng.Int64N(ls[0].Capacity*perToken + 2)
 			}
-			what := fmt.Sprintf("trace %d step %d limits %+v quotas %v", trace, step, ls, qs)
+			what := traceStep{trace: trace, step: step, limits: ls, quotas: qs}
 			switch op := rng.IntN(10); {
 			case op < 6:
 				cost := 1 + rng.Int64N(minCap)
