@@ -113,10 +113,9 @@ func TestABanStartedByAPrefetchIsCountedWhenTheNextRequestIsAllowed(t *testing.T
 // A node that spends its lease under a ban setting says so at once, naming
 // its last call, so that a refusal on another node does not take those
 // tokens for held. When that call was a prefetch the shared store refused
-// (the bucket ran dry meanwhile), the report still reaches the lease's
-// record: the client's requests on another node are refused with a ban,
-// when one bucket bans, not let through on the refill until the record
-// expires. The client's arrivals: 8 on node A (leases of 1, 2, 4, 8), then
+// (the bucket ran dry meanwhile), the client's requests on another node
+// are still refused with a ban when one bucket bans, not let through on
+// the refill until the lease's record expires. The client's arrivals: 8 on node A (leases of 1, 2, 4, 8), then
 // another node (strict mode) takes exactly what the shared bucket holds,
 // then A spends what it holds (its prefetch at half is refused), then the
 // client moves to node B, one request a millisecond for 2 s.
@@ -285,8 +284,8 @@ func (tm *fakeTimers) pending() int {
 // A node's hold-off ends when the clients it refused were told to come
 // back, and a timer then fetches the next lease in the background. A
 // client that retries at its Retry-After finds the timer's call in flight
-// (a round trip to Redis): it waits on it and is allowed, as one bucket
-// allows it (the shared bucket holds its cost), not refused at once.
+// (a round trip to Redis), and is allowed, as one bucket allows it (the
+// shared bucket holds its cost), not refused at once.
 // rate_limit 100 5/s (and 1/10s), lease 10, lease_ttl 2s: a node's
 // requests drain the bucket, its refused call answers Retry-After 1 s
 // (10 s), and the bucket stays in use (a request every 100 ms, refused

@@ -196,11 +196,11 @@ func TestEvictionsLeaveNoAnsweredGiveBacksBehind(t *testing.T) {
 }
 
 // No goroutine or timer leak after close: a config's lease table stops with
-// the config. The timer that prefetches when a hold-off ends (the root's
-// store sets after to time.AfterFunc) is stopped at close; armed, it would
-// hold the closed table, every entry of its shards, for up to the refused
-// call's Retry-After (an hour for a limit of 1/h). With no hold-off
-// pending, the closed table is collected at once (the control).
+// the config. A pending hold-off's timer (the root's store sets after to
+// time.AfterFunc) does not keep the closed table, every entry of its
+// shards, until it fires, up to the refused call's Retry-After (an hour
+// for a limit of 1/h): the table is collected at once, as it is with no
+// hold-off pending (the control).
 func TestAClosedLeaseTableIsNotHeldByItsHoldOffTimer(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
@@ -503,9 +503,9 @@ func TestALeaseRecordWithoutQuotaFieldsParses(t *testing.T) {
 // A client whose requests on one node come a lease_ttl apart (a login
 // form's attempts): each request finds its lease just past lease_ttl, whose
 // unused tokens go back in the background, while the request's own lease
-// call, sent at once with Held 0, may reach Redis first. The give-back
-// still returns the tokens, and the call does not ban: rate_limit 5 1/h,
-// ban 15m, lease 50% allows all five attempts, as one bucket does. The
+// call, sent at once with Held 0, may reach Redis first. The tokens are
+// not lost and no ban starts: rate_limit 5 1/h, ban 15m, lease 50%
+// allows all five attempts, as one bucket does. The
 // node's clock is injected (requests 1 s apart); Redis's is real, so no
 // record expires meanwhile.
 func TestRequestsALeaseTTLApartKeepTheirTokensAndAreNotBanned(t *testing.T) {
