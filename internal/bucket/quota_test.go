@@ -25,6 +25,7 @@ func micros(t time.Time) int64 { return t.UnixMicro() }
 // York DST days (23 and 25 hours), February in a leap and a common year,
 // the turn of the year, and ISO weeks from Monday.
 func TestQuotaBoundsOnTheCalendarsEdges(t *testing.T) {
+	t.Parallel()
 	ny := mustZone(t, "America/New_York")
 	berlin := mustZone(t, "Europe/Berlin")
 	for _, tt := range []struct {
@@ -57,6 +58,7 @@ func TestQuotaBoundsOnTheCalendarsEdges(t *testing.T) {
 // A quota admits exactly N a period, refuses with Retry-After to the
 // boundary, and starts over there; a refusal takes nothing.
 func TestQuotaAdmitsNAPeriodAndStartsOverAtTheBoundary(t *testing.T) {
+	t.Parallel()
 	ny := mustZone(t, "America/New_York")
 	q := bucket.Quota{N: 3, Period: bucket.Day, Loc: ny}
 	// The 23-hour day: from 05:00 UTC on 8 March to 04:00 UTC on 9 March.
@@ -100,6 +102,7 @@ func TestQuotaAdmitsNAPeriodAndStartsOverAtTheBoundary(t *testing.T) {
 }
 
 func TestParseQuota(t *testing.T) {
+	t.Parallel()
 	for _, s := range []string{"0/day", "5/fortnight", "x/day", "5", "-1/month", "3000000000/day"} {
 		if _, err := bucket.ParseQuota(s, nil); err == nil {
 			t.Errorf("%q: want an error", s)
@@ -115,6 +118,7 @@ func TestParseQuota(t *testing.T) {
 // refusal by the rate limit takes nothing from the quota, and a refusal
 // by the quota takes nothing from the limit and starts no ban.
 func TestQuotasAndLimitsTakeAllOrNothing(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}, Ban: 60_000_000}
 	q := bucket.Quota{N: 3, Period: bucket.Day, Loc: time.UTC}
 	ls, qs := []bucket.Limit{l}, []bucket.Quota{q}
@@ -156,6 +160,7 @@ func TestQuotasAndLimitsTakeAllOrNothing(t *testing.T) {
 // around to a negative one, which would give the client the period back.
 // Regression test for issue 30 item 1.
 func TestAChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
+	t.Parallel()
 	q := bucket.Quota{N: 5, Period: bucket.Month, Loc: time.UTC}
 	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
 	if bad := chargeLeavesNoRoom(q, now, bucket.ChargeQuota); bad != "" {
@@ -196,6 +201,7 @@ func chargeLeavesNoRoom(q bucket.Quota, now int64, charge func(bucket.QuotaState
 // hand the client back what it used once n is raised again. (A charge
 // takes at most what is left: here nothing.)
 func TestAChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
+	t.Parallel()
 	ten := bucket.Quota{N: 10, Period: bucket.Day, Loc: time.UTC}
 	five := bucket.Quota{N: 5, Period: bucket.Day, Loc: time.UTC}
 	now := micros(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC))
@@ -218,5 +224,198 @@ func TestAChargeNeverLowersACountAReloadLeftAboveN(t *testing.T) {
 	}
 	if admitted > 2 {
 		t.Errorf("n back to 10 after 8 taken and 1 charged: %d more admitted; the 8 alone leave room for 2", admitted)
+	}
+}
+
+// On a day whose midnight does not exist (DST starts at 00:00:
+// America/Santiago, America/Havana), the day before still has its 24 hours
+// and holds its last hour: time.Date normalizes the missing Sunday 00:00 to
+// Saturday 23:00, which must not end Saturday early. A refusal in that hour
+// is told a positive wait, to the boundary.
+func TestQuotaBoundsHoldTheMomentWhenMidnightIsSkipped(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		zone    string
+		y, m, d int // the Sunday whose 00:00 does not exist
+	}{
+		{"America/Santiago", 2026, 9, 6},
+		{"America/Havana", 2026, 3, 8},
+	} {
+		loc, err := time.LoadLocation(tt.zone)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := bucket.Quota{N: 10, Period: bucket.Day, Loc: loc}
+		// Saturday 23:30 local: an ordinary Saturday moment, 30 minutes
+		// before the clocks jump from 24:00 to 01:00.
+		at := time.Date(tt.y, time.Month(tt.m), tt.d-1, 23, 30, 0, 0, loc)
+		t0 := at.UnixMicro()
+		start, end := q.Bounds(t0)
+		if !(start <= t0 && t0 < end) {
+			t.Errorf("%s: Bounds(%s) = [%s, %s): the period does not hold t", tt.zone, at, time.UnixMicro(start).In(loc), time.UnixMicro(end).In(loc))
+		}
+		// Sunday begins at 01:00 (its first moment): Saturday is 24 h.
+		firstOfSunday := at.Add(30 * time.Minute).UnixMicro()
+		if end != firstOfSunday {
+			t.Errorf("%s: Saturday ends at %s, want %s (the first moment of Sunday)", tt.zone, time.UnixMicro(end).In(loc), time.UnixMicro(firstOfSunday).In(loc))
+		}
+		_, res := bucket.TakeQuota(bucket.QuotaState{Start: start, Used: 10}, t0, q, 1)
+		if res.Allowed || res.RetryAfter <= 0 || res.ResetAfter <= 0 {
+			t.Errorf("%s: refused at Saturday 23:30 with RetryAfter %d µs, ResetAfter %d µs; want both positive (to the boundary, 30 min)", tt.zone, res.RetryAfter, res.ResetAfter)
+		}
+	}
+}
+
+// A count_status give-back that arrives after the boundary belongs to the
+// period the request was taken in: it must not erase a token another
+// request took in the new period, which would admit n+1 there.
+func TestAGiveBackAfterTheBoundaryDoesNotRefundTheNewPeriod(t *testing.T) {
+	t.Parallel()
+	q := bucket.Quota{N: 2, Period: bucket.Day, Loc: time.UTC}
+	before := time.Date(2026, 5, 4, 23, 59, 59, 900_000_000, time.UTC).UnixMicro()
+	after := time.Date(2026, 5, 5, 0, 0, 0, 100_000_000, time.UTC).UnixMicro()
+	var s bucket.QuotaState
+	s, _ = bucket.TakeQuota(s, before, q, 1) // request A, yesterday; its response is slow
+	admitted := 0
+	for range 2 {
+		var res bucket.Result
+		if s, res = bucket.TakeQuota(s, after, q, 1); res.Allowed {
+			admitted++
+		}
+	}
+	s = bucket.GiveBackQuota(s, after, before, q, 1) // A's response does not count: give back
+	if _, res := bucket.TakeQuota(s, after, q, 1); res.Allowed {
+		admitted++
+	}
+	if admitted != 2 {
+		t.Errorf("the new day admitted %d requests; quota %s admits 2 (A's give-back belongs to yesterday)", admitted, q)
+	}
+}
+
+// After a reload lowers n below the period's count (which the reload
+// keeps), Remaining is 0, never negative: it is written as
+// X-RateLimit-Remaining, the RateLimit header's r and the admin API's left.
+func TestQuotaRemainingIsNeverNegativeAfterNIsLowered(t *testing.T) {
+	t.Parallel()
+	q := bucket.Quota{N: 3, Period: bucket.Day, Loc: time.UTC}
+	now := time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro()
+	start, _ := q.Bounds(now)
+	s := bucket.QuotaState{Start: start, Used: 5} // counted under quota 10/day
+	if _, res := bucket.TakeQuota(s, now, q, 1); res.Remaining < 0 {
+		t.Errorf("TakeQuota: Remaining %d, want 0", res.Remaining)
+	}
+	if res := bucket.PeekQuota(s, now, q); res.Remaining < 0 {
+		t.Errorf("PeekQuota: Remaining %d, want 0", res.Remaining)
+	}
+}
+
+// Zones that skipped a whole calendar day (Pacific/Apia and Pacific/Fakaofo
+// went from 29 to 31 December 2011, Pacific/Kwajalein skipped 21 August 1993,
+// Pacific/Kanton 31 December 1994) never show that date: the day before
+// ends when the next one starts, and Bounds returns (it once looked for the
+// skipped day for ever, under a shard's lock in the local store).
+func TestQuotaBoundsOfTheDayBeforeASkippedDayReturn(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		zone string
+		y    int
+		m    time.Month
+		d    int
+	}{
+		{"Pacific/Apia", 2011, 12, 29},
+		{"Pacific/Kwajalein", 1993, 8, 20},
+		{"Pacific/Kanton", 1994, 12, 30},
+	} {
+		loc, err := time.LoadLocation(tc.zone)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := bucket.Quota{N: 10, Period: bucket.Day, Loc: loc}
+		at := time.Date(tc.y, tc.m, tc.d, 12, 0, 0, 0, loc).UnixMicro()
+		type bounds struct{ start, end int64 }
+		got := make(chan bounds, 1)
+		go func() {
+			s, e := q.Bounds(at)
+			got <- bounds{s, e}
+		}()
+		select {
+		case b := <-got:
+			if b.start > at || b.end <= at {
+				t.Errorf("%s %d-%02d-%02d: Bounds [%d, %d) does not hold the moment", tc.zone, tc.y, tc.m, tc.d, b.start, b.end)
+			}
+		case <-time.After(5 * time.Second):
+			// The goroutine spins on: the test binary ends it.
+			t.Errorf("%s: Bounds of a day quota on %d-%02d-%02d did not return within 5s (dayStart looks for the skipped next day for ever)", tc.zone, tc.y, tc.m, tc.d)
+			return
+		}
+	}
+}
+
+// CountedAt names a moment in the store's period for every period, over DST
+// days (23 and 25 hours), month and year ends, in zones with DST at 00:00
+// (Havana, Santiago), with the node's clock off by less than an hour either
+// way and a decision up to 2 s after the request's start.
+func TestCountedAtIsInTheStoresPeriod(t *testing.T) {
+	t.Parallel()
+	zones := []string{"UTC", "America/New_York", "Europe/Berlin", "America/Havana", "America/Santiago", "Australia/Lord_Howe", "Asia/Kathmandu", "Pacific/Chatham"}
+	skews := []time.Duration{-59 * time.Minute, -time.Minute, 0, time.Minute, 59 * time.Minute}
+	for _, z := range zones {
+		loc, err := time.LoadLocation(z)
+		if err != nil {
+			t.Fatal(err)
+		}
+		qs := []bucket.Quota{{N: 1, Period: bucket.Day, Loc: loc}, {N: 1, Period: bucket.Week, Loc: loc}, {N: 1, Period: bucket.Month, Loc: loc}, {N: 1, Period: bucket.Year, Loc: loc}}
+		from := time.Date(2026, 1, 1, 0, 0, 0, 0, loc).UnixMicro()
+		to := time.Date(2027, 1, 3, 0, 0, 0, 0, loc).UnixMicro()
+		// Every 193 minutes over the year, and the moments next to each
+		// boundary.
+		var moments []int64
+		for m := from; m < to; m += (193 * time.Minute).Microseconds() {
+			moments = append(moments, m)
+		}
+		for d := time.Date(2026, 1, 1, 12, 0, 0, 0, loc); d.Year() == 2026; d = d.AddDate(0, 0, 1) {
+			_, end := qs[0].Bounds(d.UnixMicro())
+			moments = append(moments, end-1, end-1_000_000, end-3_599_000_000)
+		}
+		for _, storeNow := range moments {
+			// What the store answers, and the periods it counted in.
+			var qout [4]bucket.Result
+			var want [4]int64
+			for i, q := range qs {
+				var end int64
+				want[i], end = q.Bounds(storeNow)
+				qout[i] = bucket.Result{ResetAfter: end - storeNow}
+			}
+			for _, skew := range skews {
+				for _, lag := range []int64{0, 2_000_000} {
+					start := storeNow - lag + skew.Microseconds() // node's wall at the request's start
+					at := bucket.CountedAt(start, qout[:])
+					for i, q := range qs {
+						if got, _ := q.Bounds(at); got != want[i] {
+							t.Fatalf("%s %v skew %v: CountedAt names the period starting %v, the store counted in %v's",
+								z, time.UnixMicro(storeNow).In(loc), skew, time.UnixMicro(got).In(loc), time.UnixMicro(want[i]).In(loc))
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// A quota's refusal reports each limit by Peek: a banned limit's reset and
+// Retry-After there agree with what a take says of it.
+func TestAQuotaRefusalReportsABannedLimitAsATakeDoes(t *testing.T) {
+	t.Parallel()
+	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 60 * second}, Ban: 3600 * second}
+	now := 100 * second
+	s := bucket.State{}
+	for range 3 {
+		s, _ = bucket.Take(s, now, l, 1)
+	}
+	_, tr := bucket.Take(s, now, l, 1)
+	out := make([]bucket.Result, 1)
+	bucket.PeekRefused([]bucket.State{s}, now, []bucket.Limit{l}, 1, out)
+	if out[0].ResetAfter != tr.ResetAfter || out[0].RetryAfter != tr.RetryAfter {
+		t.Errorf("quota refusal reports %+v, a take %+v", out[0], tr)
 	}
 }

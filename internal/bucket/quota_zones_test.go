@@ -23,6 +23,7 @@ import (
 // or where the zone's clock jumped past one.
 // Regression test for issue 30 item 3.
 func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
+	t.Parallel()
 	zones := tzdataZones(t)
 	from, to := time.Date(2005, 1, 1, 0, 0, 0, 0, time.UTC), time.Date(2031, 1, 1, 0, 0, 0, 0, time.UTC)
 	failures := 0

@@ -11,6 +11,7 @@ import (
 // call's cost, which may be fewer: n below 0 then shortens the wait, and
 // is not read as none.
 func TestTierRefillIsTheSlowestLimits(t *testing.T) {
+	t.Parallel()
 	fast := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}} // 100 ms a token
 	slow := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}  // 1 s a token
 	for _, tt := range []struct {
@@ -43,6 +44,7 @@ func TestTierRefillIsTheSlowestLimits(t *testing.T) {
 // refused, the one that makes the client wait longest: the first of
 // equals either way.
 func TestBindingIsTheLeastRemainingOrTheLongestWait(t *testing.T) {
+	t.Parallel()
 	all := []bucket.Result{
 		{Remaining: 5, RetryAfter: 10},
 		{Remaining: 2, RetryAfter: 30},

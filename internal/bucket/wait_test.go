@@ -1,8 +1,11 @@
 package bucket_test
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
@@ -19,6 +22,7 @@ var tenASecond = bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval
 // 30 simultaneous requests: 11 pass, the k-th after k x 100 ms, and 19 are
 // refused, each told to come back when it would fit within max_wait.
 func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
+	t.Parallel()
 	var st bucket.State
 	now := 5 * second
 	allowed := 0
@@ -54,6 +58,7 @@ func TestMaxWaitSpacesABurstAtTheRate(t *testing.T) {
 // The last 5 waiters hang up at 250 ms and give their tokens back: 5
 // requests at 300 ms all fit, where only 3 would without the give-back.
 func TestAWaiterThatHangsUpMakesRoomForTheNext(t *testing.T) {
+	t.Parallel()
 	for _, giveBack := range []bool{true, false} {
 		var st bucket.State
 		now := 5 * second
@@ -87,6 +92,7 @@ func TestAWaiterThatHangsUpMakesRoomForTheNext(t *testing.T) {
 // ban's end is within max_wait of, and a waiter's give-back during it is
 // dropped.
 func TestABanHoldsAgainstWaiting(t *testing.T) {
+	t.Parallel()
 	l := tenASecond
 	l.Ban = 500 * ms
 	var st bucket.State
@@ -115,6 +121,7 @@ func TestABanHoldsAgainstWaiting(t *testing.T) {
 // A ban that ends within max_wait still refuses: a request does not wait
 // out a ban. A ban shorter than the queue only keeps the queue.
 func TestARequestDoesNotWaitOutABan(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 100 * ms}, MaxWait: 10 * second, Ban: 20 * second}
 	var st bucket.State
 	now := 5 * second
@@ -146,6 +153,7 @@ func TestARequestDoesNotWaitOutABan(t *testing.T) {
 
 // A debt that cost_from_response ran up is waited out like a queue.
 func TestMaxWaitWaitsOutADebtWithinIt(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: second}, MaxWait: second}
 	now := 5 * second
 	st := bucket.Charge(bucket.State{}, now, l, 15) // 5 tokens of debt: 0.5 s
@@ -162,6 +170,7 @@ func TestMaxWaitWaitsOutADebtWithinIt(t *testing.T) {
 // Several limits: a request waits for the slowest, and a refused one is
 // told when every limit would take it within max_wait.
 func TestMaxWaitWaitsForTheSlowestLimit(t *testing.T) {
+	t.Parallel()
 	fast := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 10, Interval: second}, MaxWait: second}
 	slow := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 2, Interval: second}, MaxWait: second}
 	ls := []bucket.Limit{fast, slow}
@@ -189,6 +198,7 @@ func TestMaxWaitWaitsForTheSlowestLimit(t *testing.T) {
 // outrun the bucket: over any window of due times, at most C + r*T, give
 // or take the microsecond a wait is rounded up to.
 func TestWaitingNeverOutrunsTheRate(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(22, 12))
 	for i := range 300 {
 		tr := buckettest.RandomTrace(rng)
@@ -229,6 +239,7 @@ func TestWaitingNeverOutrunsTheRate(t *testing.T) {
 }
 
 func TestMaxWaitIsValidated(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: second}}
 	for _, w := range []int64{-1, 10*1000*second + 1} {
 		l.MaxWait = w
@@ -239,5 +250,235 @@ func TestMaxWaitIsValidated(t *testing.T) {
 	l.MaxWait = 10 * 1000 * second
 	if err := l.Validate(1); err != nil {
 		t.Errorf("max_wait of 1000 refills: %v", err)
+	}
+}
+
+// Under a ban with max_wait, the refusal that starts the ban says retry when
+// the request fits within max_wait (the level is back to 0 and its wait,
+// cost/rate, is within max_wait), not when the bucket holds the cost, a
+// whole cost's refill later.
+func TestABansRetryAfterIsWhenTheRequestFitsWithinMaxWait(t *testing.T) {
+	t.Parallel()
+	// capacity 1, one token every 10 s, ban 60 s, max_wait 30 s.
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 10_000_000}, Ban: 60_000_000, MaxWait: 30_000_000}
+	now := int64(1_000_000_000)
+	var s bucket.State
+	// Take the token, then 3 wait (10, 20, 30 s); the 5th would wait 40 s:
+	// refused, and the ban starts.
+	for i := range 4 {
+		var res bucket.Result
+		if s, res = bucket.Take(s, now, l, 1); !res.Allowed {
+			t.Fatalf("request %d: %+v, want allowed", i, res)
+		}
+	}
+	s, res := bucket.Take(s, now, l, 1)
+	if res.Allowed || !res.Banned {
+		t.Fatalf("5th request: %+v, want refused, starting a ban", res)
+	}
+	// The earliest moment a request fits within max_wait.
+	fits := int64(-1)
+	for at := now; at <= now+res.RetryAfter; at += 100_000 {
+		if _, r := bucket.Take(s, at, l, 1); r.Allowed {
+			fits = at - now
+			break
+		}
+	}
+	if fits < 0 {
+		t.Fatalf("no request fits within RetryAfter %d µs", res.RetryAfter)
+	}
+	if res.RetryAfter > fits {
+		t.Fatalf("the refusal that started the ban says retry after %d µs, but a request fits (waiting within max_wait) after %d µs", res.RetryAfter, fits)
+	}
+}
+
+// An allowed request of a tier that waits (max_wait) reports, for a limit
+// that would have let it go sooner, the reset of the take it did: the
+// limits go together, when the slowest lets the request go, which leaves
+// that limit full later than an immediate take would.
+func TestAWaitingTierReportsEachLimitsResetOfTheTakeItDid(t *testing.T) {
+	t.Parallel()
+	ls := []bucket.Limit{
+		{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: second}, MaxWait: 10 * second},
+		{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1}, MaxWait: 10 * second},
+	}
+	states := make([]bucket.State, 2)
+	now := 100 * second
+	out := make([]bucket.Result, 2)
+	bucket.TakeAll(states, now, ls, 2, out)
+	if !bucket.TakeAll(states, now, ls, 2, out) || out[0].Wait != 2*second {
+		t.Fatalf("second request: %+v", out)
+	}
+	if got, want := out[1].ResetAfter, untilPeekSaysFull(states[1], now, ls[1]); got != want {
+		t.Errorf("limit 2's result %+v, but its state %+v is full in %d µs", out[1], states[1], want)
+	}
+}
+
+// waitRates include refills above one token a microsecond (Tokens >
+// Interval), where a microsecond's rounding is more than a token.
+var waitRates = append([]string{"2000000/s", "3000000/s"}, peekRates...)
+
+// randomWaitingTier is a tier of two or three limits that waits (max_wait,
+// the same for all, valid for each), with a ban one time in three.
+func randomWaitingTier(rng *rand.Rand, rates []string) []bucket.Limit {
+	n := 2 + rng.IntN(2)
+	var ls []bucket.Limit
+	for range n {
+		rate, err := bucket.ParseRate(rates[rng.IntN(len(rates))])
+		if err != nil {
+			panic(err)
+		}
+		ls = append(ls, bucket.Limit{Capacity: 1 + rng.Int64N(20), Rate: rate})
+	}
+	full := bucket.CeilDiv(ls[0].Units(), ls[0].Rate.Tokens)
+	mw := 1 + rng.Int64N(3*full+1)
+	var ban int64
+	if rng.IntN(3) == 0 {
+		ban = 1 + rng.Int64N(5*full+1)
+	}
+	for i := range ls {
+		mw = min(mw, (ls[i].MaxDeficit()-ls[i].Units())/ls[i].Rate.Tokens)
+	}
+	for i := range ls {
+		ls[i].MaxWait, ls[i].Ban = mw, ban
+		if err := ls[i].Validate(1); err != nil {
+			panic(err)
+		}
+	}
+	return ls
+}
+
+// On shared buckets with leases held, bans, debts and quotas (the model a
+// fleet leases from), every allowed take of a tier answers, for each limit,
+// a ResetAfter equal to when Peek says that limit is full (given the state
+// after the take), a Wait that is the tier's (the slowest limit's), and a
+// Remaining no more than the limit's level when the request goes on.
+func TestAnAllowedTakeAnswersEachLimitAsPeekSays(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(27, 0xb))
+	day := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
+	var allowedWaits, spread, exactMisses int
+	var firstMiss string
+	traces := 1500
+	if testing.Short() {
+		traces = 300
+	}
+	for trace := range traces {
+		ls := randomWaitingTier(rng, waitRates)
+		var qs []bucket.Quota
+		if rng.IntN(3) == 0 {
+			qs = []bucket.Quota{day}
+		}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
+		minCap := minCapacity(ls)
+		now := time.Date(2026, 3, 1, 23, 0, 0, 0, time.UTC).UnixMicro() + rng.Int64N(3600e6)
+		perToken := max(1, ls[0].Rate.Interval/ls[0].Rate.Tokens)
+		nodes := []string{"a", "b"}
+		var seq int64
+		for step := range 80 {
+			switch rng.IntN(3) {
+			case 0:
+			case 1:
+				now += rng.Int64N(perToken + 2)
+			default:
+				now += rng.Int64N(ls[0].Capacity*perToken + 2)
+			}
+			what := traceStep{trace: trace, step: step, limits: ls, quotas: qs}
+			switch op := rng.IntN(10); {
+			case op < 6:
+				cost := 1 + rng.Int64N(minCap)
+				out, qout := make([]bucket.Result, len(ls)), make([]bucket.Result, len(qs))
+				before := cloneShared(sh)
+				var allowed bool
+				if len(qs) > 0 {
+					allowed = sh.TakeWithQuotas(now, ls, qs, cost, out, qout)
+				} else {
+					allowed = sh.Take(now, ls, cost, out)
+				}
+				if !allowed {
+					continue
+				}
+				var w int64
+				for _, r := range out {
+					w = max(w, r.Wait)
+				}
+				if w > 0 {
+					allowedWaits++
+					if slices.ContainsFunc(out, func(r bucket.Result) bool { return r.Wait < w }) {
+						t.Fatalf("%s: a waiting take of cost %d answers waits %+v, not the tier's %d", what, cost, out, w)
+					}
+				}
+				// The level each limit has when the request goes on, after
+				// the take: the state after, at now+w, held leases settled.
+				at := make([]bucket.Result, len(ls))
+				sh.Peek(now+w, ls, at)
+				for i, l := range ls {
+					r := out[i]
+					if !r.Allowed || r.ResetAfter < 0 || r.Remaining < 0 || r.Remaining > l.Capacity {
+						t.Fatalf("%s: limit %d of an allowed take: %+v", what, i, r)
+					}
+					p := bucket.Peek(sh.Levels[i], now, l)
+					if truth := untilPeekSaysFull(sh.Levels[i], now, l); r.ResetAfter != p.ResetAfter || r.ResetAfter != truth {
+						t.Fatalf("%s: take of cost %d (before %+v): limit %d answers %+v, but its state after %+v peeks %+v, full by Peek in %d µs",
+							what, cost, before, i, r, sh.Levels[i], p, truth)
+					}
+					plain := bucket.Peek(sh.Levels[i], now+w, l)
+					if r.Remaining > plain.Remaining || r.Remaining > at[i].Remaining {
+						t.Fatalf("%s: take of cost %d (before %+v): limit %d answers %d remaining, more than its level when it goes on (%d; shared %d)",
+							what, cost, before, i, r.Remaining, plain.Remaining, at[i].Remaining)
+					}
+					if w > 0 && r.Remaining != plain.Remaining && l.Rate.Tokens < l.Rate.Interval {
+						exactMisses++
+						if firstMiss == "" {
+							firstMiss = fmt.Sprintf("%s: cost %d, limit %d answers %+v; at now+%d its level is %d (state %+v, before %+v)", what, cost, i, r, w, plain.Remaining, sh.Levels[i], before.Levels[i])
+						}
+					}
+				}
+				if w > 0 && len(ls) > 1 && out[0].Remaining != out[1].Remaining {
+					spread++
+				}
+			case op < 8:
+				node := nodes[rng.IntN(2)]
+				seq++
+				a := bucket.LeaseAsk{Node: node, Seq: seq, Held: rng.Int64N(minCap), Cost: 1, Want: 1 + rng.Int64N(max(1, minCap/2)), Hold: rng.Int64N(3 * ls[0].Capacity * perToken)}
+				if rng.IntN(2) == 0 {
+					a.Spend = 1
+				}
+				sh.LeaseQuotas(now, ls, qs, a)
+			case op < 9:
+				sh.Charge(now, ls, rng.Int64N(2*minCap))
+			default:
+				sh.GiveBack(now, ls, 1+rng.Int64N(minCap))
+			}
+		}
+	}
+	t.Logf("%d allowed takes that waited (%d with limits at different levels); %d limits whose Remaining is below their level when the request goes on", allowedWaits, spread, exactMisses)
+	if firstMiss != "" {
+		t.Logf("first: %s", firstMiss)
+	}
+}
+
+func cloneShared(sh *buckettest.Shared) buckettest.Shared {
+	return buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held), Quotas: slices.Clone(sh.Quotas)}
+}
+
+// A waiting take answers no more remaining than the bucket holds when it
+// goes on, also at a refill of more than a token a microsecond, where the
+// wait is rounded up to a whole microsecond, which refills more than the
+// request lacked.
+func TestAWaitingTakesRemainingIsItsLevelWhenItGoesOnAtHighRates(t *testing.T) {
+	t.Parallel()
+	rate, err := bucket.ParseRate("3000000/s") // 3 tokens a µs
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := bucket.Limit{Capacity: 10, Rate: rate, MaxWait: 100}
+	s := bucket.State{}
+	now := int64(1e12)
+	s, _ = bucket.Take(s, now, l, 10)
+	s, r := bucket.Take(s, now, l, 1) // lacks 1 token: waits 1 µs, which refills 3
+	p := bucket.Peek(s, now+r.Wait, l)
+	t.Logf("result %+v; at now+%d the bucket holds %d", r, r.Wait, p.Remaining)
+	if r.Remaining > p.Remaining {
+		t.Errorf("answers %d remaining, more than the %d there when it goes on", r.Remaining, p.Remaining)
 	}
 }

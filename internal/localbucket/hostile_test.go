@@ -23,7 +23,7 @@ var floodKeys = 1_000_000
 // token of a 1/h bucket, so that none is ever full again and every drop is
 // an eviction. The table never holds more than max_keys buckets, and the
 // heap after the flood, after a GC, is within a bound proportional to
-// max_keys, not to the flood.
+// max_keys, not to the flood. Serial: it measures the whole heap.
 func TestFloodOfDistinctKeysStaysWithinMaxKeys(t *testing.T) {
 	if testing.Short() {
 		t.Skip("heavy load test: skipped under -short")

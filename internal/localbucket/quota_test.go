@@ -11,6 +11,7 @@ import (
 // A charge of 2^63-1 leaves each quota used up.
 // Regression test for issue 30 item 1.
 func TestLocalStoreChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
 	s := New(Options{MaxKeys: 100, Now: clock.now, Wall: clock.now})
@@ -37,6 +38,7 @@ func TestLocalStoreChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
 // local quota's count.
 // Regression test for issue 30 item 2.
 func TestALocalQuotaCountSurvivesAStepOfTheWallClock(t *testing.T) {
+	t.Parallel()
 	for _, step := range []time.Duration{2 * time.Minute, 3 * time.Hour, -2 * time.Minute, -3 * time.Hour} {
 		t.Run(step.String(), func(t *testing.T) {
 			lb, mono, wall := quotaClocks(time.Date(2026, 5, 4, 10, 0, 0, 0, time.UTC), 1000)
@@ -60,6 +62,7 @@ func TestALocalQuotaCountSurvivesAStepOfTheWallClock(t *testing.T) {
 // count a quota, as Redis keeps).
 // Regression test for issue 30 item 2.
 func TestALocalQuotaCountAfterAStepBackAcrossABoundary(t *testing.T) {
+	t.Parallel()
 	lb, mono, wall := quotaClocks(time.Date(2026, 5, 5, 0, 30, 0, 0, time.UTC), 1000)
 	qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
 	b := idFor("127.0.0.2")
@@ -96,6 +99,7 @@ func TestALocalQuotaCountAfterAStepBackAcrossABoundary(t *testing.T) {
 // An ended period's count is dropped first when the table needs room, as
 // a full bucket is, within seconds of the period's end.
 func TestALocalQuotaCountIsDroppableOnceItsPeriodEnds(t *testing.T) {
+	t.Parallel()
 	lb, mono, wall := quotaClocks(time.Date(2026, 5, 4, 23, 0, 0, 0, time.UTC), 2) // one shard
 	qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
 	takeQuotaLeft(t, lb, idFor("127.0.0.2"), qs) // a limit's state and a quota's count
@@ -147,6 +151,7 @@ func takeQuotaLeft(t *testing.T, lb *Store, b uint64, qs []bucket.Quota) (left [
 // day as the old zone has it, and does not erase the count the running
 // config keeps for the day as the new zone has it.
 func TestALocalGiveBackOfAnOldZoneKeepsTheNewZonesCount(t *testing.T) {
+	t.Parallel()
 	berlin, err := time.LoadLocation("Europe/Berlin")
 	if err != nil {
 		t.Fatal(err)
@@ -172,5 +177,58 @@ func TestALocalGiveBackOfAnOldZoneKeepsTheNewZonesCount(t *testing.T) {
 				t.Errorf("after the old zone's %s: %d left of the running config's day, want 4", op, out[1].Remaining)
 			}
 		})
+	}
+}
+
+// skipNearUTCMidnight skips a real-clock test that a day boundary could
+// disturb.
+func skipNearUTCMidnight(t *testing.T) {
+	now := time.Now().UTC()
+	if now.Hour() == 23 && now.Minute() >= 58 || now.Hour() == 0 && now.Minute() < 2 {
+		t.Skip("too close to midnight UTC")
+	}
+}
+
+// A quota's count, kept beside the monotonic clock with the wall clock's
+// offset read at every call, is not dropped mid-period when the two clocks'
+// reads, truncated to microseconds, differ by 1 µs from call to call: it
+// runs on the real clocks, 20000 requests.
+func TestALocalQuotaCountSurvivesClockReadJitter(t *testing.T) {
+	t.Parallel()
+	skipNearUTCMidnight(t)
+	lb := newStore(1000, monotonicMicros)
+	q := bucket.Quota{N: 1 << 30, Period: bucket.Day, Loc: time.UTC}
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	b := idFor("127.0.0.9")
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	var out [2]bucket.Result
+	for i := range 20000 {
+		lb.Take(b, tr, 1, out[:])
+		if want := q.N - int64(i+1); out[1].Remaining != want {
+			t.Fatalf("take %d: the day's quota has %d left, want %d: the count was dropped mid-period", i+1, out[1].Remaining, want)
+		}
+	}
+}
+
+// The same, deterministically: the wall clock gains 1 µs on the monotonic
+// one between two requests (one read's truncation, or NTP slewing), and the
+// day's count is kept.
+func TestALocalQuotaCountSurvivesAMicrosecondOfWallDrift(t *testing.T) {
+	t.Parallel()
+	mono, wall := new(fakeClock), new(fakeClock)
+	mono.micros.Store(1_000_000)
+	wall.micros.Store(time.Date(2026, 5, 4, 12, 0, 0, 0, time.UTC).UnixMicro())
+	lb := New(Options{MaxKeys: 1000, Now: mono.now, Wall: wall.now})
+	q := bucket.Quota{N: 10, Period: bucket.Day, Loc: time.UTC}
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	b := idFor("127.0.0.9")
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	var out [2]bucket.Result
+	lb.Take(b, tr, 1, out[:])
+	mono.advance(time.Second)
+	wall.advance(time.Second + time.Microsecond)
+	lb.Take(b, tr, 1, out[:])
+	if out[1].Remaining != 8 {
+		t.Errorf("after 2 requests at noon: %d left of 10/day, want 8", out[1].Remaining)
 	}
 }

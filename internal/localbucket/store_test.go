@@ -13,6 +13,7 @@ import (
 )
 
 func TestConcurrentBurstAdmitsCapacityPlusRefillExactly(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	lb := newStore(1000, clock.now)
@@ -43,6 +44,7 @@ func TestConcurrentBurstAdmitsCapacityPlusRefillExactly(t *testing.T) {
 	}
 }
 func TestLocalStoreMatchesReferenceModel(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	lb := newStore(100, clock.now)
 	rng := rand.New(rand.NewPCG(3, 4))
@@ -60,6 +62,7 @@ func TestLocalStoreMatchesReferenceModel(t *testing.T) {
 	}
 }
 func TestMaxKeysBoundsMemoryUnderAFloodOfKeys(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1)
 	lb := newStore(1000, clock.now)
@@ -75,6 +78,7 @@ func TestMaxKeysBoundsMemoryUnderAFloodOfKeys(t *testing.T) {
 	}
 }
 func TestFullBucketsAreDroppedBeforeLiveOnes(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1)
 	lb := newStore(100, clock.now)
@@ -107,6 +111,8 @@ func TestFullBucketsAreDroppedBeforeLiveOnes(t *testing.T) {
 		}
 	}
 }
+
+// Serial: AllocsPerRun counts every goroutine's allocations.
 func TestLocalTakeDoesNotAllocate(t *testing.T) {
 	lb := newStore(1000, monotonicMicros)
 	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1, Interval: 1}}

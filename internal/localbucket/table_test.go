@@ -10,6 +10,7 @@ import (
 // table and on a Go map, and compares them after every step. Keys come
 // from a small range, so that clusters form and wrap around the table.
 func TestStateTableMatchesAMap(t *testing.T) {
+	t.Parallel()
 	rng := rand.New(rand.NewPCG(5, 6))
 	for round := range 20 {
 		var tab stateTable
@@ -58,6 +59,7 @@ func TestStateTableMatchesAMap(t *testing.T) {
 }
 
 func TestStateTableSweepStopsAtItsLimit(t *testing.T) {
+	t.Parallel()
 	var tab stateTable
 	for i := range uint64(100) {
 		tab.put(i+1, bucket.State{FullAt: 5})
@@ -68,6 +70,7 @@ func TestStateTableSweepStopsAtItsLimit(t *testing.T) {
 }
 
 func TestHashZeroIsStored(t *testing.T) {
+	t.Parallel()
 	var tab stateTable
 	tab.put(0, bucket.State{FullAt: 42})
 	if st, ok := tab.get(0); !ok || st.FullAt != 42 {

@@ -15,6 +15,7 @@ import (
 )
 
 func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 	b := newRedisBatcher(s.conn.client(), 2, 64)
@@ -70,6 +71,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 }
 
 func TestRedisBatcherAnswersAfterClose(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 	b := newRedisBatcher(s.conn.client(), 1, 8)
@@ -142,6 +144,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 // decisions: each one, sent alone or in a pipeline, returns an error at its
 // own deadline instead of waiting for Redis, and the batcher works again
 // once Redis does.
+// Serial: it bounds decisions in wall-clock time.
 func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	skipUnderShort(t, "fault injection")
 	srv := redistest.Start(t)

@@ -22,6 +22,7 @@ import (
 // it must end the probe: the next request probes again, and with Redis
 // up it closes the breaker.
 func TestRedisBreakerClosesAfterAProbeWhoseClientHungUp(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
@@ -66,6 +67,7 @@ func TestRedisBreakerClosesAfterAProbeWhoseClientHungUp(t *testing.T) {
 // through after the cool-down and records each possible outcome: whatever
 // it was, the breaker is not left waiting for a probe that is over.
 func TestBreakerEveryProbeOutcomeEndsTheProbe(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		name      string
 		out       callOutcome
@@ -106,6 +108,7 @@ func TestBreakerEveryProbeOutcomeEndsTheProbe(t *testing.T) {
 }
 
 func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
+	t.Parallel()
 	var opened, closed atomic.Int64
 	b := breaker{threshold: 5, cooldown: 1000, changed: func(open bool) {
 		if open {
@@ -138,6 +141,7 @@ func TestRedisBreakerTellsEachOpeningAndClosingOnce(t *testing.T) {
 	}
 }
 
+// Serial: it bounds a failing call to milliseconds of wall-clock time.
 func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 	b := breaker{threshold: 3, cooldown: 1000}
 	for now := range int64(3) {
@@ -200,6 +204,7 @@ func TestRedisBreakerFailsFastThenProbes(t *testing.T) {
 // failed, not only the breaker.
 // Regression test for issue 31 item 12.
 func TestRedisBreakerOpenNamesTheLastFailure(t *testing.T) {
+	t.Parallel()
 	core, logs := observer.New(zapcore.DebugLevel)
 	plan, err := NewPlan(Options{Addresses: []string{"redis://127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}, BreakerFailures: 2, BreakerCooldown: time.Hour})
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 // send no time of their own, so their clocks cannot disagree about a
 // bucket: the second node's decision on the first node's bucket is exact.
 func TestRedisStoreUsesRedisTime(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	one := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	two := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})

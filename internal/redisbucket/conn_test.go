@@ -21,6 +21,7 @@ import (
 // answers MOVED for.
 // Regression test for issue 31 item 9.
 func TestOneClusterAddressIsFollowedAsACluster(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "Redis Cluster of three")
 	nodes := redistest.StartCluster(t, 3)
 	s := newTestStore(t, testConfig{Addresses: []string{nodes[0].URL()}, Timeout: 2 * time.Second, BreakerFailures: 1000})
@@ -47,6 +48,7 @@ func TestOneClusterAddressIsFollowedAsACluster(t *testing.T) {
 // dial: its line reaches the connection's logger, not stderr as plain text.
 // Regression test for issue 31 item 12.
 func TestGoRedisLinesGoThroughTheConnectionsLogger(t *testing.T) {
+	t.Parallel()
 	core, logs := observer.New(zapcore.DebugLevel)
 	plan, err := NewPlan(Options{Addresses: []string{"redis://127.0.0.1:" + strconv.Itoa(redistest.FreePort(t))}})
 	if err != nil {
@@ -74,6 +76,7 @@ func TestGoRedisLinesGoThroughTheConnectionsLogger(t *testing.T) {
 // breaker_cooldown far longer than it.
 // Regression test for issue 31 item 10.
 func TestSentinelFailoverEndsTheBreakersHold(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "Sentinel failover")
 	st := redistest.StartSentinel(t)
 	const cooldown = 6 * time.Second
@@ -141,6 +144,7 @@ func TestSentinelFailoverEndsTheBreakersHold(t *testing.T) {
 // MOVED that cannot be followed is an answer, not a failure: the breaker,
 // opened here by one failure, stays closed.
 func TestEveryCallFollowsAClusterGivenByOneAddress(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "Redis Cluster of three")
 	nodes := redistest.StartCluster(t, 3)
 	// A client whose bucket and slots both live on another node than the
@@ -231,6 +235,7 @@ func TestEveryCallFollowsAClusterGivenByOneAddress(t *testing.T) {
 // with none, to the logger the connection was made with. A config that
 // unloads closes its log, so the lines must leave it.
 func TestAConnectionLogsToItsNewestStoresLogger(t *testing.T) {
+	t.Parallel()
 	// A Redis that answers: go-redis says nothing of its own meanwhile.
 	srv := redistest.Start(t)
 	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}})

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 )
 
 func TestDenyCacheIsBounded(t *testing.T) {
+	t.Parallel()
 	c := newDenyCache(1000)
 	l := slowLimit(1)
 	for i := range 20000 {
@@ -50,6 +52,7 @@ func TestDenyCacheIsBounded(t *testing.T) {
 // the race: a put that carries the epoch from before a reset is dropped,
 // one from after it is kept.
 func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
+	t.Parallel()
 	c := newDenyCache(100)
 	l := slowLimit(1)
 	denial := bucket.Result{RetryAfter: 1000, ResetAfter: 1000}
@@ -72,6 +75,7 @@ func TestDenyCacheDropsADenialFromBeforeAReset(t *testing.T) {
 // what they find; without one, the expired entry goes, and they ask Redis
 // each.
 func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
+	t.Parallel()
 	c := newDenyCache(100)
 	l := slowLimit(1)
 	if done, wait := c.claim("k", 0); done != nil || wait != nil {
@@ -119,6 +123,7 @@ func TestDenyCacheOneProbeAfterADenialExpires(t *testing.T) {
 // hears no failure.
 // Regression test for issue 30 item 1.
 func TestDenyCacheProbeWhoseClientHangsUpFailsNoWaiter(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	clock := new(fakeClock)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 10 * time.Second})
@@ -209,4 +214,110 @@ func waitingForProbe() int {
 		}
 	}
 	return n
+}
+
+// In strict mode, a waiter's give-back (a hang-up, max_waiting's overflow)
+// clears the deny cache: the client's next request may wait for the tokens
+// given back, as Redis lets it, not be refused from memory.
+func TestAWaitersGiveBackClearsTheDenyCache(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	// rate 10/s, capacity 1, max_wait 1s: 11 fit (1 now, 10 waiting).
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 1_000_000}
+	key := bucketFor("denycache")
+	for i := range 11 {
+		res, err := s.takeLimit(bg, key, l, 1)
+		if err != nil || !res.Allowed {
+			t.Fatalf("take %d: %+v, %v; want allowed (waiting)", i, res, err)
+		}
+	}
+	// The 12th would wait 1.1 s: refused, retry in about 100 ms, and the
+	// deny cache remembers it.
+	res, err := s.takeLimit(bg, key, l, 1)
+	if err != nil || res.Allowed {
+		t.Fatalf("12th take: %+v, %v; want refused", res, err)
+	}
+	// The 5 last waiters hang up: each gives its token back, as the
+	// handler does (a give-back is at most one capacity).
+	for range 5 {
+		if err := s.GiveBack(bg, key, oneLimit(l), 1, 1, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Redis now lets the client's next request wait ~0.6 s for them.
+	res, err = s.takeLimit(bg, key, l, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Allowed {
+		t.Fatalf("after 5 waiters gave their tokens back, the next request: %+v (deny cache hits %d); want allowed, waiting about 600 ms", res, s.DenyCacheHits())
+	}
+	if res.Wait > 700_000 {
+		t.Fatalf("allowed with wait %d µs, want about 600 ms", res.Wait)
+	}
+}
+
+// A decision has Redis's answer or an error within the store's timeout, also
+// for the requests that find an expired denial with a probe in flight: with
+// Redis silent, a client's burst does not wait one probe's timeout after
+// another (the k-th request k timeouts) until the breaker opens. A client
+// with no cached denial is the control.
+// Serial: it bounds decisions in wall-clock time.
+func TestDenyCacheWaitersAreAnsweredWithinTheTimeout(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t, srv.Addr(), 0)
+	const timeout = 300 * time.Millisecond
+	// A decision's bound: the timeout, and half of it for the scheduler.
+	const bound = timeout + timeout/2
+	s := newTestStore(t, testConfig{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: timeout, BreakerFailures: 1000})
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	s.conn.now = clock.now
+	ls := []bucket.Limit{slowLimit(1), slowLimit(5)}
+	denied := bucketFor("denied")
+	fresh := bucketFor("fresh")
+	out := make([]bucket.Result, 2)
+	if ok, err := s.Take(bg, denied, bucket.Tier{Limits: ls}, 1, out); err != nil || !ok {
+		t.Fatalf("set-up: first take %v %v", ok, err)
+	}
+	if ok, err := s.Take(bg, denied, bucket.Tier{Limits: ls}, 1, out); err != nil || ok {
+		t.Fatalf("set-up: second take %v %v; want a denial (cached)", ok, err)
+	}
+	// The denial expires (the limit refills within the hour), and Redis
+	// falls silent.
+	clock.advance(2 * time.Hour)
+	proxy.Blackhole()
+
+	burst := func(key []byte) time.Duration {
+		const n = 6
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		var slowest time.Duration
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				o := make([]bucket.Result, 2)
+				begin := time.Now()
+				_, err := s.Take(bg, key, bucket.Tier{Limits: ls}, 1, o)
+				took := time.Since(begin)
+				if err == nil {
+					t.Errorf("a take answered with Redis silent")
+				}
+				mu.Lock()
+				slowest = max(slowest, took)
+				mu.Unlock()
+			}()
+		}
+		wg.Wait()
+		return slowest
+	}
+	// Control: a client with no cached denial. Each call is bounded.
+	if d := burst(fresh); d > bound {
+		t.Fatalf("control: without a cached denial the slowest of 6 took %v (timeout %v); the test's bound does not hold here", d, timeout)
+	}
+	if d := burst(denied); d > bound {
+		t.Errorf("after a cached denial expired, with Redis silent, the slowest of 6 concurrent requests took %v for its decision; the store's timeout is %v: a waiter first waits out the probe ahead of it (at c46dab4 they then probe one after another)", d.Round(time.Millisecond), timeout)
+	}
 }

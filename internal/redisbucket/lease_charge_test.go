@@ -5,13 +5,13 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // cost_from_response with leases (issue 25): every allowed request is
 // charged a reported cost after it, taken from the node's lease when it
 // covers it, else from the shared bucket: no token is made or lost.
 func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
+	t.Parallel()
 	if _, charged := conserveTokens(t, 5000, 5); charged == 0 {
 		t.Error("nothing was charged")
 	}
@@ -20,9 +20,8 @@ func TestLeasingNodesConserveEveryTokenWithCharges(t *testing.T) {
 // A charge the lease covers makes no call; one it does not is charged to
 // the shared bucket, into debt: the client is refused until it refilled.
 func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	t.Parallel()
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 20, 1/s
 	tb := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
 	defer tb.close()
@@ -69,6 +68,7 @@ func TestLeaseChargeSpendsTheLeaseThenChargesTheSharedBucket(t *testing.T) {
 // and each charge from the node's lease or, beyond it, from all three in
 // Redis; no token of any is made or lost.
 func TestLeasingNodesConserveEveryTokenOfATier(t *testing.T) {
+	t.Parallel()
 	hour := bucket.Rate{Tokens: 1, Interval: 3_600_000_000}
 	tr := bucket.Tier{
 		Limits: []bucket.Limit{{Capacity: 5000, Rate: hour}, {Capacity: 8000, Rate: hour}},

@@ -9,11 +9,13 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
+	"go.uber.org/zap"
 )
 
 // The fleet's guarantees, as a property over random traces on the model
@@ -166,7 +168,8 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 	}
 	key := "bucket"
 	var bans []banStart
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, mutate: r.mutate}
+	m := newSharedModel(clock.now)
+	m.mutate = r.mutate
 	var adm, backs []admission
 	m.onLease = func(_ string, sh *buckettest.Shared, res bucket.LeaseResult) {
 		if res.Banned {
@@ -466,11 +469,30 @@ func checkQuota(adm []admission, q bucket.Quota, start0, used0 int64) error {
 func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl time.Duration) error {
 	byDue := slices.Clone(adm)
 	slices.SortStableFunc(byDue, func(a, b admission) int { return cmp.Compare(a.due, b.due) })
+	// The give-backs by time, and given[k], the tokens of the first k.
+	var backAt, given []int64
+	if l.MaxWait > 0 {
+		sorted := slices.Clone(backs)
+		slices.SortStableFunc(sorted, func(a, b admission) int { return cmp.Compare(a.at, b.at) })
+		given = make([]int64, len(sorted)+1)
+		for k, g := range sorted {
+			backAt = append(backAt, g.at)
+			given[k+1] = given[k] + g.cost
+		}
+	}
+	// ahead[i] is the tokens admitted from the i-th on: no window from it
+	// takes more, and its bound only grows, so a window that reaches
+	// ahead[i] ends the search from i.
+	ahead := make([]int64, len(byDue)+1)
+	for i := len(byDue) - 1; i >= 0; i-- {
+		ahead[i] = ahead[i+1] + max(byDue[i].cost, 0)
+	}
 	for i := range byDue {
 		if byDue[i].cost < 0 {
 			continue
 		}
 		var net int64
+		from, _ := slices.BinarySearch(backAt, byDue[i].due-l.MaxWait)
 		for j := i; j < len(byDue); j++ {
 			if l.MaxWait > 0 && byDue[j].cost < 0 {
 				continue
@@ -483,14 +505,15 @@ func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl tim
 			}
 			bound := l.Capacity + span*l.Rate.Tokens/l.Rate.Interval
 			if l.MaxWait > 0 {
-				for _, g := range backs {
-					if g.at >= byDue[i].due-l.MaxWait && g.at <= byDue[j].due {
-						bound += g.cost
-					}
-				}
+				// The give-backs from max_wait before the window to its end.
+				to, _ := slices.BinarySearch(backAt, byDue[j].due+1)
+				bound += given[to] - given[from]
 			}
 			if byDue[j].cost > 0 && net > bound {
 				return fmt.Errorf("%d admitted, net of give-backs, due between %d and %d µs, more than C + floor(r*T) = %d", net, byDue[i].due, byDue[j].due, bound)
+			}
+			if bound >= ahead[i] {
+				break
 			}
 		}
 	}
@@ -513,6 +536,7 @@ func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl tim
 }
 
 func TestLeasesNeverAdmitMoreThanOneBucketOverAnyWindow(t *testing.T) {
+	t.Parallel()
 	playRounds(t, rand.New(rand.NewPCG(20, 3)), 300, func(rng *rand.Rand, steps int) fleetRound { return randomFleetRound(rng, steps) })
 }
 
@@ -540,6 +564,7 @@ func playRounds(t *testing.T, rng *rand.Rand, rounds int, round func(rng *rand.R
 // grants a node one token more than it records, and one that forgets what
 // is out on lease, as the store did before it counted leases.
 func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		name   string
 		mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
@@ -603,6 +628,7 @@ func withTier(rng *rand.Rand, r fleetRound) fleetRound {
 // more than one bucket of each limit over any window, and no quota period
 // more than its N, with leases spent across a period's end.
 func TestLeasesOnTiersNeverAdmitMoreThanEachLimitOrQuota(t *testing.T) {
+	t.Parallel()
 	played := playRounds(t, rand.New(rand.NewPCG(25, 14)), 200, func(rng *rand.Rand, steps int) fleetRound {
 		return withTier(rng, randomFleetRound(rng, steps))
 	})
@@ -617,6 +643,7 @@ func TestLeasesOnTiersNeverAdmitMoreThanEachLimitOrQuota(t *testing.T) {
 // and, for liveness, on one that holds a node off a used-up quota until
 // its period ends (plus the hold-off's jitter), as leases once did.
 func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		name   string
 		quota  bool
@@ -667,6 +694,7 @@ func TestTheTierLeasePropertyCatchesABrokenStore(t *testing.T) {
 // instant: 15 tokens at once from a bucket of 10. The property test found
 // it (round 352 of 3000 of the single-limit traces).
 func TestAWaiterDoesNotGoOnBesideTokensOutOnLease(t *testing.T) {
+	t.Parallel()
 	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}, MaxWait: 5_000_000}
 	ls := []bucket.Limit{l}
 	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
@@ -697,11 +725,12 @@ func TestAWaiterDoesNotGoOnBesideTokensOutOnLease(t *testing.T) {
 // counts, and the day's count is what it admitted. A give-back of a
 // request taken the day before does not go into the new day's lease.
 func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	q := bucket.Quota{N: 40, Period: bucket.Day, Loc: time.UTC}
 	_, midnight := q.Bounds(1_000_000)
 	clock.micros.Store(midnight - 200_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{q}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
@@ -717,7 +746,7 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 		take()
 	}
 	before := clock.now()
-	held := node.heldTokens("k")
+	held := node.snapshot([]byte("k")).tokens
 	if held == 0 {
 		t.Fatal("the node holds no leased tokens before midnight")
 	}
@@ -735,20 +764,20 @@ func TestLeasedTokensStayInTheirQuotaPeriod(t *testing.T) {
 	if used.Start != midnight || used.Used < 5 {
 		t.Errorf("the new day counts %+v; want at least the 5 requests admitted since midnight (%d)", used, midnight)
 	}
-	if spent := node.heldTokens("k"); used.Used-spent != 5 {
+	if spent := node.snapshot([]byte("k")).tokens; used.Used-spent != 5 {
 		t.Errorf("the new day counts %d, the node holds %d of them: %d spent, want 5", used.Used, spent, used.Used-spent)
 	}
 }
 
-// heldTokens is the tokens the table holds on lease for key.
-func (t *leaseTable) heldTokens(key string) int64 {
-	sh := t.shard([]byte(key))
+// snapshot is a copy of the table's entry for key, or none.
+func (t *leaseTable) snapshot(key []byte) lease {
+	sh := t.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if e := sh.m[key]; e != nil {
-		return e.tokens
+	if e := sh.m[string(key)]; e != nil {
+		return *e
 	}
-	return 0
+	return lease{}
 }
 
 // A tier of a day's and a month's quota: a lease is counted in both, and
@@ -756,12 +785,13 @@ func (t *leaseTable) heldTokens(key string) int64 {
 // dropped, unspent: the month, whose period goes on, counts only what was
 // admitted (a quota counts what was admitted), not the dropped tokens too.
 func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	day := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 	month := bucket.Quota{N: 10000, Period: bucket.Month, Loc: time.UTC}
 	_, midnight := day.Bounds(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
 	clock.micros.Store(midnight - 200_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}}, Quotas: []bucket.Quota{day, month}}
 	node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
 	defer node.close()
@@ -777,7 +807,7 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 	for range 8 {
 		take()
 	}
-	if node.heldTokens("k") == 0 {
+	if node.snapshot([]byte("k")).tokens == 0 {
 		t.Fatal("the node holds no leased tokens before midnight")
 	}
 	clock.advance(300 * time.Millisecond) // past midnight, the month goes on
@@ -798,3 +828,398 @@ func TestAMonthCountsOnlyWhatWasAdmittedAcrossADaysEnd(t *testing.T) {
 		t.Errorf("the new day counts %d; want the 5 admitted since midnight", counts[0].Used)
 	}
 }
+
+// The window bound under concurrency: at each instant of a fake clock, 4 to
+// 16 requests run at once on 2 to 4 nodes (so they join calls in flight,
+// spend while a prefetch is out, and race its answer), then, at the next
+// instant, count_status give-backs, sweeps, reloads and outages run at
+// once. In every other round the tables hold one entry a shard and other
+// clients' requests evict the bucket's entry. Over every window between
+// two admissions the fleet takes at most C + floor(r*(b-a)) net of
+// give-backs (checkFleet, without its ban check, which needs an order
+// within an instant). A store that grants one token more than it records
+// is caught.
+func TestAConcurrentFleetKeepsTheWindowBound(t *testing.T) {
+	t.Parallel()
+	rounds := 60
+	if testing.Short() {
+		rounds = 15
+	}
+	// The rounds in two halves that run side by side, a seed each: the
+	// race detector makes a round slow, and the halves share nothing.
+	for half := range 2 {
+		t.Run(fmt.Sprintf("rounds %d of 2", half+1), func(t *testing.T) {
+			t.Parallel()
+			rng := rand.New(rand.NewPCG(20, 99+uint64(half)))
+			for round := half; round < rounds; round += 2 {
+				r := randomFleetRound(rng, 0)
+				if err := runConcurrentFleet(rng, r, 150, round%2 == 1); err != nil {
+					t.Fatalf("round %d (limit %+v, lease %+v, ttl %s, %d nodes): %v", round, r.limit, r.size, r.ttl, r.nodes, err)
+				}
+			}
+		})
+	}
+	// The harness has teeth: a store that grants one token more than it
+	// records is caught.
+	t.Run("a broken store is caught", func(t *testing.T) {
+		t.Parallel()
+		rng := rand.New(rand.NewPCG(20, 101))
+		for round := range 60 {
+			r := randomFleetRound(rng, 0)
+			r.mutate = func(_ *buckettest.Shared, res *bucket.LeaseResult) {
+				if res.Granted > 0 {
+					res.Granted++
+				}
+			}
+			if err := runConcurrentFleet(rng, r, 150, false); err != nil {
+				t.Logf("a broken store is caught in round %d: %v", round, err)
+				return
+			}
+		}
+		t.Error("no round caught a store that grants one token more than it records")
+	})
+}
+
+// runConcurrentFleet plays one round of TestAConcurrentFleetKeepsTheWindowBound
+// and reports the first breach of the bound, or nil.
+func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) error {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000 + rng.Int64N(1_000_000_000))
+	l := r.limit
+	ls := []bucket.Limit{l}
+	key := "bucket"
+	m := newSharedModel(clock.now)
+	m.mutate = r.mutate
+	now := clock.now()
+	start := &buckettest.Shared{Levels: []bucket.State{{}}}
+	if k := rng.Int64N(l.Capacity + 1); k > 0 {
+		start.Levels[0], _ = bucket.Take(bucket.State{}, now, l, k)
+	}
+	m.states[key] = start
+	timeout := time.Duration(rng.IntN(200)) * time.Millisecond
+	newTable := func() *leaseTable {
+		entries := 1000
+		if tiny {
+			entries = leaseShards // one entry a shard: another key evicts
+		}
+		tb := newLeaseTable(m, m.now, r.size, r.ttl, timeout, entries, nopLogger)
+		tb.jitter = rand.New(rand.NewPCG(rng.Uint64(), 0)).Int64N
+		return tb
+	}
+	tables := make([]*leaseTable, r.nodes)
+	for i := range tables {
+		tables[i] = newTable()
+	}
+	defer func() {
+		for _, tb := range tables {
+			tb.close()
+		}
+	}()
+	var mu sync.Mutex
+	var adm, backs []admission
+	m.onReturn = func(n int64) {
+		mu.Lock()
+		backs = append(backs, admission{at: clock.now(), cost: n})
+		mu.Unlock()
+	}
+	syncAll := func() {
+		for _, tb := range tables {
+			tableSync(tb)
+		}
+	}
+	for range instants {
+		clock.advance(time.Duration(rng.Int64N(int64(r.ttl) / 2)))
+		// The requests of this instant, at once.
+		var wg sync.WaitGroup
+		at := clock.now()
+		for range 4 + rng.IntN(13) {
+			i := rng.IntN(len(tables))
+			tb := tables[i]
+			cost := 1 + rng.Int64N(min(3, l.Capacity))
+			if tiny && rng.IntN(2) == 0 {
+				// Another client: in a table of one entry a shard, one
+				// in 64 of these evicts the bucket's entry.
+				other := []byte{'o', byte(rng.IntN(256))}
+				wg.Go(func() { tb.take(bg, other, oneLimit(l), 1, nil) })
+				continue
+			}
+			wg.Go(func() {
+				res, err := tb.take(bg, []byte(key), oneLimit(l), cost, nil)
+				if err == nil && res.Allowed {
+					mu.Lock()
+					adm = append(adm, admission{at: at, due: at + res.Wait, cost: cost, node: i})
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+		syncAll()
+		// Then, a microsecond later, what runs beside them.
+		clock.advance(time.Microsecond)
+		at = clock.now()
+		var returned []admission
+		for k := len(adm) - 1; k >= 0 && k >= len(adm)-20; k-- {
+			if !adm[k].returned && adm[k].cost > 0 && rng.IntN(3) == 0 {
+				adm[k].returned = true
+				returned = append(returned, adm[k])
+			}
+		}
+		for _, a := range returned {
+			tb := tables[a.node]
+			mu.Lock()
+			backs = append(backs, admission{at: at, cost: a.cost})
+			mu.Unlock()
+			adm = append(adm, admission{at: at, due: at, cost: -a.cost, node: a.node, returned: true})
+			wg.Go(func() {
+				rest := tb.giveBackHeld([]byte(key), a.cost)
+				if rest > 0 {
+					m.mu.Lock()
+					if !m.down {
+						m.bucket(key, 1).GiveBack(m.now(), ls, rest)
+					}
+					m.mu.Unlock()
+				}
+			})
+		}
+		for _, tb := range tables {
+			if rng.IntN(4) == 0 {
+				wg.Go(func() {
+					if back := tb.sweep(clock.now(), false); len(back) > 0 {
+						tb.giveBackNow(back)
+					}
+				})
+			}
+		}
+		wg.Wait()
+		if rng.IntN(20) == 0 {
+			i := rng.IntN(len(tables))
+			tables[i].close()
+			tables[i] = newTable()
+		}
+		if rng.IntN(30) == 0 {
+			m.mu.Lock()
+			m.down = !m.down
+			m.mu.Unlock()
+		}
+		syncAll()
+	}
+	return checkFleet(adm, backs, nil, l, r.ttl)
+}
+
+// sideBySide plays one client's arrivals on the nodes of a fleet (lease
+// tables on the model store) and on one bucket (strict mode), side by side,
+// on a fake clock.
+type sideBySide struct {
+	t     *testing.T
+	clock *fakeClock
+	m     *sharedModel
+	l     bucket.Limit
+	one   bucket.State
+	// oneLast is one bucket's answer to the last request.
+	oneLast bucket.Result
+	// admitted by the fleet and by one bucket; when each first banned.
+	fleet, single       int
+	fleetBan, singleBan int64
+}
+
+func newSideBySide(t *testing.T, l bucket.Limit) *sideBySide {
+	clock, m := newModelStore()
+	return &sideBySide{t: t, clock: clock, m: m, l: l, fleetBan: -1, singleBan: -1}
+}
+
+// node is a lease table of the fleet, closed when the test ends.
+func (f *sideBySide) node(size LeaseSize, ttl time.Duration) *leaseTable {
+	tb := newModelTable(f.m, size, ttl)
+	f.t.Cleanup(tb.close)
+	return tb
+}
+
+// sweep runs each node's lease_ttl sweep and gives back what it finds.
+func (f *sideBySide) sweep(nodes ...*leaseTable) {
+	for _, n := range nodes {
+		if back := n.sweep(f.clock.now(), false); len(back) > 0 {
+			n.giveBackNow(back)
+		}
+	}
+}
+
+// request sends one request to node, or, with node nil, to a node in
+// strict mode (a node without leases, or a cost as large as the lease),
+// and the same request to one bucket.
+func (f *sideBySide) request(node *leaseTable) bucket.Result {
+	f.t.Helper()
+	var res bucket.Result
+	if node != nil {
+		var err error
+		res, err = node.take(bg, []byte("k"), oneLimit(f.l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			f.t.Fatal(err)
+		}
+	} else {
+		f.m.mu.Lock()
+		var out [1]bucket.Result
+		f.m.bucket("k", 1).Take(f.clock.now(), []bucket.Limit{f.l}, 1, out[:])
+		f.m.mu.Unlock()
+		res = out[0]
+	}
+	if res.Allowed {
+		f.fleet++
+	}
+	if res.Banned && f.fleetBan < 0 {
+		f.fleetBan = f.clock.now()
+	}
+	var r bucket.Result
+	if f.one, r = bucket.Take(f.one, f.clock.now(), f.l, 1); r.Allowed {
+		f.single++
+	}
+	if r.Banned && f.singleBan < 0 {
+		f.singleBan = f.clock.now()
+	}
+	f.oneLast = r
+	return res
+}
+
+// record is the shared store's record of node's lease on "k", if any.
+func (f *sideBySide) record(node *leaseTable) (buckettest.Held, bool) {
+	f.m.mu.Lock()
+	defer f.m.mu.Unlock()
+	now := f.clock.now()
+	for _, h := range f.m.bucket("k", 1).Held {
+		if h.Node == node.node && h.Expires > now {
+			return h, true
+		}
+	}
+	return buckettest.Held{}, false
+}
+
+// sharedModel is the shared store as a plain model: shared.go's Shared on
+// one bucket per key, on an injected clock. It counts its calls.
+type sharedModel struct {
+	mu     sync.Mutex
+	now    func() int64
+	states map[string]*buckettest.Shared
+	calls  int
+	down   bool
+	// gate, when set, holds every lease call until it is closed.
+	gate chan struct{}
+	// mutate, when set, breaks the store after each lease call, so that a
+	// property test can show it would catch the defect.
+	mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
+	// onLease, when set, sees each lease call's outcome, under the lock.
+	onLease func(key string, sh *buckettest.Shared, res bucket.LeaseResult)
+	// onReserve, when set, sees each strict take's outcome, under the lock.
+	onReserve func(key string, sh *buckettest.Shared, res bucket.Result)
+	// mutateWait, when set, breaks each strict take's result.
+	mutateWait func(sh *buckettest.Shared, res *bucket.Result)
+	// onReturn, when set, sees the tokens each lease give-back returned.
+	onReturn func(n int64)
+	// onAsk, when set, sees each lease call's ask and the bucket after it,
+	// under the lock.
+	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
+}
+
+// newModelStore is an empty model store on a fake clock at 1 s, the
+// clock every node of a test's fleet reads.
+func newModelStore() (*fakeClock, *sharedModel) {
+	clock := new(fakeClock)
+	clock.micros.Store(1_000_000)
+	return clock, newSharedModel(clock.now)
+}
+
+// newSharedModel is an empty model store on the clock now.
+func newSharedModel(now func() int64) *sharedModel {
+	return &sharedModel{now: now, states: map[string]*buckettest.Shared{}}
+}
+
+func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
+	sh := m.states[key]
+	if sh == nil {
+		sh = &buckettest.Shared{Levels: make([]bucket.State, n)}
+		m.states[key] = sh
+	}
+	return sh
+}
+
+func (m *sharedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	if m.gate != nil {
+		<-m.gate
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.calls++
+	if m.down {
+		return bucket.LeaseResult{}, errBreakerOpen
+	}
+	ls := tr.Limits
+	sh := m.bucket(key, len(ls))
+	res := sh.LeaseQuotas(m.now(), ls, tr.Quotas, a)
+	if each != nil {
+		sh.ReportEach(m.now(), ls, tr.Quotas, each)
+	}
+	if m.mutate != nil {
+		m.mutate(sh, &res)
+	}
+	if m.onLease != nil {
+		m.onLease(key, sh, res)
+	}
+	if m.onAsk != nil {
+		m.onAsk(a, sh, res)
+	}
+	return res, nil
+}
+
+func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.down {
+		return 0, errBreakerOpen
+	}
+	var n int64
+	for _, g := range back {
+		ls := g.tier.Limits
+		n += m.bucket(g.key, len(ls)).ReturnQuotas(m.now(), ls, g.tier.Quotas, node, g.seq, g.tokens)
+	}
+	if m.onReturn != nil && n > 0 {
+		m.onReturn(n)
+	}
+	return n, nil
+}
+
+func (m *sharedModel) reserve(_ context.Context, key string, tr bucket.Tier, cost int64) (bucket.Result, []bucket.Result, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.calls++
+	if m.down {
+		return bucket.Result{}, nil, errBreakerOpen
+	}
+	ls := tr.Limits
+	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
+	sh := m.bucket(key, len(ls))
+	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
+	res := Binding(all, allowed)
+	if m.mutateWait != nil {
+		m.mutateWait(sh, &res)
+	}
+	if m.onReserve != nil {
+		m.onReserve(key, sh, res)
+	}
+	return res, all, nil
+}
+
+// level is the shared bucket's whole tokens at now.
+func (m *sharedModel) level(key string, l bucket.Limit) int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out [1]bucket.Result
+	m.bucket(key, 1).Peek(m.now(), []bucket.Limit{l}, out[:])
+	return out[0].Remaining
+}
+
+// newModelTable is a lease table on the model, whose calls finish before
+// the test goes on: tableSync waits for them.
+func newModelTable(m *sharedModel, size LeaseSize, ttl time.Duration) *leaseTable {
+	return newLeaseTable(m, m.now, size, ttl, 100*time.Millisecond, 1000, zap.NewNop())
+}
+
+func tableSync(t *leaseTable) { t.calls.Wait() }

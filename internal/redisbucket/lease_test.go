@@ -1,12 +1,9 @@
 package redisbucket
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -18,131 +15,12 @@ import (
 	"go.uber.org/zap"
 )
 
-// sharedModel is the shared store as a plain model: shared.go's Shared on
-// one bucket per key, on an injected clock. It counts its calls.
-type sharedModel struct {
-	mu     sync.Mutex
-	now    func() int64
-	states map[string]*buckettest.Shared
-	calls  int
-	down   bool
-	// gate, when set, holds every lease call until it is closed.
-	gate chan struct{}
-	// mutate, when set, breaks the store after each lease call, so that a
-	// property test can show it would catch the defect.
-	mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
-	// onLease, when set, sees each lease call's outcome, under the lock.
-	onLease func(key string, sh *buckettest.Shared, res bucket.LeaseResult)
-	// onReserve, when set, sees each strict take's outcome, under the lock.
-	onReserve func(key string, sh *buckettest.Shared, res bucket.Result)
-	// mutateWait, when set, breaks each strict take's result.
-	mutateWait func(sh *buckettest.Shared, res *bucket.Result)
-	// onReturn, when set, sees the tokens each lease give-back returned.
-	onReturn func(n int64)
-	// onAsk, when set, sees each lease call's ask and the bucket after it,
-	// under the lock.
-	onAsk func(a bucket.LeaseAsk, sh *buckettest.Shared, res bucket.LeaseResult)
-}
-
-func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
-	sh := m.states[key]
-	if sh == nil {
-		sh = &buckettest.Shared{Levels: make([]bucket.State, n)}
-		m.states[key] = sh
-	}
-	return sh
-}
-
-func (m *sharedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
-	if m.gate != nil {
-		<-m.gate
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.calls++
-	if m.down {
-		return bucket.LeaseResult{}, errBreakerOpen
-	}
-	ls := tr.Limits
-	sh := m.bucket(key, len(ls))
-	res := sh.LeaseQuotas(m.now(), ls, tr.Quotas, a)
-	if each != nil {
-		sh.ReportEach(m.now(), ls, tr.Quotas, each)
-	}
-	if m.mutate != nil {
-		m.mutate(sh, &res)
-	}
-	if m.onLease != nil {
-		m.onLease(key, sh, res)
-	}
-	if m.onAsk != nil {
-		m.onAsk(a, sh, res)
-	}
-	return res, nil
-}
-
-func (m *sharedModel) giveBack(node string, back []leaseReturn) (int64, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.down {
-		return 0, errBreakerOpen
-	}
-	var n int64
-	for _, g := range back {
-		ls := g.tier.Limits
-		n += m.bucket(g.key, len(ls)).ReturnQuotas(m.now(), ls, g.tier.Quotas, node, g.seq, g.tokens)
-	}
-	if m.onReturn != nil && n > 0 {
-		m.onReturn(n)
-	}
-	return n, nil
-}
-
-func (m *sharedModel) reserve(_ context.Context, key string, tr bucket.Tier, cost int64) (bucket.Result, []bucket.Result, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.calls++
-	if m.down {
-		return bucket.Result{}, nil, errBreakerOpen
-	}
-	ls := tr.Limits
-	all := make([]bucket.Result, len(ls)+len(tr.Quotas))
-	sh := m.bucket(key, len(ls))
-	allowed := sh.TakeWithQuotas(m.now(), ls, tr.Quotas, cost, all[:len(ls)], all[len(ls):])
-	res := Binding(all, allowed)
-	if m.mutateWait != nil {
-		m.mutateWait(sh, &res)
-	}
-	if m.onReserve != nil {
-		m.onReserve(key, sh, res)
-	}
-	return res, all, nil
-}
-
-// level is the shared bucket's whole tokens at now.
-func (m *sharedModel) level(key string, l bucket.Limit) int64 {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	var out [1]bucket.Result
-	m.bucket(key, 1).Peek(m.now(), []bucket.Limit{l}, out[:])
-	return out[0].Remaining
-}
-
-// newModelTable is a lease table on the model, whose calls finish before
-// the test goes on: tableSync waits for them.
-func newModelTable(m *sharedModel, size LeaseSize, ttl time.Duration) *leaseTable {
-	return newLeaseTable(m, m.now, size, ttl, 100*time.Millisecond, 1000, zap.NewNop())
-}
-
-func tableSync(t *leaseTable) { t.calls.Wait() }
-
 // Spending the leases of a bucket that is never short: one node's first
 // lease is the cost, then they double up to the lease size, so a steady
 // client costs about one call per lease, and every request is allowed.
 func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	t.Parallel()
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 1000, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -168,101 +46,9 @@ func TestLeasesDoubleUpToTheLeaseSize(t *testing.T) {
 	t.Logf("300 requests, %d lease calls", m.calls)
 }
 
-// A refused or partial lease makes the node wait until the shared bucket
-// covers its next lease: meanwhile it answers from memory, with no call.
-func TestRefusedLeaseHoldsOffCalls(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}} // 1/s
-	node := newModelTable(m, LeaseSize{tokens: 5}, time.Minute)
-	defer node.close()
-	key := []byte("k")
-	allowed := 0
-	for range 40 {
-		res, _ := node.take(bg, key, oneLimit(l), 1, nil)
-		tableSync(node)
-		if res.Allowed {
-			allowed++
-		}
-	}
-	if allowed != 10 {
-		t.Fatalf("%d allowed from a bucket of 10 with no time passing, want 10", allowed)
-	}
-	calls := m.calls
-	res, _ := node.take(bg, key, oneLimit(l), 1, nil)
-	if res.Allowed || res.RetryAfter <= 0 {
-		t.Fatalf("after the bucket ran dry: %+v, want denied with a retry time", res)
-	}
-	if m.calls != calls {
-		t.Errorf("a denial within the hold-off made %d calls, want none", m.calls-calls)
-	}
-	clock.advance(time.Duration(res.RetryAfter) * time.Microsecond)
-	if res, _ := node.take(bg, key, oneLimit(l), 1, nil); !res.Allowed {
-		t.Errorf("after the hold-off: %+v, want allowed", res)
-	}
-}
-
-// Tokens leased and unused go back after lease_ttl, and all of them when
-// the table closes (a reload or shutdown).
-func TestUnusedLeasedTokensGoBack(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}} // no refill to speak of
-	level := func() int64 { return m.level("k", l) }
-	node := newModelTable(m, LeaseSize{tokens: 40}, time.Second)
-	for range 20 {
-		node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-		tableSync(node)
-	}
-	held := node.shard([]byte("k")).m["k"].tokens
-	if got := level() + held + 20; got != 100 {
-		t.Fatalf("shared %d + held %d + spent 20 = %d, want 100", level(), held, got)
-	}
-	clock.advance(time.Second)
-	if back := node.sweep(clock.now(), false); len(back) != 1 {
-		t.Fatalf("sweep after lease_ttl gave back %v", back)
-	} else {
-		node.giveBackNow(back)
-	}
-	if level() != 80 {
-		t.Errorf("after lease_ttl the shared bucket holds %d, want 80", level())
-	}
-	node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-	tableSync(node)
-	node.close()
-	if level() != 79 {
-		t.Errorf("after close the shared bucket holds %d, want 79", level())
-	}
-}
-
-func TestLeaseSizes(t *testing.T) {
-	for _, tt := range []struct {
-		setting  string
-		capacity int64
-		want     int64
-	}{
-		{"", 100, 1}, {"1", 100, 1}, {"20", 100, 20}, {"500", 100, 50},
-		{"10%", 200, 20}, {"10%", 5, 1}, {"100%", 7, 3}, {"2.5%", 1000, 25}, {"50%", 1, 1},
-	} {
-		z, err := ParseLeaseSize(tt.setting)
-		if err != nil {
-			t.Fatalf("%q: %v", tt.setting, err)
-		}
-		if got := z.Of(bucket.Limit{Capacity: tt.capacity}); got != tt.want {
-			t.Errorf("lease %q of capacity %d: %d, want %d", tt.setting, tt.capacity, got, tt.want)
-		}
-	}
-	for _, bad := range []string{"0", "-3", "0%", "101%", "ten", "%"} {
-		if _, err := ParseLeaseSize(bad); err == nil || !strings.Contains(err.Error(), strconv.Quote(bad)) {
-			t.Errorf("lease %q: error %v, want one naming the value", bad, err)
-		}
-	}
-}
-
 // A decision that the tokens held cover makes no allocation and no call:
 // the key is built on the stack and looked up without a copy.
+// Serial: AllocsPerRun counts every goroutine's allocations.
 func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: "1000000"})
@@ -310,6 +96,7 @@ func TestLeasedDecisionDoesNotAllocate(t *testing.T) {
 // capacity between them; and once both give back, Redis holds every
 // token not spent.
 func TestLeasingNodesConserveEveryToken(t *testing.T) {
+	t.Parallel()
 	allowed, _ := conserveTokens(t, 100, 0)
 	if allowed > 100 || allowed < 80 {
 		t.Errorf("%d allowed of a bucket of 100 over 320 requests, want at most 100 and near it", allowed)
@@ -489,29 +276,16 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 	}
 }
 
-// A request still in flight through an unloaded config finds its lease
-// table closed: it starts no lease call, whose tokens no one would give
-// back, and the store decides it in strict mode.
-func TestClosedLeaseTableStartsNoCall(t *testing.T) {
-	clock := new(fakeClock)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
-	node.close()
-	_, err := node.take(bg, []byte("k"), oneLimit(bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}), 1, nil)
-	if !errors.Is(err, errLeasesClosed) || m.calls != 0 {
-		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
-	}
-}
-
-// The README's oversubscribed fleet on the model, with a simulated clock: 4
+// An oversubscribed fleet (docs/fleet.md) on the model, with a simulated clock: 4
 // nodes share a key at 8x its rate for 4 s (capacity 200, 50/s, lease
 // 10%). The fleet admits at most C + r*T and at least 0.9 of it, with
 // about one call per lease's worth of refill per node.
 func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(1_000_000)
 	start := clock.now()
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	const nodes, seconds, perSecond = 4, 4, 400 // 8x the rate
 	var fleet [nodes]*leaseTable
@@ -549,9 +323,9 @@ func TestOversubscribedFleetAdmitsNearTheBoundWithFewCalls(t *testing.T) {
 // them. Only a short lease, which leaves the shared bucket empty, refuses
 // the requests it did not cover.
 func TestRequestsWaitingOnASmallLeaseAreNotRefused(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}, gate: make(chan struct{})}
+	t.Parallel()
+	_, m := newModelStore()
+	m.gate = make(chan struct{})
 	l := bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{percent: 10}, time.Second)
 	defer node.close()
@@ -615,11 +389,12 @@ func spendQuota(t *testing.T, node *leaseTable, clock *fakeClock, tr bucket.Tier
 // noon refused until about 06:00 the next day. Regression test for issue
 // 30 (item 1).
 func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	tr := quotaTier(40, 0)
 	_, midnight := tr.Quotas[0].Bounds(1_000_000)
 	clock.micros.Store(midnight - 12*3600*second) // noon
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	node := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
 	defer node.close()
 	node.jitter = func(n int64) int64 { return n - 1 } // the longest jitter
@@ -636,127 +411,19 @@ func TestAQuotaUsedUpByLeasesAdmitsAgainWhenItsPeriodEnds(t *testing.T) {
 	}
 }
 
-// A node whose lease call found a quota used up holds its calls off for
-// as long as strict mode's deny cache keeps a quota's refusal, at most:
-// a give-back elsewhere returns the quota, and the node sees it within
-// that time; a give-back on the node itself clears the hold at once. A
-// flood of refusals meanwhile costs no call, under a ban setting too (a
-// quota starts no ban). Regression test for issue 30 (items 4 and the
-// flood under ban).
-func TestAQuotaRefusalHoldsLeaseCallsOffNoLongerThanStrictMode(t *testing.T) {
-	for _, ban := range []int64{0, 600 * second} {
-		t.Run(fmt.Sprintf("ban %ds", ban/second), func(t *testing.T) {
-			clock := new(fakeClock)
-			tr := quotaTier(40, ban)
-			_, midnight := tr.Quotas[0].Bounds(1_000_000)
-			clock.micros.Store(midnight - 12*3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-			node := newModelTable(m, LeaseSize{tokens: 20}, 10*time.Second)
-			defer node.close()
-			node.jitter = func(n int64) int64 { return n - 1 }
-			spendQuota(t, node, clock, tr)
-			calls := m.calls
-			for range 200 { // a flood, 10 ms apart
-				if res, _ := node.take(bg, []byte("k"), tr, 1, nil); res.Allowed {
-					t.Fatal("a request admitted past the quota")
-				}
-				tableSync(node)
-				clock.advance(10 * time.Millisecond)
-			}
-			if extra := m.calls - calls; extra > 1 {
-				t.Errorf("a flood of 200 refusals over 2 s cost %d calls, want at most 1", extra)
-			}
-			// Another node's request did not count: its give-back returns one.
-			m.mu.Lock()
-			m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
-			m.mu.Unlock()
-			clock.advance(quotaDenyFor)
-			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); !res.Allowed {
-				t.Errorf("%s after a give-back elsewhere: %+v; want allowed", quotaDenyFor, res)
-			}
-			tableSync(node)
-			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); res.Allowed {
-				t.Fatal("admitted past the quota")
-			}
-			tableSync(node)
-			// This node's own give-back (count_status), past lease_ttl, goes
-			// to the shared bucket, and the next request sees it at once.
-			clock.advance(11 * time.Second)
-			if rest := node.giveBackHeldSince([]byte("k"), 1, clock.now()); rest == 1 {
-				m.mu.Lock()
-				m.bucket("k", 1).GiveBackQuotas(clock.now(), clock.now(), tr.Quotas, 1)
-				m.mu.Unlock()
-			}
-			if res, _ := node.take(bg, []byte("k"), tr, 1, nil); !res.Allowed {
-				t.Errorf("at once after this node's give-back: %+v; want allowed", res)
-			}
-		})
-	}
-}
-
-// A refused prefetch whose answer drops tokens of a quota period that has
-// ended, with no ban holding the bucket, leaves the node's requests to
-// the shared store, which bans when one bucket would: it once held them
-// off as if a ban held, so that no ban ever started. Regression test for
-// issue 30 ("a refused prefetch after a quota period change").
-func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
-	clock := new(fakeClock)
-	q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
-	_, midnight := q.Bounds(1_000_000)
-	clock.micros.Store(midnight - 10*second)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
-	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
-	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
-	node := newModelTable(m, LeaseSize{tokens: 20}, time.Hour)
-	defer node.close()
-	key := []byte("k")
-	for range 4 { // leases of 1, 2 and 4 tokens: 3 are left, of a lease of 4
-		if res, _ := node.take(bg, key, tr, 1, nil); !res.Allowed {
-			t.Fatal("denied from a full bucket")
-		}
-		tableSync(node)
-	}
-	// Another node empties the shared bucket.
-	m.mu.Lock()
-	var peek, out, qout [1]bucket.Result
-	m.bucket("k", 1).Peek(clock.now(), []bucket.Limit{l}, peek[:])
-	if !m.bucket("k", 1).TakeWithQuotas(clock.now(), []bucket.Limit{l}, []bucket.Quota{q}, peek[0].Remaining, out[:], qout[:]) {
-		t.Fatalf("another node's take of the %d left: %+v", peek[0].Remaining, out[0])
-	}
-	m.mu.Unlock()
-	// The next requests spend held tokens, and the prefetch that follows
-	// reaches the store after midnight: the tokens' period has ended, the
-	// bucket is empty, and a prefetch bans nobody.
-	m.gate = make(chan struct{})
-	for node.shard(key).m["k"].call == nil {
-		if res, _ := node.take(bg, key, tr, 1, nil); !res.Allowed {
-			t.Fatalf("a request on a held token: %+v", res)
-		}
-	}
-	clock.micros.Store(midnight + second)
-	close(m.gate)
-	tableSync(node)
-	if m.states["k"].Banned(clock.now()) {
-		t.Fatal("a refused prefetch started a ban")
-	}
-	res, _ := node.take(bg, key, tr, 1, nil)
-	if res.Allowed || !res.Banned {
-		t.Errorf("the next request, which one bucket refuses: %+v; want refused, starting the ban", res)
-	}
-}
-
 // A ban voids the tokens out on lease; what a node did not spend of them
 // goes back to the quotas, whether the node learns of the ban from its
 // next lease call or gives them back first: a quota counts what was
 // admitted. Regression test for issue 30 (item 7).
 func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
+	t.Parallel()
 	for _, learn := range []string{"lease call", "give-back"} {
 		t.Run(learn, func(t *testing.T) {
 			clock := new(fakeClock)
 			q := bucket.Quota{N: 1000, Period: bucket.Day, Loc: time.UTC}
 			_, midnight := q.Bounds(1_000_000)
 			clock.micros.Store(midnight - 3600*second)
-			m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+			m := newSharedModel(clock.now)
 			l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 1, Interval: 3600 * second}, Ban: 600 * second}
 			tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
 			a := newModelTable(m, LeaseSize{tokens: 20}, time.Second)
@@ -779,7 +446,7 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 			for range 4 {
 				take(a) // leases of 1, 2 and 4 tokens: 3 held
 			}
-			if a.heldTokens("k") == 0 {
+			if a.snapshot([]byte("k")).tokens == 0 {
 				t.Fatal("node a holds nothing")
 			}
 			// Node b spends the shared level; then a request of b's that the
@@ -806,8 +473,8 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 				a.giveBackNow(a.sweep(clock.now(), false))
 			}
 			tableSync(a)
-			if a.heldTokens("k") != 0 {
-				t.Fatalf("node a still holds %d tokens after the ban", a.heldTokens("k"))
+			if a.snapshot([]byte("k")).tokens != 0 {
+				t.Fatalf("node a still holds %d tokens after the ban", a.snapshot([]byte("k")).tokens)
 			}
 			var qout [1]bucket.Result
 			m.mu.Lock()
@@ -829,9 +496,8 @@ func TestAQuotaCountsWhatWasAdmittedWhenABanVoidsLeases(t *testing.T) {
 // beside a shared bucket that holds its cost (the "oversubscribed" mark of
 // the short lease outlives the hold-off that answered it).
 func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(1_000_000)
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	t.Parallel()
+	clock, m := newModelStore()
 	l := bucket.Limit{Capacity: 20, Rate: bucket.Rate{Tokens: 10, Interval: 1_000_000}}
 	node := newModelTable(m, LeaseSize{tokens: 8}, 5*time.Second)
 	defer node.close()
@@ -907,9 +573,10 @@ func TestAfterAShortLeasesHoldOffARequestBesideThePrefetchSharesIt(t *testing.T)
 // back (as a limit's tokens held elsewhere answer a refill wait); it is
 // not sent away until the day ends, which one bucket would never do.
 func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *testing.T) {
+	t.Parallel()
 	clock := new(fakeClock)
 	clock.micros.Store(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC).UnixMicro())
-	m := &sharedModel{now: clock.now, states: map[string]*buckettest.Shared{}}
+	m := newSharedModel(clock.now)
 	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}}, Quotas: []bucket.Quota{{N: 50, Period: bucket.Day, Loc: time.UTC}}}
 	ttl := time.Second
 	a, b := newModelTable(m, LeaseSize{percent: 50}, ttl), newModelTable(m, LeaseSize{percent: 50}, ttl)
@@ -923,7 +590,7 @@ func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *tes
 		tableSync(a)
 		clock.advance(time.Millisecond)
 	}
-	held := a.heldTokens("k")
+	held := a.snapshot([]byte("k")).tokens
 	if held == 0 || admitted != 30 {
 		t.Fatalf("node a admitted %d of 30 and holds %d; want all admitted and tokens held", admitted, held)
 	}
@@ -943,6 +610,7 @@ func TestTheLastOfAQuotaOnAnotherNodesLeaseIsNotRefusedUntilThePeriodEnds(t *tes
 // tokens this node holds, which it may spend without Redis. Held says how
 // many those are, none once lease_ttl has passed.
 func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Lease: "5", Timeout: 2 * time.Second})
 	clock := new(fakeClock)
@@ -976,11 +644,274 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 	}
 }
 
+// A request refused from memory during a node's hold-off is told a
+// Retry-After rounded up from its own time, which can end before the
+// hold-off does: when the client retries then and the shared bucket holds
+// its token, the node does not refuse it again without asking.
+func TestARetryAtRetryAfterIsNotRefusedFromMemory(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	rate, err := bucket.ParseRate("5/6s") // a token every 1.2 s
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := bucket.Limit{Capacity: 100, Rate: rate}
+	node := newModelTable(m, LeaseSize{tokens: 10}, time.Hour)
+	node.jitter = func(int64) int64 { return 0 }
+	defer node.close()
+	key := []byte("k")
+	var res bucket.Result
+	for range 200 {
+		res, _ = node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if !res.Allowed {
+			break
+		}
+	}
+	if res.Allowed {
+		t.Fatal("200 requests at once from a bucket of 100 all allowed")
+	}
+	clock.advance(300 * time.Millisecond)
+	res, _ = node.take(bg, key, oneLimit(l), 1, nil)
+	tableSync(node)
+	if res.Allowed {
+		t.Fatalf("0.3 s after the bucket ran dry: %+v", res)
+	}
+	header := max(1, bucket.CeilDiv(res.RetryAfter, 1_000_000))
+	clock.advance(time.Duration(header) * time.Second)
+	level := m.level("k", l)
+	calls := m.calls
+	again, _ := node.take(bg, key, oneLimit(l), 1, nil)
+	tableSync(node)
+	if level >= 1 && !again.Allowed {
+		t.Errorf("the client retried after Retry-After: %d s; the shared bucket holds %d, but the node refused it from memory (%d calls): %+v", header, level, m.calls-calls, again)
+	}
+}
+
+// A request whose entry is evicted while it waits on a short call (2 of the
+// 8 asked for granted, 1 spent by the request that made it, 1 left for the
+// waiter) is not refused: the entry's token goes back to the shared bucket
+// and the waiter takes it there. Another client's request on the same node
+// evicts the entry (a full shard) after the call returns and before the
+// waiter looks again; it is made to come first by holding the shard's lock
+// while the call's answer is applied (the hold-off's jitter runs under it).
+// A scheduling that lets the waiter in first can only make the test pass.
+func TestAWaiterOfAShortCallIsNotRefusedWhenItsEntryIsEvicted(t *testing.T) {
+	t.Parallel()
+	for attempt := range 5 {
+		m := newSharedModel(monotonicMicros)
+		l := slowLimit(100)
+		// 64 entries: one a shard.
+		node := newLeaseTable(m, m.now, LeaseSize{tokens: 10}, time.Hour, time.Second, leaseShards, nopLogger)
+		a := []byte("a")
+		var other []byte
+		for i := 0; other == nil; i++ {
+			if k := []byte{'b', byte(i), byte(i >> 8)}; node.shard(k) == node.shard(a) {
+				other = k
+			}
+		}
+		if res, err := node.take(bg, a, oneLimit(l), 1, nil); err != nil || !res.Allowed {
+			t.Fatalf("first request: %+v, %v", res, err)
+		}
+		tableSync(node)
+		sh := node.shard(a)
+		sh.mu.Lock()
+		sh.m["a"].size = 4 // the node's leases have grown: the next asks for 8
+		sh.mu.Unlock()
+		// Other nodes leave 2 in the shared bucket.
+		m.mu.Lock()
+		var out [1]bucket.Result
+		if !m.bucket("a", 1).Take(m.now(), []bucket.Limit{l}, 97, out[:]) {
+			t.Fatalf("another node's take: %+v", out[0])
+		}
+		m.mu.Unlock()
+		m.gate = make(chan struct{})
+		evicted := make(chan struct{})
+		var once sync.Once
+		node.jitter = func(int64) int64 {
+			once.Do(func() {
+				go func() {
+					defer close(evicted)
+					node.take(bg, other, oneLimit(l), 1, nil) // waits for the shard's lock, then evicts "a"
+				}()
+				time.Sleep(20 * time.Millisecond) // the evicting request is queued on the lock
+			})
+			return 0
+		}
+		results := make(chan bucket.Result, 2)
+		for range 2 {
+			go func() {
+				res, _ := node.take(bg, a, oneLimit(l), 1, nil)
+				results <- res
+			}()
+		}
+		redistest.WaitFor(t, 5*time.Second, "the second request to join the call", func() bool {
+			sh.mu.Lock()
+			defer sh.mu.Unlock()
+			e := sh.m["a"]
+			return e != nil && e.call != nil && e.call.joined == 1
+		})
+		close(m.gate)
+		r1, r2 := <-results, <-results
+		<-evicted
+		tableSync(node)
+		node.close()
+		if !r1.Allowed || !r2.Allowed {
+			t.Fatalf("attempt %d: the shared bucket held 2 for 2 requests; one bucket allows both, the node answered %+v and %+v", attempt, r1, r2)
+		}
+	}
+}
+
+// With leases, a request the lease does not cover is not refused from
+// memory when the node's hold-off (until the shared bucket covers a whole
+// lease, plus jitter) is longer than max_wait: when the shared bucket's
+// retry time for its own cost is within max_wait, it takes its tokens
+// there, waiting, as strict mode does.
+func TestLeasesLetWaitWhatStrictModeLetsWaitThroughAHoldOff(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	// capacity 10, 10/s, max_wait 200 ms; leases of 50% (5 tokens).
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 100_000}, MaxWait: 200_000}
+	ls := []bucket.Limit{l}
+	node := newModelTable(m, LeaseSize{percent: 50}, time.Second)
+	defer node.close()
+	key := []byte("holdoff")
+	strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	for i := range 60 {
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out [1]bucket.Result
+		strict.Take(clock.now(), ls, 1, out[:])
+		one := out[0]
+		if res.Allowed != one.Allowed {
+			e := node.shard(key).m[string(key)]
+			t.Fatalf("request %d at %d ms: leases %+v, strict mode %+v (node holds %d, hold-off %d µs more, shared level %d)", i, (clock.now()-1_000_000)/1000, res, one, e.tokens, e.holdUntil-clock.now(), m.level(string(key), l))
+		}
+		if !res.Allowed {
+			// Strict refuses too: keep the histories the same.
+			clock.advance(10 * time.Millisecond)
+			continue
+		}
+		clock.advance(10 * time.Millisecond)
+	}
+}
+
+// docs/fleet.md's setup, `rate_limit 200 50/s` with `lease 10%` and
+// `lease_ttl 1s` on 4 nodes: 4 requests on each, a 0.8 s pause, then a
+// burst from all. The tokens the nodes hold stay out of the refill, so the
+// burst gets at most the capacity, and the fleet no more than one bucket
+// on the same arrivals (it admitted 212 in the burst, 228 in all, against
+// 216).
+func TestBurstAfterARefillGetsNoMoreThanTheCapacity(t *testing.T) {
+	t.Parallel()
+	f := newSideBySide(t, bucket.Limit{Capacity: 200, Rate: bucket.Rate{Tokens: 50, Interval: second}})
+	var fleet [4]*leaseTable
+	for i := range fleet {
+		fleet[i] = f.node(LeaseSize{percent: 10}, time.Second)
+	}
+	for node := range fleet {
+		for range 4 {
+			f.request(fleet[node])
+			f.clock.advance(time.Millisecond)
+		}
+	}
+	f.clock.advance(800 * time.Millisecond)
+	burst := 0
+	for i := range 400 {
+		if f.request(fleet[i%4]).Allowed {
+			burst++
+		}
+	}
+	if burst > 200 {
+		t.Errorf("the burst after the refill got %d, more than the capacity 200", burst)
+	}
+	if f.fleet > f.single {
+		t.Errorf("the fleet admitted %d, one bucket %d on the same arrivals", f.fleet, f.single)
+	}
+	if burst < 190 {
+		t.Errorf("the burst got %d, want near the capacity, 200", burst)
+	}
+	t.Logf("burst %d, in all %d; one bucket %d", burst, f.fleet, f.single)
+}
+
+// A refused request is told when the shared bucket holds its cost, not the
+// node's next lease, and the node calls again by then: lease 10% of 100 at
+// 1/s is a lease of 10 tokens, 10 s of refill, but one request waits 1 s.
+// With a ban, it waits the ban and one request's refill, as docs/fleet.md
+// says.
+func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
+	t.Parallel()
+	for _, ban := range []int64{0, 60 * second} {
+		clock, m := newModelStore()
+		l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: second}, Ban: ban}
+		node := newModelTable(m, LeaseSize{percent: 10}, time.Hour)
+		var res bucket.Result
+		for range 200 {
+			var err error
+			if res, err = node.take(bg, []byte("k"), oneLimit(l), 1, nil); err != nil {
+				t.Fatal(err)
+			}
+			tableSync(node)
+			if !res.Allowed {
+				break
+			}
+		}
+		if res.Allowed {
+			t.Fatalf("ban %d: 200 requests at once from a bucket of 100 all allowed", ban)
+		}
+		want := ban + second
+		if res.RetryAfter > want || res.RetryAfter < want-second/10 {
+			t.Errorf("ban %d s: Retry-After %d µs, want about %d: the request's own wait", ban/second, res.RetryAfter, want)
+		}
+		clock.advance(time.Duration(bucket.CeilDiv(res.RetryAfter, 1_000_000)) * time.Second)
+		if again, _ := node.take(bg, []byte("k"), oneLimit(l), 1, nil); !again.Allowed {
+			t.Errorf("ban %d s: at Retry-After: %+v, want allowed", ban/second, again)
+		}
+		tableSync(node)
+		node.close()
+	}
+}
+
+// A lease table under eviction pressure never refuses a request that the
+// shared bucket covers: a request whose entry was evicted while it waited
+// on a call starts again on a new one. It used to be refused, with
+// Retry-After 1.
+func TestEvictedWaiterIsNotRefused(t *testing.T) {
+	t.Parallel()
+	m := newSharedModel(monotonicMicros)
+	l := bucket.Limit{Capacity: 1 << 30, Rate: bucket.Rate{Tokens: 1 << 20, Interval: 1}}
+	node := newLeaseTable(m, m.now, LeaseSize{percent: 10}, time.Second, time.Second, leaseShards, nopLogger)
+	defer node.close()
+	done := make(chan int, 8)
+	for g := range 8 {
+		go func() {
+			refused := 0
+			rng := rand.New(rand.NewPCG(uint64(g), 1))
+			for range 2000 {
+				key := []byte{byte('a' + rng.IntN(26)), byte('a' + rng.IntN(26))}
+				if res, err := node.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
+					refused++
+				}
+			}
+			done <- refused
+		}()
+	}
+	for range 8 {
+		if n := <-done; n > 0 {
+			t.Errorf("%d requests refused while every shared bucket held plenty", n)
+		}
+	}
+}
+
 // A request the lease refuses for its rate limit tells each quota's
 // remaining as strict mode does: what the period has left, not the
 // tokens this node holds. A quota with room left is not said used up
 // until its period ends.
 func TestARequestRefusedWithLeasesReportsEachQuotaAsStrictModeDoes(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	q, err := bucket.ParseQuota("12/day", time.UTC)
 	if err != nil {
@@ -1014,6 +945,7 @@ func TestARequestRefusedWithLeasesReportsEachQuotaAsStrictModeDoes(t *testing.T)
 // strict mode does: the one used up, not one with room left, whose
 // remaining the X-RateLimit fields would show on a refusal.
 func TestARequestRefusedWithLeasesBindsWhatRefusedIt(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	q, err := bucket.ParseQuota("3/day", time.UTC)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 // predates the reset, so the deny cache must not keep it: the next Take
 // goes to Redis, where the bucket is full again.
 func TestRedisResetDuringATakeLeavesNoStaleDenial(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	off := false
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Batch: &off})

@@ -1,9 +1,13 @@
 package redisbucket
 
 import (
-	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
 // TestRedisScriptReplicatesEffectsBeforeItReadsTime checks the script's
@@ -13,6 +17,7 @@ import (
 // the script all the same. The Redis tests run it on the installed Redis;
 // no older Redis is at hand, so this reads the source.
 func TestRedisScriptReplicatesEffectsBeforeItReadsTime(t *testing.T) {
+	t.Parallel()
 	const want = "if redis.replicate_commands then redis.replicate_commands() end"
 	first, _, _ := strings.Cut(strings.TrimSpace(bucketLua), "\n")
 	if first != want {
@@ -27,6 +32,7 @@ func TestRedisScriptReplicatesEffectsBeforeItReadsTime(t *testing.T) {
 // write (maxmemory reached, the nearest a current Redis comes to the
 // refusal of an old one) and checks that the error says what happened.
 func TestRedisScriptExplainsARefusedWrite(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}})
 	srv.Do("SET", "ballast", strings.Repeat("x", 1<<20))
@@ -36,5 +42,64 @@ func TestRedisScriptExplainsARefusedWrite(t *testing.T) {
 	srv.Do("CONFIG", "SET", "maxmemory", "0")
 	if err == nil || !strings.Contains(err.Error(), "rate_limit: Redis refused to write the bucket") {
 		t.Fatalf("take with the write refused: %v, want the script to say the write was refused", err)
+	}
+}
+
+// The bucket's key lives until every limit is full and every lease has
+// expired, counting the cap that tokens out on lease put on the level:
+// while they are out, the level refills only up to C - out, and it starts
+// refilling from there when the lease's record expires, later than the
+// stored FullAt says. A node leases 50 of a bucket of 100 at 100/s, with a
+// record of 200 ms: once the key expires, Redis answers as the model does,
+// and the fleet (the node spending its 50 at its lease_ttl, then a burst
+// taking what Redis has) takes no more than C + floor(r*T).
+func TestABucketKeyOutlivesTheLeaseCapOnItsLevel(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("real-time test (a key's expiry): skipped under -short")
+	}
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 10_000}}} // 100 100/s
+	key := string(bucketFor("capped"))
+	a := bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 50, Hold: 200_000}
+	v, err := s.call(bg, key, s.args("lease", bucket.Tier{Limits: ls}, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend), false, leaseAnswer+2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leasedAt := v[7]
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	if want := sh.Lease(leasedAt, ls, a); v[0] != want.Granted || v[0] != 50 {
+		t.Fatalf("lease: Redis granted %d, the model %d; want 50", v[0], want.Granted)
+	}
+	pttl := srv.Do("PTTL", key)
+	redistest.WaitFor(t, 3*time.Second, "the key to expire", func() bool { return srv.Do("EXISTS", key) == int64(0) })
+	var out, want [1]bucket.Result
+	_, now, err := s.decideAt(bg, "peek", key, bucket.Tier{Limits: ls}, 0, out[:], false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Peek(now, ls, want[:])
+	t.Logf("PTTL after the lease %v ms; %d µs after the lease the key is gone: Redis %d left, the model %d", pttl, now-leasedAt, out[0].Remaining, want[0].Remaining)
+	if out[0] != want[0] {
+		t.Errorf("after the key expired, %d µs after the lease: Redis %+v, the model %+v", now-leasedAt, out[0], want[0])
+	}
+	// The burst: the node spent its 50 at its lease_ttl, 150 ms after the
+	// lease; the fleet's strict takes now get what Redis has.
+	burst, last := int64(0), now
+	for {
+		res, at, err := s.run(bg, key, ls[0], 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !res.Allowed {
+			break
+		}
+		burst, last = burst+1, at
+	}
+	spent := leasedAt + 150_000
+	bound := ls[0].Capacity + (last-spent)*ls[0].Rate.Tokens/ls[0].Rate.Interval
+	if 50+burst > bound {
+		t.Errorf("the fleet took 50 + %d between %d and %d µs, more than C + floor(r*T) = %d", burst, spent, last, bound)
 	}
 }

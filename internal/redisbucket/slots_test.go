@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -37,6 +38,7 @@ func eventually(d time.Duration, cond func() bool) bool {
 // Slots are taken up to n, fleet-wide; frees arrive pipelined; when the
 // last is freed, Redis holds no key.
 func TestSlotsAcquireUpToNAndFreeEveryOne(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	a, b := slotStore(t, 0, srv.URL()), slotStore(t, 0, srv.URL())
 	key := bucketFor("slots")
@@ -72,6 +74,7 @@ func TestSlotsAcquireUpToNAndFreeEveryOne(t *testing.T) {
 
 // A node that dies stops renewing: its slots are back within slot_ttl;
 // a node that lives keeps its slots past slot_ttl.
+// Serial: it bounds the slots' expiry in wall-clock time.
 func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real-time test: skipped under -short")
@@ -120,6 +123,7 @@ func TestSlotsOfADeadNodeExpireAndALiveNodeKeepsItsOwn(t *testing.T) {
 // its requests hold, renewed, until they end: a stream that runs on
 // through a reload keeps its place.
 func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("real-time test: skipped under -short")
 	}
@@ -153,6 +157,7 @@ func TestSlotsOutliveAReloadUntilTheirRequestsEnd(t *testing.T) {
 // An acquire whose answer is lost (Redis slow past the timeout) may have
 // taken the slot: it is freed, not left to block the client for slot_ttl.
 func TestSlotsOfAFailedAcquireAreFreed(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 100 * time.Millisecond})
 	if err != nil {
@@ -193,6 +198,7 @@ func TestSlotsOfAFailedAcquireAreFreed(t *testing.T) {
 
 // In a Cluster, each bucket's slots are one key on its own node.
 func TestSlotsInACluster(t *testing.T) {
+	t.Parallel()
 	if testing.Short() {
 		t.Skip("cluster test: skipped under -short")
 	}
@@ -237,6 +243,8 @@ func TestSlotsInACluster(t *testing.T) {
 // within the timeout, not after another round trip for the frees.
 // Regression test for issue 30 item 3.
 func TestSlotRenewalIsNotDelayedByDoubtfulFrees(t *testing.T) {
+	t.Parallel()
+	skipUnderShort(t, "fault injection (a slow link)")
 	srv := redistest.Start(t)
 	const trip = 100 * time.Millisecond // each way
 	proxy := redistest.StartProxy(t, srv.Addr(), trip)
@@ -279,6 +287,7 @@ func redisMicros(t *testing.T, srv *redistest.Server) int64 {
 // client for slot_ttl.
 // Regression test for issue 30 item 4.
 func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := slotStore(t, time.Hour, srv.URL()) // the loops' ticks come never
 	key := bucketFor("doubtful-at-close")
@@ -301,6 +310,8 @@ func TestSlotsDoubtfulFreeIsSentAtClose(t *testing.T) {
 // held off for the rest of slot_ttl. The frees a renewal carries and
 // fails to deliver go again too.
 func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
+	t.Parallel()
+	skipUnderShort(t, "fault injection (a cut link)")
 	srv := redistest.Start(t)
 	for _, via := range []string{"release", "renewal"} {
 		t.Run(via, func(t *testing.T) {
@@ -337,11 +348,73 @@ func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
 	}
 }
 
+// An acquire with a shorter slot_ttl (another node, or the config after a
+// reload) does not shorten the set's life below the slots others hold with
+// a longer one: a slot expires after its own slot_ttl unless renewed, and
+// at most n are in flight, fleet-wide.
+func TestAShorterSlotTTLElsewhereKeepsALiveSlot(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("real-time test: skipped under -short")
+	}
+	srv := redistest.Start(t)
+	long := slotStore(t, 10*time.Second, srv.URL())
+	short := slotStore(t, 300*time.Millisecond, srv.URL())
+	key := bucketFor("mixed-ttl")
+	if _, _, ok, err := long.Acquire(bg, key, 2); !ok || err != nil {
+		t.Fatalf("the long-lived slot: %v, %v", ok, err)
+	}
+	id, _, ok, err := short.Acquire(bg, key, 2)
+	if !ok || err != nil {
+		t.Fatalf("the short-lived slot: %v, %v", ok, err)
+	}
+	short.Release(key, id)
+	time.Sleep(time.Second)
+	// The long node's request still runs: its slot is good for 10s.
+	if n, err := long.InFlight(bg, key); err != nil || n != 1 {
+		t.Fatalf("in flight %d, %v; want 1: the running request's slot (slot_ttl 10s, taken 1s ago) is gone", n, err)
+	}
+}
+
+// A store closed (the config unloaded) while an Acquire is between Redis's
+// answer and noting the slot as held leaves no slot taken in Redis: the
+// slot is the request's, freed when it ends, or the close refused it and
+// freed it.
+func TestACloseDuringAcquireLeavesNoSlotTaken(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	s := slotStore(t, 10*time.Second, srv.URL())
+	key := bucketFor("close-race")
+	// A first call makes the slot table (and loads the script).
+	if n, err := s.InFlight(bg, key); err != nil || n != 0 {
+		t.Fatalf("in flight %d, %v", n, err)
+	}
+	s.slotTable()
+	hook := new(afterScriptHook)
+	s.conn.client().AddHook(hook)
+	hook.mu.Lock()
+	hook.then = s.Close // the reload unloads the config now
+	hook.mu.Unlock()
+	// Either the slot is the request's, and freed when it ends, or the
+	// close refused it, and freed it: in neither case is it left taken.
+	id, _, ok, err := s.Acquire(bg, key, 1)
+	switch {
+	case err == nil && ok:
+		s.Release(key, id) // the request ends
+	case !errors.Is(err, ErrSlotsClosed):
+		t.Fatalf("acquire: %v, %v", ok, err)
+	}
+	if !eventually(2*time.Second, func() bool { return srv.Do("EXISTS", slotKey(key)).(int64) == 0 }) {
+		t.Fatalf("the request ended, but Redis still holds its slot: %v", srv.Do("ZRANGE", slotKey(key), 0, -1, "WITHSCORES"))
+	}
+}
+
 // A client whose request has ended has none in flight: the slot its
 // request freed on this node is free for its next request at once, though
 // the free is pipelined and may not have reached Redis yet. One at a time,
 // a client never meets a refusal, as with the local store.
 func TestASlotFreedOnThisNodeIsFreeForTheNextAcquireAtOnce(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := slotStore(t, 0, srv.URL())
 	key := bucketFor("one at a time")

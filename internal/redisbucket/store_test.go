@@ -67,6 +67,7 @@ func TestRedisMatchesReferenceModel(t *testing.T) {
 }
 
 func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}})
 	b := bucketFor("127.0.0.2")
@@ -110,6 +111,7 @@ func TestRedisKeyExpiresWhenTheBucketIsFull(t *testing.T) {
 }
 
 func TestRedisTwoNodesAdmitExactlyTheCapacity(t *testing.T) {
+	t.Parallel()
 	srv := redistest.Start(t)
 	const capacity = 20
 	nodes := []*Store{

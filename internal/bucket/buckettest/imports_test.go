@@ -53,6 +53,7 @@ func productionImporters(t *testing.T, root string) []string {
 // Only tests import the models: no file of the module's production build
 // does, whatever its build tags.
 func TestOnlyTestsImportBuckettest(t *testing.T) {
+	t.Parallel()
 	root := filepath.Join("..", "..", "..")
 	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
 		t.Fatalf("the module's root is not at %s: %v", root, err)
