@@ -33,7 +33,10 @@ func TestQuotaPeriodsHoldEveryInstantInEveryZone(t *testing.T) {
 		}
 	}
 	checked := 0
-	for _, name := range zones {
+	for i, name := range zones {
+		if testing.Short() && i%6 != 0 {
+			continue // a sixth of the zones, in the inner loop
+		}
 		loc, err := time.LoadLocation(name)
 		if err != nil {
 			t.Fatalf("zone %s: %v", name, err)
