@@ -15,9 +15,17 @@ import (
 // are in bench/README.md.
 
 // provisionedHandler sets up a handler from JSON outside a server, as Caddy
-// would.
+// would, on the system's clocks.
 func provisionedHandler(b testing.TB, cfg string) (*Handler, func()) {
-	h := new(Handler)
+	return provisionedHandlerOn(b, clocks{}, cfg)
+}
+
+// provisionedHandlerOn is provisionedHandler with the clocks c handed to
+// the handler (the zero value: the system's). Its local buckets are its
+// policy's: tests that run in parallel give each handler a policy name of
+// its own.
+func provisionedHandlerOn(b testing.TB, c clocks, cfg string) (*Handler, func()) {
+	h := &Handler{clocks: c}
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		b.Fatal(err)
 	}

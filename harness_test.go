@@ -1,9 +1,11 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,6 +14,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
 
@@ -149,20 +152,51 @@ func (s *testServer) do(method, path, body string, headers ...string) response {
 	return response{status: resp.StatusCode, header: resp.Header, body: string(b)}
 }
 
+// serveOne runs one request through a handler provisioned alone, with
+// next as the rest of the route, and returns what the client gets and the
+// handler's error: a refusal's status (a caddyhttp.HandlerError's) is the
+// response's Code, any other error makes it 500, as Caddy answers. It
+// fails no test itself, so a request may run in a goroutine of its own.
+func serveOne(h *Handler, r *http.Request, next caddyhttp.Handler) (*httptest.ResponseRecorder, error) {
+	w := httptest.NewRecorder()
+	err := h.ServeHTTP(w, r, next)
+	if he := (caddyhttp.HandlerError{}); errors.As(err, &he) {
+		w.Code = he.StatusCode
+	} else if err != nil {
+		w.Code = http.StatusInternalServerError
+	}
+	return w, err
+}
+
 // fakeClock is a clock that moves only when a test moves it.
 type fakeClock struct{ micros atomic.Int64 }
 
 func (c *fakeClock) now() int64              { return c.micros.Load() }
 func (c *fakeClock) advance(d time.Duration) { c.micros.Add(d.Microseconds()) }
 
-// useFakeClock makes the local bucket tables created from now on, until the
-// test ends, read a fake clock. Call it before loading a config.
-func useFakeClock(t testing.TB) *fakeClock {
+// clocks are the clocks of a handler that reads c, for the local buckets
+// and the record of denials alike.
+func (c *fakeClock) clocks() clocks { return clocks{now: c.now, wall: c.now} }
+
+// newFakeClock is a fake clock at 1 s, to hand to a handler provisioned
+// alone (provisionedHandlerOn).
+func newFakeClock() *fakeClock {
 	c := new(fakeClock)
 	c.micros.Store(1_000_000)
-	old, oldWall := localClock, localWallClock
-	localClock, localWallClock = c.now, c.now
-	t.Cleanup(func() { localClock, localWallClock = old, oldWall })
+	return c
+}
+
+// useFakeClock makes the handlers provisioned from now on that no test
+// handed a clock, those Caddy loads, read a fake clock until the test
+// ends. Call it before loading a config. It sets the package's
+// systemClocks, so its tests run one at a time (they load Caddy's one
+// config anyway); a test of a handler alone passes its clock in
+// (provisionedHandlerOn) and may run in parallel.
+func useFakeClock(t testing.TB) *fakeClock {
+	c := newFakeClock()
+	old := systemClocks
+	systemClocks = c.clocks()
+	t.Cleanup(func() { systemClocks = old })
 	return c
 }
 
