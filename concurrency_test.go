@@ -448,3 +448,41 @@ func TestARedisSlotWhoseFreeWasLostDoesNotHoldTheClientOffAfterRedisIsBack(t *te
 			r.status, r.header.Get("Retry-After"), srv.do("KEYS", "*"))
 	}
 }
+
+// A reload that changes only the Redis timeout keeps the slots of the
+// requests still running through the old config: the new config's
+// connection renews them, so the client never has more than its
+// concurrency in flight after slot_ttl.
+// Regression test for 4566696.
+func TestAReloadThatChangesTheRedisTimeoutKeepsTheSlotsOfRunningRequests(t *testing.T) {
+	t.Parallel()
+	skipUnderShort(t, "real-time")
+	srv := startRedis(t)
+	cfg := func(timeout string) string {
+		return fmt.Sprintf(`{"name":"concurrency_reload_timeout","keys":[{"keyer":"header","field":"X-Key"}],"store":{"store":"redis","addresses":[%q],"timeout":%s,"slot_ttl":300000000},"tiers":[{"name":"all","concurrency":1}]}`, srv.addr(), timeout)
+	}
+	old, doneOld := provisionedHandler(t, cfg("100000000"))
+	release, holding := make(chan struct{}), make(chan struct{})
+	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		close(holding)
+		<-release
+		return nil
+	})
+	finished := make(chan error, 1)
+	go func() { finished <- old.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), slow) }()
+	<-holding
+	defer func() { close(release); <-finished }()
+
+	// A reload: the new config, with another timeout, then the old one's
+	// cleanup. The old request runs on.
+	cur, doneCur := provisionedHandler(t, cfg("90000000"))
+	defer doneCur()
+	doneOld()
+
+	time.Sleep(time.Second) // more than slot_ttl, 300ms
+	w := httptest.NewRecorder()
+	err := cur.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), nopHandler)
+	if err == nil {
+		t.Errorf("a second request of the client was let through while its first is still in flight (concurrency 1): Redis holds %v", srv.do("KEYS", "*:c"))
+	}
+}

@@ -515,3 +515,92 @@ func TestACostZeroWaiterAnswersTheOtherLimitFromWhenItGoesOnInEveryStoreMode(t *
 		})
 	}
 }
+
+// The RateLimit (IETF) field of a request that waited gives its reset (t,
+// seconds until full) from when it goes on, not from before the wait. In
+// a synctest bubble, so the wait of a second takes none.
+// Regression test for 1fff550.
+func TestTheRateLimitResetOfAWaitedRequestCountsFromWhenItGoesOn(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		h, done := provisionedHandlerOn(t, bubbleClocks, `{"name":"wait_ietf_reset","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":2000000000,"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`)
+		defer done()
+		if _, err := serveOne(h, keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {
+			t.Fatal(err)
+		}
+		// The second request waits 1 s for its token; when it goes on, the
+		// bucket is full again 1 s later.
+		start := time.Now()
+		w, err := serveOne(h, keyed(benchRequest("127.0.0.1")), nopHandler)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waited := time.Since(start)
+		full := start.Add(2 * time.Second)
+		got := w.Header().Get("RateLimit")
+		want := fmt.Sprintf(`"default";r=0;t=%d`, int((time.Until(full)+time.Second-1)/time.Second))
+		if waited < 900*time.Millisecond {
+			t.Fatalf("the second request waited %v, want about 1 s", waited)
+		}
+		if got != want {
+			t.Fatalf("after waiting %v, RateLimit: %s; want %s (the bucket is full %v after the response)", waited.Round(time.Millisecond), got, want, time.Until(full).Round(time.Millisecond))
+		}
+	})
+}
+
+// In Redis strict mode, once waiters hang up and give their tokens back,
+// the deny cache lets the next request wait for them, as Redis would:
+// capacity 1 at 1/s, max_wait 10 s, 11 fit and the 12th is refused; 5 of
+// the 10 waiters hang up, and the next request waits.
+// Regression test for 1fff550.
+func TestTheDenyCacheLetsARequestWaitForTheTokensOfWaitersThatHungUp(t *testing.T) {
+	t.Parallel()
+	srv := startRedis(t)
+	// 1/s, capacity 1, max_wait 10s: 11 fit, the 12th is refused for 1 s.
+	h, done := provisionedHandler(t, fmt.Sprintf(`{"name":"wait_hung_up_deny_cache","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":10000000000,"store":{"store":"redis","addresses":[%q],"timeout":2000000000},"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`, srv.addr()))
+	defer done()
+	if err := h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), nopHandler); err != nil {
+		t.Fatal(err)
+	}
+	stay, leave := context.WithCancel(context.Background())
+	gone, hangUp := context.WithCancel(context.Background())
+	defer leave()
+	defer hangUp()
+	var wg sync.WaitGroup
+	for i := range 10 {
+		ctx := stay
+		if i >= 5 {
+			ctx = gone
+		}
+		wg.Go(func() {
+			_ = h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")).WithContext(ctx), nopHandler)
+		})
+	}
+	defer wg.Wait()
+	for deadline := time.Now().Add(5 * time.Second); h.waiting.Load() != 10; {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d waiting, want 10", h.waiting.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := h.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), nopHandler); err == nil {
+		t.Fatal("the 12th request: allowed, want refused (it would wait 11 s)")
+	}
+	// 5 waiters hang up: 5 tokens back.
+	hangUp()
+	for h.waiting.Load() != 5 {
+		time.Sleep(time.Millisecond)
+	}
+	// The next request would wait about 6 s: allowed, and waiting.
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	w := httptest.NewRecorder()
+	go func() { errc <- h.ServeHTTP(w, keyed(benchRequest("127.0.0.1")).WithContext(ctx), nopHandler) }()
+	time.Sleep(200 * time.Millisecond)
+	cancel()
+	err := <-errc
+	leave()
+	if err != nil {
+		t.Fatalf("after 5 waiters hung up and gave their tokens back, the next request: %v (Retry-After %q); want it to wait for them", err, w.Header().Get("Retry-After"))
+	}
+}

@@ -4,16 +4,14 @@ import (
 	"testing"
 )
 
-// Adversarial review of the fixes of issue 25's review (3cb8e39): the
-// placeholders of stacked rate_limit handlers. No test here fails: the
-// defects found are in internal/redisbucket/review25c_test.go and
-// internal/bucket/review25c_test.go.
+// The {http.rate_limit.*} placeholders (placeholders.go).
 
-// Probe (passes): with three rate_limit handlers stacked on a route, the
-// placeholders answer the last one the request went through: the third
-// when all allow, the one that refused when one does (the handlers after
-// it never run), and a route with one handler answers its own.
-func TestReview25cPlaceholdersFollowTheLastOfThreeStackedHandlers(t *testing.T) {
+// With three rate_limit handlers stacked on a route, the placeholders
+// answer the last one the request went through: the third when all allow,
+// the one that refused when one does (the handlers after it never run);
+// a route with one handler answers its own.
+// Regression test for 3cb8e39.
+func TestPlaceholdersAnswerTheLastOfThreeStackedHandlers(t *testing.T) {
 	useFakeClock(t)
 	s := serve(t, `
 	route /three {
