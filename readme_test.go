@@ -278,20 +278,11 @@ type caddyBlock struct {
 	inline bool // a code span in the text, not a block
 }
 
-var caddyfileFence = regexp.MustCompile("(?s)```caddyfile\n(.*?)```")
-
+// caddyfileBlocks are a Markdown file's ```caddyfile blocks, as a reader
+// copies them (fencedBlocks).
 func caddyfileBlocks(t *testing.T, file string) []caddyBlock {
 	t.Helper()
-	data, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var blocks []caddyBlock
-	for _, m := range caddyfileFence.FindAllSubmatchIndex(data, -1) {
-		line := 1 + strings.Count(string(data[:m[0]]), "\n")
-		blocks = append(blocks, caddyBlock{line: line, text: string(data[m[2]:m[3]])})
-	}
-	return blocks
+	return fencedBlocks(t, file, "caddyfile")
 }
 
 // caddyfileSnippets are a Markdown file's ```caddyfile blocks and the
