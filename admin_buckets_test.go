@@ -246,6 +246,7 @@ func TestAdminBucketDuringARedisOutage(t *testing.T) {
 // caught: the time until full (what reset_after says), and one blind to
 // max_wait.
 func TestAdminRetryAfterIsWhenATakePasses(t *testing.T) {
+	t.Parallel()
 	check := func(until func(bucket.Limit, bucket.Result, int64) int64) (checked int, failure string) {
 		rng := rand.New(rand.NewPCG(31, 1))
 		for range 300 {

@@ -127,8 +127,8 @@ func eventuallyTrue(d time.Duration, cond func() bool) bool {
 // A request refused a slot gives back the rate tokens it took: all or
 // nothing. A panic in a later handler frees the slot.
 func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
-	useFakeClock(t)
-	h, done := provisionedHandler(t, `{"name":"slots","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"slots","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
 	defer done()
 	release := make(chan struct{})
 	holding := make(chan struct{})
@@ -193,8 +193,8 @@ func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
 // A dry run lets a request over the limit through, counts and names it a
 // dry run, and keeps the tokens it took: it reached the origin.
 func TestConcurrencyDryRun(t *testing.T) {
-	useFakeClock(t)
-	h, done := provisionedHandler(t, `{"name":"slots_dry","dry_run":true,"keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"slots_dry","dry_run":true,"keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
 	defer done()
 	release, holding := make(chan struct{}), make(chan struct{})
 	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
@@ -240,6 +240,7 @@ func counterValue(t *testing.T, c interface{ Write(*dto.Metric) error }) float64
 }
 
 func TestConcurrencyCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
 	}
@@ -266,6 +267,7 @@ func TestConcurrencyCaddyfile(t *testing.T) {
 
 // A concurrency-only tier reports its slots in the X- fields.
 func TestConcurrencyOnlyTierHeaders(t *testing.T) {
+	t.Parallel()
 	h, done := provisionedHandler(t, `{"name":"only_slots","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"all","concurrency":4}]}`)
 	defer done()
 	w := httptest.NewRecorder()

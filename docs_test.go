@@ -45,6 +45,7 @@ func docFiles(t *testing.T) []string {
 }
 
 func TestDocsReadmeIsShort(t *testing.T) {
+	t.Parallel()
 	data, err := os.ReadFile("README.md")
 	if err != nil {
 		t.Fatal(err)
@@ -58,6 +59,7 @@ func TestDocsReadmeIsShort(t *testing.T) {
 // bench/README.md, as the code host reads them: the file exists in the
 // repository, and the anchor is a heading of the target.
 func TestDocsLinksLand(t *testing.T) {
+	t.Parallel()
 	checked := 0
 	for _, file := range append(docFiles(t), "bench/README.md") {
 		data, err := os.ReadFile(file)
@@ -80,6 +82,7 @@ func TestDocsLinksLand(t *testing.T) {
 // vacuous: each form a broken link can take is caught, and the same forms
 // that land pass.
 func TestDocsLinkCheckerFindsBrokenLinks(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		target string
 		ok     bool
@@ -161,6 +164,7 @@ func TestDocsLinkCheckerFindsBrokenLinks(t *testing.T) {
 // TestDocsPagesHaveAWholeCaddyfile: every page of docs/ but the index shows
 // at least one whole Caddyfile (a site, not a fragment).
 func TestDocsPagesHaveAWholeCaddyfile(t *testing.T) {
+	t.Parallel()
 	for _, file := range docFiles(t) {
 		if file == "README.md" || file == filepath.Join("docs", "README.md") {
 			continue
@@ -180,6 +184,7 @@ func TestDocsPagesHaveAWholeCaddyfile(t *testing.T) {
 // aligned.
 // Regression test for issue 31 item 4.
 func TestDocsCaddyfilesPassCaddyFmt(t *testing.T) {
+	t.Parallel()
 	blocks := 0
 	for _, file := range docFiles(t) {
 		for _, b := range fencedBlocks(t, file, "caddyfile") {
@@ -259,6 +264,7 @@ func lineDiff(have, want string) string {
 // Mermaid blocks; the chart's block is drawn by bench/chart, whose test
 // checks it against bench/results.
 func TestDocsDrawTheirPictures(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct{ file, picture string }{
 		{"README.md", "flowchart"},
 		{"docs/how-it-works.md", "flowchart"},

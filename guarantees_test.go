@@ -78,6 +78,7 @@ func TestSlowRightPasswordDoesNotLiftTheBan(t *testing.T) {
 // A tier that goes from one limit to several keeps its first limit's
 // bucket in Redis: the key does not move, so a reload refills no client.
 func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
 	b := bucketFor("switch")
@@ -104,6 +105,7 @@ func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
 // A count_status give-back that reaches a node after a reload closed its
 // lease table goes to the shared bucket instead of being lost.
 func TestGiveBackAfterAReloadReachesTheSharedBucket(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "20%"})
 	l := slowLimit(100)

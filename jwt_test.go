@@ -458,6 +458,7 @@ func TestJWTVerdictCacheIsBounded(t *testing.T) {
 }
 
 func TestJWTCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n" + block + "\t}\n\trespond ok\n}\n"
 	}
@@ -615,6 +616,7 @@ func TestTokenWithoutExpYieldsNothingWhenExpIsRequired(t *testing.T) {
 }
 
 func TestJWTRequireCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(require string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n\t\tjwt {\n\t\t\tsecret k\n\t\t\t" + require + "\n\t\t}\n\t}\n\trespond ok\n}\n"
 	}

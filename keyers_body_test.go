@@ -250,6 +250,7 @@ func TestBodyKeyersYieldNothingForOtherBodiesAndLeaveThemIntact(t *testing.T) {
 }
 
 func TestTwoBodyKeyersReadTheBodyOnce(t *testing.T) {
+	t.Parallel()
 	body := `{"user":{"name":"alice"}}`
 	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", strings.NewReader(body))
 	r.Header.Set("Content-Type", "application/json")
@@ -270,6 +271,7 @@ func TestTwoBodyKeyersReadTheBodyOnce(t *testing.T) {
 }
 
 func TestBodyKeyersCloseTheOriginalBody(t *testing.T) {
+	t.Parallel()
 	closed := false
 	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", nil)
 	r.Body = closeFunc{strings.NewReader("username=a"), func() { closed = true }}
@@ -289,6 +291,7 @@ type closeFunc struct {
 func (c closeFunc) Close() error { c.f(); return nil }
 
 func TestBodyKeyerCaddyfile(t *testing.T) {
+	t.Parallel()
 	cfg, err := adaptCaddyfile("http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey form username\n\t\tkey json user.name\n\t}\n}\n")
 	if err != nil {
 		t.Fatal(err)
@@ -511,6 +514,7 @@ func TestNoKeyDenyInDryRunLetsThrough(t *testing.T) {
 }
 
 func TestNoKeyCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(lines string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n" + lines + "\n\t}\n}\n"
 	}

@@ -99,6 +99,7 @@ func TestQuotaInRedis(t *testing.T) {
 }
 
 func TestQuotaSettingsAreChecked(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
 	}

@@ -386,6 +386,7 @@ func (rt retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // with CLUSTER FAILOVER on the replica: the buckets emptied before stay
 // empty, and new clients on those slots are limited exactly.
 func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "fault injection")
 	nodes := startCluster(t, 3)
 	master := nodes[0]

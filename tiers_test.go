@@ -18,6 +18,7 @@ import (
 // in an hour rather than a microsecond.
 // Regression test for issue 30 item 3.
 func TestAQuotaPlansHiddenLimitNeverRefusesWhatItsQuotasAdmit(t *testing.T) {
+	t.Parallel()
 	const seed = 30
 	rng := rand.New(rand.NewPCG(seed, 0))
 	for round := range 2000 {

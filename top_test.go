@@ -73,6 +73,7 @@ func TestTopListsTheBucketsDeniedMost(t *testing.T) {
 // holds at most topEntries buckets, the exceeded set at most maxExceeded,
 // and a bucket denied far more than the flood's keys stays on top.
 func TestTopStaysBoundedUnderAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
 	d := newDenials()
 	now := time.Unix(1_800_000_000, 0)
 	heavy := denialKey{tier: "default", keyer: "ip/32/64", keyID: "heavy"}
@@ -100,6 +101,7 @@ func TestTopStaysBoundedUnderAFloodOfDistinctKeys(t *testing.T) {
 // bucket is not followed (its event suppressed) rather than one of them
 // forgotten and told of again.
 func TestExceededFollowsEpisodesInBoundedMemory(t *testing.T) {
+	t.Parallel()
 	d := newDenials()
 	now := time.Unix(1_800_000_000, 0)
 	key := func(i int) denialKey { return denialKey{tier: "default", keyer: "ip/32/64", keyID: strconv.Itoa(i)} }

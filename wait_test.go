@@ -22,6 +22,7 @@ import (
 // max_wait's settings, placeholder, metric and listing.
 
 func TestMaxWaitCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit 1 10/s {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
 	}
@@ -78,8 +79,8 @@ func TestMaxWaitJSONMistakesFailAtProvision(t *testing.T) {
 // shows max_wait. The clock is fake and stands still, so the waits are
 // exact: the timers are real.
 func TestMaxWaitPlaceholderMetricAndSlowestLimit(t *testing.T) {
-	useFakeClock(t)
-	h, done := provisionedHandler(t, `{"name":"waited","max_wait":1000000000,"tiers":[{"name":"default","limits":[{"capacity":1,"refill":"100/s"},{"capacity":1,"refill":"20/s"}]}]}`)
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"waited","max_wait":1000000000,"tiers":[{"name":"default","limits":[{"capacity":1,"refill":"100/s"},{"capacity":1,"refill":"20/s"}]}]}`)
 	defer done()
 	before := waitCount(t, "waited", "default")
 	waited := make([]string, 3)
@@ -130,8 +131,9 @@ func waitCount(t *testing.T, policy, tier string) uint64 {
 // A dry run never delays a request, and a request over max_waiting is
 // refused at once and takes nothing.
 func TestMaxWaitDryRunAndMaxWaiting(t *testing.T) {
-	useFakeClock(t)
-	dry, done := provisionedHandler(t, `{"name":"dry_wait","dry_run":true,"max_wait":10000000000,"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`)
+	t.Parallel()
+	clock := newFakeClock().clocks()
+	dry, done := provisionedHandlerOn(t, clock, `{"name":"dry_wait","dry_run":true,"max_wait":10000000000,"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`)
 	defer done()
 	for i := range 3 {
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
@@ -143,7 +145,7 @@ func TestMaxWaitDryRunAndMaxWaiting(t *testing.T) {
 		}
 	}
 
-	h, done2 := provisionedHandler(t, `{"name":"one_waiter","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":10000000000,"max_waiting":1,"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`)
+	h, done2 := provisionedHandlerOn(t, clock, `{"name":"one_waiter","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":10000000000,"max_waiting":1,"tiers":[{"name":"default","capacity":1,"refill":"1/s"}]}`)
 	defer done2()
 	gone, hangUp := context.WithCancel(context.Background())
 	defer hangUp()
@@ -182,8 +184,8 @@ func TestMaxWaitDryRunAndMaxWaiting(t *testing.T) {
 // then says. They spoke from the decision: the minute's limit said 8 left
 // and 2 s to full, where 9 and 1 s were true when the headers went out.
 func TestAWaiterAnswersEachLimitFromWhenItGoesOn(t *testing.T) {
-	useFakeClock(t)
-	h, done := provisionedHandler(t, `{"name":"waited_items","headers":"ietf","max_wait":2000000000,"tiers":[{"name":"default","limits":[{"capacity":1,"refill":"1/s"},{"capacity":10,"refill":"1/s"}]}]}`)
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"waited_items","headers":"ietf","max_wait":2000000000,"tiers":[{"name":"default","limits":[{"capacity":1,"refill":"1/s"},{"capacity":10,"refill":"1/s"}]}]}`)
 	defer done()
 	var got []string
 	for range 2 {
