@@ -25,10 +25,18 @@ func provisionedHandler(b testing.TB, cfg string) (*Handler, func()) {
 // policy's: tests that run in parallel give each handler a policy name of
 // its own.
 func provisionedHandlerOn(b testing.TB, c clocks, cfg string) (*Handler, func()) {
-	h := &Handler{clocks: c}
+	return provisionedHandlerWith(b, cfg, func(h *Handler) { h.clocks = c })
+}
+
+// provisionedHandlerWith is provisionedHandler with set applied to the
+// handler between its JSON and Provision: what a test hands it that no
+// config can (clocks, a JWT config's count of verifications).
+func provisionedHandlerWith(b testing.TB, cfg string, set func(*Handler)) (*Handler, func()) {
+	h := new(Handler)
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		b.Fatal(err)
 	}
+	set(h)
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	if err := h.Provision(ctx); err != nil {
 		b.Fatal(err)
