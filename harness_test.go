@@ -51,10 +51,18 @@ func serveWithAdmin(t testing.TB, directives string) (*testServer, string) {
 	return serveWithGlobals(t, "admin "+admin, directives), "http://" + admin
 }
 
+// serveWithGlobals is serve with the global options given.
 func serveWithGlobals(t testing.TB, globals, directives string) *testServer {
 	t.Helper()
 	port := freePort(t)
-	return serveCaddyfile(t, port, fmt.Sprintf(`{
+	return serveCaddyfile(t, port, siteCaddyfile(globals, port, directives))
+}
+
+// siteCaddyfile is a Caddyfile of the global options given, trusting
+// 127.0.0.1 as a proxy, and one site on 127.0.0.1:port whose body is
+// directives.
+func siteCaddyfile(globals string, port int, directives string) string {
+	return fmt.Sprintf(`{
 	%s
 	skip_install_trust
 	servers {
@@ -64,7 +72,7 @@ func serveWithGlobals(t testing.TB, globals, directives string) *testServer {
 http://127.0.0.1:%d {
 %s
 }
-`, globals, port, directives))
+`, globals, port, directives)
 }
 
 // serveCaddyfile adapts and loads a whole Caddyfile that listens on
@@ -75,6 +83,15 @@ func serveCaddyfile(t testing.TB, port int, caddyfile string) *testServer {
 	if err != nil {
 		t.Fatalf("adapting Caddyfile: %v\n%s", err, caddyfile)
 	}
+	return serveConfig(t, port, cfg)
+}
+
+// serveConfig loads Caddy's JSON config cfg, which listens on
+// 127.0.0.1:port, and stops Caddy when the test ends. Every test that
+// serves through Caddy comes here: Caddy runs one config at a time, so
+// these tests run one at a time.
+func serveConfig(t testing.TB, port int, cfg []byte) *testServer {
+	t.Helper()
 	if err := caddy.Load(cfg, true); err != nil {
 		t.Fatalf("loading config: %v\n%s", err, cfg)
 	}
