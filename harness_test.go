@@ -19,7 +19,12 @@ import (
 )
 
 // The end-to-end tests run real Caddyfiles through this process's Caddy,
-// one config at a time, on loopback ports.
+// one config at a time, on loopback ports (serveConfig). They run one at
+// a time, without t.Parallel(): Caddy has one config, and useFakeClock
+// sets the clocks of the handlers it loads (systemClocks). Every other
+// test, a handler provisioned alone (provisionedHandlerOn, with its own
+// clocks and policy name), a Redis store on its own redis-server, a fleet
+// of Caddy processes, a check of the docs, runs in parallel.
 
 // testServer is a Caddy config loaded for one test.
 type testServer struct {

@@ -517,6 +517,7 @@ func TestJWTCaddyfile(t *testing.T) {
 }
 
 func TestJWTProvisionErrors(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	notPEM := writeFile(t, dir, "bad.pem", []byte("hello"))
 	rsaFile := writeFile(t, dir, "rsa.pem", publicPEM(t, &testRSAKey().PublicKey))

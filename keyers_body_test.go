@@ -182,6 +182,7 @@ func TestBodyOverCapIsKeyedByIPAndFlowsWhole(t *testing.T) {
 type chunked struct{ io.Reader }
 
 func TestBodyKeyersYieldNothingForOtherBodiesAndLeaveThemIntact(t *testing.T) {
+	t.Parallel()
 	mp, mpType := multipartBody(t, map[string]string{"username": "alice"})
 	bigForm := "username=alice&pad=" + strings.Repeat("y", maxKeyedBody)
 	cases := []struct {
@@ -348,6 +349,7 @@ func hostileLogins(t testing.TB) []hostileLogin {
 }
 
 func TestBodyKeyersNameNothingWhenOriginsCouldReadAnotherValue(t *testing.T) {
+	t.Parallel()
 	form := func(field string) Keyer { return &FormKeyer{Field: field} }
 	js := func(path string) Keyer { return &JSONKeyer{Path: path} }
 	cases := []struct {
@@ -1081,6 +1083,7 @@ func TestAFormInTheCharsetOfAnotherParameterNamesNobody(t *testing.T) {
 // cookies and Content-Types, still name their user: the rules that make
 // lookalike names and odd bodies name nobody leave them alone.
 func TestLoginFormsOfCommonFrameworksStillNameTheirUser(t *testing.T) {
+	t.Parallel()
 	mp, mpType := multipartBody(t, map[string]string{"username": "alice", "password": "x", "remember": "on"})
 	const quotedBoundary = "multipart/form-data; charset=utf-8; boundary=\"b-1.2_3\""
 	for _, c := range []struct {
