@@ -22,7 +22,7 @@ import (
 
 const second = int64(1_000_000)
 
-// The README's login setup, in every store mode: a right password admitted
+// docs/logins.md's login setup, in every store mode: a right password admitted
 // before the ban and answered after it (a 200, which does not count) gives
 // its token back into a banned bucket, which keeps the ban; the next wrong
 // password is refused. The give-back used to end the ban, and a fourth

@@ -18,7 +18,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
-// The measured claims of the README's "Sharing limits across edge nodes", on real processes: Caddy
+// The measured claims of docs/fleet.md's "Sharing limits across edge nodes", on real processes: Caddy
 // processes built from this checkout share one policy on one redis-server,
 // reached through a faultProxy that delays each direction by wanDelay, as
 // an edge PoP far from its Redis. Clients are named by X-Key, so the test
@@ -763,7 +763,7 @@ func (f *leaseFleet) sharedLevel(i int, key string) int64 {
 	return b.Remaining
 }
 
-// TestLeaseBurstAfterRefillLeavesOutWhatNodesHold plays the README's
+// TestLeaseBurstAfterRefillLeavesOutWhatNodesHold plays docs/fleet.md's
 // policy (200 at 50/s, lease 10%, lease_ttl 1s) on 4 nodes, 20 ms each way
 // from Redis: 4 requests on each node, so that each holds a few leased
 // tokens, a 0.8 s pause in which the shared bucket refills, then 100
@@ -897,7 +897,7 @@ func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
 
 // TestLeaseFarNodesKeepTheirShareAndTheirTokens runs 4 nodes, 2 of them
 // 80 ms each way from Redis and 2 at 160 ms.
-//   - The README's policy (200 at 50/s, lease 10%), a hot key at 4 times
+//   - docs/fleet.md's policy (200 at 50/s, lease 10%), a hot key at 4 times
 //     its rate, round-robin: once the first capacity is spent, neither
 //     pair gets less than a sixth of what is admitted. A hold-off
 //     counted from the answer to a refused call, with no jitter, left the
