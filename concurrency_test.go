@@ -303,6 +303,7 @@ func BenchmarkServeHTTPConcurrency(b *testing.B) {
 // longer limits the tier's requests in flight, it goes on without a slot.
 // Regression test for issue 30 item 2.
 func TestConcurrencySlotOfARequestCaughtByAReloadComesFromTheRunningConfig(t *testing.T) {
+	skipUnderShort(t, "real-time")
 	srv := startRedis(t)
 	for i, tt := range []struct{ name, after string }{
 		{"the running config counts slots", "concurrency 1"},
@@ -409,6 +410,7 @@ func TestConcurrencyInTheRateLimitBlockRefusesASecondInFlight(t *testing.T) {
 // the rest of slot_ttl once Redis is back: the client, with nothing in
 // flight, would be refused "too many in flight" for up to 30 s.
 func TestARedisSlotWhoseFreeWasLostDoesNotHoldTheClientOffAfterRedisIsBack(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	srv := startRedis(t)
 	proxy := startFaultProxy(t, srv.addr(), 0)
 	holding, release := make(chan struct{}, 1), make(chan struct{})

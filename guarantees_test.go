@@ -15,7 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// Regression tests for the guarantees that review found broken: a
+// Regression tests for guarantees that were once broken: a
 // give-back never lifts a ban or forgives a debt, never creates tokens
 // under an older limit, a request of cost 0 waits out a ban or a debt, and
 // leases never admit more than one bucket.

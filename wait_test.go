@@ -364,6 +364,7 @@ type adminQuotas struct {
 // limits refill too slowly for the ms between to matter).
 // Regression test for 596d67b.
 func TestAWaitersItemsMatchTheBucketWhenItGoesOnInEveryStoreMode(t *testing.T) {
+	skipUnderShort(t, "real-time")
 	srv := startRedis(t)
 	for i, mode := range storeModes(srv) {
 		t.Run(mode.name, func(t *testing.T) {
@@ -479,6 +480,7 @@ func TestACostZeroWaiterAnswersTheOtherLimitFromWhenItGoesOn(t *testing.T) {
 // second limit is full when it goes on (GET says so), and so says its item.
 // Regression test for 596d67b.
 func TestACostZeroWaiterAnswersTheOtherLimitFromWhenItGoesOnInEveryStoreMode(t *testing.T) {
+	skipUnderShort(t, "real-time")
 	srv := startRedis(t)
 	for i, mode := range storeModes(srv) {
 		t.Run(mode.name, func(t *testing.T) {
