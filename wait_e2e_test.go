@@ -307,7 +307,7 @@ func TestMaxWaitWithLeasesOfManyTokens(t *testing.T) {
 // nothing; goroutines and heap stay bounded; when the waiters' clients go,
 // every token comes back.
 func TestMaxWaitingBoundsAFlood(t *testing.T) {
-	t.Parallel()
+	// Serial: it counts the process's goroutines and heap.
 	skipUnderShort(t, "heavy load")
 	h, done := provisionedHandler(t, `{"name":"flood","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":720000000000000,"max_waiting":1000,"tiers":[{"name":"default","capacity":100,"refill":"1/10m"}]}`)
 	defer done()
