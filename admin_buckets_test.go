@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
@@ -245,6 +246,7 @@ func TestAdminBucketDuringARedisOutage(t *testing.T) {
 // caught: the time until full (what reset_after says), and one blind to
 // max_wait.
 func TestAdminRetryAfterIsWhenATakePasses(t *testing.T) {
+	t.Parallel()
 	check := func(until func(bucket.Limit, bucket.Result, int64) int64) (checked int, failure string) {
 		rng := rand.New(rand.NewPCG(31, 1))
 		for range 300 {
@@ -324,6 +326,57 @@ func TestAdminRetryAfterSaysWhetherTheNextRequestPassesInEveryStoreMode(t *testi
 				if passes != (r.status == 200) || !passes && (retry < got.RetryAfter-1 || retry > got.RetryAfter+1) {
 					t.Fatalf("request %d: GET's retry_after does not say what the request got:\n%s", n, strings.Join(trace, "\n"))
 				}
+			}
+		})
+	}
+}
+
+// The admin API's read of a tier of several limits changes nothing: with
+// ban and max_wait, a client in debt (cost_from_response) beyond max_wait
+// that the admin API read is let in once it waits its debt out, as the
+// client nobody read is; the read starts no ban.
+// Regression test for 1b00d1d.
+func TestAnAdminReadOfSeveralLimitsStartsNoBan(t *testing.T) {
+	skipUnderShort(t, "real-time")
+	srv := startRedis(t)
+	for i, mode := range storeModes(srv) {
+		t.Run(mode.name, func(t *testing.T) {
+			policy := fmt.Sprintf("admin_read_ban_%d", i)
+			s, admin := serveWithAdmin(t, fmt.Sprintf(`rate_limit {
+		name %s
+		key header X-Key
+		tier api {
+			limit 5 5/s
+			limit 1000 1/h
+			cost_from_response X-Used
+		}
+		max_wait 1s
+		ban 1h
+		%s
+	}
+	header X-Used 20
+	respond ok`, policy, mode.store))
+			for _, k := range []string{"read", "control"} {
+				if r := s.get("/", "X-Key: "+k); r.status != 200 {
+					t.Fatalf("first request of %s: %d", k, r.status)
+				}
+			}
+			// Charged 20: limit 1 lacks 21 of 5 tokens at 5/s, 3.4 s of debt
+			// beyond the one token the next request takes, 2.4 s past max_wait.
+			resp, err := http.Get(admin + "/rate_limit/buckets?policy=" + policy + "&tier=api&keyer=header&value=read")
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Fatalf("admin GET: %d", resp.StatusCode)
+			}
+			time.Sleep(3600 * time.Millisecond)
+			if r := s.get("/", "X-Key: control"); r.status != 200 {
+				t.Fatalf("control, unread, after its debt: %d (Retry-After %s), want 200", r.status, r.header.Get("Retry-After"))
+			}
+			if r := s.get("/", "X-Key: read"); r.status != 200 {
+				t.Errorf("the client the admin API read, after its debt: %d, Retry-After %s; want 200 as the unread client got: the admin read started a ban", r.status, r.header.Get("Retry-After"))
 			}
 		})
 	}

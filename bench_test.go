@@ -15,12 +15,28 @@ import (
 // are in bench/README.md.
 
 // provisionedHandler sets up a handler from JSON outside a server, as Caddy
-// would.
+// would, on the system's clocks.
 func provisionedHandler(b testing.TB, cfg string) (*Handler, func()) {
+	return provisionedHandlerOn(b, clocks{}, cfg)
+}
+
+// provisionedHandlerOn is provisionedHandler with the clocks c handed to
+// the handler (the zero value: the system's). Its local buckets are its
+// policy's: tests that run in parallel give each handler a policy name of
+// its own.
+func provisionedHandlerOn(b testing.TB, c clocks, cfg string) (*Handler, func()) {
+	return provisionedHandlerWith(b, cfg, func(h *Handler) { h.clocks = c })
+}
+
+// provisionedHandlerWith is provisionedHandler with set applied to the
+// handler between its JSON and Provision: what a test hands it that no
+// config can (clocks, a JWT config's count of verifications).
+func provisionedHandlerWith(b testing.TB, cfg string, set func(*Handler)) (*Handler, func()) {
 	h := new(Handler)
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		b.Fatal(err)
 	}
+	set(h)
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	if err := h.Provision(ctx); err != nil {
 		b.Fatal(err)

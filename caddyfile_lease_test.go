@@ -7,6 +7,7 @@ import (
 )
 
 func TestLeaseCaddyfile(t *testing.T) {
+	t.Parallel()
 	cfg, err := adaptSite(`rate_limit 200 50/s {
 		store redis {
 			address redis://127.0.0.1:6379

@@ -55,6 +55,7 @@ func rateLimitHandlers(t testing.TB, cfg []byte) []map[string]any {
 }
 
 func TestCaddyfileFillsTheJSONConfig(t *testing.T) {
+	t.Parallel()
 	cfg, err := adaptSite(`
 	rate_limit /api/* 100 10/s {
 		name api
@@ -101,6 +102,7 @@ func TestCaddyfileFillsTheJSONConfig(t *testing.T) {
 }
 
 func TestCaddyfileMistakesFailAtAdapt(t *testing.T) {
+	t.Parallel()
 	tests := []struct {
 		name       string
 		directives string
@@ -305,6 +307,7 @@ func findHandlers(t *testing.T, cfg []byte) []*Handler {
 // Validation reads and provisioning writes: the adapted JSON of the
 // shortest config holds what the Caddyfile says and no default.
 func TestAdaptShowsOnlyWhatWasWritten(t *testing.T) {
+	t.Parallel()
 	cfg, err := adaptSite("rate_limit 10 1/s")
 	if err != nil {
 		t.Fatal(err)
@@ -325,6 +328,7 @@ func TestAdaptShowsOnlyWhatWasWritten(t *testing.T) {
 // <capacity> <refill> on the first line, such lines alone make the tier.
 // Regression test for issue 30 items 1 to 3.
 func TestCaddyfileRateLimitBlockTakesTheCatchAllTiersLimitLines(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct{ directives, tiers string }{
 		{"rate_limit 100 10/s {\n cost 5\n }", `[{"capacity":100,"cost":5,"name":"default","refill":"10/s"}]`},
 		{"rate_limit 100 10/s {\n cost {http.request.header.X-Batch}\n }", `[{"capacity":100,"cost_placeholder":"{http.request.header.X-Batch}","name":"default","refill":"10/s"}]`},

@@ -227,6 +227,7 @@ func concGet(ctx context.Context, client *http.Client, url, key string, headers 
 // process with the same Redis store, and on one process with the local
 // store.
 func TestConcurrencyHoldsAcrossThreeCaddyProcesses(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process")
 	for _, tc := range []struct {
 		name  string
@@ -406,6 +407,7 @@ func TestConcurrencyHoldsAcrossThreeCaddyProcesses(t *testing.T) {
 // and that A keeps the slots past slot_ttl by renewing them, then kills A
 // with SIGKILL: B admits the key again within slot_ttl + 1 s.
 func TestConcurrencySlotsOfAKilledNodeComeBack(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process")
 	const limit = 10
 	const slotTTL = 2 * time.Second

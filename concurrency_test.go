@@ -127,8 +127,8 @@ func eventuallyTrue(d time.Duration, cond func() bool) bool {
 // A request refused a slot gives back the rate tokens it took: all or
 // nothing. A panic in a later handler frees the slot.
 func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
-	useFakeClock(t)
-	h, done := provisionedHandler(t, `{"name":"slots","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"slots","headers":"both","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
 	defer done()
 	release := make(chan struct{})
 	holding := make(chan struct{})
@@ -193,8 +193,8 @@ func TestConcurrencyRefusalTakesNothingAndAPanicFreesTheSlot(t *testing.T) {
 // A dry run lets a request over the limit through, counts and names it a
 // dry run, and keeps the tokens it took: it reached the origin.
 func TestConcurrencyDryRun(t *testing.T) {
-	useFakeClock(t)
-	h, done := provisionedHandler(t, `{"name":"slots_dry","dry_run":true,"keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"slots_dry","dry_run":true,"keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"default","capacity":5,"refill":"1/m","concurrency":1}]}`)
 	defer done()
 	release, holding := make(chan struct{}), make(chan struct{})
 	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
@@ -240,6 +240,7 @@ func counterValue(t *testing.T, c interface{ Write(*dto.Metric) error }) float64
 }
 
 func TestConcurrencyCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
 	}
@@ -266,6 +267,7 @@ func TestConcurrencyCaddyfile(t *testing.T) {
 
 // A concurrency-only tier reports its slots in the X- fields.
 func TestConcurrencyOnlyTierHeaders(t *testing.T) {
+	t.Parallel()
 	h, done := provisionedHandler(t, `{"name":"only_slots","keys":[{"keyer":"header","field":"X-Key"}],"tiers":[{"name":"all","concurrency":4}]}`)
 	defer done()
 	w := httptest.NewRecorder()
@@ -301,6 +303,7 @@ func BenchmarkServeHTTPConcurrency(b *testing.B) {
 // longer limits the tier's requests in flight, it goes on without a slot.
 // Regression test for issue 30 item 2.
 func TestConcurrencySlotOfARequestCaughtByAReloadComesFromTheRunningConfig(t *testing.T) {
+	skipUnderShort(t, "real-time")
 	srv := startRedis(t)
 	for i, tt := range []struct{ name, after string }{
 		{"the running config counts slots", "concurrency 1"},
@@ -407,6 +410,7 @@ func TestConcurrencyInTheRateLimitBlockRefusesASecondInFlight(t *testing.T) {
 // the rest of slot_ttl once Redis is back: the client, with nothing in
 // flight, would be refused "too many in flight" for up to 30 s.
 func TestARedisSlotWhoseFreeWasLostDoesNotHoldTheClientOffAfterRedisIsBack(t *testing.T) {
+	skipUnderShort(t, "fault injection")
 	srv := startRedis(t)
 	proxy := startFaultProxy(t, srv.addr(), 0)
 	holding, release := make(chan struct{}, 1), make(chan struct{})
@@ -446,5 +450,43 @@ func TestARedisSlotWhoseFreeWasLostDoesNotHoldTheClientOffAfterRedisIsBack(t *te
 	if !passed {
 		t.Errorf("5 s after Redis came back, with nothing in flight: %d, Retry-After %q; want 200 (the slot set holds %v)",
 			r.status, r.header.Get("Retry-After"), srv.do("KEYS", "*"))
+	}
+}
+
+// A reload that changes only the Redis timeout keeps the slots of the
+// requests still running through the old config: the new config's
+// connection renews them, so the client never has more than its
+// concurrency in flight after slot_ttl.
+// Regression test for 4566696.
+func TestAReloadThatChangesTheRedisTimeoutKeepsTheSlotsOfRunningRequests(t *testing.T) {
+	// Serial: its slots live 300 ms, renewed within a 100 ms timeout.
+	skipUnderShort(t, "real-time")
+	srv := startRedis(t)
+	cfg := func(timeout string) string {
+		return fmt.Sprintf(`{"name":"concurrency_reload_timeout","keys":[{"keyer":"header","field":"X-Key"}],"store":{"store":"redis","addresses":[%q],"timeout":%s,"slot_ttl":300000000},"tiers":[{"name":"all","concurrency":1}]}`, srv.addr(), timeout)
+	}
+	old, doneOld := provisionedHandler(t, cfg("100000000"))
+	release, holding := make(chan struct{}), make(chan struct{})
+	slow := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		close(holding)
+		<-release
+		return nil
+	})
+	finished := make(chan error, 1)
+	go func() { finished <- old.ServeHTTP(httptest.NewRecorder(), keyed(benchRequest("127.0.0.1")), slow) }()
+	<-holding
+	defer func() { close(release); <-finished }()
+
+	// A reload: the new config, with another timeout, then the old one's
+	// cleanup. The old request runs on.
+	cur, doneCur := provisionedHandler(t, cfg("90000000"))
+	defer doneCur()
+	doneOld()
+
+	time.Sleep(time.Second) // more than slot_ttl, 300ms
+	w := httptest.NewRecorder()
+	err := cur.ServeHTTP(w, keyed(benchRequest("127.0.0.1")), nopHandler)
+	if err == nil {
+		t.Errorf("a second request of the client was let through while its first is still in flight (concurrency 1): Redis holds %v", srv.do("KEYS", "*:c"))
 	}
 }

@@ -9,11 +9,9 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"regexp"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -244,25 +242,10 @@ func TestDocsOperatingEventsRecipeRunsOncePerBucket(t *testing.T) {
 	}
 	events := strings.Replace(string(recipe.Apps["events"]), `"handler": "exec"`, `"handler": "rate_limit_test_exec"`, 1)
 
-	port := freePort(t)
-	cfg, err := adaptCaddyfile(fmt.Sprintf("{\n\tadmin off\n\tservers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t}\n}\n\nhttp://127.0.0.1:%d {\n\trate_limit 2 1/s {\n\t\tname docs_events\n\t}\n\trespond \"ok\"\n}\n", port))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var doc map[string]map[string]json.RawMessage
-	if err := json.Unmarshal(cfg, &doc); err != nil {
-		t.Fatal(err)
-	}
-	doc["apps"]["events"] = json.RawMessage(events)
-	cfg, _ = json.Marshal(doc)
 	docsExecRan.Lock()
 	docsExecRan.lines = nil
 	docsExecRan.Unlock()
-	if err := caddy.Load(cfg, true); err != nil {
-		t.Fatalf("loading the page's events config: %v\n%s", err, events)
-	}
-	t.Cleanup(func() { _ = caddy.Stop() })
-	s := &testServer{t: t, base: "http://127.0.0.1:" + strconv.Itoa(port), port: port, client: &http.Client{Timeout: 10 * time.Second}}
+	s := serveWithEvents(t, json.RawMessage(events), "\trate_limit 2 1/s {\n\t\tname docs_events\n\t}\n\trespond \"ok\"")
 
 	ids := map[string]bool{}
 	for _, ip := range []string{"127.0.3.1", "127.0.3.2"} {

@@ -144,6 +144,7 @@ func familyOf(name string, types map[string]string) string {
 }
 
 func TestGrafanaDashboardUsesItsDatasourceVariable(t *testing.T) {
+	t.Parallel()
 	d := loadDashboard(t)
 	const uid = "${datasource}"
 

@@ -15,14 +15,14 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// Regression tests for the guarantees that review found broken: a
+// Regression tests for guarantees that were once broken: a
 // give-back never lifts a ban or forgives a debt, never creates tokens
 // under an older limit, a request of cost 0 waits out a ban or a debt, and
 // leases never admit more than one bucket.
 
 const second = int64(1_000_000)
 
-// The README's login setup, in every store mode: a right password admitted
+// docs/logins.md's login setup, in every store mode: a right password admitted
 // before the ban and answered after it (a 200, which does not count) gives
 // its token back into a banned bucket, which keeps the ban; the next wrong
 // password is refused. The give-back used to end the ban, and a fourth
@@ -78,6 +78,7 @@ func TestSlowRightPasswordDoesNotLiftTheBan(t *testing.T) {
 // A tier that goes from one limit to several keeps its first limit's
 // bucket in Redis: the key does not move, so a reload refills no client.
 func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second)})
 	b := bucketFor("switch")
@@ -104,6 +105,7 @@ func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
 // A count_status give-back that reaches a node after a reload closed its
 // lease table goes to the shared bucket instead of being lost.
 func TestGiveBackAfterAReloadReachesTheSharedBucket(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "20%"})
 	l := slowLimit(100)

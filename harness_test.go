@@ -1,9 +1,11 @@
 package ratelimit
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -12,11 +14,17 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
 
 // The end-to-end tests run real Caddyfiles through this process's Caddy,
-// one config at a time, on loopback ports.
+// one config at a time, on loopback ports (serveConfig). They run one at
+// a time, without t.Parallel(): Caddy has one config, and useFakeClock
+// sets the clocks of the handlers it loads (systemClocks). Every other
+// test, a handler provisioned alone (provisionedHandlerOn, with its own
+// clocks and policy name), a Redis store on its own redis-server, a fleet
+// of Caddy processes, a check of the docs, runs in parallel.
 
 // testServer is a Caddy config loaded for one test.
 type testServer struct {
@@ -48,10 +56,18 @@ func serveWithAdmin(t testing.TB, directives string) (*testServer, string) {
 	return serveWithGlobals(t, "admin "+admin, directives), "http://" + admin
 }
 
+// serveWithGlobals is serve with the global options given.
 func serveWithGlobals(t testing.TB, globals, directives string) *testServer {
 	t.Helper()
 	port := freePort(t)
-	return serveCaddyfile(t, port, fmt.Sprintf(`{
+	return serveCaddyfile(t, port, siteCaddyfile(globals, port, directives))
+}
+
+// siteCaddyfile is a Caddyfile of the global options given, trusting
+// 127.0.0.1 as a proxy, and one site on 127.0.0.1:port whose body is
+// directives.
+func siteCaddyfile(globals string, port int, directives string) string {
+	return fmt.Sprintf(`{
 	%s
 	skip_install_trust
 	servers {
@@ -61,7 +77,7 @@ func serveWithGlobals(t testing.TB, globals, directives string) *testServer {
 http://127.0.0.1:%d {
 %s
 }
-`, globals, port, directives))
+`, globals, port, directives)
 }
 
 // serveCaddyfile adapts and loads a whole Caddyfile that listens on
@@ -72,6 +88,15 @@ func serveCaddyfile(t testing.TB, port int, caddyfile string) *testServer {
 	if err != nil {
 		t.Fatalf("adapting Caddyfile: %v\n%s", err, caddyfile)
 	}
+	return serveConfig(t, port, cfg)
+}
+
+// serveConfig loads Caddy's JSON config cfg, which listens on
+// 127.0.0.1:port, and stops Caddy when the test ends. Every test that
+// serves through Caddy comes here: Caddy runs one config at a time, so
+// these tests run one at a time.
+func serveConfig(t testing.TB, port int, cfg []byte) *testServer {
+	t.Helper()
 	if err := caddy.Load(cfg, true); err != nil {
 		t.Fatalf("loading config: %v\n%s", err, cfg)
 	}
@@ -149,20 +174,51 @@ func (s *testServer) do(method, path, body string, headers ...string) response {
 	return response{status: resp.StatusCode, header: resp.Header, body: string(b)}
 }
 
+// serveOne runs one request through a handler provisioned alone, with
+// next as the rest of the route, and returns what the client gets and the
+// handler's error: a refusal's status (a caddyhttp.HandlerError's) is the
+// response's Code, any other error makes it 500, as Caddy answers. It
+// fails no test itself, so a request may run in a goroutine of its own.
+func serveOne(h *Handler, r *http.Request, next caddyhttp.Handler) (*httptest.ResponseRecorder, error) {
+	w := httptest.NewRecorder()
+	err := h.ServeHTTP(w, r, next)
+	if he := (caddyhttp.HandlerError{}); errors.As(err, &he) {
+		w.Code = he.StatusCode
+	} else if err != nil {
+		w.Code = http.StatusInternalServerError
+	}
+	return w, err
+}
+
 // fakeClock is a clock that moves only when a test moves it.
 type fakeClock struct{ micros atomic.Int64 }
 
 func (c *fakeClock) now() int64              { return c.micros.Load() }
 func (c *fakeClock) advance(d time.Duration) { c.micros.Add(d.Microseconds()) }
 
-// useFakeClock makes the local bucket tables created from now on, until the
-// test ends, read a fake clock. Call it before loading a config.
-func useFakeClock(t testing.TB) *fakeClock {
+// clocks are the clocks of a handler that reads c, for the local buckets
+// and the record of denials alike.
+func (c *fakeClock) clocks() clocks { return clocks{now: c.now, wall: c.now} }
+
+// newFakeClock is a fake clock at 1 s, to hand to a handler provisioned
+// alone (provisionedHandlerOn).
+func newFakeClock() *fakeClock {
 	c := new(fakeClock)
 	c.micros.Store(1_000_000)
-	old, oldWall := localClock, localWallClock
-	localClock, localWallClock = c.now, c.now
-	t.Cleanup(func() { localClock, localWallClock = old, oldWall })
+	return c
+}
+
+// useFakeClock makes the handlers provisioned from now on that no test
+// handed a clock, those Caddy loads, read a fake clock until the test
+// ends. Call it before loading a config. It sets the package's
+// systemClocks, so its tests run one at a time (they load Caddy's one
+// config anyway); a test of a handler alone passes its clock in
+// (provisionedHandlerOn) and may run in parallel.
+func useFakeClock(t testing.TB) *fakeClock {
+	c := newFakeClock()
+	old := systemClocks
+	systemClocks = c.clocks()
+	t.Cleanup(func() { systemClocks = old })
 	return c
 }
 

@@ -236,6 +236,7 @@ func TestJWKSRedirectsAreRefused(t *testing.T) {
 }
 
 func TestJWKSRefreshUnderAMinuteIsAnError(t *testing.T) {
+	t.Parallel()
 	jwksFile := writeFile(t, t.TempDir(), "jwks.json", jwksOf(map[string]ed25519.PublicKey{"one": func() ed25519.PublicKey { p, _ := newEd25519(t); return p }()}))
 	site := func(refresh string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n\t\tjwt {\n\t\t\tjwks " + jwksFile +

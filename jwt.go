@@ -76,7 +76,8 @@ type JWTConfig struct {
 	cookie *CookieKeyer
 	now    func() time.Time
 	logger *zap.Logger
-	// onVerify is jwtVerifying, read once at provision.
+	// onVerify, when set before Provision, is called on every
+	// verification of a request's token, cached or not: tests count them.
 	onVerify func()
 }
 
@@ -106,9 +107,6 @@ var (
 	jwksFirstWait = 2 * time.Second
 	// jwksMinRefresh is the shortest jwks_refresh accepted.
 	jwksMinRefresh = time.Minute
-	// jwtVerifying, when set, is called on every verification of a
-	// request's token, cached or not: tests count them.
-	jwtVerifying func()
 )
 
 // algFamily maps each accepted algorithm to the kind of key it needs.
@@ -171,8 +169,9 @@ func (j *JWTConfig) provision(ctx caddy.Context) error {
 		return err
 	}
 	j.logger = ctx.Logger().Named("jwt")
-	j.now = jwtClock
-	j.onVerify = jwtVerifying
+	if j.now == nil { // a test may hand the config its clock
+		j.now = jwtClock
+	}
 	if j.FromCookie != "" {
 		j.cookie = &CookieKeyer{Name: j.FromCookie}
 		if err := j.cookie.Provision(ctx); err != nil {

@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -24,6 +25,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/golang-jwt/jwt/v5"
 )
 
@@ -458,6 +460,7 @@ func TestJWTVerdictCacheIsBounded(t *testing.T) {
 }
 
 func TestJWTCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n" + block + "\t}\n\trespond ok\n}\n"
 	}
@@ -514,6 +517,7 @@ func TestJWTCaddyfile(t *testing.T) {
 }
 
 func TestJWTProvisionErrors(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	notPEM := writeFile(t, dir, "bad.pem", []byte("hello"))
 	rsaFile := writeFile(t, dir, "rsa.pem", publicPEM(t, &testRSAKey().PublicKey))
@@ -615,6 +619,7 @@ func TestTokenWithoutExpYieldsNothingWhenExpIsRequired(t *testing.T) {
 }
 
 func TestJWTRequireCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(require string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey jwt sub\n\t\tjwt {\n\t\t\tsecret k\n\t\t\t" + require + "\n\t\t}\n\t}\n\trespond ok\n}\n"
 	}
@@ -627,26 +632,20 @@ func TestJWTRequireCaddyfile(t *testing.T) {
 	}
 }
 
-// countVerifications counts, until the test ends, the verifications of
-// request tokens by JWT configs provisioned from now on.
-func countVerifications(t testing.TB) *atomic.Int64 {
-	var n atomic.Int64
-	old := jwtVerifying
-	jwtVerifying = func() { n.Add(1) }
-	t.Cleanup(func() { jwtVerifying = old })
-	return &n
-}
-
+// TestRequestJWTIsVerifiedOnceForKeyersTiersAndPlaceholders: a request's
+// token is verified once, whatever reads its claims (keyers, a claim tier,
+// the claim placeholders), and not at all when nothing does. The handler
+// runs alone, counting verifications through its JWT config, and the
+// origin answers the body's placeholders as Caddy's respond would.
 func TestRequestJWTIsVerifiedOnceForKeyersTiersAndPlaceholders(t *testing.T) {
-	useFakeClock(t)
-	useJWTClock(t)
+	t.Parallel()
 	genuine := sign(t, jwt.SigningMethodHS256, []byte("k"), "", claimsAt("alice", "enterprise"))
 	forged := sign(t, jwt.SigningMethodHS256, []byte("guess"), "", claimsAt("alice", "enterprise"))
 	const claimTier = `
 		tier enterprise 100 1/s {
 			claim plan enterprise
 		}`
-	for _, c := range []struct {
+	for i, c := range []struct {
 		name, keys, tiers, body, token, want string
 		verifications                        int64
 	}{
@@ -658,18 +657,37 @@ func TestRequestJWTIsVerifiedOnceForKeyersTiersAndPlaceholders(t *testing.T) {
 		{"nothing reads claims", "key header X-Key", "", "{http.rate_limit.tier}", genuine, "default", 0},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			n := countVerifications(t)
-			s := serve(t, `
-	rate_limit 100 1/s {
-		`+c.keys+`
+			t.Parallel()
+			cfg, err := adaptSite(fmt.Sprintf(`rate_limit 100 1/s {
+		name jwt_verified_once_%d
+		%s
 		jwt {
 			secret k
-		}`+c.tiers+`
-	}
-	respond "`+c.body+`"`)
-			r := s.from("127.0.0.2", "/", bearer(c.token))
-			if r.status != 200 || r.body != c.want {
-				t.Errorf("%d %q, want 200 %q", r.status, r.body, c.want)
+		}%s
+	}`, i, c.keys, c.tiers))
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw, err := json.Marshal(handlerJSON(t, cfg))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var n atomic.Int64
+			h, done := provisionedHandlerWith(t, string(raw), func(h *Handler) {
+				h.clocks = newFakeClock().clocks()
+				h.JWT.onVerify = func() { n.Add(1) }
+				h.JWT.now = jwtT0Clock
+			})
+			defer done()
+			r := benchRequest("127.0.0.2")
+			r.Header.Set("Authorization", "Bearer "+c.token)
+			respond := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				_, err := io.WriteString(w, r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer).ReplaceAll(c.body, ""))
+				return err
+			})
+			w, err := serveOne(h, r, respond)
+			if w.Code != 200 || w.Body.String() != c.want {
+				t.Errorf("%d %q (%v), want 200 %q", w.Code, w.Body.String(), err, c.want)
 			}
 			if got := n.Load(); got != c.verifications {
 				t.Errorf("%d verifications, want %d", got, c.verifications)
@@ -677,6 +695,9 @@ func TestRequestJWTIsVerifiedOnceForKeyersTiersAndPlaceholders(t *testing.T) {
 		})
 	}
 }
+
+// jwtT0Clock is the time jwtT0, for a JWT config provisioned alone.
+func jwtT0Clock() time.Time { return jwtT0 }
 
 // A token given twice names nobody: PHP and Rack read the last of two
 // query parameters where Go reads the first, so a keyer that reads one

@@ -182,6 +182,7 @@ func TestBodyOverCapIsKeyedByIPAndFlowsWhole(t *testing.T) {
 type chunked struct{ io.Reader }
 
 func TestBodyKeyersYieldNothingForOtherBodiesAndLeaveThemIntact(t *testing.T) {
+	t.Parallel()
 	mp, mpType := multipartBody(t, map[string]string{"username": "alice"})
 	bigForm := "username=alice&pad=" + strings.Repeat("y", maxKeyedBody)
 	cases := []struct {
@@ -250,6 +251,7 @@ func TestBodyKeyersYieldNothingForOtherBodiesAndLeaveThemIntact(t *testing.T) {
 }
 
 func TestTwoBodyKeyersReadTheBodyOnce(t *testing.T) {
+	t.Parallel()
 	body := `{"user":{"name":"alice"}}`
 	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", strings.NewReader(body))
 	r.Header.Set("Content-Type", "application/json")
@@ -270,6 +272,7 @@ func TestTwoBodyKeyersReadTheBodyOnce(t *testing.T) {
 }
 
 func TestBodyKeyersCloseTheOriginalBody(t *testing.T) {
+	t.Parallel()
 	closed := false
 	r := httptest.NewRequest(http.MethodPost, "http://127.0.0.1/", nil)
 	r.Body = closeFunc{strings.NewReader("username=a"), func() { closed = true }}
@@ -289,6 +292,7 @@ type closeFunc struct {
 func (c closeFunc) Close() error { c.f(); return nil }
 
 func TestBodyKeyerCaddyfile(t *testing.T) {
+	t.Parallel()
 	cfg, err := adaptCaddyfile("http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n\t\tkey form username\n\t\tkey json user.name\n\t}\n}\n")
 	if err != nil {
 		t.Fatal(err)
@@ -345,6 +349,7 @@ func hostileLogins(t testing.TB) []hostileLogin {
 }
 
 func TestBodyKeyersNameNothingWhenOriginsCouldReadAnotherValue(t *testing.T) {
+	t.Parallel()
 	form := func(field string) Keyer { return &FormKeyer{Field: field} }
 	js := func(path string) Keyer { return &JSONKeyer{Path: path} }
 	cases := []struct {
@@ -511,6 +516,7 @@ func TestNoKeyDenyInDryRunLetsThrough(t *testing.T) {
 }
 
 func TestNoKeyCaddyfile(t *testing.T) {
+	t.Parallel()
 	site := func(lines string) string {
 		return "http://127.0.0.1:1 {\n\trate_limit 10 1/s {\n" + lines + "\n\t}\n}\n"
 	}
@@ -1077,6 +1083,7 @@ func TestAFormInTheCharsetOfAnotherParameterNamesNobody(t *testing.T) {
 // cookies and Content-Types, still name their user: the rules that make
 // lookalike names and odd bodies name nobody leave them alone.
 func TestLoginFormsOfCommonFrameworksStillNameTheirUser(t *testing.T) {
+	t.Parallel()
 	mp, mpType := multipartBody(t, map[string]string{"username": "alice", "password": "x", "remember": "on"})
 	const quotedBoundary = "multipart/form-data; charset=utf-8; boundary=\"b-1.2_3\""
 	for _, c := range []struct {

@@ -17,6 +17,7 @@ import (
 // another module set it) names the client by itself: such clients do not
 // share one bucket.
 func TestUnparseableRemoteAddressesGetTheirOwnBuckets(t *testing.T) {
+	t.Parallel()
 	h, done := provisionedHandler(t, `{"name":"odd-addr","tiers":[{"name":"default","capacity":1,"refill":"1/h"}]}`)
 	defer done()
 	take := func(remote string) bool {
@@ -314,6 +315,7 @@ func TestACookieBesideRFC2109AttributesStillCountsTwice(t *testing.T) {
 // cookie-session signs session in session.sig, ASP.NET Core names its own
 // cookies with dots.
 func TestCookiesBesideASessionStillLetItNameTheClient(t *testing.T) {
+	t.Parallel()
 	k := &CookieKeyer{Name: "session"}
 	if err := k.Provision(caddy.Context{}); err != nil {
 		t.Fatal(err)

@@ -18,7 +18,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
-// The measured claims of the README's "Sharing limits across edge nodes", on real processes: Caddy
+// The measured claims of docs/fleet.md's "Sharing limits across edge nodes", on real processes: Caddy
 // processes built from this checkout share one policy on one redis-server,
 // reached through a faultProxy that delays each direction by wanDelay, as
 // an edge PoP far from its Redis. Clients are named by X-Key, so the test
@@ -368,6 +368,7 @@ func afterGiveBacks() { time.Sleep(1500 * time.Millisecond) }
 // under 5 ms (a strict decision takes 40), and Redis runs at most one
 // script call for every two requests, give-backs included.
 func TestLeaseKeyUnderItsLimitIsDecidedLocally(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
 	p := fleetPolicy{capacity: 1000, refill: "100/s", lease: "10%", timeout: "1s"}
 	f := startLeaseFleet(t, 4, wanDelay, p)
@@ -429,6 +430,7 @@ func notAllowed(f *leaseFleet, out []answer) string {
 // runs at most 2 x nodes x admitted / lease script calls, plus 10 per node.
 // Strict mode's median for the same flood is logged beside it.
 func TestLeaseSharedKeyAtEightTimesItsRate(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
 	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
 	const lease = 20 // 10% of 200
@@ -488,6 +490,7 @@ func TestLeaseSharedKeyAtEightTimesItsRate(t *testing.T) {
 // nodes: each costs at most one script call, as in strict mode, give-backs
 // included.
 func TestLeaseKeysSeenOnceCostOneCallEach(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes)")
 	p := fleetPolicy{capacity: 1000, refill: "100/s", lease: "10%", timeout: "1s"}
 	f := startLeaseFleet(t, 4, 0, p)
@@ -521,6 +524,7 @@ func TestLeaseKeysSeenOnceCostOneCallEach(t *testing.T) {
 //   - over the whole run the key is admitted at most C + floor(r*T) times;
 //   - reloading each node a few times leaves no goroutine behind.
 func TestLeaseRedisOutageMidLoad(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "fault injection (4 Caddy processes, a dark then cut Redis link)")
 	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "200ms",
 		more: "breaker_cooldown 300ms"}
@@ -759,7 +763,7 @@ func (f *leaseFleet) sharedLevel(i int, key string) int64 {
 	return b.Remaining
 }
 
-// TestLeaseBurstAfterRefillLeavesOutWhatNodesHold plays the README's
+// TestLeaseBurstAfterRefillLeavesOutWhatNodesHold plays docs/fleet.md's
 // policy (200 at 50/s, lease 10%, lease_ttl 1s) on 4 nodes, 20 ms each way
 // from Redis: 4 requests on each node, so that each holds a few leased
 // tokens, a 0.8 s pause in which the shared bucket refills, then 100
@@ -769,6 +773,7 @@ func (f *leaseFleet) sharedLevel(i int, key string) int64 {
 // burst gets the capacity plus the refill while it is being decided: its
 // lease calls take a few round trips, in which the bucket refills.
 func TestLeaseBurstAfterRefillLeavesOutWhatNodesHold(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
 	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
 	f := startLeaseFleet(t, 4, wanDelay, p)
@@ -839,6 +844,7 @@ func TestLeaseBurstAfterRefillLeavesOutWhatNodesHold(t *testing.T) {
 // admits anything after lease_ttl; and the fleet counts the ban once in
 // bans_total, whichever node started it.
 func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
 	p := fleetPolicy{capacity: 40, refill: "2/s", lease: "10%", timeout: "1s", ban: "10m"}
 	const leaseTTL = time.Second
@@ -891,7 +897,7 @@ func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
 
 // TestLeaseFarNodesKeepTheirShareAndTheirTokens runs 4 nodes, 2 of them
 // 80 ms each way from Redis and 2 at 160 ms.
-//   - The README's policy (200 at 50/s, lease 10%), a hot key at 4 times
+//   - docs/fleet.md's policy (200 at 50/s, lease 10%), a hot key at 4 times
 //     its rate, round-robin: once the first capacity is spent, neither
 //     pair gets less than a sixth of what is admitted. A hold-off
 //     counted from the answer to a refused call, with no jitter, left the
@@ -901,6 +907,7 @@ func TestLeaseBanHoldsOnEveryNode(t *testing.T) {
 //   - A key in waves on a near node whose give-backs land before the next
 //     wave: no token is lost (tokenWaves).
 func TestLeaseFarNodesKeepTheirShareAndTheirTokens(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, Redis 80 and 160 ms away)")
 	p := fleetPolicy{capacity: 200, refill: "50/s", lease: "10%", timeout: "1s"}
 	near, far := 80*time.Millisecond, 160*time.Millisecond
@@ -1010,6 +1017,7 @@ func tokenWaves(t *testing.T, f *leaseFleet, i int, key string, waves int, pause
 // naming the old one, returns nothing. A lease's leftover (13 tokens,
 // 12% of the capacity and refill) is lost, which tokenWaves catches.
 func TestLeaseGiveBackOvertakenByTheNextLeaseIsNotLost(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (a Caddy process, Redis 80 ms away)")
 	f := startLeaseFleet(t, 1, 80*time.Millisecond, wavesPolicy)
 	f.warmUp()

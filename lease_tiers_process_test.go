@@ -92,6 +92,7 @@ func sentWithin(out []answer, d time.Duration) []answer {
 // mode's median on the issue's tier is measured beside it: at least a
 // round trip through the proxy.
 func TestLeaseTierOfTwoLimitsOnFourNodes(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
 	issue := fleetPolicy{capacity: 10, refill: "1/s", limits: []string{"100 1/m"}, lease: "5", timeout: "1s"}
 	both := fleetPolicy{capacity: 200, refill: "50/s", limits: []string{"300 1/m"}, lease: "10%", timeout: "1s"}
@@ -208,6 +209,7 @@ func floodTwoLimits(t *testing.T, f *leaseFleet, p fleetPolicy, key string, rate
 // alone, `rate_limit 10 1/s`, made 56 calls in the same flood when this
 // test was written.
 func TestFloodOnExhaustedTwoLimitTierCostsOneCallPerRetry(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process load (4 Caddy processes, a delayed Redis)")
 	perSecond := fleetPolicy{capacity: 10, refill: "1/s", limits: []string{"100 1/m"}, timeout: "1s"}
 	perMinute := fleetPolicy{capacity: 10, refill: "1/s", limits: []string{"10 1/m"}, timeout: "1s"}

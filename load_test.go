@@ -77,6 +77,7 @@ type keyCount struct{ sent, allowed, denied atomic.Int64 }
 // checks that for every client, not a sample. There is no 5xx, and Caddy's
 // live heap and goroutines, through its admin API, do not grow.
 func TestLoadThroughCaddyAndRedis(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "load")
 	duration := loadDuration(t)
 	srv := startRedis(t)

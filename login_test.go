@@ -194,6 +194,7 @@ func TestBanHoldsADeniedClientOff(t *testing.T) {
 }
 
 func TestLoginSettingsMistakes(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct{ line, want string }{
 		{"count_status", "count_status: want one or more"},
 		{"count_status 401 6xx", `count_status "6xx"`},
@@ -214,6 +215,7 @@ func TestLoginSettingsMistakes(t *testing.T) {
 // node leave the shared bucket whole; failures on both spend it; the ban
 // that one node starts holds on the other.
 func TestTwoCaddyProcessesShareGiveBacksAndBans(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process (two Caddy processes, one Redis)")
 	srv := startRedis(t)
 	var ports [2]int
@@ -280,6 +282,7 @@ http://127.0.0.1:%d {
 // gives back the tokens of a response that does not count, and
 // cost_from_response charges what the origin reported.
 func TestAfterResponseStepsRunWhenTheStreamAborts(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct {
 		name, tier, extra string
 		remaining         string
@@ -289,8 +292,7 @@ func TestAfterResponseStepsRunWhenTheStreamAborts(t *testing.T) {
 		{"both", `"capacity":100,"refill":"1/s","cost_from_response":"X-Tokens-Used"`, `,"count_status":["401"]`, "39"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			useFakeClock(t)
-			h, done := provisionedHandler(t, `{"name":"abort `+tt.name+`","tiers":[{"name":"default",`+tt.tier+`}]`+tt.extra+`}`)
+			h, done := provisionedHandlerOn(t, newFakeClock().clocks(), `{"name":"abort `+tt.name+`","tiers":[{"name":"default",`+tt.tier+`}]`+tt.extra+`}`)
 			defer done()
 			aborting := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
 				w.Header().Set("X-Tokens-Used", "60")

@@ -134,6 +134,7 @@ func TestFourLimitTier(t *testing.T) {
 }
 
 func TestSeveralLimitsMistakes(t *testing.T) {
+	t.Parallel()
 	for _, tt := range []struct{ block, want string }{
 		{"limit 0 1/s", "limit: capacity 0"},
 		{"limit 5", "limit: want <capacity> <refill>"},

@@ -142,6 +142,9 @@ type Handler struct {
 	// Default "ip".
 	NoKey string `json:"no_key,omitempty"`
 
+	// clocks are what the local buckets and the record of denials read:
+	// the system's unless a test hands the handler its own before Provision.
+	clocks   clocks
 	keyers   []Keyer
 	fallback *IPKeyer
 	store    store
@@ -201,6 +204,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
 	}))
 	unnamed := h.Name == ""
+	h.clocks = h.clocks.or()
 	h.applyDefaults()
 	v, err := h.check()
 	if err != nil {
@@ -250,7 +254,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if app, err := ctx.AppIfConfigured("events"); err == nil {
 		events = app.(*caddyevents.App)
 	}
-	h.notes = startNoting(h.Name, h.denials, h.logger, events, ctx)
+	h.notes = startNoting(h.Name, h.denials, h.logger, events, ctx, h.clocks.now)
 	h.register()
 	return nil
 }
@@ -302,13 +306,13 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	h.storeErrors = storeErrorsTotal.WithLabelValues(storeName)
 	ps, local := h.store.(policyStore)
 	if local {
-		if err := ps.bind(h.Name); err != nil {
+		if err := ps.bind(h.Name, h.clocks); err != nil {
 			return err
 		}
 	}
 	if !local && h.OnStoreError == "local" {
 		var err error
-		if h.local, err = localFallback(ctx, h.Name); err != nil {
+		if h.local, err = localFallback(ctx, h.Name, h.clocks); err != nil {
 			return err
 		}
 	}

@@ -473,6 +473,7 @@ func TestHeaderEditsDoNotLeakIntoLaterResponses(t *testing.T) {
 // shows what was written and Provision alone works out what the settings
 // imply.
 func TestValidateChangesNothing(t *testing.T) {
+	t.Parallel()
 	const cfg = `{"name":"checked","headers":"both","count_status":["401"],"ban":60000000000,"max_wait":1000000000,"timezone":"Europe/Berlin","no_key":"ip",
 		"tiers":[{"name":"api","keyer":"header","limits":[{"capacity":10,"refill":"1/s"},{"capacity":100,"refill":"10/m"}],"quotas":["1000/day"],"cost_from_response":"x-used"},
 		{"name":"default","quotas":["50/month"],"concurrency":2}]}`

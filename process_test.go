@@ -87,6 +87,7 @@ func (b *lockedBuffer) String() string {
 // against one redis-server: a concurrent burst of 200 requests for one
 // client, split across them, gets exactly the limit of 20.
 func TestTwoCaddyProcessesShareOneRedisLimit(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process (two Caddy processes, one Redis)")
 	srv := startRedis(t)
 	var ports []int

@@ -115,6 +115,7 @@ func untilUTCMidnight(t time.Time) time.Duration {
 // limit, and the quota reads 5 used (by the admin API of every node and
 // the refusals' RateLimit header): the refused took nothing.
 func TestQuotaThreeCaddyProcessesAdmitExactlyN(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "real-process")
 	// Both parts must fall in one day: not across midnight UTC.
 	if d := untilUTCMidnight(time.Now()); d < time.Minute {

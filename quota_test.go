@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Calendar quotas through real Caddy configs.
@@ -97,6 +99,7 @@ func TestQuotaInRedis(t *testing.T) {
 }
 
 func TestQuotaSettingsAreChecked(t *testing.T) {
+	t.Parallel()
 	site := func(block string) string {
 		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\t%s\n\t}\n\trespond ok\n}\n", freePort(t), block)
 	}
@@ -411,5 +414,141 @@ func TestAPlanOfQuotasAloneWithAResponseCostAcrossAReload(t *testing.T) {
 				t.Errorf("with 12 of 12 used: %s; want 429", strings.Join(trace, "; "))
 			}
 		})
+	}
+}
+
+// skipNearUTCMidnight skips a real-clock test that a day boundary could
+// disturb.
+func skipNearUTCMidnight(t *testing.T) {
+	now := time.Now().UTC()
+	if now.Hour() == 23 && now.Minute() >= 58 || now.Hour() == 0 && now.Minute() < 2 {
+		t.Skip("too close to midnight UTC")
+	}
+}
+
+// Through Caddy on the real clocks, quota 5/day admits 5 of 60 requests
+// in a row.
+// Regression test for acf0269.
+func TestAQuotaAdmitsNThroughCaddyOnTheRealClocks(t *testing.T) {
+	skipNearUTCMidnight(t)
+	s := serve(t, `rate_limit {
+		key header X-Key
+		tier all 1000 1000/s {
+			quota 5/day
+		}
+	}
+	respond ok`)
+	admitted := 0
+	for range 60 {
+		if r := s.get("/", "X-Key: jitter"); r.status == 200 {
+			admitted++
+		}
+	}
+	if admitted != 5 {
+		t.Errorf("quota 5/day admitted %d of 60 requests, want 5", admitted)
+	}
+}
+
+// On the eve of a day whose midnight does not exist (Havana, DST at 00:00
+// on 8 March 2026), a client refused by `quota 1/day` at Saturday 23:30
+// is told to retry at the day's boundary, Sunday 01:00: 1800 s on.
+// Regression test for acf0269.
+func TestRetryAfterOfAQuotaOnTheEveOfASkippedMidnight(t *testing.T) {
+	clock := useFakeClock(t)
+	havana, err := time.LoadLocation("America/Havana")
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock.micros.Store(time.Date(2026, 3, 7, 12, 0, 0, 0, havana).UnixMicro())
+	s := serve(t, `rate_limit {
+		timezone America/Havana
+		key header X-Key
+		tier all 100 100/s {
+			quota 1/day
+		}
+	}
+	respond ok`)
+	if r := s.get("/", "X-Key: cu"); r.status != 200 {
+		t.Fatalf("the day's first: %d", r.status)
+	}
+	clock.micros.Store(time.Date(2026, 3, 7, 23, 30, 0, 0, havana).UnixMicro())
+	r := s.get("/", "X-Key: cu")
+	if r.status != 429 || r.header.Get("Retry-After") != "1800" {
+		t.Errorf("Saturday 23:30: %d, Retry-After %q; want 429, 1800 (Sunday begins at 01:00 CDT, 30 minutes on)", r.status, r.header.Get("Retry-After"))
+	}
+}
+
+// When a quota and a rate limit both refuse, Retry-After covers the limit
+// too, not the quota's boundary alone: 1 s before midnight, a client whose
+// limit needs 59 minutes is not told "Retry-After: 1" only to be refused
+// again at midnight. Retry-After promises a time the request passes.
+// Regression test for acf0269.
+func TestRetryAfterCoversTheLimitWhenAQuotaAlsoRefuses(t *testing.T) {
+	clock := useFakeClock(t)
+	clock.micros.Store(time.Date(2026, 5, 4, 23, 59, 0, 0, time.UTC).UnixMicro())
+	s := serve(t, `rate_limit {
+		key header X-Key
+		tier all 1 1/h {
+			quota 1/day
+		}
+	}
+	respond ok`)
+	if r := s.get("/", "X-Key: both"); r.status != 200 {
+		t.Fatalf("first: %d", r.status)
+	}
+	clock.micros.Store(time.Date(2026, 5, 4, 23, 59, 59, 0, time.UTC).UnixMicro())
+	r := s.get("/", "X-Key: both")
+	retry := r.header.Get("Retry-After")
+	clock.micros.Store(time.Date(2026, 5, 5, 0, 0, 1, 0, time.UTC).UnixMicro())
+	again := s.get("/", "X-Key: both")
+	if r.status == 429 && retry == "1" && again.status == 429 {
+		t.Errorf("refused at 23:59:59 with Retry-After %q; the retry after it (00:00:01) is refused too (%d, Retry-After %q): Retry-After must cover the limit (about 3540 s)", retry, again.status, again.header.Get("Retry-After"))
+	}
+}
+
+// A reload that adds `quota 100/day` in front of `quota 1000/month` on the
+// last day of the month keeps the month's count (5) with the month, and
+// starts the day's at the reload: a quota's count starts over only at its
+// period's boundary, whatever its place in the tier.
+// Regression test for acf0269.
+func TestAReloadThatAddsAQuotaKeepsTheOtherQuotasCount(t *testing.T) {
+	clock := useFakeClock(t)
+	clock.micros.Store(time.Date(2026, 5, 31, 12, 0, 0, 0, time.UTC).UnixMicro())
+	site := func(port int, quotas string) string {
+		return fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+}
+http://127.0.0.1:%d {
+	rate_limit {
+		name quota_reload_adds
+		headers ietf
+		key header X-Key
+		tier all 100 100/s {
+			%s
+		}
+	}
+	respond ok
+}
+`, port, quotas)
+	}
+	port := freePort(t)
+	s := serveCaddyfile(t, port, site(port, "quota 1000/month"))
+	for range 5 {
+		if r := s.get("/", "X-Key: plan"); r.status != 200 {
+			t.Fatalf("before the reload: %d", r.status)
+		}
+	}
+	cfg, err := adaptCaddyfile(site(port, "quota 100/day\n\t\t\tquota 1000/month"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	r := s.get("/", "X-Key: plan")
+	got := r.header.Get("RateLimit")
+	if !strings.Contains(got, `"all-month";r=994;`) || !strings.Contains(got, `"all-day";r=99;`) {
+		t.Errorf("after the reload, RateLimit %q; want the month at 994 left (5 before, 1 now) and the day at 99", got)
 	}
 }

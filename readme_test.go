@@ -25,6 +25,7 @@ import (
 // mistakes the docs name must be refused.
 // Regression test for issue 30 item 4.
 func TestReadmeExamplesAdapt(t *testing.T) {
+	t.Parallel()
 	mistakes := map[string]bool{}
 	for _, m := range docMistakes {
 		mistakes[m] = false
@@ -232,6 +233,7 @@ func entries(lines []string) []entry {
 // TestReadmeExamplesAdaptPastesAsAReaderWould checks the pasting above on
 // a page of the reference's shape.
 func TestReadmeExamplesAdaptPastesAsAReaderWould(t *testing.T) {
+	t.Parallel()
 	page := "rate_limit {\n\tkey header X-API-Key\n\ttier pro {\n\t\tlimit 100 100/s\n\t}\n\tlimit 10 10/s\n\theaders both\n}\n"
 	for _, tt := range []struct{ snippet, page, want string }{
 		{"cost {http.request.header.X-Batch}", page, "http://127.0.0.1:9 {\nrate_limit {\n\tkey header X-API-Key\n\ttier pro {\n\t\tlimit 100 100/s\n\t}\n\tlimit 10 10/s\n\theaders both\ncost {http.request.header.X-Batch}\n}\n\n}\n"},
@@ -252,6 +254,7 @@ func TestReadmeExamplesAdaptPastesAsAReaderWould(t *testing.T) {
 // every source file of the root is in it, and every file it names, under
 // internal/ too, exists.
 func TestCodeMapNamesEveryFile(t *testing.T) {
+	t.Parallel()
 	codeMap, err := os.ReadFile("docs/code-map.md")
 	if err != nil {
 		t.Fatal(err)
@@ -278,20 +281,11 @@ type caddyBlock struct {
 	inline bool // a code span in the text, not a block
 }
 
-var caddyfileFence = regexp.MustCompile("(?s)```caddyfile\n(.*?)```")
-
+// caddyfileBlocks are a Markdown file's ```caddyfile blocks, as a reader
+// copies them (fencedBlocks).
 func caddyfileBlocks(t *testing.T, file string) []caddyBlock {
 	t.Helper()
-	data, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var blocks []caddyBlock
-	for _, m := range caddyfileFence.FindAllSubmatchIndex(data, -1) {
-		line := 1 + strings.Count(string(data[:m[0]]), "\n")
-		blocks = append(blocks, caddyBlock{line: line, text: string(data[m[2]:m[3]])})
-	}
-	return blocks
+	return fencedBlocks(t, file, "caddyfile")
 }
 
 // caddyfileSnippets are a Markdown file's ```caddyfile blocks and the

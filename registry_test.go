@@ -317,6 +317,7 @@ http://127.0.0.1:%d {
 // goes on with the ones it found, without a lock, while configs load and
 // unload.
 func TestTheRunningHandlersAReaderHoldsDoNotChange(t *testing.T) {
+	t.Parallel()
 	a, b := &Handler{Name: "snapshot"}, &Handler{Name: "snapshot"}
 	a.register()
 	defer a.unregister()

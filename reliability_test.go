@@ -386,6 +386,7 @@ func (rt retryTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // with CLUSTER FAILOVER on the replica: the buckets emptied before stay
 // empty, and new clients on those slots are limited exactly.
 func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "fault injection")
 	nodes := startCluster(t, 3)
 	master := nodes[0]
@@ -520,19 +521,19 @@ func holdsKey(node *redisServer, key string) bool {
 
 // TestLocalStoreReadsOnlyTheMonotonicClock shows by construction that a
 // jump of the wall clock cannot reach local buckets: the tables read
-// localClock, which is monotonicMicros, which is time.Since of a reading
+// systemClocks.now, which is monotonicMicros, which is time.Since of a reading
 // that carries the monotonic clock, and Go computes time.Since from the
 // monotonic readings alone when both times carry one. A test cannot jump
 // this machine's wall clock (that needs root and disturbs everything else
 // on it), so this checks the construction.
 func TestLocalStoreReadsOnlyTheMonotonicClock(t *testing.T) {
-	if reflect.ValueOf(localClock).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
+	if reflect.ValueOf(systemClocks.now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
 		t.Fatal("local bucket tables do not read monotonicMicros")
 	}
 	if !strings.Contains(processStart.String(), " m=") {
 		t.Fatalf("processStart %s carries no monotonic reading", processStart)
 	}
-	if reflect.ValueOf(localOptions(10).Now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
+	if reflect.ValueOf(localOptions(10, clocks{}.or()).Now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
 		t.Fatal("a new table does not read the monotonic clock")
 	}
 	// The clock never goes back, and starts above 0, where the zero State

@@ -13,7 +13,7 @@ func bucketFor(value string) *Bucket {
 }
 
 func TestResetRefillsABucket(t *testing.T) {
-	s := &LocalStore{buckets: localbucket.New(localOptions(10))}
+	s := &LocalStore{buckets: localbucket.New(localOptions(10, systemClocks))}
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	b := bucketFor("127.0.0.1")
 	ctx := context.Background()
@@ -32,7 +32,7 @@ func TestResetRefillsABucket(t *testing.T) {
 }
 
 func TestBucketsOfDifferentTiersAndKeyersAreApart(t *testing.T) {
-	s := &LocalStore{buckets: localbucket.New(localOptions(100))}
+	s := &LocalStore{buckets: localbucket.New(localOptions(100, systemClocks))}
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	for _, b := range []*Bucket{
 		{Policy: "p", Tier: "a", Keyer: "ip/32/64", Value: []byte("x")},

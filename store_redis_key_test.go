@@ -8,6 +8,7 @@ import (
 // then asks for a bucket of another policy and tier whose names, joined
 // with ":", read the same. Each has its own key, so the second is full.
 func TestRedisKeysKeepPoliciesAndTiersApart(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	for i, c := range []struct{ policy1, tier1, policy2, tier2 string }{

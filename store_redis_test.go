@@ -30,6 +30,7 @@ func slowLimit(capacity int64) bucket.Limit {
 }
 
 func TestRedisKeysHideClientValues(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Prefix: "edge:"})
 	b := &Bucket{Policy: "api", Tier: "gold", Keyer: "header/X-Api-Key", Value: []byte("sk_live_very_secret")}
@@ -55,6 +56,7 @@ func TestRedisKeysHideClientValues(t *testing.T) {
 }
 
 func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	b := bucketFor("198.51.100.1")
@@ -109,6 +111,7 @@ func commandCalls(srv *redisServer, command string) int {
 }
 
 func TestRedisResetAndPeek(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	b := bucketFor("192.0.2.9")
@@ -138,6 +141,7 @@ func TestRedisResetAndPeek(t *testing.T) {
 }
 
 func TestRedisScriptFlushIsHandled(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	b := bucketFor("192.0.2.10")
@@ -159,6 +163,7 @@ func TestRedisScriptFlushIsHandled(t *testing.T) {
 }
 
 func TestRedisOverTLS(t *testing.T) {
+	t.Parallel()
 	ca := redistest.NewCA(t)
 	srv := startTLSRedis(t, ca)
 	url := "rediss://" + srv.addr()
@@ -181,6 +186,7 @@ func TestRedisOverTLS(t *testing.T) {
 }
 
 func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "Redis Cluster of three")
 	nodes := startCluster(t, 3)
 	var addrs []string
@@ -239,6 +245,7 @@ func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
 }
 
 func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
+	t.Parallel()
 	skipUnderShort(t, "fault injection")
 	st := startSentinel(t)
 	s := newRedisStoreFor(t, &RedisStore{
@@ -294,6 +301,7 @@ func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
 }
 
 func TestRedisProvisionDoesNotNeedRedis(t *testing.T) {
+	t.Parallel()
 	port := freePort(t) // nothing listens here
 	start := time.Now()
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{"redis://127.0.0.1:" + strconv.Itoa(port)}})
@@ -420,6 +428,7 @@ func TestRedisDownModes(t *testing.T) {
 }
 
 func TestRedisCaddyfile(t *testing.T) {
+	t.Parallel()
 	adapt := func(store string) (map[string]any, error) {
 		cfg, err := adaptCaddyfile(fmt.Sprintf(`{
 	admin off
@@ -582,6 +591,7 @@ func TestRedisProvisionErrorsNameTheValue(t *testing.T) {
 }
 
 func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
+	t.Parallel()
 	srv := startRedis(t)
 	settings := RedisStore{Addresses: []string{srv.url()}, Prefix: "reload:"}
 	a, b := settings, settings
@@ -711,6 +721,7 @@ func goroutinesIn(state, frame string) int {
 // are enough.
 // Regression test for issue 30 item 3.
 func TestRedisSlotTTLUnderThreeTimeoutsIsRefused(t *testing.T) {
+	t.Parallel()
 	site := func(timeout, slotTTL string) string {
 		return fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit {\n\t\ttier all {\n\t\t\tconcurrency 5\n\t\t}\n\t\tstore redis {\n\t\t\taddress redis://127.0.0.1:6379\n\t\t\t%s\n\t\t\tslot_ttl %s\n\t\t}\n\t}\n\trespond ok\n}\n",
 			freePort(t), timeout, slotTTL)
@@ -748,6 +759,7 @@ func TestRedisSlotTTLUnderThreeTimeoutsIsRefused(t *testing.T) {
 // before, when the slot has expired and another request may take it. The
 // store is refused at provision, or its slots live three timeouts.
 func TestTheDefaultSlotTTLIsAtLeastThreeTimeouts(t *testing.T) {
+	t.Parallel()
 	r := startRedis(t)
 	timeout := 20 * time.Second
 	s := &RedisStore{Addresses: []string{r.url()}, Timeout: caddy.Duration(timeout)}

@@ -16,20 +16,7 @@ import (
 func serveLoggingTo(t *testing.T, directives string) (*testServer, string) {
 	t.Helper()
 	file := filepath.Join(t.TempDir(), "caddy.log")
-	port := freePort(t)
-	s := serveCaddyfile(t, port, fmt.Sprintf(`{
-	admin off
-	skip_install_trust
-	log {
-		output file %s
-		level INFO
-	}
-}
-http://127.0.0.1:%d {
-%s
-}
-`, file, port, directives))
-	return s, file
+	return serveWithGlobals(t, fmt.Sprintf("admin off\n\tlog {\n\t\toutput file %s\n\t\tlevel INFO\n\t}", file), directives), file
 }
 
 // TestStoreDownUnderAFloodLogsAFewLinesAndNoKey sends 200 requests with

@@ -143,7 +143,7 @@ type leaseHolder interface {
 // needs no fallback beside it (on_store_error local).
 type policyStore interface {
 	store
-	bind(policy string) error
+	bind(policy string, c clocks) error
 }
 
 // leaseWarner is a store that warns, at load, of what its settings make
@@ -212,17 +212,19 @@ var localPool = caddy.NewUsagePool()
 const fallbackPoolPrefix = "on_store_error/"
 
 // bind implements policyStore: the store takes the policy's table, which
-// every loaded config of the policy shares, across reloads.
-func (s *LocalStore) bind(policy string) error { return s.bindKey("local/" + policy) }
+// every loaded config of the policy shares, across reloads; a new table
+// reads the clocks c.
+func (s *LocalStore) bind(policy string, c clocks) error { return s.bindKey("local/"+policy, c) }
 
-// bindKey takes the table of localPool at key.
-func (s *LocalStore) bindKey(key string) error {
+// bindKey takes the table of localPool at key; a new table reads the
+// clocks c.
+func (s *LocalStore) bindKey(key string, c clocks) error {
 	if err := s.Validate(); err != nil {
 		return err
 	}
 	s.key = key
 	val, loaded, err := localPool.LoadOrNew(s.key, func() (caddy.Destructor, error) {
-		return localbucket.New(localOptions(s.maxKeys())), nil
+		return localbucket.New(localOptions(s.maxKeys(), c)), nil
 	})
 	if err != nil {
 		return err
@@ -313,17 +315,31 @@ func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// localClock is the clock that new local stores read, and localWallClock
-// their wall clock, for quotas. Tests replace them before they load a
-// config.
-var (
-	localClock     = monotonicMicros
-	localWallClock = func() int64 { return time.Now().UnixMicro() }
-)
+// clocks are what a handler's local buckets and its record of denials
+// read: now, monotonic microseconds, for the limits; wall, microseconds
+// since the epoch, for the quotas' calendar.
+type clocks struct{ now, wall func() int64 }
 
-// localOptions are the engine's settings for a store of maxKeys.
-func localOptions(maxKeys int) localbucket.Options {
-	return localbucket.Options{MaxKeys: maxKeys, Now: localClock, Wall: localWallClock, Evictions: &evictionsTotal}
+func wallMicros() int64 { return time.Now().UnixMicro() }
+
+// systemClocks are the clocks of a handler that was handed none
+// (Handler.clocks, which tests of a handler alone set). Tests that load
+// Caddy replace them (useFakeClock): they run one at a time anyway, since
+// Caddy has one config.
+var systemClocks = clocks{now: monotonicMicros, wall: wallMicros}
+
+// or is c, or the system's clocks when c is the zero value.
+func (c clocks) or() clocks {
+	if c.now == nil {
+		return systemClocks
+	}
+	return c
+}
+
+// localOptions are the engine's settings for a store of maxKeys that
+// reads the clocks c.
+func localOptions(maxKeys int, c clocks) localbucket.Options {
+	return localbucket.Options{MaxKeys: maxKeys, Now: c.now, Wall: c.wall, Evictions: &evictionsTotal}
 }
 
 // hashSeed keys the local hash, so clients cannot aim for collisions.
@@ -350,9 +366,9 @@ func localID(b *Bucket) uint64 {
 // emptied at each config load (localbucket.Store.StartLoad), so that an
 // earlier config's outage neither limits clients under the running one
 // nor counts in its keys.
-func localFallback(ctx caddy.Context, policy string) (*LocalStore, error) {
+func localFallback(ctx caddy.Context, policy string, c clocks) (*LocalStore, error) {
 	s := new(LocalStore)
-	if err := s.bindKey(fallbackPoolPrefix + policy); err != nil {
+	if err := s.bindKey(fallbackPoolPrefix+policy, c); err != nil {
 		return nil, err
 	}
 	if reg := ctx.GetMetricsRegistry(); reg != nil {

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ import (
 // in an hour rather than a microsecond.
 // Regression test for issue 30 item 3.
 func TestAQuotaPlansHiddenLimitNeverRefusesWhatItsQuotasAdmit(t *testing.T) {
+	t.Parallel()
 	const seed = 30
 	rng := rand.New(rand.NewPCG(seed, 0))
 	for round := range 2000 {
@@ -179,4 +181,27 @@ func quotaPlanAgrees(tier *Tier, ls []bucket.Limit, trace []quotaStep) error {
 		}
 	}
 	return nil
+}
+
+// max_wait below a microsecond (500ns) is refused at adapt, or waits: it
+// never adapts to a tier whose max_wait is 0 µs, which would turn waiting
+// off silently.
+// Regression test for 1fff550.
+func TestAMaxWaitUnderAMicrosecondIsRefusedOrWaits(t *testing.T) {
+	t.Parallel()
+	site := fmt.Sprintf("http://127.0.0.1:%d {\n\trate_limit 1 10/s {\n\t\tmax_wait 500ns\n\t}\n\trespond ok\n}\n", freePort(t))
+	cfg, err := adaptCaddyfile(site)
+	if err != nil {
+		return // refused at adapt: fine
+	}
+	hs := findHandlers(t, cfg)
+	if len(hs) != 1 {
+		t.Fatalf("adapted: %s", cfg)
+	}
+	if hs[0].MaxWait == 0 {
+		return
+	}
+	if hs[0].Tiers[0].maxWait == 0 {
+		t.Fatalf("max_wait %v adapts without error (%s), but the tier's max_wait is 0 µs: no request will ever wait", time.Duration(hs[0].MaxWait), strings.TrimSpace(string(cfg)))
+	}
 }

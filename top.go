@@ -261,6 +261,8 @@ type denialNotes struct {
 	// events emits rate_limit_exceeded in ctx; nil outside a server.
 	events *caddyevents.App
 	ctx    caddy.Context
+	// now is the handler's monotonic clock, which times the denials.
+	now func() int64
 }
 
 // lossReportEvery spaces the logs of what the recorder lost.
@@ -268,9 +270,9 @@ const lossReportEvery = time.Second
 
 // startNoting starts the goroutine that records a policy's denials into
 // d; stop ends it.
-func startNoting(policy string, d *denials, logger *zap.Logger, events *caddyevents.App, ctx caddy.Context) *denialNotes {
+func startNoting(policy string, d *denials, logger *zap.Logger, events *caddyevents.App, ctx caddy.Context, now func() int64) *denialNotes {
 	n := &denialNotes{queue: make(chan denialNote, noteQueue), stop: make(chan struct{}),
-		policy: policy, denials: d, logger: logger, events: events, ctx: ctx}
+		policy: policy, denials: d, logger: logger, events: events, ctx: ctx, now: now}
 	go n.record()
 	return n
 }
@@ -290,7 +292,7 @@ func (n *denialNotes) note(d *decision) {
 	note := denialNote{
 		key:   denialKey{tier: d.tier.Name, keyer: d.bucket.Keyer, keyID: d.keyID()},
 		at:    d.start,
-		mono:  localClock(),
+		mono:  n.now(),
 		retry: time.Duration(d.retryAfterSeconds()) * time.Second,
 	}
 	select {

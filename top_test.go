@@ -73,6 +73,7 @@ func TestTopListsTheBucketsDeniedMost(t *testing.T) {
 // holds at most topEntries buckets, the exceeded set at most maxExceeded,
 // and a bucket denied far more than the flood's keys stays on top.
 func TestTopStaysBoundedUnderAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
 	d := newDenials()
 	now := time.Unix(1_800_000_000, 0)
 	heavy := denialKey{tier: "default", keyer: "ip/32/64", keyID: "heavy"}
@@ -100,6 +101,7 @@ func TestTopStaysBoundedUnderAFloodOfDistinctKeys(t *testing.T) {
 // bucket is not followed (its event suppressed) rather than one of them
 // forgotten and told of again.
 func TestExceededFollowsEpisodesInBoundedMemory(t *testing.T) {
+	t.Parallel()
 	d := newDenials()
 	now := time.Unix(1_800_000_000, 0)
 	key := func(i int) denialKey { return denialKey{tier: "default", keyer: "ip/32/64", keyID: strconv.Itoa(i)} }
@@ -226,31 +228,36 @@ func init() { caddy.RegisterModule(exceededRecorder{}) }
 
 var _ caddyevents.Handler = exceededRecorder{}
 
-// serveWithEvents is serve with Caddy's events app, whose handler (a test
-// module) hears rate_limit_exceeded.
-func serveWithEvents(t *testing.T, eventHandler, directives string) *testServer {
+// serveHearing is serve with Caddy's events app, whose handler (a test
+// module) hears rate_limit_exceeded; the events heard so far are
+// forgotten.
+func serveHearing(t *testing.T, eventHandler, directives string) *testServer {
 	t.Helper()
-	port := freePort(t)
-	cfg, err := adaptCaddyfile(fmt.Sprintf("{\n\tadmin off\n\tservers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t}\n}\nhttp://127.0.0.1:%d {\n%s\n}\n", port, directives))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var doc map[string]any
-	if err := json.Unmarshal(cfg, &doc); err != nil {
-		t.Fatal(err)
-	}
-	doc["apps"].(map[string]any)["events"] = map[string]any{"subscriptions": []any{map[string]any{
-		"events": []string{"rate_limit_exceeded"}, "handlers": []any{map[string]any{"handler": eventHandler}},
-	}}}
-	cfg, _ = json.Marshal(doc)
 	heardExceeded.Lock()
 	heardExceeded.events = nil
 	heardExceeded.Unlock()
-	if err := caddy.Load(cfg, true); err != nil {
+	events, _ := json.Marshal(map[string]any{"subscriptions": []any{map[string]any{
+		"events": []string{"rate_limit_exceeded"}, "handlers": []any{map[string]any{"handler": eventHandler}},
+	}}})
+	return serveWithEvents(t, events, directives)
+}
+
+// serveWithEvents is serve with Caddy's events app, configured by events
+// (its JSON).
+func serveWithEvents(t *testing.T, events json.RawMessage, directives string) *testServer {
+	t.Helper()
+	port := freePort(t)
+	cfg, err := adaptCaddyfile(siteCaddyfile("admin off", port, directives))
+	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = caddy.Stop() })
-	return &testServer{t: t, base: "http://127.0.0.1:" + strconv.Itoa(port), port: port, client: &http.Client{Timeout: 10 * time.Second}}
+	var doc map[string]map[string]json.RawMessage
+	if err := json.Unmarshal(cfg, &doc); err != nil {
+		t.Fatal(err)
+	}
+	doc["apps"]["events"] = events
+	cfg, _ = json.Marshal(doc)
+	return serveConfig(t, port, cfg)
 }
 
 // forgetDenials drops a policy's record of denials, which outlives a
@@ -275,7 +282,7 @@ func heard() []map[string]any {
 func TestExceededEventOncePerBucket(t *testing.T) {
 	clock := useFakeClock(t)
 	forgetDenials("events_policy")
-	s := serveWithEvents(t, "rate_limit_test_recorder", `
+	s := serveHearing(t, "rate_limit_test_recorder", `
 	rate_limit 2 1/s {
 		name events_policy
 	}
@@ -322,7 +329,7 @@ func floodIP(i int) string {
 func TestExceededEventOncePerBucketUnderAFloodOfBuckets(t *testing.T) {
 	useFakeClock(t)
 	forgetDenials("flood_events")
-	serveWithEvents(t, "rate_limit_test_recorder", `
+	serveHearing(t, "rate_limit_test_recorder", `
 	rate_limit 1 1/h {
 		name flood_events
 	}
@@ -389,7 +396,7 @@ func TestBlockedEventHandlerDoesNotStallRequests(t *testing.T) {
 	eventsHeld.Lock()
 	eventsHeld.release = release
 	eventsHeld.Unlock()
-	serveWithEvents(t, "rate_limit_test_blocker", `
+	serveHearing(t, "rate_limit_test_blocker", `
 	rate_limit 1 1/h {
 		name blocked_events
 	}

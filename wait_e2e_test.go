@@ -307,6 +307,7 @@ func TestMaxWaitWithLeasesOfManyTokens(t *testing.T) {
 // nothing; goroutines and heap stay bounded; when the waiters' clients go,
 // every token comes back.
 func TestMaxWaitingBoundsAFlood(t *testing.T) {
+	// Serial: it counts the process's goroutines and heap.
 	skipUnderShort(t, "heavy load")
 	h, done := provisionedHandler(t, `{"name":"flood","keys":[{"keyer":"header","field":"X-Key"}],"max_wait":720000000000000,"max_waiting":1000,"tiers":[{"name":"default","capacity":100,"refill":"1/10m"}]}`)
 	defer done()
@@ -424,6 +425,7 @@ func fasterThanOneBucket(at []time.Time, t0 time.Time, capacity int, interval ti
 // The window check passes arrivals at the rate with a late one among them,
 // and fails two let go together or a burst beyond the capacity.
 func TestFasterThanOneBucketCatchesWhatTheBucketForbids(t *testing.T) {
+	t.Parallel()
 	t0 := time.Now()
 	ms := func(offsets ...int) []time.Time {
 		var at []time.Time

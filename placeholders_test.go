@@ -1,0 +1,127 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"testing"
+)
+
+// The {http.rate_limit.*} placeholders (placeholders.go).
+
+// With three rate_limit handlers stacked on a route, the placeholders
+// answer the last one the request went through: the third when all allow,
+// the one that refused when one does (the handlers after it never run);
+// a route with one handler answers its own.
+// Regression test for 3cb8e39.
+func TestPlaceholdersAnswerTheLastOfThreeStackedHandlers(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	route /three {
+		rate_limit 10 1/h {
+			name first
+		}
+		rate_limit 5 1/h {
+			name second
+		}
+		rate_limit 2 1/h {
+			name third
+		}
+		respond "{http.rate_limit.policy} {http.rate_limit.limit} {http.rate_limit.remaining} {http.rate_limit.decision}"
+	}
+	route /one {
+		rate_limit 7 1/h {
+			name alone
+		}
+		respond "{http.rate_limit.policy} {http.rate_limit.limit} {http.rate_limit.remaining}"
+	}
+	handle_errors 429 {
+		respond "{http.rate_limit.policy} {http.rate_limit.limit} {http.rate_limit.decision} {http.rate_limit.retry_after}" 429
+	}`)
+	for i, want := range []string{"third 2 1 allowed", "third 2 0 allowed"} {
+		if r := s.get("/three"); r.status != 200 || r.body != want {
+			t.Fatalf("request %d: %d %q, want 200 %q", i+1, r.status, r.body, want)
+		}
+	}
+	if r := s.get("/three"); r.status != 429 || r.body != "third 2 denied 3600" {
+		t.Errorf("refused by the third: %d %q, want 429 %q", r.status, r.body, "third 2 denied 3600")
+	}
+	if r := s.get("/one"); r.status != 200 || r.body != "alone 7 6" {
+		t.Errorf("a lone handler: %d %q, want 200 %q", r.status, r.body, "alone 7 6")
+	}
+}
+
+// docs/caddyfile.md's problem+json body of a 429 (its "Shaping the
+// rejection") under two stacked rate_limit handlers, as docs/logins.md
+// stacks them: when the first allows and the second refuses, the body
+// names the second's policy, limit and retry time, as Retry-After does.
+// Regression test for a74481c.
+func TestTheProblemBodyOfStackedHandlersNamesTheOneThatRefused(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	route /login {
+		rate_limit 5 1/h {
+			name login_by_user
+			key header X-User
+		}
+		rate_limit 1 1/m {
+			name login_by_ip
+		}
+		respond "ok"
+	}
+	handle_errors 429 {
+		header Content-Type application/problem+json
+		respond `+"`"+`{"type": "about:blank", "title": "Too Many Requests", "status": 429, "policy": "{http.rate_limit.policy}", "tier": "{http.rate_limit.tier}", "limit": {http.rate_limit.limit}, "retry_after": {http.rate_limit.retry_after}}`+"`"+` 429
+	}`)
+	if r := s.get("/login", "X-User: ann"); r.status != 200 {
+		t.Fatalf("first attempt: %d, want 200", r.status)
+	}
+	r := s.get("/login", "X-User: bob")
+	if r.status != 429 {
+		t.Fatalf("second attempt from the same address: %d, want 429 from login_by_ip", r.status)
+	}
+	var body struct {
+		Policy     string `json:"policy"`
+		Limit      int    `json:"limit"`
+		RetryAfter int    `json:"retry_after"`
+	}
+	if err := json.Unmarshal([]byte(r.body), &body); err != nil {
+		t.Fatalf("the problem body is not JSON: %v\n%s", err, r.body)
+	}
+	if ra := r.header.Get("Retry-After"); strconv.Itoa(body.RetryAfter) != ra || body.Policy != "login_by_ip" || body.Limit != 1 {
+		t.Errorf("refused by login_by_ip (limit 1, Retry-After %s), the problem body says policy %q, limit %d, retry_after %d: the placeholders are the first handler's\n%s",
+			ra, body.Policy, body.Limit, body.RetryAfter, r.body)
+	}
+}
+
+// When Redis cannot count a concurrency tier's requests in flight and
+// on_store_error is deny, the 503's {http.rate_limit.limit} and
+// {http.rate_limit.retry_after} are empty, as docs/caddyfile.md ("Shaping
+// the rejection") says of a failed store. Redis is an address nothing
+// listens on, so no redis-server is needed.
+// Regression test for 3cb8e39.
+func TestAFailedSlotStoreLeavesTheLimitAndRetryPlaceholdersEmpty(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, fmt.Sprintf(`
+	rate_limit {
+		tier all {
+			concurrency 2
+		}
+		store redis {
+			address redis://127.0.0.1:%d
+			timeout 50ms
+		}
+		on_store_error deny
+	}
+	respond "ok"
+	handle_errors 503 {
+		respond "limit=[{http.rate_limit.limit}] retry_after=[{http.rate_limit.retry_after}]" 503
+	}`, freePort(t)))
+	r := s.get("/")
+	if r.status != 503 {
+		t.Fatalf("with Redis down and on_store_error deny: %d %q, want 503", r.status, r.body)
+	}
+	if want := "limit=[] retry_after=[]"; r.body != want {
+		t.Errorf("503 with Retry-After %q: the placeholders read %q; docs/caddyfile.md says a failed store leaves them empty (%q)", r.header.Get("Retry-After"), r.body, want)
+	}
+}
