@@ -33,10 +33,24 @@ import "github.com/redis/go-redis/v9"
 // return, the node and the seq of its lease; for giveback, optionally,
 // the tokens the limits take back (the count when absent).
 //
+// The short form, six arguments at most, is a take on one limit without
+// quotas or max_wait (takeArgs): the cost, the capacity, the rate tokens
+// and the rate interval, then optionally the microseconds to add to TIME
+// and the ban. Its fast path answers it with the few steps it needs, and
+// costs Redis about what the leanest limiters' scripts cost (bench/README.md,
+// "Redis CPU per decision"); a bucket it cannot answer (leases, a ban
+// mark, a longer state) or a refusal that starts a ban goes on as the
+// long form of the same take.
+//
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
-//     limit {allowed, remaining, retry after (when allowed: the wait),
-//     reset after}}
+//     limit and quota {allowed, remaining, retry after (when allowed: the
+//     wait), reset after}, then, for an allowed take, how long until every
+//     limit and quota holds the cost again}
+//   - the short form, from its fast path: {remaining, reset after, now,
+//     x}, where x is, when allowed, how long until the limit holds the
+//     cost again, and when refused, minus the retry after; otherwise as
+//     take
 //   - lease: {granted, remaining, retry after, hold-off (the limits'),
 //     reset after, banned, drop, now, until (with quotas: when the tokens'
 //     quota period ends, 0 without), quota hold (until the quotas hold the
@@ -56,6 +70,75 @@ const bucketLua = bucketLuaState + bucketLuaOps
 // write back.
 const bucketLuaState = `
 if redis.replicate_commands then redis.replicate_commands() end
+local A, t, stored, got = ARGV, redis.call('TIME'), nil, false
+if #A <= 6 then
+  -- The fast path (takeArgs): a take on one limit, without quotas or
+  -- max_wait, of a bucket stored as "<fullAt> <slack>" or not at all (no
+  -- lease, no ban mark). It is package bucket's Take on one State, the
+  -- steps below for n = 1 with nothing held, and it answers before any of
+  -- them is defined: the closures and tables they build cost more than the
+  -- take itself (bench/README.md, "Redis CPU per decision").
+  -- TestRedisScriptFastPathMatchesTheModel holds it to the model. Strings
+  -- become numbers by arithmetic, which is cheaper than tonumber. Every
+  -- dividend is below 2^53 (units at most 2^52, a cost at most the
+  -- capacity, a slack below 2^31), so math.floor of a quotient is exact.
+  local count, units, k, iv = A[1] + 0, A[2] + 0, A[3] + 0, A[4] + 0
+  local now, ban, floor = t[1] * 1000000 + t[2], 0, math.floor
+  if A[5] then now, ban = now + A[5], (A[6] or 0) + 0 end
+  stored, got = redis.call('GET', KEYS[1]), true
+  local full, slack = 0, 0
+  if stored then
+    full, slack = string.match(stored, '^(%d+) (%d+)$')
+    if full then full, slack = full + 0, slack + 0 end
+  end
+  if full then
+    -- x is the next wait when allowed (shared.go's Next), or minus the
+    -- retry after when refused, which is at least 1.
+    local need, gap, rem, reset, x = count * iv, full - now, 0, 0, 0
+    units = units * iv
+    if gap > 0 and gap > floor((units + slack) / k) then
+      -- Overdrawn (a debt): refused until the level holds the cost.
+      x, reset = floor((units - need + slack) / k) - gap, gap
+      if x > -1 then x = -1 end
+    else
+      local d = 0
+      if gap > 0 then
+        d = gap * k - slack
+        if d < 0 then d = 0 elseif d > units then d = units end
+      end
+      local level = units - d
+      if level < need then
+        rem, reset, x = floor(level / iv), floor((d + k - 1) / k), -floor((need - level + k - 1) / k)
+      elseif count > 0 then
+        rem, reset = floor((level - need) / iv), floor((d + need + k - 1) / k)
+        full, slack = now + reset, reset * k - d - need
+        if level - need < need then
+          x = reset - floor((units - need + slack) / k)
+          if x < 1 then x = 1 end
+        end
+      else
+        rem, reset = floor(level / iv), floor((d + k - 1) / k)
+      end
+    end
+    -- A refusal under a ban starts one: the rest of the script does that.
+    if x >= 0 or ban == 0 then
+      if full <= now then
+        if stored then redis.call('DEL', KEYS[1]) end
+      else
+        local v = string.format('%d %d', full, slack)
+        if v ~= stored then
+          local w = redis.pcall('SET', KEYS[1], v, 'PX', floor((full - now + 999) / 1000) + 1)
+          if w.err then
+            error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. w.err)
+          end
+        end
+      end
+      return {rem, reset, now, x}
+    end
+  end
+  -- The long form of the same take.
+  A = {'take', '1', A[1], A[5] or '0', A[6] or '0', '0', A[2], A[3], A[4], '0'}
+end
 local function idiv(a, b)
   local q = math.floor(a / b)
   local r = a - q * b
@@ -64,16 +147,15 @@ local function idiv(a, b)
 end
 local function ceildiv(a, b) return idiv(a + b - 1, b) end
 
-local op = ARGV[1]
-local n = tonumber(ARGV[2])
-local count = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[4])
-local ban = tonumber(ARGV[5])
-local maxwait = tonumber(ARGV[6])
+local op = A[1]
+local n = tonumber(A[2])
+local count = tonumber(A[3])
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(A[4])
+local ban = tonumber(A[5])
+local maxwait = tonumber(A[6])
 local L = {}
 for i = 1, n do
-  local c, k, iv = tonumber(ARGV[4 + 3 * i]), tonumber(ARGV[5 + 3 * i]), tonumber(ARGV[6 + 3 * i])
+  local c, k, iv = tonumber(A[4 + 3 * i]), tonumber(A[5 + 3 * i]), tonumber(A[6 + 3 * i])
   local units = c * iv
   L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496 - units)}
 end
@@ -85,12 +167,12 @@ end
 -- period's start and end, and the end of the next. Redis's TIME picks the
 -- period among them, so that nodes whose clocks differ agree at a
 -- boundary.
-local nq = tonumber(ARGV[7 + 3 * n])
+local nq = tonumber(A[7 + 3 * n])
 local Q = {}
 for j = 1, nq do
   local y = 8 + 3 * n + 7 * (j - 1)
-  local b0, b1, b2, b3 = tonumber(ARGV[y + 3]), tonumber(ARGV[y + 4]), tonumber(ARGV[y + 5]), tonumber(ARGV[y + 6])
-  local q = {n = tonumber(ARGV[y]), p = tonumber(ARGV[y + 1]), taken = tonumber(ARGV[y + 2]), used = 0}
+  local b0, b1, b2, b3 = tonumber(A[y + 3]), tonumber(A[y + 4]), tonumber(A[y + 5]), tonumber(A[y + 6])
+  local q = {n = tonumber(A[y]), p = tonumber(A[y + 1]), taken = tonumber(A[y + 2]), used = 0}
   if now < b0 or now >= b3 then
     -- Redis's clock is more than a period from the node's: neither can
     -- say which period it is. Nothing is counted; the node's store
@@ -114,7 +196,7 @@ end
 -- latest moment one of them is full.
 local S, H, extra, qextra, later = {}, {}, {}, {}, 0
 for i = 1, n do S[i] = {full = 0, slack = 0, banned = false} end
-local stored = redis.call('GET', KEYS[1])
+if not got then stored = redis.call('GET', KEYS[1]) end
 if stored then
   local first = true
   for seg in string.gmatch(stored .. ';', '([^;]*);') do

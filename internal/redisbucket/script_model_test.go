@@ -8,6 +8,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
 	"maps"
+	"regexp"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -271,5 +272,201 @@ func TestRedisScriptReadsABucketOfAnOlderVersion(t *testing.T) {
 	}
 	if v, _ := srv.Do("GET", key).(string); strings.Contains(v, ";") {
 		t.Fatalf("a bucket of one limit and no lease is written %q, not as an older version reads it", v)
+	}
+}
+
+// fastPathCase draws one take of the short form's shape (takeArgs) on a
+// random stored bucket: a bucket the fast path answers (none, or one
+// limit's "<fullAt> <slack>", overdrawn, full by now, written by another
+// config) or one it must leave to the rest of the script (a ban mark,
+// leases, a dropped quota's count). It returns the limit, the model's
+// bucket, the key's value (none when absent is false), a segment the
+// model does not hold ("" for none), the cost and the clock offset.
+func fastPathCase(rng *rand.Rand) (l bucket.Limit, sh *buckettest.Shared, text string, present bool, other string, cost, offset int64) {
+	l = r27Limit(rng)
+	if rng.IntN(6) == 0 {
+		// The largest capacity the rate allows: quotients near 2^52.
+		l.Capacity = (1 << 52) / l.Rate.Interval
+	}
+	if rng.IntN(3) == 0 {
+		l.Ban = 1 + rng.Int64N(5*bucket.CeilDiv(l.Units(), l.Rate.Tokens)+1)
+	}
+	if err := l.Validate(1); err != nil {
+		panic(err)
+	}
+	if rng.IntN(2) == 0 {
+		offset = rng.Int64N(1000 * second)
+	}
+	base := time.Now().UnixMicro() + offset
+	sh = &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	present = true
+	switch rng.IntN(8) {
+	case 0:
+		present = false
+	case 1:
+		// Full by now, and still kept: the key's life rounds up.
+		sh.Levels[0] = bucket.State{FullAt: base - rng.Int64N(2000), Slack: rng.Int64N(l.Rate.Tokens)}
+	case 2:
+		// A ban's mark.
+		sh.Levels[0] = r27State(rng, base, l)
+		sh.Levels[0].Banned = true
+	case 3:
+		sh.Levels[0] = r27State(rng, base, l)
+		for k, node := range []string{"a1", "b2"}[:1+rng.IntN(2)] {
+			sh.Held = append(sh.Held, buckettest.Held{Node: node, Tokens: 1 + rng.Int64N(min(l.Capacity, 12)), Expires: base + 2*second + rng.Int64N(10*second), Seq: int64(k + 1)})
+		}
+	case 4:
+		// The count of a quota a reload dropped, which stays until its
+		// period ends.
+		sh.Levels[0] = r27State(rng, base, l)
+		other = fmt.Sprintf("q1:%d:3:%d", base-second, base+3600*second)
+	default:
+		sh.Levels[0] = r27State(rng, base, l)
+		sh.Levels[0].Banned = false
+	}
+	if present {
+		text = r27Text(sh, nil)
+		if sh.Levels[0].FullAt != 0 && sh.Levels[0].FullAt <= base {
+			text = fmt.Sprintf("%d %d", sh.Levels[0].FullAt, sh.Levels[0].Slack)
+		}
+		if other != "" {
+			text += ";" + other
+		}
+	}
+	cost = 1 + rng.Int64N(min(l.Capacity, 12))
+	if rng.IntN(5) == 0 {
+		cost = 0
+	}
+	return l, sh, text, present, other, cost, offset
+}
+
+// plainState is the text of a bucket of one limit and no lease, as the
+// fast path reads it.
+var plainState = regexp.MustCompile(`^\d+ \d+$`)
+
+// checkFastPath plays cases takes of the short form, by script, each on a
+// random stored bucket, and says how the first that differs from the model
+// differs: in its answer, in what it leaves stored or for how long, or in
+// whether the fast path answered it, which it must for a bucket of one
+// limit and no lease unless the take starts a ban, and must not otherwise.
+func checkFastPath(rdb *redis.Client, script *redis.Script, rng *rand.Rand, cases int) (fast, slow int, err error) {
+	for c := range cases {
+		l, sh, text, present, other, cost, offset := fastPathCase(rng)
+		key := string(bucketFor(fmt.Sprint("fast-", c)))
+		what := fmt.Sprintf("case %d: limit %+v, stored %q, cost %d, offset %d", c, l, text, cost, offset)
+		if present {
+			err = rdb.Set(bg, key, text, time.Hour).Err()
+		} else {
+			err = rdb.Del(bg, key).Err()
+		}
+		if err != nil {
+			return fast, slow, err
+		}
+		tr := oneLimit(l)
+		args := (&Store{clockOffset: offset}).takeArgs(tr, cost)
+		if args == nil {
+			return fast, slow, fmt.Errorf("%s: not the short form's shape", what)
+		}
+		sent := time.Now()
+		vals, err := script.Run(bg, rdb, []string{key}, args...).Int64Slice()
+		if err != nil {
+			return fast, slow, fmt.Errorf("%s: %w", what, err)
+		}
+		if len(vals) != 4 && len(vals) != 8 {
+			return fast, slow, fmt.Errorf("%s: the script answered %d values", what, len(vals))
+		}
+		var out [1]bucket.Result
+		v := decodeTake(vals, tr, out[:])
+		want := make([]bucket.Result, 1)
+		allowed := sh.Take(v.now, tr.Limits, cost, want)
+		var next int64
+		if allowed {
+			next = sh.Next(v.now, tr.Limits, nil, cost)
+		}
+		if v.allowed != allowed || out[0] != want[0] || v.next != next {
+			return fast, slow, fmt.Errorf("%s: take at %d: Redis %+v %+v, model %v %+v next %d", what, v.now, v, out[0], allowed, want[0], next)
+		}
+		wantFast := (!present || plainState.MatchString(text)) && (allowed || l.Ban == 0)
+		if (len(vals) == 4) != wantFast {
+			return fast, slow, fmt.Errorf("%s: the fast path answered: %v, want %v (%d values)", what, len(vals) == 4, wantFast, len(vals))
+		}
+		if wantFast {
+			fast++
+		} else {
+			slow++
+		}
+		raw, err := rdb.Get(bg, key).Result()
+		if err != nil && err != redis.Nil {
+			return fast, slow, err
+		}
+		if other != "" {
+			if !strings.HasSuffix(raw, ";"+other) {
+				return fast, slow, fmt.Errorf("%s: Redis holds %q, without the dropped quota's count", what, raw)
+			}
+			raw = strings.TrimSuffix(strings.TrimSuffix(raw, other), ";")
+		}
+		if stored, model := decodeStored(nil, raw), encodeShared(sh, v.now); !maps.Equal(stored, model) {
+			return fast, slow, fmt.Errorf("%s: Redis holds %v, the model %v", what, stored, model)
+		}
+		if life := sh.Life(v.now, tr.Limits); life > 0 {
+			pttl, err := rdb.PTTL(bg, key).Result()
+			if err != nil {
+				return fast, slow, err
+			}
+			if pttl.Microseconds()+time.Since(sent).Microseconds()+1000 < life {
+				return fast, slow, fmt.Errorf("%s: the key expires in %s, the bucket is needed for %d µs", what, pttl, life)
+			}
+		}
+	}
+	return fast, slow, nil
+}
+
+// The fast path is package bucket's Take as the model takes it, on random
+// stored buckets of every shape: those it answers, and those it must leave
+// to the rest of the script, which answers them as before.
+func TestRedisScriptFastPathMatchesTheModel(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	defer rdb.Close()
+	cases := 3000
+	if testing.Short() {
+		cases = 600
+	}
+	fast, slow, err := checkFastPath(rdb, bucketScript, rand.New(rand.NewPCG(34, 1)), cases)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fast < cases/3 || slow < cases/5 {
+		t.Fatalf("%d takes by the fast path and %d by the rest of %d: each shape should be common", fast, slow, cases)
+	}
+	t.Logf("%d takes by the fast path, %d by the rest", fast, slow)
+}
+
+// The fast path's property catches a fast path that breaks it: each
+// mutation of the script below is a plausible slip, and the property must
+// find a case it fails within the cases the test plays.
+func TestTheFastPathPropertyCatchesABrokenScript(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	defer rdb.Close()
+	mutations := []struct{ name, from, to string }{
+		{"the refill rounds down", "reset = floor((level - need) / iv), floor((d + need + k - 1) / k)", "reset = floor((level - need) / iv), floor((d + need) / k)"},
+		{"the next wait only when empty", "if level - need < need then", "if level - need < 0 then"},
+		{"a ban's mark read as a plain state", "'^(%d+) (%d+)$'", "'^(%d+) (%d+)'"},
+		{"a debt read as an empty bucket", "if gap > 0 and gap > floor((units + slack) / k) then", "if false then"},
+		{"a refusal under a ban starts none", "if x >= 0 or ban == 0 then", "if true then"},
+		{"the key lives seconds, not milliseconds", "'PX', floor((full - now + 999) / 1000) + 1)", "'PX', floor((full - now + 999) / 1000000) + 1)"},
+		{"the overdrawn retry is the refill's", "x, reset = floor((units - need + slack) / k) - gap, gap", "x, reset = -floor((need + k - 1) / k), gap"},
+	}
+	for _, m := range mutations {
+		if strings.Count(bucketLua, m.from) != 1 {
+			t.Fatalf("mutation %q: %q is not once in the script", m.name, m.from)
+		}
+		broken := redis.NewScript(strings.Replace(bucketLua, m.from, m.to, 1))
+		if _, _, err := checkFastPath(rdb, broken, rand.New(rand.NewPCG(34, 1)), 3000); err == nil {
+			t.Errorf("mutation %q: the property holds on the broken script", m.name)
+		} else {
+			t.Logf("mutation %q caught: %v", m.name, err)
+		}
 	}
 }

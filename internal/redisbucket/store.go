@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -289,13 +290,13 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 }
 
 // call runs the bucket script on one key (do); batched, through the
-// batcher if there is one. The script must answer want values.
-func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
+// batcher if there is one. The script must answer one of want values.
+func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want ...int) ([]int64, error) {
 	var vals []int64
 	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
 		vals, err = set.runScript(ctx, key, args, batched)
-		if err == nil && len(vals) != want {
-			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+		if err == nil && !slices.Contains(want, len(vals)) {
+			err = fmt.Errorf("script answered %d values, want %v", len(vals), want)
 		}
 		return err
 	})
