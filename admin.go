@@ -8,10 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
-
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -51,30 +48,6 @@ func (a *Admin) Routes() []caddy.AdminRoute {
 	}
 }
 
-// liveHandlers are the provisioned handlers by policy, newest last, so the
-// admin API finds the stores and tiers of the running config.
-var liveHandlers = struct {
-	sync.Mutex
-	byPolicy map[string][]*Handler
-}{byPolicy: make(map[string][]*Handler)}
-
-func registerHandler(h *Handler) {
-	liveHandlers.Lock()
-	liveHandlers.byPolicy[h.Name] = append(liveHandlers.byPolicy[h.Name], h)
-	liveHandlers.Unlock()
-}
-
-func unregisterHandler(h *Handler) {
-	liveHandlers.Lock()
-	defer liveHandlers.Unlock()
-	hs := slices.DeleteFunc(liveHandlers.byPolicy[h.Name], func(x *Handler) bool { return x == h })
-	if len(hs) == 0 {
-		delete(liveHandlers.byPolicy, h.Name)
-		return
-	}
-	liveHandlers.byPolicy[h.Name] = hs
-}
-
 // handlerFor finds the running handler of the query's policy ("default"
 // when none is named), or the admin API's 404.
 func handlerFor(q url.Values) (*Handler, error) {
@@ -87,54 +60,6 @@ func handlerFor(q url.Values) (*Handler, error) {
 		return nil, caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("policy %q: no such policy in the running config", policy)}
 	}
 	return h, nil
-}
-
-// liveLimit is the running config's limit for a bucket of policy and tier
-// that a request or a lease took under l, through taker (nil for a lease):
-// what a give-back or a charge computed under an older config is counted
-// in. While taker runs, it is l. Otherwise it is the tier's limit in the
-// newest handler of the policy that has the tier (routes of one policy may
-// have different tiers), l when the policy is not running (a shutdown),
-// and false when no handler has the tier any more, or it no longer limits.
-func liveLimit(policy, tier string, l bucket.Limit, taker *Handler) (bucket.Limit, bool) {
-	liveHandlers.Lock()
-	runs := slices.Contains(liveHandlers.byPolicy[policy], taker)
-	liveHandlers.Unlock()
-	t, running := liveTier(policy, tier)
-	switch {
-	case runs || !running:
-		return l, true
-	case t == nil:
-		return bucket.Limit{}, false
-	}
-	return t.limit, !t.Unlimited && !t.Deny
-}
-
-// liveTier is the tier of that name in the newest handler of policy that
-// has it, nil when none has; running is false when no handler of the
-// policy runs (a shutdown).
-func liveTier(policy, tier string) (t *Tier, running bool) {
-	liveHandlers.Lock()
-	defer liveHandlers.Unlock()
-	hs := liveHandlers.byPolicy[policy]
-	for i := len(hs) - 1; i >= 0; i-- {
-		for _, t := range hs[i].Tiers {
-			if t.Name == tier {
-				return t, true
-			}
-		}
-	}
-	return nil, len(hs) > 0
-}
-
-func latestHandler(policy string) *Handler {
-	liveHandlers.Lock()
-	defer liveHandlers.Unlock()
-	hs := liveHandlers.byPolicy[policy]
-	if len(hs) == 0 {
-		return nil
-	}
-	return hs[len(hs)-1]
 }
 
 // policyView is GET /rate_limit/policies's view of one policy: what an
@@ -191,23 +116,21 @@ func (a *Admin) servePolicies(w http.ResponseWriter, r *http.Request) error {
 	if r.Method != http.MethodGet {
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s: use GET", r.Method)}
 	}
-	liveHandlers.Lock()
 	var handlers []*Handler
-	for _, hs := range liveHandlers.byPolicy {
+	for _, hs := range runningHandlers() {
 		handlers = append(handlers, hs[len(hs)-1])
 	}
-	liveHandlers.Unlock()
 	slices.SortFunc(handlers, func(a, b *Handler) int { return strings.Compare(a.Name, b.Name) })
 	views := make([]policyView, 0, len(handlers))
 	for _, h := range handlers {
-		views = append(views, h.view())
+		views = append(views, viewOf(h))
 	}
 	w.Header().Set("Content-Type", "application/json")
 	return json.NewEncoder(w).Encode(views)
 }
 
-// view describes the handler's policy as it runs now.
-func (h *Handler) view() policyView {
+// viewOf describes h's policy as it runs now.
+func viewOf(h *Handler) policyView {
 	v := policyView{Policy: h.Name, Keyers: []string{}, Waiting: h.waiting.Load(), MaxWaiting: h.maxWaiting}
 	for _, k := range h.keyers {
 		v.Keyers = append(v.Keyers, k.ID())
@@ -219,7 +142,7 @@ func (h *Handler) view() policyView {
 		tv := tierView{Name: t.Name, Unlimited: t.Unlimited, Deny: t.Deny}
 		if !t.Unlimited && !t.Deny && len(t.limits) > 0 {
 			if t.hidden == 0 {
-				for _, sh := range t.shapes() {
+				for _, sh := range t.limitsWritten() {
 					tv.Limits = append(tv.Limits, limitView(sh))
 				}
 			}
@@ -238,13 +161,13 @@ func (h *Handler) view() policyView {
 		v.Tiers = append(v.Tiers, tv)
 	}
 	v.Store = caddy.GetModuleName(h.store)
-	if r, ok := h.store.(StoreReporter); ok {
-		rep := r.Report()
-		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.Keys, rep.Breaker, rep.Leases, rep.Master
+	if r, ok := h.store.(reporter); ok {
+		rep := r.report()
+		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.keys, rep.breaker, rep.leases, rep.master
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.
-		v.Keys = h.local.buckets.live()
+		v.Keys = h.local.report().keys
 	}
 	return v
 }

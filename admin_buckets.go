@@ -99,7 +99,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	tier, err := h.tierNamed(q.Get("tier"))
+	tier, err := tierNamed(h, q.Get("tier"))
 	if err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: err}
 	}
@@ -107,7 +107,7 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	if keyerName == "" {
 		keyerName = "ip"
 	}
-	keyer := h.keyerNamed(keyerName)
+	keyer := keyerNamed(h, keyerName)
 	if keyer == nil {
 		return caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("keyer %q: policy %q has no such keyer", keyerName, h.Name)}
 	}
@@ -139,21 +139,21 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 	w.Header().Set("Content-Type", "application/json")
 	if r.Method == http.MethodDelete {
 		report := resetReport{bucketName: name}
-		report.LayersReset, report.LayersFailed = h.resetBucket(r.Context(), b)
+		report.LayersReset, report.LayersFailed = resetBucket(r.Context(), h, b)
 		report.Deleted = len(report.LayersFailed) == 0
 		if !report.Deleted {
 			// Some layer kept the bucket; nothing to read it from.
 			w.WriteHeader(http.StatusBadGateway)
 			return json.NewEncoder(w).Encode(report)
 		}
-		if h.readBucket(r.Context(), b, tier, &state) != nil {
+		if readBucket(r.Context(), h, b, tier, &state) != nil {
 			// Reset, but not to be read back: say what was reset.
 			return json.NewEncoder(w).Encode(report)
 		}
 		state.Deleted, state.LayersReset = true, report.LayersReset
 		return json.NewEncoder(w).Encode(state)
 	}
-	if err := h.readBucket(r.Context(), b, tier, &state); err != nil {
+	if err := readBucket(r.Context(), h, b, tier, &state); err != nil {
 		return caddy.APIError{HTTPStatus: http.StatusBadGateway, Err: fmt.Errorf("reading the bucket: the store %s failed: %v (a DELETE still resets this node's layers)", caddy.GetModuleName(h.store), err)}
 	}
 	return json.NewEncoder(w).Encode(state)
@@ -164,19 +164,19 @@ func (a *Admin) serveBuckets(w http.ResponseWriter, r *http.Request) error {
 // 0 could start a ban, with max_wait, on a bucket in debt). A tier of
 // several limits keeps them apart from a tier of one (in Redis, under
 // another key), so it is read as such.
-func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
-	if err := h.readLimits(ctx, b, tier, state); err != nil {
+func readBucket(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *bucketState) error {
+	if err := readLimits(ctx, h, b, tier, state); err != nil {
 		return err
 	}
 	if tier.Concurrency > 0 {
-		n, err := h.store.(SlotStore).InFlight(ctx, b)
+		n, err := h.store.inFlight(ctx, b)
 		if err != nil {
 			return err
 		}
 		state.InFlight, state.Concurrency = &n, tier.Concurrency
 		if n >= tier.Concurrency {
 			// No free slot: a request is refused with Retry-After 1
-			// (concurrency.go).
+			// (Handler.acquireSlot).
 			state.RetryAfter = max(state.RetryAfter, 1)
 		}
 	}
@@ -185,31 +185,28 @@ func (h *Handler) readBucket(ctx context.Context, b *Bucket, tier *Tier, state *
 
 // readLimits fills state with the tier's limits and quotas, as this node
 // sees them: with leases, remaining counts the tokens it holds (the
-// store's Peek), and while they cover a request of the tier's cost, it
+// store's peek), and while they cover a request of the tier's cost, it
 // passes at once, since this node spends them without asking Redis
-// (LeaseHolder). The top level's RetryAfter is the tier's: the longest of
+// (leaseHolder). The top level's RetryAfter is the tier's: the longest of
 // them all.
-func (h *Handler) readLimits(ctx context.Context, b *Bucket, tier *Tier, state *bucketState) error {
-	shapes := tier.shapes()
+func readLimits(ctx context.Context, h *Handler, b *Bucket, tier *Tier, state *bucketState) error {
+	shapes := tier.limitsWritten()
 	now := time.Now().UnixMicro()
 	if len(tier.limits) == 0 {
 		return nil
 	}
+	out := make([]bucket.Result, tier.shape().Parts())
+	if err := h.store.peek(ctx, b, tier.shape(), out); err != nil {
+		return err
+	}
 	if len(tier.limits) == 1 && len(tier.quotas) == 0 {
-		res, err := h.store.Peek(ctx, b, tier.limit)
-		if err != nil {
-			return err
-		}
-		res.RetryAfter = untilPassesHere(tier.limit, res, tier.cost, h.heldCovers(b, tier))
+		res := out[0]
+		res.RetryAfter = untilPassesHere(tier.limit, res, tier.cost, heldCovers(h, b, tier))
 		state.limitState = newLimitState(shapes[0], res, now)
 		return nil
 	}
-	out := make([]bucket.Result, len(tier.limits)+len(tier.quotas))
-	if err := h.peekAll(ctx, b, tier, out); err != nil {
-		return err
-	}
 	var retry int64
-	covered := h.heldCovers(b, tier)
+	covered := heldCovers(h, b, tier)
 	for i, l := range tier.limits {
 		out[i].RetryAfter = untilPassesHere(l, out[i], tier.cost, covered)
 	}
@@ -254,9 +251,9 @@ func untilPassesHere(l bucket.Limit, res bucket.Result, cost int64, covered bool
 // heldCovers says whether the tokens this node holds of the bucket on
 // lease cover a request of the tier's cost: it passes every limit and
 // quota at once, whatever the shared bucket holds.
-func (h *Handler) heldCovers(b *Bucket, tier *Tier) bool {
-	lh, ok := h.store.(LeaseHolder)
-	return ok && lh.Held(b) >= tier.cost
+func heldCovers(h *Handler, b *Bucket, tier *Tier) bool {
+	lh, ok := h.store.(leaseHolder)
+	return ok && lh.held(b) >= tier.cost
 }
 
 // untilPasses is the microseconds until a request of cost tokens passes
@@ -280,7 +277,7 @@ func untilPasses(l bucket.Limit, res bucket.Result, cost int64) int64 {
 	return max(0, until)
 }
 
-// peekedBinding is the binding one of peeked results, as bindingLimit
+// peekedBinding is the binding one of peeked results, as bucket.Binding
 // picks it: of those a request would wait for, the one it waits for
 // longest; else the least remaining and, of equals, the one full last (a
 // ban on an hour's limit outlasts the one on a minute's).
@@ -293,22 +290,6 @@ func peekedBinding(out []bucket.Result) int {
 		}
 	}
 	return j
-}
-
-// peekAll reads every limit and quota of a tier into out, the quotas'
-// after the limits'.
-func (h *Handler) peekAll(ctx context.Context, b *Bucket, tier *Tier, out []bucket.Result) error {
-	qs, ok := h.store.(QuotaStore)
-	if !ok {
-		if len(tier.quotas) > 0 {
-			return fmt.Errorf("the store keeps no quotas")
-		}
-		// A store of another module: read by a take of cost 0.
-		_, err := h.store.TakeAll(ctx, b, tier.limits, 0, out)
-		return err
-	}
-	n := len(tier.limits)
-	return qs.PeekQuotas(ctx, b, tier.limits, tier.quotas, out[:n], out[n:])
 }
 
 func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {
@@ -326,7 +307,7 @@ func newLimitState(shape TierLimit, res bucket.Result, now int64) limitState {
 // not the others could be reached, and says which it reset and which it
 // could not. With Redis down, the local fallback still refills, so the
 // client gets through on this node while on_store_error local applies.
-func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, failed map[string]string) {
+func resetBucket(ctx context.Context, h *Handler, b *Bucket) (reset []string, failed map[string]string) {
 	note := func(layer string, err error) {
 		if err == nil {
 			reset = append(reset, layer)
@@ -337,22 +318,22 @@ func (h *Handler) resetBucket(ctx context.Context, b *Bucket) (reset []string, f
 		}
 		failed[layer] = err.Error()
 	}
-	if lr, ok := h.store.(LayeredResetter); ok {
-		layers, errs := lr.ResetLayers(ctx, b)
+	if lr, ok := h.store.(layeredResetter); ok {
+		layers, errs := lr.resetLayers(ctx, b)
 		for i, layer := range layers {
 			note(layer, errs[i])
 		}
 	} else {
-		note(caddy.GetModuleName(h.store), h.store.Reset(ctx, b))
+		note(caddy.GetModuleName(h.store), h.store.reset(ctx, b))
 	}
 	if h.local != nil {
-		note("local_fallback", h.local.Reset(ctx, b))
+		note("local_fallback", h.local.reset(ctx, b))
 	}
 	return reset, failed
 }
 
 // tierNamed finds a tier that has buckets; "" names the catch-all.
-func (h *Handler) tierNamed(name string) (*Tier, error) {
+func tierNamed(h *Handler, name string) (*Tier, error) {
 	var t *Tier
 	if name == "" {
 		t = h.Tiers[len(h.Tiers)-1]
@@ -374,7 +355,7 @@ func (h *Handler) tierNamed(name string) (*Tier, error) {
 
 // keyerNamed finds a keyer by id or kind; "ip" always finds one, since the
 // client IP names clients that no keyer names.
-func (h *Handler) keyerNamed(name string) Keyer {
+func keyerNamed(h *Handler, name string) Keyer {
 	for _, k := range h.keyers {
 		if k.ID() == name || k.Kind() == name {
 			return k

@@ -2,16 +2,10 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"net"
 	"net/http"
-	"runtime"
-	"strconv"
-	"sync/atomic"
 	"testing"
-
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -19,36 +13,6 @@ import (
 
 // Benchmarks of the hot path. Results and the commands that produced them
 // are in bench/README.md.
-
-func BenchmarkLocalTake(b *testing.B) {
-	lb := newLocalBuckets(defaultMaxKeys, monotonicMicros)
-	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
-	bk := bucketFor("127.0.0.1")
-	b.ReportAllocs()
-	for b.Loop() {
-		lb.take(bk, l, 1)
-	}
-}
-
-func BenchmarkLocalTakeParallel(b *testing.B) {
-	lb := newLocalBuckets(defaultMaxKeys, monotonicMicros)
-	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
-	var goroutines atomic.Int64
-	b.ReportAllocs()
-	b.RunParallel(func(pb *testing.PB) {
-		// Each goroutine is its own set of clients, as real traffic is.
-		g := strconv.FormatInt(goroutines.Add(1), 10)
-		buckets := make([]*Bucket, 1024)
-		for i := range buckets {
-			buckets[i] = bucketFor(g + "/" + strconv.Itoa(i))
-		}
-		i := 0
-		for pb.Next() {
-			lb.take(buckets[i&1023], l, 1)
-			i++
-		}
-	})
-}
 
 // provisionedHandler sets up a handler from JSON outside a server, as Caddy
 // would.
@@ -170,36 +134,6 @@ func BenchmarkServeHTTPParallel(b *testing.B) {
 			}
 		}
 	})
-}
-
-// BenchmarkLocalStoreMemoryPerKey fills a local store with distinct clients
-// and reports the heap it holds per bucket.
-func BenchmarkLocalStoreMemoryPerKey(b *testing.B) {
-	for _, n := range []int{1_000_000, 10_000_000} {
-		b.Run(strconv.Itoa(n/1_000_000)+"M", func(b *testing.B) {
-			l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
-			for b.Loop() {
-				var before, after runtime.MemStats
-				runtime.GC()
-				runtime.ReadMemStats(&before)
-				lb := newLocalBuckets(n, monotonicMicros)
-				bk := &Bucket{Policy: "p", Tier: "default", Keyer: "ip/32/64"}
-				var buf [8]byte
-				for i := range n {
-					binary.LittleEndian.PutUint64(buf[:], uint64(i))
-					bk.Value = buf[:]
-					lb.take(bk, l, 1)
-				}
-				runtime.GC()
-				runtime.ReadMemStats(&after)
-				if held := lb.len(); held != n {
-					b.Fatalf("held %d buckets, want %d", held, n)
-				}
-				b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(n), "bytes/key")
-				runtime.KeepAlive(lb)
-			}
-		})
-	}
 }
 
 // BenchmarkServeHTTPLimits is ServeHTTP on a tier of one limit beside one

@@ -3,11 +3,12 @@ package ratelimit
 import (
 	"bufio"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"net"
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 )
 
 // TestRedisBreakerClosesAfterClientsHangUpDuringAnOutage runs a real

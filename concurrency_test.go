@@ -275,7 +275,7 @@ func TestConcurrencyOnlyTierHeaders(t *testing.T) {
 	if got := w.Header().Get("X-Ratelimit-Limit") + " " + w.Header().Get("X-Ratelimit-Remaining"); got != "4 3" {
 		t.Errorf("X- fields: limit and remaining %q, want 4 3", got)
 	}
-	if v := h.view(); v.Tiers[0].Concurrency != 4 || len(v.Tiers[0].Limits) != 0 {
+	if v := viewOf(h); v.Tiers[0].Concurrency != 4 || len(v.Tiers[0].Limits) != 0 {
 		t.Errorf("listing: %+v", v.Tiers[0])
 	}
 }

@@ -168,7 +168,7 @@ func TestDocsOperatingKeyIDsAreWhatRunsPrints(t *testing.T) {
 	for range 6 {
 		s.get("/")
 	}
-	latestHandler("edge").flushDenials()
+	latestHandler("edge").notes.flush()
 
 	checked := 0
 	for _, ex := range docExamples(t, "docs/operating.md") {
@@ -271,7 +271,7 @@ func TestDocsOperatingEventsRecipeRunsOncePerBucket(t *testing.T) {
 		}
 		ids[keyID(&Bucket{Keyer: "ip/32/64", Value: mustAddr(t, ip)})] = true
 	}
-	latestHandler("docs_events").flushDenials()
+	latestHandler("docs_events").notes.flush()
 	docsExecRan.Lock()
 	lines := docsExecRan.lines
 	docsExecRan.Unlock()

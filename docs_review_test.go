@@ -49,18 +49,18 @@ type reviewSubdirective struct {
 func parserSubdirectives(t *testing.T) []reviewSubdirective {
 	t.Helper()
 	blocks := map[string][]string{ // "file:func" -> blocks
-		"caddyfile.go:parseSetting":         {"rate_limit"},
-		"caddyfile.go:parseTier":            {"tier"},
-		"caddyfile.go:parseLimitLine":       {"tier", "rate_limit"},
-		"caddyfile.go:parseJWT":             {"jwt"},
-		"store_redis.go:unmarshalSetting":   {"store redis"},
-		"store_redis.go:unmarshalTLS":       {"tls"},
-		"store_local.go:UnmarshalCaddyfile": {"store local"},
+		"caddyfile.go:parseSetting":       {"rate_limit"},
+		"caddyfile.go:parseTier":          {"tier"},
+		"caddyfile.go:parseLimitLine":     {"tier", "rate_limit"},
+		"caddyfile.go:parseJWT":           {"jwt"},
+		"store_redis.go:unmarshalSetting": {"store redis"},
+		"store_redis.go:unmarshalTLS":     {"tls"},
+		"stores.go:UnmarshalCaddyfile":    {"store local"},
 	}
 	var subs []reviewSubdirective
 	fset := token.NewFileSet()
 	found := map[string]bool{}
-	for _, file := range []string{"caddyfile.go", "store_redis.go", "store_local.go"} {
+	for _, file := range []string{"caddyfile.go", "store_redis.go", "stores.go"} {
 		f, err := parser.ParseFile(fset, file, nil, 0)
 		if err != nil {
 			t.Fatal(err)
@@ -359,7 +359,7 @@ func TestDocsReviewEveryMetricIsInOperating(t *testing.T) {
 // and the claim. prefix) is in docs/caddyfile.md's table.
 func TestDocsReviewEveryPlaceholderIsDocumented(t *testing.T) {
 	fset := token.NewFileSet()
-	f, err := parser.ParseFile(fset, "decision.go", nil, 0)
+	f, err := parser.ParseFile(fset, "placeholders.go", nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,10 +1,11 @@
 package ratelimit
 
 import (
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"strings"
 	"testing"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // FuzzParseRate: any string either fails to parse or gives a rate that
@@ -54,7 +55,7 @@ func FuzzCaddyfile(f *testing.F) {
 			return
 		}
 		for _, h := range findHandlers(t, cfg) {
-			if err := h.validate(); err != nil {
+			if err := h.Validate(); err != nil {
 				t.Fatalf("adapted, but the config is invalid: %v\n%s", err, block)
 			}
 		}

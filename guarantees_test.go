@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -10,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -82,19 +83,19 @@ func TestRedisBucketKeepsItsKeyAcrossLimitCounts(t *testing.T) {
 	b := bucketFor("switch")
 	l := slowLimit(10)
 	for range 4 {
-		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		if res, err := takeLimit(bg, s, b, l, 1); err != nil || !res.Allowed {
 			t.Fatalf("take: %+v, %v", res, err)
 		}
 	}
 	out := make([]bucket.Result, 2)
-	allowed, err := s.TakeAll(bg, b, []bucket.Limit{l, slowLimit(100)}, 1, out)
+	allowed, err := s.take(bg, b, bucket.Tier{Limits: []bucket.Limit{l, slowLimit(100)}}, 1, out)
 	if err != nil || !allowed {
 		t.Fatalf("take on two limits: %v, %v", allowed, err)
 	}
 	if out[0].Remaining != 5 || out[1].Remaining != 99 {
 		t.Fatalf("after a reload to two limits: %+v, want 5 left of the first (it kept its 4) and 99 of the new", out)
 	}
-	res, err := s.Take(bg, b, l, 1)
+	res, err := takeLimit(bg, s, b, l, 1)
 	if err != nil || res.Remaining != 4 {
 		t.Fatalf("back to one limit: %+v, %v; want 4 left", res, err)
 	}
@@ -108,20 +109,20 @@ func TestGiveBackAfterAReloadReachesTheSharedBucket(t *testing.T) {
 	l := slowLimit(100)
 	b := bucketFor("reloaded")
 	for range 10 {
-		if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+		if res, err := takeLimit(bg, s, b, l, 1); err != nil || !res.Allowed {
 			t.Fatalf("take: %+v, %v", res, err)
 		}
 	}
 	s.engine.Close() // the reload: what is held goes back
 	level := func() int64 {
-		res, err := s.Peek(bg, b, l)
+		res, err := peekLimit(bg, s, b, l)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return res.Remaining
 	}
 	before := level()
-	if err := s.GiveBack(bg, b, l, 1); err != nil {
+	if err := s.giveBack(bg, b, bucket.Tier{Limits: []bucket.Limit{l}}, 1, 1, 0); err != nil {
 		t.Fatal(err)
 	}
 	if after := level(); after != before+1 {

@@ -2,9 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
-	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,76 +12,6 @@ import (
 // Hostile input: what an attacker controls is the number of keys and the
 // size and shape of everything in a request. None of it may exhaust memory,
 // hang a request, cause a 5xx, or get a request past its limit.
-
-// floodKeys is how many distinct keys TestFloodOfDistinctKeysStaysWithinMaxKeys
-// sends. The race detector makes each take about ten times slower, so
-// under -race the flood is 1M keys; hostile_norace_test.go raises it to 5M.
-var floodKeys = 1_000_000
-
-// TestFloodOfDistinctKeysStaysWithinMaxKeys drives the local store directly
-// (HTTP would only add time) with a flood of distinct keys, each taking one
-// token of a 1/h bucket, so that none is ever full again and every drop is
-// an eviction. The table never holds more than max_keys buckets, and the
-// heap after the flood, after a GC, is within a bound proportional to
-// max_keys, not to the flood.
-func TestFloodOfDistinctKeysStaysWithinMaxKeys(t *testing.T) {
-	skipUnderShort(t, "heavy load")
-	const maxKeys = 100_000
-	clock := new(fakeClock)
-	clock.micros.Store(1)
-
-	runtime.GC()
-	var before runtime.MemStats
-	runtime.ReadMemStats(&before)
-
-	lb := newLocalBuckets(maxKeys, clock.now)
-	l := bucket.Limit{Capacity: 5, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
-	b := &Bucket{Policy: "flood", Tier: "default", Keyer: "header/X-Api-Key"}
-	buf := make([]byte, 0, 32)
-	start := time.Now()
-	peak := 0
-	for i := range floodKeys {
-		buf = strconv.AppendInt(append(buf[:0], "key-"...), int64(i), 10)
-		b.Value = buf
-		if res := lb.take(b, l, 1); !res.Allowed {
-			t.Fatalf("key %d: a new key was denied", i)
-		}
-		if i%1024 == 0 {
-			clock.advance(time.Millisecond)
-			peak = max(peak, lb.len())
-		}
-	}
-	elapsed := time.Since(start)
-	peak = max(peak, lb.len())
-	if peak > maxKeys {
-		t.Fatalf("%d buckets held during the flood, max_keys %d", peak, maxKeys)
-	}
-	if ev := lb.evictions.Load(); ev < uint64(floodKeys-maxKeys) {
-		t.Fatalf("%d evictions, want at least the %d keys over the bound", ev, floodKeys-maxKeys)
-	}
-	// Every bucket the table still holds is counted.
-	held := 0
-	for i := range lb.shards {
-		held += lb.shards[i].states.n
-	}
-	if held != lb.len() {
-		t.Fatalf("the shards hold %d buckets, the count says %d", held, lb.len())
-	}
-
-	runtime.GC()
-	var after runtime.MemStats
-	runtime.ReadMemStats(&after)
-	runtime.KeepAlive(lb)
-	grown := int64(after.HeapAlloc) - int64(before.HeapAlloc)
-	// The table takes 23 to 46 bytes a bucket (table.go); allow 64, and
-	// 4 MiB for the rest of the test binary's heap moving about.
-	bound := int64(64*maxKeys + 4<<20)
-	t.Logf("%d distinct keys in %s: peak %d buckets held, %d evictions, heap grew %d KiB (bound %d KiB)",
-		floodKeys, elapsed, peak, lb.evictions.Load(), grown>>10, bound>>10)
-	if grown > bound {
-		t.Fatalf("heap grew by %d bytes for max_keys %d, bound %d", grown, maxKeys, bound)
-	}
-}
 
 // hostileSite serves a policy of capacity 3, 1/h, that names the client by
 // a verified JWT, a header, a cookie, a JSON or form field, then the IP, on

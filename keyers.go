@@ -721,18 +721,3 @@ var (
 	_ caddyfile.Unmarshaler = (*CookieKeyer)(nil)
 	_ caddyfile.Unmarshaler = (*PlaceholderKeyer)(nil)
 )
-
-// nameClient asks the keyers in order: the first that yields a value names
-// the client, and is returned; when none does, the client IP does, through
-// h.fallback.
-func (h *Handler) nameClient(r *http.Request, d *decision) Keyer {
-	value := d.value[:0]
-	for _, k := range h.keyers {
-		if v, ok := keyWith(k, r, value, &d.claims); ok && len(v) > 0 {
-			d.bucket.Value = v
-			return k
-		}
-	}
-	d.bucket.Value = h.fallback.fallbackKey(r, value)
-	return h.fallback
-}

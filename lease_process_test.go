@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"io"
 	"math"
 	"net/http"
@@ -15,6 +14,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // The measured claims of the README's "Sharing limits across edge nodes", on real processes: Caddy

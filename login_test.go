@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -12,6 +11,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -329,11 +330,11 @@ func (*givebackCounter) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "http.handlers.rate_limit.stores.test_giveback_counter", New: func() caddy.Module { return &givebackCounter{new(LocalStore)} }}
 }
 
-func (s *givebackCounter) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
+func (s *givebackCounter) giveBack(ctx context.Context, b *Bucket, tr bucket.Tier, limitsN, n, at int64) error {
 	givebacks.Lock()
 	givebacks.byTokens[n]++
 	givebacks.Unlock()
-	return s.LocalStore.GiveBack(ctx, b, l, n)
+	return s.LocalStore.giveBack(ctx, b, tr, limitsN, n, at)
 }
 
 func init() { caddy.RegisterModule(new(givebackCounter)) }

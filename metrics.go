@@ -2,9 +2,11 @@ package ratelimit
 
 import (
 	"errors"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"strings"
 	"sync/atomic"
+
+	"github.com/bramsley/caddy-ratelimit/internal/localbucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -66,8 +68,8 @@ func (c keysCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 func (c keysCollector) Collect(ch chan<- prometheus.Metric) {
 	localPool.Range(func(key, value any) bool {
 		policy, ok := strings.CutPrefix(key.(string), "local/")
-		if lb, isTable := value.(*localBuckets); ok && isTable {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(lb.len()), policy)
+		if lb, isTable := value.(*localbucket.Store); ok && isTable {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(lb.Len()), policy)
 		}
 		return true
 	})

@@ -144,7 +144,7 @@ type Handler struct {
 
 	keyers   []Keyer
 	fallback *IPKeyer
-	store    Store
+	store    store
 	// local limits per node while the shared store fails, with on_store_error local.
 	local       *LocalStore
 	keySecret   []byte
@@ -155,6 +155,9 @@ type Handler struct {
 	storeTime   prometheus.Observer
 	storeErrors prometheus.Counter
 
+	// checked says that Provision has checked the settings and applied
+	// what they imply (Validate).
+	checked bool
 	// noKeyDeny is NoKey == "deny".
 	noKeyDeny bool
 	// counted is CountStatus as a set; nil counts every response.
@@ -163,14 +166,10 @@ type Handler struct {
 	// notes feeds off the request path.
 	denials *denials
 	notes   *denialNotes
-	events  *caddyevents.App
-	ctx     caddy.Context
 	// waiting counts the policy's waiting requests on this node, up to
 	// maxWaiting.
 	waiting    *atomic.Int64
 	maxWaiting int
-	// slots is the store as a SlotStore, for tiers with concurrency.
-	slots SlotStore
 	// loadKey names the config load the handler is part of, unnamed says
 	// that the config gave it no name, and where is its server's
 	// listeners (registry.go).
@@ -191,7 +190,10 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets the handler up: defaults, keyers, tiers and store.
+// Provision sets the handler up: it applies the defaults, checks the
+// settings and applies what they imply (check, once a load), then loads
+// the keyers, the tiers' matchers and the store, and joins the running
+// handlers of its policy (registry.go).
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	// Store trouble can come with every request; a few lines a second say it.
@@ -200,9 +202,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}))
 	unnamed := h.Name == ""
 	h.applyDefaults()
-	if err := h.validate(); err != nil {
+	v, err := h.check()
+	if err != nil {
 		return err
 	}
+	h.apply(v)
+	h.checked = true
 	if err := h.provisionKeySecret(); err != nil {
 		return err
 	}
@@ -231,29 +236,22 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionStore(ctx); err != nil {
 		return err
 	}
-	if rs, ok := h.store.(*RedisStore); ok {
-		rs.warnLeaseCaps(h.logger, h.Tiers)
-	}
-	if h.slots, _ = h.store.(SlotStore); h.slots == nil {
-		for _, t := range h.Tiers {
-			if t.Concurrency > 0 {
-				return fmt.Errorf("tier %q: concurrency: the store %s does not count requests in flight", t.Name, caddy.GetModuleName(h.store))
-			}
-		}
+	if lw, ok := h.store.(leaseWarner); ok {
+		lw.warnLeaseCaps(h.logger, h.Tiers)
 	}
 	h.denials = denialsFor(h.Name)
 	h.provisionWait()
-	// The http app loads the events app before its handlers; outside a
-	// server (tests that provision a handler alone) there is none.
-	if events, err := ctx.AppIfConfigured("events"); err == nil {
-		h.events = events.(*caddyevents.App)
-	}
-	h.ctx = ctx
 	if err := h.joinConfig(ctx, unnamed); err != nil {
 		return err
 	}
-	h.startNoting()
-	registerHandler(h)
+	// The http app loads the events app before its handlers; outside a
+	// server (tests that provision a handler alone) there is none.
+	var events *caddyevents.App
+	if app, err := ctx.AppIfConfigured("events"); err == nil {
+		events = app.(*caddyevents.App)
+	}
+	h.notes = startNoting(h.Name, h.denials, h.logger, events, ctx)
+	h.register()
 	return nil
 }
 
@@ -294,98 +292,36 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading store: %v", err)
 	}
-	h.store = mod.(Store)
+	s, ok := mod.(store)
+	if !ok {
+		return fmt.Errorf("store %s: not a rate limit store", caddy.GetModuleName(mod))
+	}
+	h.store = s
 	storeName := caddy.GetModuleName(mod)
 	h.storeTime = storeDuration.WithLabelValues(storeName)
 	h.storeErrors = storeErrorsTotal.WithLabelValues(storeName)
-	if ps, ok := h.store.(policyStore); ok {
+	ps, local := h.store.(policyStore)
+	if local {
 		if err := ps.bind(h.Name); err != nil {
 			return err
 		}
 	}
-	if _, isLocal := h.store.(*LocalStore); !isLocal && h.OnStoreError == "local" {
-		// Named apart from the main local store, so that a policy that
-		// switches between local and Redis does not mix the two.
-		h.local = new(LocalStore)
-		if err := h.local.bind(h.Name + "/on_store_error"); err != nil {
+	if !local && h.OnStoreError == "local" {
+		var err error
+		if h.local, err = localFallback(ctx, h.Name); err != nil {
 			return err
-		}
-		// Each config load starts with fresh fallback buckets.
-		if reg := ctx.GetMetricsRegistry(); reg != nil {
-			h.local.buckets.startLoad(reg)
 		}
 	}
 	return nil
 }
 
 // applyDefaults fills in what the config leaves out. Provision does it,
-// never validation, so that `caddy adapt` shows only what was written.
+// never check, so that `caddy adapt` shows only what was written.
 func (h *Handler) applyDefaults() {
 	h.Name = cmp.Or(h.Name, "default")
 	h.OnStoreError = cmp.Or(h.OnStoreError, "local")
 	h.Headers = cmp.Or(h.Headers, "x")
 	h.Status = cmp.Or(h.Status, http.StatusTooManyRequests)
-}
-
-// validate checks what needs no Caddy context, and changes no setting: the
-// Caddyfile adapter runs it too, so that mistakes fail `caddy adapt`, and
-// the adapted config shows only what was written. It derives what the
-// settings imply (header sets, the tiers' limits).
-func (h *Handler) validate() error {
-	policy := cmp.Or(h.Name, "default")
-	onStoreError := cmp.Or(h.OnStoreError, "local")
-	headers := cmp.Or(h.Headers, "x")
-	status := cmp.Or(h.Status, http.StatusTooManyRequests)
-	if h.KeySecret != "" && !strings.Contains(h.KeySecret, "{") && len(h.KeySecret) < minKeySecret {
-		return fmt.Errorf("key_secret: the value given is %d bytes long; want at least %d", len(h.KeySecret), minKeySecret)
-	}
-	switch onStoreError {
-	case "local", "allow", "deny":
-	default:
-		return fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
-	}
-	if err := h.validateNoKey(); err != nil {
-		return err
-	}
-	if err := h.validateLogin(); err != nil {
-		return err
-	}
-	if err := h.validateWait(); err != nil {
-		return err
-	}
-	if err := h.validateTimezone(); err != nil {
-		return err
-	}
-	switch headers {
-	case "x", "ietf", "both", "none":
-	default:
-		return fmt.Errorf("headers %q: want x, ietf, both or none", h.Headers)
-	}
-	h.xHeaders = headers == "x" || headers == "both"
-	h.ietfHeaders = headers == "ietf" || headers == "both"
-	if status < 400 || status > 599 {
-		return fmt.Errorf("status %d: want a 4xx or 5xx code", h.Status)
-	}
-	if len(h.Tiers) == 0 {
-		return fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", policy)
-	}
-	seen := make(map[string]bool, len(h.Tiers))
-	for i, t := range h.Tiers {
-		if err := t.validate(); err != nil {
-			return err
-		}
-		if seen[t.Name] {
-			return fmt.Errorf("tier %q is defined twice", t.Name)
-		}
-		seen[t.Name] = true
-		if t.catchAll() && i < len(h.Tiers)-1 {
-			return fmt.Errorf("tier %q has no conditions, so the tiers after it would never apply", t.Name)
-		}
-	}
-	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
-		return fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", policy)
-	}
-	return nil
 }
 
 // minKeySecret is the shortest key_secret accepted, in bytes.
@@ -428,9 +364,111 @@ func (h *Handler) checkListeners(ctx caddy.Context) error {
 	return nil
 }
 
-// validateNoKey checks no_key. Its default is left unwritten, so that the
+// provisionWait sets up the waiting bound (max_waiting); the tiers' wait
+// and in-flight metrics are looked up here, not per request.
+func (h *Handler) provisionWait() {
+	h.maxWaiting = cmp.Or(h.MaxWaiting, defaultMaxWaiting)
+	h.waiting = waitersFor(h.Name)
+	for _, t := range h.Tiers {
+		t.waitTime = waitSeconds.WithLabelValues(h.Name, t.Name)
+		t.inFlight = inFlightGauge.WithLabelValues(h.Name, t.Name)
+	}
+}
+
+// Validate checks the handler's settings, and changes none. Caddy calls it
+// after Provision, which has run the same check (and worked out what the
+// settings imply) before it loaded the keyers, the matchers and the store,
+// whose JSON Caddy then drops: a provisioned handler passed it once.
+func (h *Handler) Validate() error {
+	if h.checked {
+		return nil
+	}
+	_, err := h.check()
+	return err
+}
+
+// settings is what a handler's settings imply, worked out by check and
+// applied once, at provision.
+type settings struct {
+	xHeaders, ietfHeaders, noKeyDeny bool
+	// counted is CountStatus as a set; nil counts every response.
+	counted *statusSet
+	// tiers are each tier's, in the order of Tiers.
+	tiers []tierSettings
+}
+
+// check checks what needs no Caddy context, and works out what the
+// settings imply, changing none: the Caddyfile adapter runs it too, so
+// that mistakes fail `caddy adapt`, and the adapted config shows only
+// what was written.
+func (h *Handler) check() (settings, error) {
+	var v settings
+	policy := cmp.Or(h.Name, "default")
+	onStoreError := cmp.Or(h.OnStoreError, "local")
+	headers := cmp.Or(h.Headers, "x")
+	status := cmp.Or(h.Status, http.StatusTooManyRequests)
+	if h.KeySecret != "" && !strings.Contains(h.KeySecret, "{") && len(h.KeySecret) < minKeySecret {
+		return v, fmt.Errorf("key_secret: the value given is %d bytes long; want at least %d", len(h.KeySecret), minKeySecret)
+	}
+	switch onStoreError {
+	case "local", "allow", "deny":
+	default:
+		return v, fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
+	}
+	if err := h.checkNoKey(); err != nil {
+		return v, err
+	}
+	v.noKeyDeny = h.NoKey == "deny"
+	counted, ban, err := checkLogin(h.CountStatus, h.Ban)
+	if err != nil {
+		return v, err
+	}
+	v.counted = counted
+	if err := checkWait(h.MaxWait, h.MaxWaiting, h.Tiers); err != nil {
+		return v, err
+	}
+	loc, err := checkTimezone(h.Timezone)
+	if err != nil {
+		return v, err
+	}
+	switch headers {
+	case "x", "ietf", "both", "none":
+	default:
+		return v, fmt.Errorf("headers %q: want x, ietf, both or none", h.Headers)
+	}
+	v.xHeaders = headers == "x" || headers == "both"
+	v.ietfHeaders = headers == "ietf" || headers == "both"
+	if status < 400 || status > 599 {
+		return v, fmt.Errorf("status %d: want a 4xx or 5xx code", h.Status)
+	}
+	if len(h.Tiers) == 0 {
+		return v, fmt.Errorf("policy %q: no tier: give a capacity and refill, such as `rate_limit 100 10/s`", policy)
+	}
+	seen := make(map[string]bool, len(h.Tiers))
+	for i, t := range h.Tiers {
+		maxWait := time.Duration(cmp.Or(t.MaxWait, h.MaxWait)).Microseconds()
+		ts, err := t.check(tierContext{ban: ban, maxWait: maxWait, loc: loc})
+		if err != nil {
+			return v, err
+		}
+		v.tiers = append(v.tiers, ts)
+		if seen[t.Name] {
+			return v, fmt.Errorf("tier %q is defined twice", t.Name)
+		}
+		seen[t.Name] = true
+		if t.catchAll() && i < len(h.Tiers)-1 {
+			return v, fmt.Errorf("tier %q has no conditions, so the tiers after it would never apply", t.Name)
+		}
+	}
+	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
+		return v, fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", policy)
+	}
+	return v, nil
+}
+
+// checkNoKey checks no_key. Its default is left unwritten, so that the
 // adapted config shows only what the Caddyfile says.
-func (h *Handler) validateNoKey() error {
+func (h *Handler) checkNoKey() error {
 	switch h.NoKey {
 	case "", "ip":
 	case "deny":
@@ -440,54 +478,34 @@ func (h *Handler) validateNoKey() error {
 	default:
 		return fmt.Errorf("no_key %q: want ip or deny", h.NoKey)
 	}
-	h.noKeyDeny = h.NoKey == "deny"
 	return nil
 }
 
-// Cleanup releases the on_store_error store. Caddy cleans up the store
-// itself, as a module it loaded for the handler.
+// apply sets the handler and its tiers up as their settings imply.
+func (h *Handler) apply(v settings) {
+	h.xHeaders, h.ietfHeaders, h.noKeyDeny, h.counted = v.xHeaders, v.ietfHeaders, v.noKeyDeny, v.counted
+	for i, t := range h.Tiers {
+		t.apply(v.tiers[i])
+	}
+}
+
+// Cleanup takes the handler out of the running ones, ends its denial
+// recorder and releases the on_store_error store. Caddy cleans up the
+// store itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
-	unregisterHandler(h)
+	h.unregister()
 	h.leaveConfig()
-	h.stopNoting()
+	h.notes.end()
 	if h.local != nil {
 		return h.local.Cleanup()
 	}
 	return nil
 }
 
-// ServeHTTP limits the request: it names the client, chooses the tier,
-// reads the cost, takes from the bucket, and then passes the request on
-// with the limit's headers, settling its tokens after the response, or
-// rejects it.
-func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	d := h.newDecision(r)
-	keyer := h.nameClient(r, d)
-	if err := h.chooseTier(r, d, keyer); err != nil {
-		return err
-	}
-	switch {
-	case d.tier.Unlimited:
-		d.decide(outcomeUnlimited)
-		return next.ServeHTTP(w, r)
-	case d.tier.Deny:
-		return h.refuseDenyTier(d)
-	case h.noKeyDeny && keyer == h.fallback:
-		return h.refuseNoKey(w, r, next, d)
-	}
-	if err := d.readCost(r); err != nil {
-		return err
-	}
-	res, err := h.take(r.Context(), d)
-	if err != nil {
-		return h.storeFailed(w, r, next, d, err)
-	}
-	return h.answer(w, r, next, d, res)
-}
-
 // Interface guards
 var (
 	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
 	_ caddy.CleanerUpper          = (*Handler)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
 )

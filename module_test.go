@@ -2,8 +2,10 @@ package ratelimit
 
 import (
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"os"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -462,6 +464,31 @@ func TestHeaderEditsDoNotLeakIntoLaterResponses(t *testing.T) {
 		}
 		if got := r.header.Get("RateLimit-Policy"); got != `"default";q=15;w=5` {
 			t.Fatalf("response %d: RateLimit-Policy %q, want \"default\";q=15;w=5", i, got)
+		}
+	}
+}
+
+// Validate, which the Caddyfile adapter's check is, only checks: a handler
+// it has read is as it was, every tier included, so that `caddy adapt`
+// shows what was written and Provision alone works out what the settings
+// imply.
+func TestValidateChangesNothing(t *testing.T) {
+	const cfg = `{"name":"checked","headers":"both","count_status":["401"],"ban":60000000000,"max_wait":1000000000,"timezone":"Europe/Berlin","no_key":"ip",
+		"tiers":[{"name":"api","keyer":"header","limits":[{"capacity":10,"refill":"1/s"},{"capacity":100,"refill":"10/m"}],"quotas":["1000/day"],"cost_from_response":"x-used"},
+		{"name":"default","quotas":["50/month"],"concurrency":2}]}`
+	var checked, written Handler
+	for _, h := range []*Handler{&checked, &written} {
+		if err := json.Unmarshal([]byte(cfg), h); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := checked.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(checked, written) {
+		t.Errorf("Validate changed the handler:\n%+v\nwant it as written:\n%+v", checked, written)
+		for i, tier := range checked.Tiers {
+			t.Logf("tier %d: %+v", i, *tier)
 		}
 	}
 }

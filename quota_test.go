@@ -8,8 +8,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
 
 // Calendar quotas through real Caddy configs.
@@ -328,145 +326,6 @@ func TestAHugeResponseCostUsesUpTheQuota(t *testing.T) {
 	}
 }
 
-// LocalStore.ChargeQuotas of 2^63-1 leaves each quota used up.
-// Regression test for issue 30 item 1.
-func TestLocalStoreChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
-	clock := new(fakeClock)
-	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
-	lb := newLocalBuckets(100, clock.now)
-	lb.wall = clock.now
-	s := &LocalStore{buckets: lb}
-	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}} // refills in 100 µs
-	qs := []bucket.Quota{{N: 5, Period: bucket.Day, Loc: time.UTC}, {N: 50, Period: bucket.Month, Loc: time.UTC}}
-	out, qout := make([]bucket.Result, 1), make([]bucket.Result, 2)
-	b := bucketFor("127.0.0.2")
-	if ok, _ := s.TakeQuotas(bg, b, ls, qs, 1, out, qout); !ok {
-		t.Fatalf("the first take: %+v %+v", out, qout)
-	}
-	for _, n := range []int64{math.MaxInt64, math.MaxInt64 - 1, 1 << 62} {
-		if err := s.ChargeQuotas(bg, b, ls, qs, n); err != nil {
-			t.Fatal(err)
-		}
-		clock.advance(time.Second)
-		if ok, _ := s.TakeQuotas(bg, b, ls, qs, 1, out, qout); ok || qout[0].Remaining != 0 || qout[1].Remaining != 0 || out[0].RetryAfter != 0 {
-			t.Fatalf("after a charge of %d: allowed %v, %+v %+v; want refused by both quotas alone", n, ok, out, qout)
-		}
-	}
-}
-
-// A step of the wall clock against the table's monotonic one (a resume
-// from suspend, an NTP step), forward or back, within one period keeps a
-// local quota's count.
-// Regression test for issue 30 item 2.
-func TestALocalQuotaCountSurvivesAStepOfTheWallClock(t *testing.T) {
-	for _, step := range []time.Duration{2 * time.Minute, 3 * time.Hour, -2 * time.Minute, -3 * time.Hour} {
-		t.Run(step.String(), func(t *testing.T) {
-			lb, mono, wall := quotaClocks(time.Date(2026, 5, 4, 10, 0, 0, 0, time.UTC), 1000)
-			qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}, {N: 100, Period: bucket.Month, Loc: time.UTC}}
-			b := bucketFor("127.0.0.2")
-			for range 3 {
-				takeQuotaLeft(t, lb, b, qs)
-			}
-			mono.advance(time.Second)
-			wall.advance(time.Second + step)
-			if left := takeQuotaLeft(t, lb, b, qs); left != [2]int64{6, 96} {
-				t.Fatalf("after a step of %s: %v left of 10/day and 100/month, want [6 96]: 4 taken in one period", step, left)
-			}
-		})
-	}
-}
-
-// A step of the wall clock back across a boundary lands in a period whose
-// count is gone: there it counts from 0, and the later period's count,
-// kept meanwhile, goes when a request is counted in the earlier one (one
-// count a quota, as Redis keeps).
-// Regression test for issue 30 item 2.
-func TestALocalQuotaCountAfterAStepBackAcrossABoundary(t *testing.T) {
-	lb, mono, wall := quotaClocks(time.Date(2026, 5, 5, 0, 30, 0, 0, time.UTC), 1000)
-	qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
-	b := bucketFor("127.0.0.2")
-	takeQuotaLeft(t, lb, b, qs)
-	takeQuotaLeft(t, lb, b, qs)
-	peek := func() int64 {
-		var out, qout [1]bucket.Result
-		if err := (&LocalStore{buckets: lb}).PeekQuotas(bg, b, testQuotaLimits, qs, out[:], qout[:]); err != nil {
-			t.Fatal(err)
-		}
-		return qout[0].Remaining
-	}
-	// Back an hour, to 23:30 on the 4th, and forward again.
-	mono.advance(time.Second)
-	wall.advance(time.Second - time.Hour)
-	if left := peek(); left != 10 {
-		t.Fatalf("back on the 4th: %d left, want 10: the 5th's count is not the 4th's", left)
-	}
-	mono.advance(time.Second)
-	wall.advance(time.Second + time.Hour)
-	if left := peek(); left != 8 {
-		t.Fatalf("forward again to the 5th: %d left, want 8: nothing was counted on the 4th", left)
-	}
-	mono.advance(time.Second)
-	wall.advance(time.Second - time.Hour)
-	if left := takeQuotaLeft(t, lb, b, qs); left[0] != 9 {
-		t.Fatalf("a request on the 4th: %d left, want 9", left[0])
-	}
-	mono.advance(time.Second)
-	wall.advance(time.Second + time.Hour)
-	if left := takeQuotaLeft(t, lb, b, qs); left[0] != 9 {
-		t.Fatalf("forward again to the 5th: %d left, want 9: the 4th's count replaced the 5th's", left[0])
-	}
-}
-
-// An ended period's count is dropped first when the table needs room, as
-// a full bucket is, within seconds of the period's end.
-func TestALocalQuotaCountIsDroppableOnceItsPeriodEnds(t *testing.T) {
-	lb, mono, wall := quotaClocks(time.Date(2026, 5, 4, 23, 0, 0, 0, time.UTC), 2) // one shard
-	qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
-	takeQuotaLeft(t, lb, bucketFor("127.0.0.2"), qs) // a limit's state and a quota's count
-	for _, tt := range []struct {
-		at   time.Duration // after 23:00
-		full uint64        // entries dropped as full, in all
-	}{
-		{time.Hour - time.Second, 1}, // the limit's, refilled: the day's count lasts
-		{time.Hour + 3*time.Second, 3},
-	} {
-		mono.micros.Store(1_000_000 + tt.at.Microseconds())
-		wall.micros.Store(time.Date(2026, 5, 4, 23, 0, 0, 0, time.UTC).Add(tt.at).UnixMicro())
-		lb.take(bucketFor(tt.at.String()), testQuotaLimits[0], 1)
-		if got := lb.fullDrops.Load(); got != tt.full || lb.evictions.Load() != 0 {
-			t.Fatalf("23:00 + %s: %d dropped as full, %d evicted; want %d, 0", tt.at, got, lb.evictions.Load(), tt.full)
-		}
-	}
-}
-
-// testQuotaLimits is a limit that refills in a microsecond a token.
-var testQuotaLimits = []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
-
-// quotaClocks is a local table of maxKeys whose monotonic clock starts at
-// 1 s and whose wall clock starts at wall; both move only when the test moves them.
-func quotaClocks(wall time.Time, maxKeys int) (lb *localBuckets, mono, w *fakeClock) {
-	mono, w = new(fakeClock), new(fakeClock)
-	mono.micros.Store(1_000_000)
-	w.micros.Store(wall.UnixMicro())
-	lb = newLocalBuckets(maxKeys, mono.now)
-	lb.wall = w.now
-	return lb, mono, w
-}
-
-// takeQuotaLeft takes a token of b's quotas qs (and of testQuotaLimits),
-// and returns what each quota has left.
-func takeQuotaLeft(t *testing.T, lb *localBuckets, b *Bucket, qs []bucket.Quota) (left [2]int64) {
-	t.Helper()
-	var out, qout [2]bucket.Result
-	if !lb.takeQuotas(b, testQuotaLimits, qs, 1, out[:1], qout[:len(qs)]) {
-		t.Fatalf("refused: %+v", qout[:len(qs)])
-	}
-	for i := range qs {
-		left[i] = qout[i].Remaining
-	}
-	return left
-}
-
 // A reload that drops a tier's rate limit and keeps its quota: the tier
 // becomes a plan of quotas alone, whose hidden limit "never refuses what
 // the quotas admit". A client that had spent the old rate limit (its
@@ -498,45 +357,6 @@ func TestAReloadToAPlanOfQuotasAloneAdmitsWhatTheQuotaHolds(t *testing.T) {
 			s = serve(t, conf(""))
 			if r := s.get("/", "X-Key: dan"); r.status != 200 {
 				t.Errorf("after the reload to quotas alone, with 98 of 100 left today: %d, Retry-After %q; want 200", r.status, r.header.Get("Retry-After"))
-			}
-		})
-	}
-}
-
-// A reload that moves the quotas to another time zone, with a request of
-// the old config still at the origin: its give-back or charge names the
-// day as the old zone has it, and does not erase the count the running
-// config keeps for the day as the new zone has it.
-func TestALocalGiveBackOfAnOldZoneKeepsTheNewZonesCount(t *testing.T) {
-	berlin, err := time.LoadLocation("Europe/Berlin")
-	if err != nil {
-		t.Fatal(err)
-	}
-	old := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
-	running := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: berlin}}
-	for _, op := range []string{"give-back", "charge"} {
-		t.Run(op, func(t *testing.T) {
-			lb, _, _ := quotaClocks(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC), 1000)
-			b := bucketFor("127.0.0.2")
-			takeQuotaLeft(t, lb, b, old)
-			for range 6 {
-				takeQuotaLeft(t, lb, b, running)
-			}
-			s := &LocalStore{buckets: lb}
-			if op == "give-back" {
-				err = s.GiveBackQuotas(bg, b, testQuotaLimits, 1, old, 1, lb.wall())
-			} else {
-				err = s.ChargeQuotas(bg, b, testQuotaLimits, old, 1)
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			var out, qout [1]bucket.Result
-			if err := s.PeekQuotas(bg, b, testQuotaLimits, running, out[:], qout[:]); err != nil {
-				t.Fatal(err)
-			}
-			if qout[0].Remaining != 4 {
-				t.Errorf("after the old zone's %s: %d left of the running config's day, want 4", op, qout[0].Remaining)
 			}
 		})
 	}

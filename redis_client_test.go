@@ -70,7 +70,7 @@ func TestRedisTLSDialsEndWithinTheTimeout(t *testing.T) {
 			s.Timeout = caddy.Duration(timeout)
 			s = newPrivateRedisStore(t, s)
 			start := time.Now()
-			if _, err := s.Take(bg, bucketFor("tls-dial"), slowLimit(1), 1); err == nil {
+			if _, err := takeLimit(bg, s, bucketFor("tls-dial"), slowLimit(1), 1); err == nil {
 				t.Fatal("take through a TLS handshake that never ends: no error")
 			}
 			if took := time.Since(start); took > timeout+slack {

@@ -2,10 +2,11 @@ package ratelimit
 
 import (
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
-	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"

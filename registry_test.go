@@ -311,3 +311,27 @@ http://127.0.0.1:%d {
 		})
 	}
 }
+
+// The running handlers a request reads are a snapshot that no register or
+// unregister changes: a give-back that looked up its policy's handlers
+// goes on with the ones it found, without a lock, while configs load and
+// unload.
+func TestTheRunningHandlersAReaderHoldsDoNotChange(t *testing.T) {
+	a, b := &Handler{Name: "snapshot"}, &Handler{Name: "snapshot"}
+	a.register()
+	defer a.unregister()
+	held := runningHandlers()["snapshot"]
+	b.register()
+	if got := runningHandlers()["snapshot"]; len(got) != 2 || got[1] != b {
+		t.Fatalf("after the second register: %v, want both, the newest last", got)
+	}
+	b.unregister()
+	a.unregister()
+	if len(held) != 1 || held[0] != a {
+		t.Fatalf("the snapshot read before: %v, want the first handler alone", held)
+	}
+	if got := runningHandlers()["snapshot"]; got != nil {
+		t.Fatalf("after both unregistered: %v, want none", got)
+	}
+	a.register() // for the deferred unregister
+}

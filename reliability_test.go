@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"context"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 	"net/http"
 	"reflect"
 	"slices"
@@ -13,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -428,7 +429,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 	for i := 0; len(onMaster) < 5; i++ {
 		b := bucketFor("failover-" + strconv.Itoa(i))
 		for n := range 4 {
-			res, err := s.Take(bg, b, slowLimit(3), 1)
+			res, err := takeLimit(bg, s, b, slowLimit(3), 1)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -473,11 +474,11 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 
 	// The store follows the MOVED redirections to the new master.
 	waitFor(t, 20*time.Second, "the store to reach the new master", func() bool {
-		_, err := s.Peek(bg, onMaster[0], slowLimit(3))
+		_, err := peekLimit(bg, s, onMaster[0], slowLimit(3))
 		return err == nil
 	})
 	for i, b := range onMaster {
-		res, err := s.Take(bg, b, slowLimit(3), 1)
+		res, err := takeLimit(bg, s, b, slowLimit(3), 1)
 		if err != nil || res.Allowed {
 			t.Fatalf("client %d, emptied before the failover: %+v, %v; want denied", i, res, err)
 		}
@@ -491,7 +492,7 @@ func TestRedisClusterFailoverKeepsLimiting(t *testing.T) {
 		b := bucketFor("after-" + strconv.Itoa(i))
 		allowed := 0
 		for range 5 {
-			res, err := s.Take(bg, b, slowLimit(3), 1)
+			res, err := takeLimit(bg, s, b, slowLimit(3), 1)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -531,8 +532,7 @@ func TestLocalStoreReadsOnlyTheMonotonicClock(t *testing.T) {
 	if !strings.Contains(processStart.String(), " m=") {
 		t.Fatalf("processStart %s carries no monotonic reading", processStart)
 	}
-	lb := newLocalBuckets(10, localClock)
-	if reflect.ValueOf(lb.now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
+	if reflect.ValueOf(localOptions(10).Now).Pointer() != reflect.ValueOf(monotonicMicros).Pointer() {
 		t.Fatal("a new table does not read the monotonic clock")
 	}
 	// The clock never goes back, and starts above 0, where the zero State

@@ -58,12 +58,11 @@ func r27bServe(t *testing.T, h *Handler, status string) *httptest.ResponseRecord
 func r27bQuotaPeek(t *testing.T, h *Handler) []bucket.Result {
 	tier := h.Tiers[len(h.Tiers)-1]
 	b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: "header/X-Key", Value: []byte("k"), secret: h.keySecret}
-	out := make([]bucket.Result, len(tier.limits))
-	qout := make([]bucket.Result, len(tier.quotas))
-	if err := h.store.(QuotaStore).PeekQuotas(context.Background(), b, tier.limits, tier.quotas, out, qout); err != nil {
+	out := make([]bucket.Result, len(tier.limits)+len(tier.quotas))
+	if err := h.store.peek(context.Background(), b, tier.shape(), out); err != nil {
 		t.Fatal(err)
 	}
-	return qout
+	return out[len(tier.limits):]
 }
 
 // Claim 1: a request that waits across midnight (an ordinary one-minute
@@ -284,7 +283,7 @@ func TestReview27bCostZeroWaiterItems(t *testing.T) {
 		tier := h.Tiers[0]
 		b := &Bucket{Policy: h.Name, Tier: tier.Name, Keyer: "header/X-Key", Value: []byte("k"), secret: h.keySecret}
 		out := make([]bucket.Result, 2)
-		if _, err := h.store.TakeAll(context.Background(), b, tier.limits, 0, out); err != nil {
+		if _, err := h.store.take(context.Background(), b, tier.shape(), 0, out); err != nil {
 			t.Fatal(err)
 		}
 		want := fmt.Sprintf(`"default-2";r=%d;t=%d`, out[1].Remaining, bucket.CeilDiv(out[1].ResetAfter, 1e6))

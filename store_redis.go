@@ -98,8 +98,8 @@ type RedisStore struct {
 	// Lease is how many tokens of a shared bucket this node takes at once,
 	// to decide the requests they cover without calling Redis: a number,
 	// or a share of each tier's capacity such as "10%" (at least 1). The
-	// fleet still admits no more than one bucket would (README: Sharing
-	// limits across edge nodes). Default 1: every decision asks Redis.
+	// fleet still admits no more than one bucket would (docs/fleet.md).
+	// Default 1: every decision asks Redis.
 	Lease string `json:"lease,omitempty"`
 
 	// LeaseTTL is how long leased tokens may stay unused on this node
@@ -368,71 +368,69 @@ func (s *RedisStore) key(buf []byte, b *Bucket) []byte {
 	return s.engine.AppendKey(buf, b.Policy, b.Tier, sum[:16])
 }
 
-// Take implements Store. The engine takes the tier's shape; a tier of
-// one limit is made here until the handler hands the engine its tier's
-// own slices (one allocation a decision meanwhile).
-func (s *RedisStore) Take(ctx context.Context, b *Bucket, l bucket.Limit, cost int64) (bucket.Result, error) {
+func (s *RedisStore) take(ctx context.Context, b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
 	var buf [192]byte
-	var out [1]bucket.Result
-	_, err := s.engine.Take(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, cost, out[:])
-	return out[0], err
+	return s.engine.Take(ctx, s.key(buf[:0], b), tr, cost, out)
 }
 
-// TakeAll implements Store, with one script call on one key.
-func (s *RedisStore) TakeAll(ctx context.Context, b *Bucket, ls []bucket.Limit, cost int64, out []bucket.Result) (bool, error) {
+func (s *RedisStore) peek(ctx context.Context, b *Bucket, tr bucket.Tier, out []bucket.Result) error {
 	var buf [192]byte
-	return s.engine.Take(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls}, cost, out)
+	return s.engine.Peek(ctx, s.key(buf[:0], b), tr, out)
 }
 
-// Peek implements Store.
-func (s *RedisStore) Peek(ctx context.Context, b *Bucket, l bucket.Limit) (bucket.Result, error) {
+// giveBack returns the tokens into this node's lease when they came from
+// one, else by one script call. A tier of no quota gives back what its
+// limits take, at no moment in particular: the lease may take it.
+func (s *RedisStore) giveBack(ctx context.Context, b *Bucket, tr bucket.Tier, limitsN, n, at int64) error {
+	if len(tr.Quotas) == 0 {
+		n, at = limitsN, 0
+	}
 	var buf [192]byte
-	var out [1]bucket.Result
-	err := s.engine.Peek(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, out[:])
-	return out[0], err
+	return s.engine.GiveBack(ctx, s.key(buf[:0], b), tr, limitsN, n, at)
 }
 
-// Charge implements Store.
-func (s *RedisStore) Charge(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
+func (s *RedisStore) charge(ctx context.Context, b *Bucket, tr bucket.Tier, n int64) error {
 	var buf [192]byte
-	return s.engine.Charge(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, n)
+	return s.engine.Charge(ctx, s.key(buf[:0], b), tr, n)
 }
 
-// GiveBack implements Store: into this node's lease when the tokens came
-// from one, else one script call.
-func (s *RedisStore) GiveBack(ctx context.Context, b *Bucket, l bucket.Limit, n int64) error {
-	var buf [192]byte
-	return s.engine.GiveBack(ctx, s.key(buf[:0], b), bucket.Tier{Limits: []bucket.Limit{l}}, n, n, 0)
-}
-
-// GiveBackAll implements Store.
-func (s *RedisStore) GiveBackAll(ctx context.Context, b *Bucket, ls []bucket.Limit, n int64) error {
-	var buf [192]byte
-	return s.engine.GiveBack(ctx, s.key(buf[:0], b), bucket.Tier{Limits: ls}, n, n, 0)
-}
-
-// Held implements LeaseHolder.
-func (s *RedisStore) Held(b *Bucket) int64 {
+// held is how many tokens of the bucket this node holds on lease and may
+// spend now (leaseHolder).
+func (s *RedisStore) held(b *Bucket) int64 {
 	var buf [192]byte
 	return s.engine.Held(s.key(buf[:0], b))
 }
 
-// Report implements StoreReporter.
-func (s *RedisStore) Report() StoreReport {
-	return StoreReport{Breaker: s.engine.BreakerState(), Leases: s.engine.LeasesHeld(), Master: s.engine.Master()}
-}
-
-// ResetLayers implements LayeredResetter: this node's deny cache and lease
-// are reset whatever Redis does, then the shared bucket.
-func (s *RedisStore) ResetLayers(ctx context.Context, b *Bucket) ([]string, []error) {
-	return []string{"deny_cache", "redis"}, []error{nil, s.Reset(ctx, b)}
-}
-
-// Reset implements Store: the shared bucket, this node's lease and its
-// deny cache entry.
-func (s *RedisStore) Reset(ctx context.Context, b *Bucket) error {
+// reset resets the shared bucket, this node's lease and its deny cache
+// entry.
+func (s *RedisStore) reset(ctx context.Context, b *Bucket) error {
 	var buf [192]byte
 	return s.engine.Reset(ctx, s.key(buf[:0], b))
+}
+
+// resetLayers resets this node's deny cache and lease whatever Redis
+// does, then the shared bucket.
+func (s *RedisStore) resetLayers(ctx context.Context, b *Bucket) ([]string, []error) {
+	return []string{"deny_cache", "redis"}, []error{nil, s.reset(ctx, b)}
+}
+
+func (s *RedisStore) acquire(ctx context.Context, b *Bucket, n int64) (uint64, int64, bool, error) {
+	var buf [192]byte
+	return s.engine.Acquire(ctx, s.key(buf[:0], b), n)
+}
+
+func (s *RedisStore) release(b *Bucket, slot uint64) {
+	var buf [192]byte
+	s.engine.Release(s.key(buf[:0], b), slot)
+}
+
+func (s *RedisStore) inFlight(ctx context.Context, b *Bucket) (int64, error) {
+	var buf [192]byte
+	return s.engine.InFlight(ctx, s.key(buf[:0], b))
+}
+
+func (s *RedisStore) report() storeReport {
+	return storeReport{breaker: s.engine.BreakerState(), leases: s.engine.LeasesHeld(), master: s.engine.Master()}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
@@ -576,10 +574,11 @@ func (s *RedisStore) unmarshalTLS(d *caddyfile.Dispenser) error {
 
 // Interface guards
 var (
-	_ Store                 = (*RedisStore)(nil)
-	_ StoreReporter         = (*RedisStore)(nil)
-	_ LeaseHolder           = (*RedisStore)(nil)
-	_ LayeredResetter       = (*RedisStore)(nil)
+	_ store                 = (*RedisStore)(nil)
+	_ reporter              = (*RedisStore)(nil)
+	_ leaseHolder           = (*RedisStore)(nil)
+	_ layeredResetter       = (*RedisStore)(nil)
+	_ leaseWarner           = (*RedisStore)(nil)
 	_ caddy.Provisioner     = (*RedisStore)(nil)
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)

@@ -22,10 +22,10 @@ func TestRedisKeysKeepPoliciesAndTiersApart(t *testing.T) {
 		if k1, k2 := s.keyOf(first), s.keyOf(second); k1 == k2 {
 			t.Errorf("policy %q tier %q and policy %q tier %q: one key %q", c.policy1, c.tier1, c.policy2, c.tier2, k1)
 		}
-		if res, err := s.Take(bg, first, slowLimit(1), 1); err != nil || !res.Allowed {
+		if res, err := takeLimit(bg, s, first, slowLimit(1), 1); err != nil || !res.Allowed {
 			t.Fatalf("first take on policy %q tier %q: %+v, %v", c.policy1, c.tier1, res, err)
 		}
-		if res, err := s.Take(bg, second, slowLimit(1), 1); err != nil || !res.Allowed {
+		if res, err := takeLimit(bg, s, second, slowLimit(1), 1); err != nil || !res.Allowed {
 			t.Errorf("policy %q tier %q, after policy %q tier %q spent its token: %+v, %v; want allowed, its own bucket",
 				c.policy2, c.tier2, c.policy1, c.tier1, res, err)
 		}

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -17,6 +15,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -32,7 +33,7 @@ func TestRedisKeysHideClientValues(t *testing.T) {
 	srv := startRedis(t)
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Prefix: "edge:"})
 	b := &Bucket{Policy: "api", Tier: "gold", Keyer: "header/X-Api-Key", Value: []byte("sk_live_very_secret")}
-	if _, err := s.Take(bg, b, slowLimit(5), 1); err != nil {
+	if _, err := takeLimit(bg, s, b, slowLimit(5), 1); err != nil {
 		t.Fatal(err)
 	}
 	keys := srv.do("KEYS", "*").([]any)
@@ -59,17 +60,17 @@ func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
 	b := bucketFor("198.51.100.1")
 	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 400_000}} // 1 per 400 ms
 
-	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+	if res, err := takeLimit(bg, s, b, l, 1); err != nil || !res.Allowed {
 		t.Fatalf("first take: %+v, %v", res, err)
 	}
-	first, err := s.Take(bg, b, l, 1)
+	first, err := takeLimit(bg, s, b, l, 1)
 	if err != nil || first.Allowed {
 		t.Fatalf("second take: %+v, %v; want denied by Redis", first, err)
 	}
 	calls := scriptCalls(srv)
 	hits := s.engine.DenyCacheHits()
 	for range 50 {
-		res, err := s.Take(bg, b, l, 1)
+		res, err := takeLimit(bg, s, b, l, 1)
 		if err != nil || res.Allowed {
 			t.Fatalf("take within the retry time: %+v, %v; want denied", res, err)
 		}
@@ -85,7 +86,7 @@ func TestRedisDenyCacheAnswersWithoutRedis(t *testing.T) {
 	}
 	// Once the retry time has passed, Redis decides again.
 	time.Sleep(time.Duration(first.RetryAfter)*time.Microsecond + 20*time.Millisecond)
-	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed {
+	if res, err := takeLimit(bg, s, b, l, 1); err != nil || !res.Allowed {
 		t.Fatalf("take after the retry time: %+v, %v; want allowed by Redis", res, err)
 	}
 	if scriptCalls(srv) == calls {
@@ -113,25 +114,25 @@ func TestRedisResetAndPeek(t *testing.T) {
 	b := bucketFor("192.0.2.9")
 	l := slowLimit(3)
 	for range 3 {
-		if _, err := s.Take(bg, b, l, 1); err != nil {
+		if _, err := takeLimit(bg, s, b, l, 1); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if res, _ := s.Take(bg, b, l, 1); res.Allowed {
+	if res, _ := takeLimit(bg, s, b, l, 1); res.Allowed {
 		t.Fatal("4th take of 3 allowed")
 	}
-	peek, err := s.Peek(bg, b, l)
+	peek, err := peekLimit(bg, s, b, l)
 	if err != nil || peek.Allowed || peek.Remaining != 0 {
 		t.Fatalf("peek at an empty bucket: %+v, %v", peek, err)
 	}
-	if err := s.Reset(bg, b); err != nil {
+	if err := s.reset(bg, b); err != nil {
 		t.Fatal(err)
 	}
-	peek, err = s.Peek(bg, b, l)
+	peek, err = peekLimit(bg, s, b, l)
 	if err != nil || !peek.Allowed || peek.Remaining != 3 || peek.ResetAfter != 0 {
 		t.Fatalf("peek after reset: %+v, %v; want a full bucket", peek, err)
 	}
-	if res, err := s.Take(bg, b, l, 1); err != nil || !res.Allowed || res.Remaining != 2 {
+	if res, err := takeLimit(bg, s, b, l, 1); err != nil || !res.Allowed || res.Remaining != 2 {
 		t.Fatalf("take after reset: %+v, %v", res, err)
 	}
 }
@@ -141,13 +142,13 @@ func TestRedisScriptFlushIsHandled(t *testing.T) {
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}})
 	b := bucketFor("192.0.2.10")
 	l := slowLimit(5)
-	if res, err := s.Take(bg, b, l, 1); err != nil || res.Remaining != 4 {
+	if res, err := takeLimit(bg, s, b, l, 1); err != nil || res.Remaining != 4 {
 		t.Fatalf("first take: %+v, %v", res, err)
 	}
 	evals := evalCalls(srv)
 	for i := range 2 {
 		srv.do("SCRIPT", "FLUSH")
-		res, err := s.Take(bg, b, l, 1)
+		res, err := takeLimit(bg, s, b, l, 1)
 		if err != nil || !res.Allowed || res.Remaining != int64(3-i) {
 			t.Fatalf("take after SCRIPT FLUSH: %+v, %v; want allowed with %d left", res, err, 3-i)
 		}
@@ -164,7 +165,7 @@ func TestRedisOverTLS(t *testing.T) {
 	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{url}, TLS: &RedisTLS{CA: ca.CAFile}})
 	b := bucketFor("192.0.2.11")
 	for i := range 3 {
-		res, err := s.Take(bg, b, slowLimit(2), 1)
+		res, err := takeLimit(bg, s, b, slowLimit(2), 1)
 		if err != nil {
 			t.Fatalf("take over TLS: %v", err)
 		}
@@ -174,7 +175,7 @@ func TestRedisOverTLS(t *testing.T) {
 	}
 	// Without the CA the server's certificate is not trusted.
 	untrusted := newRedisStoreFor(t, &RedisStore{Addresses: []string{url}, Prefix: "other:", Timeout: caddy.Duration(5 * time.Second)})
-	if _, err := untrusted.Take(bg, b, slowLimit(2), 1); err == nil || !strings.Contains(err.Error(), "certificate") {
+	if _, err := takeLimit(bg, untrusted, b, slowLimit(2), 1); err == nil || !strings.Contains(err.Error(), "certificate") {
 		t.Fatalf("take over TLS without the CA: %v, want a certificate error", err)
 	}
 }
@@ -194,7 +195,7 @@ func TestRedisClusterLimitsEveryClientExactly(t *testing.T) {
 			b := bucketFor("10.0.0." + strconv.Itoa(c))
 			allowed := 0
 			for range capacity + 2 {
-				res, err := s.Take(bg, b, slowLimit(capacity), 1)
+				res, err := takeLimit(bg, s, b, slowLimit(capacity), 1)
 				if err != nil {
 					t.Error(err)
 					return
@@ -246,7 +247,7 @@ func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
 	})
 	before := bucketFor("192.0.2.20")
 	for i := range 4 {
-		res, err := s.Take(bg, before, slowLimit(3), 1)
+		res, err := takeLimit(bg, s, before, slowLimit(3), 1)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -264,16 +265,16 @@ func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
 	st.failover(t)
 
 	waitFor(t, 20*time.Second, "the store to reach the new master", func() bool {
-		_, err := s.Take(bg, bucketFor("probe"), slowLimit(1000), 1)
+		_, err := takeLimit(bg, s, bucketFor("probe"), slowLimit(1000), 1)
 		return err == nil
 	})
 	after := bucketFor("192.0.2.21")
-	first, err := s.Take(bg, after, slowLimit(3), 1)
+	first, err := takeLimit(bg, s, after, slowLimit(3), 1)
 	if err != nil || !first.Allowed || first.Remaining != 2 {
 		t.Fatalf("first take after failover: %+v, %v", first, err)
 	}
 	for i := range 3 {
-		res, err := s.Take(bg, after, slowLimit(3), 1)
+		res, err := takeLimit(bg, s, after, slowLimit(3), 1)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -283,7 +284,7 @@ func TestRedisSentinelFailoverKeepsLimiting(t *testing.T) {
 	}
 	// The bucket emptied before the failover is still empty on the new
 	// master.
-	peek, err := s.Peek(bg, before, slowLimit(3))
+	peek, err := peekLimit(bg, s, before, slowLimit(3))
 	if err != nil || peek.Allowed {
 		t.Fatalf("peek after failover at the bucket emptied before: %+v, %v", peek, err)
 	}
@@ -299,7 +300,7 @@ func TestRedisProvisionDoesNotNeedRedis(t *testing.T) {
 	if d := time.Since(start); d > time.Second {
 		t.Fatalf("provision took %s with Redis down", d)
 	}
-	if _, err := s.Take(bg, bucketFor("x"), slowLimit(1), 1); err == nil {
+	if _, err := takeLimit(bg, s, bucketFor("x"), slowLimit(1), 1); err == nil {
 		t.Fatal("take with Redis down: no error")
 	}
 }
@@ -604,14 +605,14 @@ func TestRedisClientSurvivesReloadAndClosesAfterTheLast(t *testing.T) {
 	if err := a.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := b.Take(bg, bucketFor("r"), slowLimit(1), 1); err != nil {
+	if _, err := takeLimit(bg, &b, bucketFor("r"), slowLimit(1), 1); err != nil {
 		t.Fatalf("take after the old config's cleanup: %v", err)
 	}
 	if err := b.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
 	// Another client: the deny cache knows "r" is empty for now.
-	if _, err := b.Take(bg, bucketFor("r2"), slowLimit(1), 1); err == nil || !strings.Contains(err.Error(), "closed") {
+	if _, err := takeLimit(bg, &b, bucketFor("r2"), slowLimit(1), 1); err == nil || !strings.Contains(err.Error(), "closed") {
 		t.Fatalf("take after the last cleanup: %v, want a closed client", err)
 	}
 }
@@ -758,11 +759,11 @@ func TestTheDefaultSlotTTLIsAtLeastThreeTimeouts(t *testing.T) {
 	}
 	defer func() { _ = s.Cleanup() }()
 	b := &Bucket{Policy: "p", Tier: "t", Keyer: "ip", Value: []byte("1.2.3.4")}
-	slot, _, ok, err := s.Acquire(bg, b, 5)
+	slot, _, ok, err := s.acquire(bg, b, 5)
 	if err != nil || !ok {
 		t.Fatalf("acquire: %v %v", ok, err)
 	}
-	defer s.Release(b, slot)
+	defer s.release(b, slot)
 	var buf [192]byte
 	key := string(s.key(buf[:0], b)) + ":c"
 	members := r.client().ZRangeWithScores(bg, key, 0, -1).Val()

@@ -1,18 +1,26 @@
 package ratelimit
 
 import (
+	"cmp"
+	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 )
+
+// Tiers and their settings, checked once a load (check) and applied at
+// provision: limits and a cost (docs/metering-and-quotas.md), calendar
+// quotas in the handler's time zone, count_status and ban
+// (docs/logins.md), max_wait (docs/max-wait.md) and concurrency
+// (docs/concurrency.md).
 
 // A Tier is one class of client with its own bucket shape. The handler
 // tries its tiers in order; the first whose conditions all hold wins. A tier
@@ -85,7 +93,10 @@ type Tier struct {
 	limits []bucket.Limit
 	// hidden is how many of limits, from the first, nothing shows: 1 for
 	// a tier of quotas and no rate limit (quotaLimit), else 0.
-	hidden     int
+	hidden int
+	// limitTexts are the X-RateLimit-Limit of each limit, then of each
+	// quota, by the binding one's place; of the slots, for a tier of
+	// concurrency alone.
 	limitTexts []string
 	// costField is CostFromResponse in canonical form, as the response's
 	// header map keys its fields and trailers.
@@ -106,80 +117,9 @@ type Tier struct {
 	concurrencyName string
 	cost            int64
 	// Header values that do not change from request to request.
-	limitText  string
 	policyText string
 	quotedName string
 	counters   *outcomeCounters
-}
-
-// validate checks the tier and computes its limit. It needs no Caddy
-// context, so the Caddyfile adapter runs it too, and a mistake fails
-// `caddy adapt`.
-func (t *Tier) validate() error {
-	if t.Name == "" {
-		return fmt.Errorf("a tier needs a name")
-	}
-	if err := checkTierName(t.Name); err != nil {
-		return err
-	}
-	for _, set := range t.MatcherSetsRaw {
-		if len(set) == 0 {
-			return fmt.Errorf("tier %q: match: an empty matcher set would match every request; give a matcher, or drop the set", t.Name)
-		}
-	}
-	if t.Unlimited && t.Deny {
-		return fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
-	}
-	if t.Unlimited || t.Deny {
-		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 || t.Concurrency != 0 || len(t.Quotas) > 0 {
-			return fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost, quota or concurrency", t.Name)
-		}
-		return nil
-	}
-	only, err := t.validateConcurrency()
-	if err != nil {
-		return err
-	}
-	if only {
-		// In-flight requests only: no bucket, no cost.
-		t.cost, t.limits, t.limit, t.maxCost, t.hidden = 0, nil, bucket.Limit{}, 0, 0
-		return t.validateKeyer()
-	}
-	t.cost = t.Cost
-	if t.cost == 0 {
-		t.cost = 1
-	}
-	if t.CostPlaceholder != "" {
-		if t.Cost != 0 {
-			return fmt.Errorf("tier %q: give cost as a number or a placeholder, not both", t.Name)
-		}
-		if !strings.Contains(t.CostPlaceholder, "{") {
-			return fmt.Errorf("tier %q: cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", t.Name, t.CostPlaceholder)
-		}
-	}
-	if err := t.validateLimits(); err != nil {
-		return err
-	}
-	if err := t.validateQuotas(); err != nil {
-		return err
-	}
-	if len(t.limits) == 0 {
-		if err := t.quotaLimit(); err != nil {
-			return err
-		}
-	}
-	t.costField = http.CanonicalHeaderKey(t.CostFromResponse)
-	return t.validateKeyer()
-}
-
-// validateKeyer checks the tier's keyer condition.
-func (t *Tier) validateKeyer() error {
-	switch t.Keyer {
-	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
-	default:
-		return fmt.Errorf("tier %q: keyer %q: want ip, header, cookie, jwt, form, json or placeholder", t.Name, t.Keyer)
-	}
-	return nil
 }
 
 // TierLimit is one limit of a tier: a bucket's capacity and refill.
@@ -190,16 +130,126 @@ type TierLimit struct {
 	Refill string `json:"refill"`
 }
 
-// shapes are the tier's limits as configured: Capacity and Refill first,
-// when given, then Limits.
-func (t *Tier) shapes() []TierLimit {
+// tierContext is what a tier's check reads of its handler: the ban and
+// the tier's max_wait (µs), and the time zone its quotas count in.
+type tierContext struct {
+	ban, maxWait int64
+	loc          *time.Location
+}
+
+// tierSettings is what a tier's settings imply, worked out by check and
+// applied once, at provision.
+type tierSettings struct {
+	tierContext
+	cost, maxCost int64
+	limits        []bucket.Limit
+	quotas        []bucket.Quota
+	hidden        int
+	costField     string
+}
+
+// check checks the tier in its handler's context c, and works out what
+// its settings imply, changing none. It needs no Caddy context, so the
+// Caddyfile adapter runs it too, and a mistake fails `caddy adapt`.
+func (t *Tier) check(c tierContext) (tierSettings, error) {
+	ts := tierSettings{tierContext: c}
+	if t.Name == "" {
+		return ts, fmt.Errorf("a tier needs a name")
+	}
+	if err := checkTierName(t.Name); err != nil {
+		return ts, err
+	}
+	for _, set := range t.MatcherSetsRaw {
+		if len(set) == 0 {
+			return ts, fmt.Errorf("tier %q: match: an empty matcher set would match every request; give a matcher, or drop the set", t.Name)
+		}
+	}
+	if t.Unlimited && t.Deny {
+		return ts, fmt.Errorf("tier %q: unlimited and deny exclude each other", t.Name)
+	}
+	if t.Unlimited || t.Deny {
+		if t.Capacity != 0 || t.Refill != "" || t.Cost != 0 || len(t.Limits) > 0 || t.Concurrency != 0 || len(t.Quotas) > 0 {
+			return ts, fmt.Errorf("tier %q: an unlimited or deny tier takes no capacity, refill, cost, quota or concurrency", t.Name)
+		}
+		return ts, nil
+	}
+	only, err := t.checkConcurrency()
+	if err != nil {
+		return ts, err
+	}
+	if only {
+		// In-flight requests only: no bucket, no cost.
+		return ts, t.checkKeyer()
+	}
+	ts.cost = cmp.Or(t.Cost, 1)
+	if t.CostPlaceholder != "" {
+		if t.Cost != 0 {
+			return ts, fmt.Errorf("tier %q: give cost as a number or a placeholder, not both", t.Name)
+		}
+		if !strings.Contains(t.CostPlaceholder, "{") {
+			return ts, fmt.Errorf("tier %q: cost %q: want a whole number, or a placeholder such as {http.request.header.X-Batch}", t.Name, t.CostPlaceholder)
+		}
+	}
+	if err := t.checkLimits(&ts); err != nil {
+		return ts, err
+	}
+	if err := t.checkQuotas(&ts); err != nil {
+		return ts, err
+	}
+	if len(ts.limits) == 0 {
+		if err := t.quotaLimit(&ts); err != nil {
+			return ts, err
+		}
+	}
+	ts.costField = http.CanonicalHeaderKey(t.CostFromResponse)
+	return ts, t.checkKeyer()
+}
+
+// apply sets the tier up as its settings imply, once, at provision.
+func (t *Tier) apply(ts tierSettings) {
+	t.ban, t.maxWait, t.loc = ts.ban, ts.maxWait, ts.loc
+	t.cost, t.maxCost, t.hidden, t.costField = ts.cost, ts.maxCost, ts.hidden, ts.costField
+	t.limits, t.quotas, t.limit = ts.limits, ts.quotas, bucket.Limit{}
+	if len(t.limits) > 0 {
+		t.limit = t.limits[0]
+	}
+}
+
+// checkConcurrency checks a tier's concurrency: a tier may have it
+// beside its limits or quotas or instead of them, and then takes no cost.
+func (t *Tier) checkConcurrency() (only bool, err error) {
+	if t.Concurrency < 0 || t.Concurrency > math.MaxInt32 {
+		return false, fmt.Errorf("tier %q: concurrency %d: must be from 1 to %d", t.Name, t.Concurrency, math.MaxInt32)
+	}
+	if t.Concurrency == 0 || t.limitCount() > 0 || len(t.Quotas) > 0 {
+		return false, nil
+	}
+	if t.Cost != 0 || t.CostPlaceholder != "" || t.CostFromResponse != "" {
+		return false, fmt.Errorf("tier %q: a tier with concurrency and no rate limit takes no cost; give it a rate limit or a quota to count", t.Name)
+	}
+	return true, nil
+}
+
+// checkKeyer checks the tier's keyer condition.
+func (t *Tier) checkKeyer() error {
+	switch t.Keyer {
+	case "", "ip", "header", "cookie", "jwt", "form", "json", "placeholder":
+	default:
+		return fmt.Errorf("tier %q: keyer %q: want ip, header, cookie, jwt, form, json or placeholder", t.Name, t.Keyer)
+	}
+	return nil
+}
+
+// limitsWritten are the tier's limits as configured: Capacity and Refill
+// first, when given, then Limits.
+func (t *Tier) limitsWritten() []TierLimit {
 	if t.Capacity != 0 || t.Refill != "" || len(t.Limits) == 0 {
 		return append([]TierLimit{{Capacity: t.Capacity, Refill: t.Refill}}, t.Limits...)
 	}
 	return t.Limits
 }
 
-// limitCount is how many limits the tier has, before validation.
+// limitCount is how many limits the tier has, as written.
 func (t *Tier) limitCount() int {
 	n := len(t.Limits)
 	if t.Capacity != 0 || t.Refill != "" {
@@ -211,10 +261,9 @@ func (t *Tier) limitCount() int {
 // maxLimits bounds a tier's limits.
 const maxLimits = 8
 
-// validateLimits computes the tier's limits: Capacity and Refill first,
-// when given, then Limits. Each must hold the cost.
-func (t *Tier) validateLimits() error {
-	t.limits, t.hidden = t.limits[:0], 0
+// checkLimits works out the tier's limits into ts: Capacity and Refill
+// first, when given, then Limits. Each must hold the cost.
+func (t *Tier) checkLimits(ts *tierSettings) error {
 	if t.limitCount() == 0 {
 		if len(t.Quotas) > 0 {
 			// A plan of quotas alone: quotaLimit, once they are read.
@@ -222,7 +271,7 @@ func (t *Tier) validateLimits() error {
 		}
 		return fmt.Errorf("tier %q has no rate limit: give one such as `limit 100 10/s`, a quota or concurrency", t.Name)
 	}
-	shapes := t.shapes()
+	shapes := t.limitsWritten()
 	if len(shapes) > maxLimits {
 		return fmt.Errorf("tier %q: %d limits: at most %d", t.Name, len(shapes), maxLimits)
 	}
@@ -237,16 +286,39 @@ func (t *Tier) validateLimits() error {
 		if err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
-		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: t.ban, MaxWait: t.maxWait}
-		if err := l.Validate(t.cost); err != nil {
+		l := bucket.Limit{Capacity: sh.Capacity, Rate: rate, Ban: ts.ban, MaxWait: ts.maxWait}
+		if err := l.Validate(ts.cost); err != nil {
 			return fmt.Errorf("tier %q: %w", t.Name, err)
 		}
-		t.limits = append(t.limits, l)
+		ts.limits = append(ts.limits, l)
 	}
-	t.limit = t.limits[0]
-	t.maxCost = t.limit.Capacity
-	for _, l := range t.limits[1:] {
-		t.maxCost = min(t.maxCost, l.Capacity)
+	ts.maxCost = ts.limits[0].Capacity
+	for _, l := range ts.limits[1:] {
+		ts.maxCost = min(ts.maxCost, l.Capacity)
+	}
+	return nil
+}
+
+// checkQuotas works out the tier's quotas into ts, each at least the
+// tier's cost.
+func (t *Tier) checkQuotas(ts *tierSettings) error {
+	if len(t.Quotas) > bucket.MaxQuotas || len(t.Quotas)+len(ts.limits) > maxLimits {
+		return fmt.Errorf("tier %q: %d quotas beside %d limits: at most %d quotas, and %d limits and quotas in all", t.Name, len(t.Quotas), len(ts.limits), bucket.MaxQuotas, maxLimits)
+	}
+	var seen [bucket.Year + 1]bool
+	for _, s := range t.Quotas {
+		q, err := bucket.ParseQuota(s, ts.loc)
+		if err != nil {
+			return fmt.Errorf("tier %q: %w", t.Name, err)
+		}
+		if seen[q.Period] {
+			return fmt.Errorf("tier %q: quota %s: a second quota per %s; give one a period", t.Name, s, q.Period)
+		}
+		seen[q.Period] = true
+		if q.N < ts.cost || t.CostPlaceholder != "" && q.N < ts.maxCost {
+			return fmt.Errorf("tier %q: quota %s: smaller than a request's cost, which it could never admit", t.Name, s)
+		}
+		ts.quotas = append(ts.quotas, q)
 	}
 	return nil
 }
@@ -256,18 +328,18 @@ func (t *Tier) validateLimits() error {
 // whole every microsecond. It never refuses what the quotas admit (within
 // a microsecond, they admit no more than it holds), and, hidden, no
 // header, placeholder or admin view shows it.
-func (t *Tier) quotaLimit() error {
-	n := t.quotas[0].N
-	for _, q := range t.quotas[1:] {
+func (t *Tier) quotaLimit(ts *tierSettings) error {
+	n := ts.quotas[0].N
+	for _, q := range ts.quotas[1:] {
 		n = min(n, q.N)
 	}
 	// No ban and no max_wait: a quota's refusal starts neither.
 	l := bucket.Limit{Capacity: n, Rate: bucket.Rate{Tokens: n, Interval: 1}, Instant: true}
-	if err := l.Validate(t.cost); err != nil {
+	if err := l.Validate(ts.cost); err != nil {
 		return fmt.Errorf("tier %q: %w", t.Name, err)
 	}
-	t.limit, t.limits = l, append(t.limits, l)
-	t.maxCost, t.hidden = n, 1
+	ts.limits = append(ts.limits, l)
+	ts.maxCost, ts.hidden = n, 1
 	return nil
 }
 
@@ -282,24 +354,82 @@ func checkTierName(name string) error {
 	return nil
 }
 
-// itemName is limit i's name in the IETF headers: "<tier>", then
-// "<tier>-2", "<tier>-3"...
-func (t *Tier) itemName(i int) string {
-	if i == 0 {
-		return t.quotedName
+// checkTimezone reads the time zone in which the tiers' quotas count.
+func checkTimezone(tz string) (*time.Location, error) {
+	if tz == "" {
+		return time.UTC, nil
 	}
-	return strconv.Quote(t.Name + "-" + strconv.Itoa(i+1))
+	// "Local" is the machine's own zone, which nodes may not share.
+	loc, err := time.LoadLocation(tz)
+	if err != nil || tz == "Local" {
+		return nil, fmt.Errorf("timezone %q: not a time zone of the IANA database, such as Europe/Berlin or America/New_York", tz)
+	}
+	return loc, nil
 }
 
-// catchAll reports whether the tier has no conditions.
-func (t *Tier) catchAll() bool {
-	return len(t.MatcherSetsRaw) == 0 && t.Keyer == "" && len(t.Claims) == 0
+// statusSet is a set of response statuses, 100 to 599.
+type statusSet [600]bool
+
+// parseStatusSet reads codes ("401") and classes ("4xx").
+func parseStatusSet(list []string) (*statusSet, error) {
+	set := new(statusSet)
+	for _, s := range list {
+		if len(s) == 3 && s[0] >= '1' && s[0] <= '5' && (s[1:] == "xx" || s[1:] == "XX") {
+			lo := int(s[0]-'0') * 100
+			for c := lo; c < lo+100; c++ {
+				set[c] = true
+			}
+			continue
+		}
+		code, err := strconv.Atoi(s)
+		if err != nil || code < 100 || code > 599 {
+			return nil, fmt.Errorf("count_status %q: want a status code from 100 to 599, such as 401, or a class such as 4xx", s)
+		}
+		set[code] = true
+	}
+	return set, nil
 }
 
+// checkLogin checks count_status and ban: the set of statuses that count
+// (nil: every one), and the ban in µs.
+func checkLogin(countStatus []string, ban caddy.Duration) (*statusSet, int64, error) {
+	var counted *statusSet
+	if countStatus != nil {
+		if len(countStatus) == 0 {
+			return nil, 0, errors.New("count_status: give one or more status codes or classes, such as 401 or 4xx")
+		}
+		set, err := parseStatusSet(countStatus)
+		if err != nil {
+			return nil, 0, err
+		}
+		counted = set
+	}
+	if ban < 0 {
+		return nil, 0, fmt.Errorf("ban %s: must be above 0", time.Duration(ban))
+	}
+	return counted, time.Duration(ban).Microseconds(), nil
+}
+
+// checkWait checks max_wait, the handler's and each tier's, and
+// max_waiting.
+func checkWait(maxWait caddy.Duration, maxWaiting int, tiers []*Tier) error {
+	if maxWait < 0 || maxWait > 0 && maxWait < caddy.Duration(time.Microsecond) {
+		return fmt.Errorf("max_wait %s: must be at least 1µs", time.Duration(maxWait))
+	}
+	if maxWaiting < 0 {
+		return fmt.Errorf("max_waiting %d: must be at least 1", maxWaiting)
+	}
+	for _, t := range tiers {
+		if t.MaxWait < 0 || t.MaxWait > 0 && t.MaxWait < caddy.Duration(time.Microsecond) {
+			return fmt.Errorf("tier %q: max_wait %s: must be at least 1µs", t.Name, time.Duration(t.MaxWait))
+		}
+	}
+	return nil
+}
+
+// provision loads the tier's matchers and renders the header values that
+// do not change from request to request; apply has set it up.
 func (t *Tier) provision(ctx caddy.Context) error {
-	if err := t.validate(); err != nil {
-		return err
-	}
 	if t.MatcherSetsRaw != nil {
 		mods, err := ctx.LoadModule(t, "MatcherSetsRaw")
 		if err != nil {
@@ -309,7 +439,6 @@ func (t *Tier) provision(ctx caddy.Context) error {
 			return fmt.Errorf("tier %q: %v", t.Name, err)
 		}
 	}
-	t.limitText = strconv.FormatInt(t.limit.Capacity, 10)
 	t.quotedName = strconv.Quote(t.Name)
 	if !t.Unlimited && !t.Deny {
 		var items []string
@@ -326,20 +455,35 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		for _, q := range t.quotas {
 			t.limitTexts = append(t.limitTexts, strconv.FormatInt(q.N, 10))
 		}
-		if t.hidden > 0 {
-			t.limitText = t.limitTexts[t.hidden]
-		}
 		if t.Concurrency > 0 {
 			t.concurrencyName = strconv.Quote(t.Name + "-concurrency")
 			items = append(items, t.concurrencyName+";q="+strconv.FormatInt(t.Concurrency, 10)+`;qu="concurrent-requests"`)
 			if len(t.limits) == 0 {
 				// Only in-flight requests: the X- fields report them.
-				t.limitText = strconv.FormatInt(t.Concurrency, 10)
+				t.limitTexts = append(t.limitTexts, strconv.FormatInt(t.Concurrency, 10))
 			}
 		}
 		t.policyText = strings.Join(items, ", ")
 	}
 	return nil
+}
+
+// shape is the tier's shape as every store call takes it: its limits,
+// then its quotas, in the slices provisioned once.
+func (t *Tier) shape() bucket.Tier { return bucket.Tier{Limits: t.limits, Quotas: t.quotas} }
+
+// itemName is limit i's name in the IETF headers: "<tier>", then
+// "<tier>-2", "<tier>-3"...
+func (t *Tier) itemName(i int) string {
+	if i == 0 {
+		return t.quotedName
+	}
+	return strconv.Quote(t.Name + "-" + strconv.Itoa(i+1))
+}
+
+// catchAll reports whether the tier has no conditions.
+func (t *Tier) catchAll() bool {
+	return len(t.MatcherSetsRaw) == 0 && t.Keyer == "" && len(t.Claims) == 0
 }
 
 // applies reports whether the tier's conditions all hold for a client named
@@ -356,31 +500,4 @@ func (t *Tier) applies(r *http.Request, keyerKind string, claims Claims) (bool, 
 		return t.matchers.AnyMatchWithError(r)
 	}
 	return true, nil
-}
-
-// chooseTier picks the request's tier, for a client keyer named, and names
-// its bucket.
-func (h *Handler) chooseTier(r *http.Request, d *decision, keyer Keyer) error {
-	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
-	if err != nil {
-		return err
-	}
-	d.tier = tier
-	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: d.bucket.Value, secret: h.keySecret}
-	return nil
-}
-
-// tierFor returns the first tier whose conditions hold.
-func (h *Handler) tierFor(r *http.Request, keyerKind string, claims Claims) (*Tier, error) {
-	for _, t := range h.Tiers {
-		ok, err := t.applies(r, keyerKind, claims)
-		if err != nil {
-			return nil, caddyhttp.Error(http.StatusInternalServerError, fmt.Errorf("tier %q: %w", t.Name, err))
-		}
-		if ok {
-			return t, nil
-		}
-	}
-	// Unreachable: validate guarantees a catch-all tier.
-	return h.Tiers[len(h.Tiers)-1], nil
 }

@@ -73,9 +73,11 @@ func randomQuotaPlan(t *testing.T, rng *rand.Rand) *Tier {
 		least = min(least, n)
 	}
 	tier.Cost = 1 + rng.Int64N(least)
-	if err := tier.validate(); err != nil {
+	ts, err := tier.check(tierContext{})
+	if err != nil {
 		t.Fatalf("quotas %v, cost %d: %v", tier.Quotas, tier.Cost, err)
 	}
+	tier.apply(ts)
 	return tier
 }
 

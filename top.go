@@ -7,10 +7,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 )
 
-// Who is being limited (README: The admin API): each policy keeps, on this
+// Who is being limited (docs/operating.md, the admin API): each policy keeps, on this
 // node, the buckets it denied most in about the last minute, in a bounded
 // heavy-hitters sketch (space-saving) that only denials touch. It holds
 // fingerprints (key_id), never a client's value. The same pass notices a
@@ -242,8 +244,9 @@ type denialNote struct {
 }
 
 // denialNotes carries a handler's denials off the request path, to one
-// goroutine that records them and emits the event: a request never waits
-// for the policy's lock, nor for the event's handlers (a webhook, say).
+// goroutine that records them into the policy's denials and emits the
+// event: a request never waits for the policy's lock, nor for the event's
+// handlers (a webhook, say).
 type denialNotes struct {
 	queue   chan denialNote
 	stop    chan struct{}
@@ -251,47 +254,56 @@ type denialNotes struct {
 	// dropped counts the denials the queue had no room for, suppressed
 	// those whose bucket there was no room to follow. Both are logged.
 	dropped, suppressed atomic.Int64
+
+	policy  string
+	denials *denials
+	logger  *zap.Logger
+	// events emits rate_limit_exceeded in ctx; nil outside a server.
+	events *caddyevents.App
+	ctx    caddy.Context
 }
 
 // lossReportEvery spaces the logs of what the recorder lost.
 const lossReportEvery = time.Second
 
-// startNoting starts the goroutine that records the handler's denials;
-// Cleanup stops it.
-func (h *Handler) startNoting() {
-	h.notes = &denialNotes{queue: make(chan denialNote, noteQueue), stop: make(chan struct{})}
-	go h.recordDenials(h.notes)
+// startNoting starts the goroutine that records a policy's denials into
+// d; stop ends it.
+func startNoting(policy string, d *denials, logger *zap.Logger, events *caddyevents.App, ctx caddy.Context) *denialNotes {
+	n := &denialNotes{queue: make(chan denialNote, noteQueue), stop: make(chan struct{}),
+		policy: policy, denials: d, logger: logger, events: events, ctx: ctx}
+	go n.record()
+	return n
 }
 
-// stopNoting ends the recorder; denials still queued are dropped with the
-// config they belong to. Requests still running may go on noting: the
-// queue fills, and then counts what it drops.
-func (h *Handler) stopNoting() {
-	if h.notes != nil {
-		h.notes.stopped.Do(func() { close(h.notes.stop) })
+// end ends the recorder; denials still queued are dropped with the config
+// they belong to. Requests still running may go on noting: the queue
+// fills, and then counts what it drops.
+func (n *denialNotes) end() {
+	if n != nil {
+		n.stopped.Do(func() { close(n.stop) })
 	}
 }
 
-// noteDenial hands a denial to the recorder, without waiting: when the
-// queue is full, the denial is dropped and counted.
-func (h *Handler) noteDenial(d *decision) {
-	n := denialNote{
+// note hands a denial to the recorder, without waiting: when the queue is
+// full, the denial is dropped and counted.
+func (n *denialNotes) note(d *decision) {
+	note := denialNote{
 		key:   denialKey{tier: d.tier.Name, keyer: d.bucket.Keyer, keyID: d.keyID()},
 		at:    d.start,
 		mono:  localClock(),
 		retry: time.Duration(d.retryAfterSeconds()) * time.Second,
 	}
 	select {
-	case h.notes.queue <- n:
+	case n.queue <- note:
 	default:
-		h.notes.dropped.Add(1)
+		n.dropped.Add(1)
 	}
 }
 
-// recordDenials records each denial for GET /rate_limit/top and, when its
-// bucket starts being denied, emits rate_limit_exceeded: once per bucket
-// until it could allow again, never once per request of a flood.
-func (h *Handler) recordDenials(n *denialNotes) {
+// record records each denial for GET /rate_limit/top and, when its bucket
+// starts being denied, emits rate_limit_exceeded: once per bucket until it
+// could allow again, never once per request of a flood.
+func (n *denialNotes) record() {
 	var lost lossReport
 	for {
 		var note denialNote
@@ -304,16 +316,16 @@ func (h *Handler) recordDenials(n *denialNotes) {
 			close(note.flushed)
 			continue
 		}
-		started, followed := h.denials.record(note.key, note.at, note.mono, note.retry)
+		started, followed := n.denials.record(note.key, note.at, note.mono, note.retry)
 		if !followed {
 			n.suppressed.Add(1)
 		}
-		lost.log(h, n)
-		if !started || h.events == nil || !h.events.ShouldEmit(exceededEvent) {
+		lost.log(n)
+		if !started || n.events == nil || !n.events.ShouldEmit(exceededEvent) {
 			continue
 		}
-		h.events.Emit(h.ctx, exceededEvent, map[string]any{
-			"policy":      h.Name,
+		n.events.Emit(n.ctx, exceededEvent, map[string]any{
+			"policy":      n.policy,
 			"tier":        note.key.tier,
 			"keyer":       note.key.keyer,
 			"key_id":      note.key.keyID,
@@ -330,7 +342,7 @@ type lossReport struct {
 
 // log reports the recorder's losses when they grew, at most once every
 // lossReportEvery: the totals since the handler started.
-func (r *lossReport) log(h *Handler, n *denialNotes) {
+func (r *lossReport) log(n *denialNotes) {
 	dropped, suppressed := n.dropped.Load(), n.suppressed.Load()
 	if dropped == r.dropped && suppressed == r.suppressed {
 		return
@@ -339,18 +351,18 @@ func (r *lossReport) log(h *Handler, n *denialNotes) {
 	if now.Sub(r.at) < lossReportEvery {
 		return
 	}
-	h.logger.Warn("too many denials to follow: some left out of /rate_limit/top, some rate_limit_exceeded events not emitted",
-		zap.String("policy", h.Name),
+	n.logger.Warn("too many denials to follow: some left out of /rate_limit/top, some rate_limit_exceeded events not emitted",
+		zap.String("policy", n.policy),
 		zap.Int64("denials_dropped", dropped),
 		zap.Int64("events_suppressed", suppressed),
 		zap.Int("buckets_followed_at_most", maxExceeded))
 	*r = lossReport{dropped: dropped, suppressed: suppressed, at: now}
 }
 
-// flushDenials waits until every denial noted so far is recorded and its
-// event emitted. For tests.
-func (h *Handler) flushDenials() {
+// flush waits until every denial noted so far is recorded and its event
+// emitted. For tests.
+func (n *denialNotes) flush() {
 	flushed := make(chan struct{})
-	h.notes.queue <- denialNote{flushed: flushed}
+	n.queue <- denialNote{flushed: flushed}
 	<-flushed
 }

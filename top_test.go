@@ -43,7 +43,7 @@ func TestTopListsTheBucketsDeniedMost(t *testing.T) {
 			s.from(client, "/")
 		}
 	}
-	latestHandler("top_policy").flushDenials()
+	latestHandler("top_policy").notes.flush()
 	var top []topDenied
 	if status := getJSON(t, admin+"/rate_limit/top?policy=top_policy&n=2", &top); status != 200 {
 		t.Fatalf("GET /rate_limit/top: %d", status)
@@ -288,7 +288,7 @@ func TestExceededEventOncePerBucket(t *testing.T) {
 			s.from("127.0.2."+strconv.Itoa(c+1), "/")
 		}
 	}
-	h.flushDenials()
+	h.notes.flush()
 	events := heard()
 	if len(events) != buckets {
 		t.Fatalf("%d denied requests over %d buckets emitted %d events; want %d", buckets*(perBucket-2), buckets, len(events), buckets)
@@ -304,7 +304,7 @@ func TestExceededEventOncePerBucket(t *testing.T) {
 	for range 4 {
 		s.from("127.0.2.1", "/")
 	}
-	h.flushDenials()
+	h.notes.flush()
 	if events := heard(); len(events) != buckets+1 {
 		t.Errorf("after the bucket refilled and was denied again: %d events, want %d", len(events), buckets+1)
 	}
@@ -334,7 +334,7 @@ func TestExceededEventOncePerBucketUnderAFloodOfBuckets(t *testing.T) {
 		for i := range buckets {
 			_ = h.ServeHTTP(w, benchRequest(floodIP(i)), nopHandler)
 		}
-		h.flushDenials()
+		h.notes.flush()
 	}
 	events := heard()
 	perKey := map[string]int{}

@@ -392,7 +392,7 @@ func TestMaxWaitingBoundsAFlood(t *testing.T) {
 	if count[499] != 1000 {
 		t.Errorf("%d waiters answered 499, want 1000", count[499])
 	}
-	res, err := h.store.Take(context.Background(), &Bucket{Policy: "flood", Tier: "default", Keyer: "header/X-Key", Value: []byte("flood")}, h.Tiers[0].limit, 1)
+	res, err := takeLimit(context.Background(), h.store, &Bucket{Policy: "flood", Tier: "default", Keyer: "header/X-Key", Value: []byte("flood")}, h.Tiers[0].limits[0], 1)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -101,7 +101,7 @@ func TestMaxWaitPlaceholderMetricAndSlowestLimit(t *testing.T) {
 	if n := waitCount(t, "waited", "default") - before; n != 2 {
 		t.Errorf("wait_seconds counted %d requests, want the 2 that waited", n)
 	}
-	v := h.view()
+	v := viewOf(h)
 	if v.Tiers[0].MaxWait != "1s" || v.MaxWaiting != defaultMaxWaiting || v.Waiting != 0 {
 		t.Errorf("policy listing: %+v", v)
 	}
@@ -166,7 +166,7 @@ func TestMaxWaitDryRunAndMaxWaiting(t *testing.T) {
 	if err := <-first; err != nil {
 		t.Fatal(err)
 	}
-	res, err := h.store.Take(context.Background(), &Bucket{Policy: "one_waiter", Tier: "default", Keyer: "header/X-Key", Value: []byte("k")}, h.Tiers[0].limit, 1)
+	res, err := takeLimit(context.Background(), h.store, &Bucket{Policy: "one_waiter", Tier: "default", Keyer: "header/X-Key", Value: []byte("k")}, h.Tiers[0].limits[0], 1)
 	if err != nil || !res.Allowed || res.Wait != 1_000_000 {
 		t.Fatalf("after the waiter went, the next request: %+v, %v; want allowed after exactly 1 s", res, err)
 	}

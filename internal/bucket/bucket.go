@@ -39,14 +39,14 @@ type Limit struct {
 	Capacity int64
 	Rate     Rate
 	// Ban, when above 0, is how long (µs) a denial holds the bucket empty
-	// (README: Protect a login form). Denials during a ban do not extend it; when it
+	// (docs/logins.md). Denials during a ban do not extend it; when it
 	// ends, the bucket refills from empty.
 	Ban int64
 	// MaxWait, when above 0, is how long (µs) a request may wait for its
-	// tokens (README: Smooth bursts instead of refusing them): one whose
-	// tokens are due within it takes them now, the level going below zero
-	// by at most MaxWait's refill, and waits until they are due. One that
-	// would wait longer is refused, taking nothing.
+	// tokens (docs/max-wait.md): one whose tokens are due within it takes
+	// them now, the level going below zero by at most MaxWait's refill,
+	// and waits until they are due. One that would wait longer is refused,
+	// taking nothing.
 	MaxWait int64
 	// Instant marks the one limit of a plan of quotas alone (a tier with
 	// quotas and no rate limit), which every store's step needs and which

@@ -10,7 +10,7 @@ import (
 	_ "time/tzdata"
 )
 
-// Calendar quotas (README: Sell API plans): a quota is a count of tokens
+// Calendar quotas (docs/metering-and-quotas.md): a quota is a count of tokens
 // that starts over at each boundary of a calendar period in a time zone:
 // midnight for a day, Monday midnight for a week (ISO), the 1st for a
 // month, 1 January for a year. Days of 23 or 25 hours and months of 28 to

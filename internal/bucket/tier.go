@@ -33,3 +33,17 @@ func (tr Tier) Refill(n int64) int64 {
 	}
 	return w
 }
+
+// Binding is which of several limits' and quotas' results stands for them
+// all, the one the X- headers report: when allowed, the one with the
+// least remaining; when refused, the one that makes the client wait
+// longest; the first of equals.
+func Binding(all []Result, allowed bool) int {
+	j := 0
+	for i, r := range all {
+		if allowed && r.Remaining < all[j].Remaining || !allowed && r.RetryAfter > all[j].RetryAfter {
+			j = i
+		}
+	}
+	return j
+}

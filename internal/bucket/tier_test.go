@@ -38,3 +38,24 @@ func TestTierRefillIsTheSlowestLimits(t *testing.T) {
 		}
 	}
 }
+
+// The binding result is, allowed, the one with the least remaining and,
+// refused, the one that makes the client wait longest: the first of
+// equals either way.
+func TestBindingIsTheLeastRemainingOrTheLongestWait(t *testing.T) {
+	all := []bucket.Result{
+		{Remaining: 5, RetryAfter: 10},
+		{Remaining: 2, RetryAfter: 30},
+		{Remaining: 2, RetryAfter: 30},
+		{Remaining: 9, RetryAfter: 20},
+	}
+	if got := bucket.Binding(all, true); got != 1 {
+		t.Errorf("allowed: %d, want 1, the first of the least remaining", got)
+	}
+	if got := bucket.Binding(all, false); got != 1 {
+		t.Errorf("refused: %d, want 1, the first of the longest wait", got)
+	}
+	if got := bucket.Binding(all[3:], false); got != 0 {
+		t.Errorf("one result: %d, want 0", got)
+	}
+}

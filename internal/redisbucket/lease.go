@@ -16,7 +16,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// Fleet leases (README: Sharing limits across edge nodes): a node takes
+// Fleet leases (docs/fleet.md): a node takes
 // several tokens of a shared bucket at once, in one script call, and
 // decides the requests they cover in memory. The shared store counts what
 // is out on lease (buckettest.Shared models it), so the fleet never admits

@@ -14,7 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// In-flight limits (README: Protect a slow origin): the slots of a bucket
+// In-flight limits (docs/concurrency.md): the slots of a bucket
 // are one sorted set, <bucket key>:c, of slot ids scored by the
 // microsecond at which each expires. A node takes a slot by one script
 // call, renews the slots it holds while their requests run, and frees

@@ -185,19 +185,13 @@ func (s *Store) reserve(ctx context.Context, k string, tr bucket.Tier, cost int6
 }
 
 // Binding is the one result that stands for several limits' and quotas'
-// (the X- headers report it): when allowed, the one with the least
-// remaining; when refused, the one that makes the client wait longest;
-// the first of equals. Its Wait is the longest.
+// (bucket.Binding picks it), its Wait the longest.
 func Binding(all []bucket.Result, allowed bool) bucket.Result {
-	j := 0
 	var wait int64
-	for i, r := range all {
-		if allowed && r.Remaining < all[j].Remaining || !allowed && r.RetryAfter > all[j].RetryAfter {
-			j = i
-		}
+	for _, r := range all {
 		wait = max(wait, r.Wait)
 	}
-	res := all[j]
+	res := all[bucket.Binding(all, allowed)]
 	res.Allowed, res.Wait = allowed, wait
 	return res
 }

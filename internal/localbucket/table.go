@@ -1,4 +1,4 @@
-package ratelimit
+package localbucket
 
 import "github.com/bramsley/caddy-ratelimit/internal/bucket"
 
@@ -12,7 +12,7 @@ import "github.com/bramsley/caddy-ratelimit/internal/bucket"
 // which merges two buckets once in 2^64. Deletion shifts the rest of a
 // cluster back, so there are no tombstones and lookups stay short.
 //
-// It is not safe for concurrent use: each shard of the local store has one,
+// It is not safe for concurrent use: each shard of a Store has one,
 // under the shard's lock.
 type stateTable struct {
 	keys   []uint64

@@ -1,4 +1,4 @@
-package ratelimit
+package localbucket
 
 import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"

@@ -1,0 +1,113 @@
+package localbucket
+
+import "github.com/bramsley/caddy-ratelimit/internal/bucket"
+
+// quotaID is the table id of a bucket's quota of period p: after its
+// limits', by period, so that a reload that adds, drops or reorders
+// quotas moves no count.
+func quotaID(id uint64, p bucket.Period) uint64 {
+	return limitID(id, bucket.MaxLimits+int(p)-1)
+}
+
+// A quota's count is kept in the table as a State: Slack the count (below
+// 2^31), and FullAt the end of its period by the table's clock, when the
+// table may drop it, rounded up to a multiple of 2^20 µs (about a second),
+// whose low 20 bits name the period: its start in wall-clock seconds,
+// modulo 2^20. The count belongs to the period it names, whatever the
+// wall clock has done since: a step of it (a resume from suspend, an NTP
+// step) moves the wall against the table's monotonic clock, and the end by
+// one clock is not the end by the other any more. Two periods of one name
+// start a multiple of 2^20 s apart, which whole days (give or take DST's
+// hours) are only 8192 days on: a count read as a later period's would
+// have lain untouched in the table for 22 years.
+// docs/metering-and-quotas.md says what a step does.
+const periodBits = 20
+
+// quotaState is the count st holds in the period that starts at start
+// (the one that holds the wall's now): nothing when st names another.
+func quotaState(st bucket.State, start int64) bucket.QuotaState {
+	if st.FullAt == 0 || st.FullAt&(1<<periodBits-1) != periodName(start) {
+		return bucket.QuotaState{}
+	}
+	return bucket.QuotaState{Start: start, Used: st.Slack}
+}
+
+// tableQuota is the table's State for qs, off being what to add to the
+// table's clock for the wall's.
+func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
+	if qs.Used == 0 {
+		return bucket.State{}
+	}
+	_, end := q.Bounds(qs.Start)
+	const unit = 1 << periodBits
+	return bucket.State{FullAt: (end-off+unit-1)&^(unit-1) | periodName(qs.Start), Slack: qs.Used}
+}
+
+// periodName is the low bits of a period's start in seconds.
+func periodName(start int64) int64 { return start / 1_000_000 & (1<<periodBits - 1) }
+
+// takeQuotas is Take on a tier with quotas: the quotas' counts live beside
+// the limits' states, under the same shard lock, each until its period
+// ends.
+func (s *Store) takeQuotas(id uint64, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) bool {
+	sh := s.shard(id)
+	var states, olds [bucket.MaxLimits]bucket.State
+	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
+	now := s.now()
+	wall := s.wall()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i := range ls {
+		states[i], _ = sh.states.get(limitID(id, i))
+	}
+	for i, q := range qs {
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		start, _ := q.Bounds(wall)
+		qstates[i] = quotaState(st, start)
+	}
+	olds, qolds = states, qstates
+	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, wall, ls, qs, cost, out, qout)
+	for i := range ls {
+		if states[i] != olds[i] {
+			s.putLocked(sh, limitID(id, i), states[i], now)
+		}
+	}
+	for i, q := range qs {
+		if qstates[i] != qolds[i] {
+			s.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, wall-now), now)
+		}
+	}
+	return allowed
+}
+
+// updateQuotas applies f to each limit's state and g to each quota's
+// count, under the bucket's shard lock.
+func (s *Store) updateQuotas(id uint64, ls []bucket.Limit, qs []bucket.Quota, f func(bucket.State, int64, bucket.Limit) bucket.State, g func(bucket.QuotaState, int64, bucket.Quota) bucket.QuotaState) {
+	sh := s.shard(id)
+	now := s.now()
+	wall := s.wall()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i, l := range ls {
+		st, _ := sh.states.get(limitID(id, i))
+		if next := f(st, now, l); next != st {
+			s.putLocked(sh, limitID(id, i), next, now)
+		}
+	}
+	for _, q := range qs {
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		start, _ := q.Bounds(wall)
+		qst := quotaState(st, start)
+		next := g(qst, wall, q)
+		if qst.Used == 0 && st.FullAt > now {
+			// The count of another period that has not ended: one counted
+			// in another time zone, before a reload changed it. A
+			// give-back or a charge of a request of the old config does
+			// not erase it.
+			continue
+		}
+		if next != qst {
+			s.putLocked(sh, quotaID(id, q.Period), tableQuota(next, q, wall-now), now)
+		}
+	}
+}

@@ -1,0 +1,176 @@
+package localbucket
+
+import (
+	"math"
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+)
+
+// A charge of 2^63-1 leaves each quota used up.
+// Regression test for issue 30 item 1.
+func TestLocalStoreChargeNear2To63KeepsTheQuotaUsedUp(t *testing.T) {
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
+	s := New(Options{MaxKeys: 100, Now: clock.now, Wall: clock.now})
+	ls := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}} // refills in 100 µs
+	qs := []bucket.Quota{{N: 5, Period: bucket.Day, Loc: time.UTC}, {N: 50, Period: bucket.Month, Loc: time.UTC}}
+	tr := bucket.Tier{Limits: ls, Quotas: qs}
+	all := make([]bucket.Result, 3)
+	out, qout := all[:1], all[1:]
+	b := idFor("127.0.0.2")
+	if ok := s.Take(b, tr, 1, all); !ok {
+		t.Fatalf("the first take: %+v %+v", out, qout)
+	}
+	for _, n := range []int64{math.MaxInt64, math.MaxInt64 - 1, 1 << 62} {
+		s.Charge(b, tr, n)
+		clock.advance(time.Second)
+		if ok := s.Take(b, tr, 1, all); ok || qout[0].Remaining != 0 || qout[1].Remaining != 0 || out[0].RetryAfter != 0 {
+			t.Fatalf("after a charge of %d: allowed %v, %+v %+v; want refused by both quotas alone", n, ok, out, qout)
+		}
+	}
+}
+
+// A step of the wall clock against the table's monotonic one (a resume
+// from suspend, an NTP step), forward or back, within one period keeps a
+// local quota's count.
+// Regression test for issue 30 item 2.
+func TestALocalQuotaCountSurvivesAStepOfTheWallClock(t *testing.T) {
+	for _, step := range []time.Duration{2 * time.Minute, 3 * time.Hour, -2 * time.Minute, -3 * time.Hour} {
+		t.Run(step.String(), func(t *testing.T) {
+			lb, mono, wall := quotaClocks(time.Date(2026, 5, 4, 10, 0, 0, 0, time.UTC), 1000)
+			qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}, {N: 100, Period: bucket.Month, Loc: time.UTC}}
+			b := idFor("127.0.0.2")
+			for range 3 {
+				takeQuotaLeft(t, lb, b, qs)
+			}
+			mono.advance(time.Second)
+			wall.advance(time.Second + step)
+			if left := takeQuotaLeft(t, lb, b, qs); left != [2]int64{6, 96} {
+				t.Fatalf("after a step of %s: %v left of 10/day and 100/month, want [6 96]: 4 taken in one period", step, left)
+			}
+		})
+	}
+}
+
+// A step of the wall clock back across a boundary lands in a period whose
+// count is gone: there it counts from 0, and the later period's count,
+// kept meanwhile, goes when a request is counted in the earlier one (one
+// count a quota, as Redis keeps).
+// Regression test for issue 30 item 2.
+func TestALocalQuotaCountAfterAStepBackAcrossABoundary(t *testing.T) {
+	lb, mono, wall := quotaClocks(time.Date(2026, 5, 5, 0, 30, 0, 0, time.UTC), 1000)
+	qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
+	b := idFor("127.0.0.2")
+	takeQuotaLeft(t, lb, b, qs)
+	takeQuotaLeft(t, lb, b, qs)
+	peek := func() int64 {
+		var out [2]bucket.Result
+		lb.Peek(b, bucket.Tier{Limits: testQuotaLimits, Quotas: qs}, out[:])
+		return out[1].Remaining
+	}
+	// Back an hour, to 23:30 on the 4th, and forward again.
+	mono.advance(time.Second)
+	wall.advance(time.Second - time.Hour)
+	if left := peek(); left != 10 {
+		t.Fatalf("back on the 4th: %d left, want 10: the 5th's count is not the 4th's", left)
+	}
+	mono.advance(time.Second)
+	wall.advance(time.Second + time.Hour)
+	if left := peek(); left != 8 {
+		t.Fatalf("forward again to the 5th: %d left, want 8: nothing was counted on the 4th", left)
+	}
+	mono.advance(time.Second)
+	wall.advance(time.Second - time.Hour)
+	if left := takeQuotaLeft(t, lb, b, qs); left[0] != 9 {
+		t.Fatalf("a request on the 4th: %d left, want 9", left[0])
+	}
+	mono.advance(time.Second)
+	wall.advance(time.Second + time.Hour)
+	if left := takeQuotaLeft(t, lb, b, qs); left[0] != 9 {
+		t.Fatalf("forward again to the 5th: %d left, want 9: the 4th's count replaced the 5th's", left[0])
+	}
+}
+
+// An ended period's count is dropped first when the table needs room, as
+// a full bucket is, within seconds of the period's end.
+func TestALocalQuotaCountIsDroppableOnceItsPeriodEnds(t *testing.T) {
+	lb, mono, wall := quotaClocks(time.Date(2026, 5, 4, 23, 0, 0, 0, time.UTC), 2) // one shard
+	qs := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
+	takeQuotaLeft(t, lb, idFor("127.0.0.2"), qs) // a limit's state and a quota's count
+	for _, tt := range []struct {
+		at   time.Duration // after 23:00
+		full uint64        // entries dropped as full, in all
+	}{
+		{time.Hour - time.Second, 1}, // the limit's, refilled: the day's count lasts
+		{time.Hour + 3*time.Second, 3},
+	} {
+		mono.micros.Store(1_000_000 + tt.at.Microseconds())
+		wall.micros.Store(time.Date(2026, 5, 4, 23, 0, 0, 0, time.UTC).Add(tt.at).UnixMicro())
+		take(lb, idFor(tt.at.String()), testQuotaLimits[0], 1)
+		if got := lb.FullDrops(); got != tt.full || lb.Evictions() != 0 {
+			t.Fatalf("23:00 + %s: %d dropped as full, %d evicted; want %d, 0", tt.at, got, lb.Evictions(), tt.full)
+		}
+	}
+}
+
+// testQuotaLimits is a limit that refills in a microsecond a token.
+var testQuotaLimits = []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
+
+// quotaClocks is a local table of maxKeys whose monotonic clock starts at
+// 1 s and whose wall clock starts at wall; both move only when the test moves them.
+func quotaClocks(wall time.Time, maxKeys int) (lb *Store, mono, w *fakeClock) {
+	mono, w = new(fakeClock), new(fakeClock)
+	mono.micros.Store(1_000_000)
+	w.micros.Store(wall.UnixMicro())
+	lb = New(Options{MaxKeys: maxKeys, Now: mono.now, Wall: w.now})
+	return lb, mono, w
+}
+
+// takeQuotaLeft takes a token of b's quotas qs (and of testQuotaLimits),
+// and returns what each quota has left.
+func takeQuotaLeft(t *testing.T, lb *Store, b uint64, qs []bucket.Quota) (left [2]int64) {
+	t.Helper()
+	var out [3]bucket.Result
+	if !lb.Take(b, bucket.Tier{Limits: testQuotaLimits, Quotas: qs}, 1, out[:]) {
+		t.Fatalf("refused: %+v", out[1:1+len(qs)])
+	}
+	for i := range qs {
+		left[i] = out[1+i].Remaining
+	}
+	return left
+}
+
+// A reload that moves the quotas to another time zone, with a request of
+// the old config still at the origin: its give-back or charge names the
+// day as the old zone has it, and does not erase the count the running
+// config keeps for the day as the new zone has it.
+func TestALocalGiveBackOfAnOldZoneKeepsTheNewZonesCount(t *testing.T) {
+	berlin, err := time.LoadLocation("Europe/Berlin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}
+	running := []bucket.Quota{{N: 10, Period: bucket.Day, Loc: berlin}}
+	for _, op := range []string{"give-back", "charge"} {
+		t.Run(op, func(t *testing.T) {
+			lb, _, wall := quotaClocks(time.Date(2026, 3, 10, 12, 0, 0, 0, time.UTC), 1000)
+			b := idFor("127.0.0.2")
+			takeQuotaLeft(t, lb, b, old)
+			for range 6 {
+				takeQuotaLeft(t, lb, b, running)
+			}
+			if op == "give-back" {
+				lb.GiveBack(b, bucket.Tier{Limits: testQuotaLimits, Quotas: old}, 1, 1, wall.now())
+			} else {
+				lb.Charge(b, bucket.Tier{Limits: testQuotaLimits, Quotas: old}, 1)
+			}
+			var out [2]bucket.Result
+			lb.Peek(b, bucket.Tier{Limits: testQuotaLimits, Quotas: running}, out[:])
+			if out[1].Remaining != 4 {
+				t.Errorf("after the old zone's %s: %d left of the running config's day, want 4", op, out[1].Remaining)
+			}
+		})
+	}
+}
