@@ -129,6 +129,15 @@ type layeredResetter interface {
 	resetLayers(ctx context.Context, b *Bucket) (layers []string, errs []error)
 }
 
+// leaseHolder is a store whose node may hold tokens of a bucket apart from
+// it (Redis leases): a request they cover is allowed on this node whatever
+// the bucket holds. Its peek counts them in each remaining.
+type leaseHolder interface {
+	// held is how many tokens of the bucket b this node holds and may
+	// spend now.
+	held(b *Bucket) int64
+}
+
 // policyStore is a store that keeps each policy's buckets apart, in this
 // process: the handler binds it to its policy once it has loaded it, and
 // needs no fallback beside it (on_store_error local).
