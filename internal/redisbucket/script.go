@@ -78,7 +78,7 @@ if #A <= 6 then
   -- steps below for n = 1 with nothing held, and it answers before any of
   -- them is defined: the closures and tables they build cost more than the
   -- take itself (bench/README.md, "Redis CPU per decision").
-  -- TestRedisScriptFastPathMatchesTheModel holds it to the model. Strings
+  -- TestRedisScriptMatchesTheSharedModel holds it to the model. Strings
   -- become numbers by arithmetic, which is cheaper than tonumber. Every
   -- dividend is below 2^53 (units at most 2^52, a cost at most the
   -- capacity, a slack below 2^31), so math.floor of a quotient is exact.
