@@ -31,6 +31,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
@@ -48,12 +49,9 @@ var (
 	rounds    = flag.Int("rounds", 3, "rounds of every setup, alternating")
 	only      = flag.String("setups", "ours,tier,redis_rate", "which setups, comma-separated: ours (one limit), tier (two limits and a daily quota), redis_rate")
 	batch     = flag.Bool("batch", true, "pipeline the Store's concurrent decisions, as Caddy's default")
+	limitFlag = flag.String("limit", "1000 1000/h", "every setup's limit: capacity and rate, as rate_limit's line")
+	alongside = flag.Duration("alongside", 0, "instead of rounds: run the first setup for this long, without warming up or resetting Redis's stats, and print the decisions made (bench/redis-cpu.sh reads the stats around it)")
 )
-
-// The limit of every setup: 1000 an hour, a burst of 1000. A client's
-// state lives seconds after each decision, so that later decisions on it
-// read one, and no client is ever refused.
-const capacity, perHour = 1000, 1000
 
 func main() {
 	flag.Parse()
@@ -73,7 +71,15 @@ func main() {
 	defer rdb.Close()
 	version, _ := rdb.InfoMap(ctx, "server").Result()
 
-	rate, err := bucket.ParseRate(fmt.Sprintf("%d/h", perHour))
+	// The default, 1000 an hour with a burst of 1000, keeps a client's
+	// state seconds after each decision, so that later decisions on it
+	// read one; no client is ever refused.
+	capText, rateText, _ := strings.Cut(*limitFlag, " ")
+	capacity, err := strconv.ParseInt(capText, 10, 64)
+	if err != nil {
+		log.Fatal(err)
+	}
+	rate, err := bucket.ParseRate(rateText)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -96,7 +102,8 @@ func main() {
 	store := redisbucket.NewStore(conn, redisbucket.StoreOptions{Prefix: "rlbench:"})
 	defer store.Close()
 	limiter := redis_rate.NewLimiter(rdb)
-	gcra := redis_rate.Limit{Rate: perHour, Burst: capacity, Period: time.Hour}
+	// The same limit: Tokens every Interval, a burst of the capacity.
+	gcra := redis_rate.Limit{Rate: int(rate.Tokens), Burst: int(capacity), Period: time.Duration(rate.Interval) * time.Microsecond}
 
 	// Each setup's clients have keys of their own (the tier's name in it).
 	storeTake := func(name string, t bucket.Tier) func(context.Context, int) error {
@@ -129,6 +136,14 @@ func main() {
 			log.Fatalf("no setup %q", n)
 		}
 	}
+	if *alongside > 0 {
+		n, err := runFor(ctx, setups[names[0]], *alongside)
+		if err != nil {
+			log.Fatalf("%s: %v", names[0], err)
+		}
+		fmt.Printf("%s: %d decisions in %s\n", names[0], n, *alongside)
+		return
+	}
 	// Warm up: every script loaded, every setup's first calls made.
 	for _, n := range names {
 		if _, _, err := run(ctx, rdb, setups[n], 2000); err != nil {
@@ -149,8 +164,8 @@ func main() {
 		}
 	}
 	load, _ := os.ReadFile("/proc/loadavg")
-	fmt.Printf("\nredis-server %s at %s; %d decisions a setup and round, %d callers, %d random clients, limit %d %d/h; load average %s\n",
-		version["Server"]["redis_version"], *addr, *decisions, *workers, *keys, capacity, perHour, strings.Join(strings.Fields(string(load))[:3], " "))
+	fmt.Printf("\nredis-server %s at %s; %d decisions a setup and round, %d callers, %d random clients, limit %s; load average %s\n",
+		version["Server"]["redis_version"], *addr, *decisions, *workers, *keys, *limitFlag, strings.Join(strings.Fields(string(load))[:3], " "))
 	fmt.Println("Redis µs per decision (commandstats usec of every command sent / decisions), median of rounds:")
 	med := map[string]float64{}
 	for _, n := range names {
@@ -227,6 +242,32 @@ func run(ctx context.Context, rdb *redis.Client, do func(context.Context, int) e
 	}
 	slices.Sort(parts)
 	return sum, strings.Join(parts, ", "), nil
+}
+
+// runFor makes decisions by do from *workers callers, each on a random
+// client, for d, and answers how many.
+func runFor(ctx context.Context, do func(context.Context, int) error, d time.Duration) (int64, error) {
+	var wg sync.WaitGroup
+	var made atomic.Int64
+	errs := make(chan error, *workers)
+	end := time.Now().Add(d)
+	for w := range *workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := mrand.New(mrand.NewPCG(uint64(w), uint64(time.Now().UnixNano())))
+			for time.Now().Before(end) {
+				if err := do(ctx, rng.IntN(*keys)); err != nil {
+					errs <- err
+					return
+				}
+				made.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return made.Load(), <-errs
 }
 
 // calledByScripts are the commands the two scripts call; neither setup
