@@ -40,7 +40,10 @@ import "github.com/redis/go-redis/v9"
 // costs Redis about what the leanest limiters' scripts cost (bench/README.md,
 // "Redis CPU per decision"); a bucket it cannot answer (leases, a ban
 // mark, a longer state) or a refusal that starts a ban goes on as the
-// long form of the same take.
+// long form of the same take. A take in the long form without max_wait,
+// on a bucket that holds only its limits' states and this period's quota
+// counts, has a fast path too, after the arguments are read and before the
+// helpers are defined; it answers as the long form does.
 //
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
@@ -185,6 +188,168 @@ for j = 1, nq do
   Q[j] = q
 end
 local x = 8 + 3 * n + 7 * nq
+if op == 'take' and maxwait == 0 and ban >= 0 then
+  -- The fast path of a tier's take without max_wait (the short form's
+  -- for several limits and quotas): a bucket of limits' states and this
+  -- period's quota counts, no lease, no ban mark, nothing another config
+  -- left. It is the take below with nothing held; any other bucket, and a
+  -- refusal under a ban, goes on to it.
+  -- TestRedisScriptMatchesTheSharedModel holds it to the model. Every
+  -- dividend is below 2^53, so math.floor of a quotient is exact.
+  local floor, F, K, QU = math.floor, {}, {}, {}
+  for i = 1, n do F[i], K[i] = 0, 0 end
+  for j = 1, nq do QU[j] = 0 end
+  stored, got = redis.call('GET', KEYS[1]), true
+  local plain, pos = true, 1
+  while stored and plain do
+    local e = string.find(stored, ';', pos, true)
+    local seg = string.sub(stored, pos, (e or 0) - 1)
+    if pos == 1 then
+      if seg ~= '' then
+        local a, b = string.match(seg, '^(%d+) (%d+)$')
+        if a then F[1], K[1] = a + 0, b + 0 else plain = false end
+      end
+    elseif string.byte(seg, 1) == 113 then
+      -- "q<period>:<start>:<used>:<end>" of this period of a quota named.
+      local p, s, u = string.match(seg, '^q(%d+):(%d+):(%d+):%d+$')
+      plain = false
+      if p then
+        for j = 1, nq do
+          if Q[j].p == p + 0 and Q[j].start == s + 0 then QU[j], plain = u + 0, true end
+        end
+      end
+    else
+      local i, a, b = string.match(seg, '^(%d+):(%d+) (%d+)$')
+      if i and i + 0 >= 2 and i + 0 <= n then F[i + 0], K[i + 0] = a + 0, b + 0 else plain = false end
+    end
+    if not e then break end
+    pos = e + 1
+  end
+  if plain then
+    -- Each limit's take (take_one), and its peek, on the states read.
+    local R, allowed, fits = {}, true, true
+    local function level(i)
+      local l, gap = L[i], F[i] - now
+      if gap <= 0 then return l.units, 0, false end
+      local over = floor((l.units + K[i]) / l.tok)
+      if gap > over + 1 then return 0, l.units, true end
+      local d = gap * l.tok - K[i]
+      if d > l.units then d = l.units elseif d < 0 then d = 0 end
+      return l.units - d, d, gap > over
+    end
+    local function untl(i, need)
+      local u = F[i] - now - floor((L[i].units - need + K[i]) / L[i].tok)
+      if u < 1 then u = 1 end
+      return u
+    end
+    local function peek1(i)
+      local l = L[i]
+      local lv, d = level(i)
+      local reset = floor((d + l.tok - 1) / l.tok)
+      if d == l.units then reset = math.max(reset, untl(i, l.units)) end
+      return {0, floor(lv / l.iv), 0, reset}
+    end
+    for j = 1, nq do
+      local q = Q[j]
+      q.used = QU[j]
+      if q.used + count > q.n then fits = false end
+    end
+    for i = 1, n do
+      local l = L[i]
+      local need, lv, d, banned = count * l.iv, level(i)
+      local r
+      if banned then
+        r = {0, 0, untl(i, need), F[i] - now}
+      elseif lv < need then
+        r = {0, floor(lv / l.iv), floor((need - lv + l.tok - 1) / l.tok), floor((d + l.tok - 1) / l.tok)}
+      elseif count == 0 then
+        r = {1, floor(lv / l.iv), 0, floor((d + l.tok - 1) / l.tok), F[i], K[i]}
+      else
+        local refill = floor((d + need + l.tok - 1) / l.tok)
+        r = {1, floor((lv - need) / l.iv), 0, refill, now + refill, refill * l.tok - d - need}
+      end
+      allowed = allowed and r[1] == 1
+      R[i] = r
+    end
+    if not fits then
+      for i = 1, n do
+        local r = R[i]
+        R[i] = peek1(i)
+        if r[1] == 0 then R[i][3] = r[3] end
+      end
+    elseif allowed then
+      for i = 1, n do F[i], K[i] = R[i][5], R[i][6] end
+      for j = 1, nq do Q[j].used = Q[j].used + count end
+    else
+      for i = 1, n do
+        if R[i][1] == 1 then R[i] = peek1(i) end
+      end
+    end
+    if fits and not allowed and ban > 0 then
+      -- A refusal under a ban starts one: the rest of the script does that.
+      for j = 1, nq do Q[j].used = 0 end
+    else
+      local out = {0, 0, now}
+      if fits and allowed then out[1] = 1 end
+      for i = 1, n do
+        local r = R[i]
+        out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = r[1], r[2], r[3], r[4]
+      end
+      local nxt = 0
+      for j = 1, nq do
+        local q = Q[j]
+        local left, a, rem, retry = math.max(0, q.n - q.used), 1, 0, 0
+        if out[1] == 1 then
+          rem = left
+        elseif fits then
+          a, rem = 0, left
+        elseif QU[j] + count > q.n then
+          a, rem, retry = 0, left, q.stop - now
+        else
+          a, rem = 0, left
+        end
+        out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = a, rem, retry, q.stop - now
+        if out[1] == 1 and q.used + count > q.n then nxt = math.max(nxt, q.stop - now) end
+      end
+      -- The bucket as save writes it, and how long until every limit
+      -- holds the cost again (shared.go's Next).
+      local segs, last = {}, now
+      for i = 1, n do
+        local st = ''
+        if F[i] > now then
+          st = string.format('%d %d', F[i], K[i])
+          if i > 1 then st = i .. ':' .. st end
+          last = math.max(last, F[i])
+        end
+        if i == 1 or st ~= '' then segs[#segs + 1] = st end
+        if out[1] == 1 then
+          local lv, _, banned = level(i)
+          if banned or lv < count * L[i].iv then nxt = math.max(nxt, untl(i, count * L[i].iv)) end
+        end
+      end
+      for j = 1, nq do
+        local q = Q[j]
+        if q.used > 0 then
+          segs[#segs + 1] = string.format('q%d:%d:%d:%d', q.p, q.start, q.used, q.stop)
+          last = math.max(last, q.stop)
+        end
+      end
+      out[#out + 1] = nxt
+      if last <= now then
+        if stored then redis.call('DEL', KEYS[1]) end
+      else
+        local v = table.concat(segs, ';')
+        if v ~= stored then
+          local w = redis.pcall('SET', KEYS[1], v, 'PX', floor((last - now + 999) / 1000) + 1)
+          if w.err then
+            error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. w.err)
+          end
+        end
+      end
+      return out
+    end
+  end
+end
 
 local function bad()
   return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')

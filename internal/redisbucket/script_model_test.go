@@ -684,6 +684,9 @@ func TestTheScriptModelPropertyCatchesABrokenScript(t *testing.T) {
 		{"the fast path's next wait only when empty", "if level - need < need then", "if level - need < 0 then"},
 		{"the fast path's key lives seconds, not milliseconds", "'PX', floor((full - now + 999) / 1000) + 1)", "'PX', floor((full - now + 999) / 1000000) + 1)"},
 		{"the fast path reads a debt as an empty bucket", "if gap > 0 and gap > floor((units + slack) / k) then", "if false then"},
+		{"the tier's fast path refills a unit short", "local refill = floor((d + need + l.tok - 1) / l.tok)", "local refill = floor((d + need) / l.tok)"},
+		{"the tier's fast path's next wait forgets the quotas", "if out[1] == 1 and q.used + count > q.n then nxt", "if false then nxt"},
+		{"the tier's fast path reads another period's count as this one's", "if Q[j].p == p + 0 and Q[j].start == s + 0 then", "if Q[j].p == p + 0 then"},
 		{"a quota admits one more", "if q.used + cost > q.n then return {ok = false", "if q.used + cost > q.n + 1 then return {ok = false"},
 	}
 	defer func(orig *redis.Script) { bucketScript = orig }(bucketScript)
