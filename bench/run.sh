@@ -28,7 +28,8 @@
 #       same clients
 #
 # Every route is `respond "ok"`. Everything it starts is stopped on exit.
-# It prints a markdown table for bench/README.md.
+# It prints a markdown table for bench/README.md. Redis CPU per decision
+# beside go-redis/redis_rate: bench/redis-cpu.sh (and bench/redisrate).
 #
 # Usage: bench/run.sh
 # Environment (defaults in brackets):

@@ -42,3 +42,26 @@ func (s *Store) args(op string, tr bucket.Tier, at, count int64, extra ...any) [
 	}
 	return append(args, extra...)
 }
+
+// takeArgs are the script's short form of a take of cost on the tier tr
+// (script.go), which its fast path answers, or nil when the take is not of
+// its shape: one limit, no quota, no max_wait, a cost within the capacity.
+// The clock offset and the ban go only when set.
+func (s *Store) takeArgs(tr bucket.Tier, cost int64) []any {
+	if !tr.Lone() {
+		return nil
+	}
+	l := tr.Limits[0]
+	if l.MaxWait != 0 || l.Instant || cost < 0 || cost > l.Capacity {
+		return nil
+	}
+	args := make([]any, 4, 6)
+	args[0], args[1], args[2], args[3] = cost, l.Capacity, l.Rate.Tokens, l.Rate.Interval
+	if s.clockOffset != 0 || l.Ban != 0 {
+		args = append(args, s.clockOffset)
+	}
+	if l.Ban != 0 {
+		args = append(args, l.Ban)
+	}
+	return args
+}

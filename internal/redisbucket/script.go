@@ -33,10 +33,27 @@ import "github.com/redis/go-redis/v9"
 // return, the node and the seq of its lease; for giveback, optionally,
 // the tokens the limits take back (the count when absent).
 //
+// The short form, six arguments at most, is a take on one limit without
+// quotas or max_wait (takeArgs): the cost, the capacity, the rate tokens
+// and the rate interval, then optionally the microseconds to add to TIME
+// and the ban. Its fast path answers it with the few steps it needs, and
+// costs Redis about what the leanest limiters' scripts cost (bench/README.md,
+// "Redis CPU per decision"); a bucket it cannot answer (leases, a ban
+// mark, a longer state) or a refusal that starts a ban goes on as the
+// long form of the same take. A take in the long form without max_wait,
+// on a bucket that holds only its limits' states and this period's quota
+// counts, has a fast path too, after the arguments are read and before the
+// helpers are defined; it answers as the long form does.
+//
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
-//     limit {allowed, remaining, retry after (when allowed: the wait),
-//     reset after}}
+//     limit and quota {allowed, remaining, retry after (when allowed: the
+//     wait), reset after}, then, for an allowed take, how long until every
+//     limit and quota holds the cost again}
+//   - the short form, from its fast path: {remaining, reset after, now,
+//     x}, where x is, when allowed, how long until the limit holds the
+//     cost again, and when refused, minus the retry after; otherwise as
+//     take
 //   - lease: {granted, remaining, retry after, hold-off (the limits'),
 //     reset after, banned, drop, now, until (with quotas: when the tokens'
 //     quota period ends, 0 without), quota hold (until the quotas hold the
@@ -56,6 +73,75 @@ const bucketLua = bucketLuaState + bucketLuaOps
 // write back.
 const bucketLuaState = `
 if redis.replicate_commands then redis.replicate_commands() end
+local A, t, stored, got = ARGV, redis.call('TIME'), nil, false
+if #A <= 6 then
+  -- The fast path (takeArgs): a take on one limit, without quotas or
+  -- max_wait, of a bucket stored as "<fullAt> <slack>" or not at all (no
+  -- lease, no ban mark). It is package bucket's Take on one State, the
+  -- steps below for n = 1 with nothing held, and it answers before any of
+  -- them is defined: the closures and tables they build cost more than the
+  -- take itself (bench/README.md, "Redis CPU per decision").
+  -- TestRedisScriptMatchesTheSharedModel holds it to the model. Strings
+  -- become numbers by arithmetic, which is cheaper than tonumber. Every
+  -- dividend is below 2^53 (units at most 2^52, a cost at most the
+  -- capacity, a slack below 2^31), so math.floor of a quotient is exact.
+  local count, units, k, iv = A[1] + 0, A[2] + 0, A[3] + 0, A[4] + 0
+  local now, ban, floor = t[1] * 1000000 + t[2], 0, math.floor
+  if A[5] then now, ban = now + A[5], (A[6] or 0) + 0 end
+  stored, got = redis.call('GET', KEYS[1]), true
+  local full, slack = 0, 0
+  if stored then
+    full, slack = string.match(stored, '^(%d+) (%d+)$')
+    if full then full, slack = full + 0, slack + 0 end
+  end
+  if full then
+    -- x is the next wait when allowed (shared.go's Next), or minus the
+    -- retry after when refused, which is at least 1.
+    local need, gap, rem, reset, x = count * iv, full - now, 0, 0, 0
+    units = units * iv
+    if gap > 0 and gap > floor((units + slack) / k) then
+      -- Overdrawn (a debt): refused until the level holds the cost.
+      x, reset = floor((units - need + slack) / k) - gap, gap
+      if x > -1 then x = -1 end
+    else
+      local d = 0
+      if gap > 0 then
+        d = gap * k - slack
+        if d < 0 then d = 0 elseif d > units then d = units end
+      end
+      local level = units - d
+      if level < need then
+        rem, reset, x = floor(level / iv), floor((d + k - 1) / k), -floor((need - level + k - 1) / k)
+      elseif count > 0 then
+        rem, reset = floor((level - need) / iv), floor((d + need + k - 1) / k)
+        full, slack = now + reset, reset * k - d - need
+        if level - need < need then
+          x = reset - floor((units - need + slack) / k)
+          if x < 1 then x = 1 end
+        end
+      else
+        rem, reset = floor(level / iv), floor((d + k - 1) / k)
+      end
+    end
+    -- A refusal under a ban starts one: the rest of the script does that.
+    if x >= 0 or ban == 0 then
+      if full <= now then
+        if stored then redis.call('DEL', KEYS[1]) end
+      else
+        local v = string.format('%d %d', full, slack)
+        if v ~= stored then
+          local w = redis.pcall('SET', KEYS[1], v, 'PX', floor((full - now + 999) / 1000) + 1)
+          if w.err then
+            error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. w.err)
+          end
+        end
+      end
+      return {rem, reset, now, x}
+    end
+  end
+  -- The long form of the same take.
+  A = {'take', '1', A[1], A[5] or '0', A[6] or '0', '0', A[2], A[3], A[4], '0'}
+end
 local function idiv(a, b)
   local q = math.floor(a / b)
   local r = a - q * b
@@ -64,16 +150,15 @@ local function idiv(a, b)
 end
 local function ceildiv(a, b) return idiv(a + b - 1, b) end
 
-local op = ARGV[1]
-local n = tonumber(ARGV[2])
-local count = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[4])
-local ban = tonumber(ARGV[5])
-local maxwait = tonumber(ARGV[6])
+local op = A[1]
+local n = tonumber(A[2])
+local count = tonumber(A[3])
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(A[4])
+local ban = tonumber(A[5])
+local maxwait = tonumber(A[6])
 local L = {}
 for i = 1, n do
-  local c, k, iv = tonumber(ARGV[4 + 3 * i]), tonumber(ARGV[5 + 3 * i]), tonumber(ARGV[6 + 3 * i])
+  local c, k, iv = tonumber(A[4 + 3 * i]), tonumber(A[5 + 3 * i]), tonumber(A[6 + 3 * i])
   local units = c * iv
   L[i] = {cap = c, tok = k, iv = iv, units = units, maxd = units + math.min(units * 1000, 4503599627370496 - units)}
 end
@@ -85,12 +170,12 @@ end
 -- period's start and end, and the end of the next. Redis's TIME picks the
 -- period among them, so that nodes whose clocks differ agree at a
 -- boundary.
-local nq = tonumber(ARGV[7 + 3 * n])
+local nq = tonumber(A[7 + 3 * n])
 local Q = {}
 for j = 1, nq do
   local y = 8 + 3 * n + 7 * (j - 1)
-  local b0, b1, b2, b3 = tonumber(ARGV[y + 3]), tonumber(ARGV[y + 4]), tonumber(ARGV[y + 5]), tonumber(ARGV[y + 6])
-  local q = {n = tonumber(ARGV[y]), p = tonumber(ARGV[y + 1]), taken = tonumber(ARGV[y + 2]), used = 0}
+  local b0, b1, b2, b3 = tonumber(A[y + 3]), tonumber(A[y + 4]), tonumber(A[y + 5]), tonumber(A[y + 6])
+  local q = {n = tonumber(A[y]), p = tonumber(A[y + 1]), taken = tonumber(A[y + 2]), used = 0}
   if now < b0 or now >= b3 then
     -- Redis's clock is more than a period from the node's: neither can
     -- say which period it is. Nothing is counted; the node's store
@@ -103,6 +188,168 @@ for j = 1, nq do
   Q[j] = q
 end
 local x = 8 + 3 * n + 7 * nq
+if op == 'take' and maxwait == 0 and ban >= 0 then
+  -- The fast path of a tier's take without max_wait (the short form's
+  -- for several limits and quotas): a bucket of limits' states and this
+  -- period's quota counts, no lease, no ban mark, nothing another config
+  -- left. It is the take below with nothing held; any other bucket, and a
+  -- refusal under a ban, goes on to it.
+  -- TestRedisScriptMatchesTheSharedModel holds it to the model. Every
+  -- dividend is below 2^53, so math.floor of a quotient is exact.
+  local floor, F, K, QU = math.floor, {}, {}, {}
+  for i = 1, n do F[i], K[i] = 0, 0 end
+  for j = 1, nq do QU[j] = 0 end
+  stored, got = redis.call('GET', KEYS[1]), true
+  local plain, pos = true, 1
+  while stored and plain do
+    local e = string.find(stored, ';', pos, true)
+    local seg = string.sub(stored, pos, (e or 0) - 1)
+    if pos == 1 then
+      if seg ~= '' then
+        local a, b = string.match(seg, '^(%d+) (%d+)$')
+        if a then F[1], K[1] = a + 0, b + 0 else plain = false end
+      end
+    elseif string.byte(seg, 1) == 113 then
+      -- "q<period>:<start>:<used>:<end>" of this period of a quota named.
+      local p, s, u = string.match(seg, '^q(%d+):(%d+):(%d+):%d+$')
+      plain = false
+      if p then
+        for j = 1, nq do
+          if Q[j].p == p + 0 and Q[j].start == s + 0 then QU[j], plain = u + 0, true end
+        end
+      end
+    else
+      local i, a, b = string.match(seg, '^(%d+):(%d+) (%d+)$')
+      if i and i + 0 >= 2 and i + 0 <= n then F[i + 0], K[i + 0] = a + 0, b + 0 else plain = false end
+    end
+    if not e then break end
+    pos = e + 1
+  end
+  if plain then
+    -- Each limit's take (take_one), and its peek, on the states read.
+    local R, allowed, fits = {}, true, true
+    local function level(i)
+      local l, gap = L[i], F[i] - now
+      if gap <= 0 then return l.units, 0, false end
+      local over = floor((l.units + K[i]) / l.tok)
+      if gap > over + 1 then return 0, l.units, true end
+      local d = gap * l.tok - K[i]
+      if d > l.units then d = l.units elseif d < 0 then d = 0 end
+      return l.units - d, d, gap > over
+    end
+    local function untl(i, need)
+      local u = F[i] - now - floor((L[i].units - need + K[i]) / L[i].tok)
+      if u < 1 then u = 1 end
+      return u
+    end
+    local function peek1(i)
+      local l = L[i]
+      local lv, d = level(i)
+      local reset = floor((d + l.tok - 1) / l.tok)
+      if d == l.units then reset = math.max(reset, untl(i, l.units)) end
+      return {0, floor(lv / l.iv), 0, reset}
+    end
+    for j = 1, nq do
+      local q = Q[j]
+      q.used = QU[j]
+      if q.used + count > q.n then fits = false end
+    end
+    for i = 1, n do
+      local l = L[i]
+      local need, lv, d, banned = count * l.iv, level(i)
+      local r
+      if banned then
+        r = {0, 0, untl(i, need), F[i] - now}
+      elseif lv < need then
+        r = {0, floor(lv / l.iv), floor((need - lv + l.tok - 1) / l.tok), floor((d + l.tok - 1) / l.tok)}
+      elseif count == 0 then
+        r = {1, floor(lv / l.iv), 0, floor((d + l.tok - 1) / l.tok), F[i], K[i]}
+      else
+        local refill = floor((d + need + l.tok - 1) / l.tok)
+        r = {1, floor((lv - need) / l.iv), 0, refill, now + refill, refill * l.tok - d - need}
+      end
+      allowed = allowed and r[1] == 1
+      R[i] = r
+    end
+    if not fits then
+      for i = 1, n do
+        local r = R[i]
+        R[i] = peek1(i)
+        if r[1] == 0 then R[i][3] = r[3] end
+      end
+    elseif allowed then
+      for i = 1, n do F[i], K[i] = R[i][5], R[i][6] end
+      for j = 1, nq do Q[j].used = Q[j].used + count end
+    else
+      for i = 1, n do
+        if R[i][1] == 1 then R[i] = peek1(i) end
+      end
+    end
+    if fits and not allowed and ban > 0 then
+      -- A refusal under a ban starts one: the rest of the script does that.
+      for j = 1, nq do Q[j].used = 0 end
+    else
+      local out = {0, 0, now}
+      if fits and allowed then out[1] = 1 end
+      for i = 1, n do
+        local r = R[i]
+        out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = r[1], r[2], r[3], r[4]
+      end
+      local nxt = 0
+      for j = 1, nq do
+        local q = Q[j]
+        local left, a, rem, retry = math.max(0, q.n - q.used), 1, 0, 0
+        if out[1] == 1 then
+          rem = left
+        elseif fits then
+          a, rem = 0, left
+        elseif QU[j] + count > q.n then
+          a, rem, retry = 0, left, q.stop - now
+        else
+          a, rem = 0, left
+        end
+        out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4] = a, rem, retry, q.stop - now
+        if out[1] == 1 and q.used + count > q.n then nxt = math.max(nxt, q.stop - now) end
+      end
+      -- The bucket as save writes it, and how long until every limit
+      -- holds the cost again (shared.go's Next).
+      local segs, last = {}, now
+      for i = 1, n do
+        local st = ''
+        if F[i] > now then
+          st = string.format('%d %d', F[i], K[i])
+          if i > 1 then st = i .. ':' .. st end
+          last = math.max(last, F[i])
+        end
+        if i == 1 or st ~= '' then segs[#segs + 1] = st end
+        if out[1] == 1 then
+          local lv, _, banned = level(i)
+          if banned or lv < count * L[i].iv then nxt = math.max(nxt, untl(i, count * L[i].iv)) end
+        end
+      end
+      for j = 1, nq do
+        local q = Q[j]
+        if q.used > 0 then
+          segs[#segs + 1] = string.format('q%d:%d:%d:%d', q.p, q.start, q.used, q.stop)
+          last = math.max(last, q.stop)
+        end
+      end
+      out[#out + 1] = nxt
+      if last <= now then
+        if stored then redis.call('DEL', KEYS[1]) end
+      else
+        local v = table.concat(segs, ';')
+        if v ~= stored then
+          local w = redis.pcall('SET', KEYS[1], v, 'PX', floor((last - now + 999) / 1000) + 1)
+          if w.err then
+            error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. w.err)
+          end
+        end
+      end
+      return out
+    end
+  end
+end
 
 local function bad()
   return redis.error_reply('rate_limit: key ' .. KEYS[1] .. ' does not hold a bucket')
@@ -114,7 +361,7 @@ end
 -- latest moment one of them is full.
 local S, H, extra, qextra, later = {}, {}, {}, {}, 0
 for i = 1, n do S[i] = {full = 0, slack = 0, banned = false} end
-local stored = redis.call('GET', KEYS[1])
+if not got then stored = redis.call('GET', KEYS[1]) end
 if stored then
   local first = true
   for seg in string.gmatch(stored .. ';', '([^;]*);') do

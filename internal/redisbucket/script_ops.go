@@ -176,9 +176,9 @@ local function each_level(r)
 end
 
 if op == 'lease' then
-  local node, seq, held, want, hold = ARGV[x], tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
-  local spend = tonumber(ARGV[x + 5])
-  local prefetch = ARGV[x + 6] == '1'
+  local node, seq, held, want, hold = A[x], tonumber(A[x + 1]), tonumber(A[x + 2]), tonumber(A[x + 3]), tonumber(A[x + 4])
+  local spend = tonumber(A[x + 5])
+  local prefetch = A[x + 6] == '1'
   local drop, started = false, false
   -- Quotas count leased tokens when granted; the node may spend them
   -- until the earliest of the quotas' periods ends (qstop), and a record
@@ -279,7 +279,7 @@ if op == 'lease' then
 end
 
 if op == 'return' then
-  local node, seq = ARGV[x], tonumber(ARGV[x + 1])
+  local node, seq = A[x], tonumber(A[x + 1])
   local j = find(node)
   local back = 0
   if j and H[j].seq == seq then
@@ -297,9 +297,9 @@ if op == 'return' then
 end
 
 if op == 'giveback' then
-  -- The limits take back ARGV[x] tokens when it is given: fewer than the
+  -- The limits take back A[x] tokens when it is given: fewer than the
   -- quotas after a reload that changed them.
-  local back = tonumber(ARGV[x]) or count
+  local back = tonumber(A[x]) or count
   if not any_banned() then
     for i = 1, n do give_back(i, back, floor(i)) end
   end

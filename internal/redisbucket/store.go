@@ -289,13 +289,17 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 }
 
 // call runs the bucket script on one key (do); batched, through the
-// batcher if there is one. The script must answer want values.
-func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want int) ([]int64, error) {
+// batcher if there is one. The script must answer want values: one of
+// two counts when two are given (a take's short form or long).
+func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want ...int) ([]int64, error) {
+	// The counts, not the slice, go into the closure, which escapes: the
+	// slice stays on the stack.
+	w0, w1 := want[0], want[len(want)-1]
 	var vals []int64
 	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
 		vals, err = set.runScript(ctx, key, args, batched)
-		if err == nil && len(vals) != want {
-			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+		if err == nil && len(vals) != w0 && len(vals) != w1 {
+			err = fmt.Errorf("script answered %d values, want %d or %d", len(vals), w0, w1)
 		}
 		return err
 	})

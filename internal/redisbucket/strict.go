@@ -110,16 +110,46 @@ type verdict struct {
 // batcher when batched: out gets each limit's and quota's result, limits
 // first.
 func (s *Store) decideBy(ctx context.Context, op, key string, tr bucket.Tier, cost int64, out []bucket.Result, batched bool) (verdict, error) {
-	n := tr.Parts()
-	vals, err := s.call(ctx, key, s.args(op, tr, 0, cost), batched, 4+4*n)
+	var args []any
+	if op == "take" {
+		args = s.takeArgs(tr, cost)
+	}
+	// Only the short form's fast path answers in four values.
+	long, short := 4+4*tr.Parts(), 4
+	if args == nil {
+		args, short = s.args(op, tr, 0, cost), long
+	}
+	vals, err := s.call(ctx, key, args, batched, short, long)
 	if err != nil {
 		return verdict{}, err
 	}
+	return decodeTake(vals, tr, out), nil
+}
+
+// decodeTake reads the script's answer to a take or a peek on the tier tr,
+// the fast path's or the long form's, into out.
+func decodeTake(vals []int64, tr bucket.Tier, out []bucket.Result) verdict {
+	if len(vals) == 4 {
+		return decodeShort(vals, out)
+	}
+	n := tr.Parts()
 	for i := range n {
 		// A quota starts no ban.
 		out[i] = decodeResult(vals[3+4*i:], vals[1] == 1 && i < len(tr.Limits))
 	}
-	return verdict{allowed: vals[0] == 1, now: vals[2], next: vals[3+4*n]}, nil
+	return verdict{allowed: vals[0] == 1, now: vals[2], next: vals[3+4*n]}
+}
+
+// decodeShort reads the fast path's answer to the script's short form
+// (takeArgs) into out[0]: remaining, reset after, the server's time, and
+// the next wait when allowed or minus the retry after when refused.
+func decodeShort(v []int64, out []bucket.Result) verdict {
+	r := bucket.Result{Allowed: v[3] >= 0, Remaining: v[0], ResetAfter: v[1]}
+	if !r.Allowed {
+		r.RetryAfter = -v[3]
+	}
+	out[0] = r
+	return verdict{allowed: r.Allowed, now: v[2], next: max(0, v[3])}
 }
 
 // decodeResult reads one limit's or quota's answer, four values: allowed,
