@@ -26,6 +26,9 @@
 #       never hit: most decisions are made from leased tokens, in memory
 #   (j) (i) in strict mode (no `lease`): one EVALSHA per request, the
 #       same clients
+#   (m) the Redis store with `lease 10%` by IP, under plain wrk as (a):
+#       one client, never limited, decided from leased tokens; (i)'s
+#       figure without bench/keys.lua
 #
 # Every route is `respond "ok"`. Everything it starts is stopped on exit.
 # It prints a markdown table for bench/README.md. Redis CPU per decision
@@ -251,6 +254,7 @@ declare -A what=(
 	[h]="no limiter (plain Caddy), under bench/keys.lua as (c)"
 	[i]="Redis store, \`lease 10%\`, $LEASE_KEYS returning X-Key clients, never limited"
 	[j]="Redis store, strict (no \`lease\`), $LEASE_KEYS returning X-Key clients, never limited"
+	[m]="Redis store, \`lease 10%\`, by IP, never limited, plain wrk as (a)"
 )
 declare -A rps
 for s in $SETUPS; do
@@ -271,7 +275,7 @@ for s in $SETUPS; do
 	p99=$(for r in $(seq "$ROUNDS"); do to_us "$(awk '$1 == "99%" { print $2 }' "$out/wrk-$s-$r.txt")"; echo; done | median)
 	non2xx=$(field "$s" 'BEGIN { n = 0 } /Non-2xx/ { n = $NF } END { print n }' | awk '{ t += $1 } END { print t + 0 }')
 	per="-"
-	if [[ $s == d || $s == e || $s == g || $s == i || $s == j ]]; then
+	if [[ $s == d || $s == e || $s == g || $s == i || $s == j || $s == m ]]; then
 		per=$(awk -v c="${redis_calls[$s]}" -v n="${redis_reqs[$s]}" 'BEGIN { printf "%.6f (%d / %d)", c / n, c, n }')
 	fi
 	printf '| (%s) | %s | %.0f | %s | %s µs | %s µs | %s | %s |\n' \
@@ -285,7 +289,7 @@ done
 # but for the setups between them: the median of those ratios drifts less
 # than the ratio of the medians.
 echo "Paired ratios, the median over rounds of each round's ratio:"
-for pair in b/a c/h c/b d/a e/a e/f d/g i/a i/h i/d i/j; do
+for pair in b/a c/h c/b d/a e/a e/f d/g i/a i/h i/d i/j m/a j/h; do
 	x=${pair%/*} y=${pair#*/}
 	[[ -n ${rps[$x]:-} && -n ${rps[$y]:-} ]] || continue
 	ratio=$(for r in $(seq "$ROUNDS"); do
