@@ -65,14 +65,25 @@ type keysCollector struct{ desc *prometheus.Desc }
 
 func (c keysCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
+// An on_store_error local fallback's table is shown as the policy
+// "<policy>/on_store_error"; a policy of that very name adds its own.
 func (c keysCollector) Collect(ch chan<- prometheus.Metric) {
+	keys := map[string]int{}
 	localPool.Range(func(key, value any) bool {
-		policy, ok := strings.CutPrefix(key.(string), "local/")
-		if lb, isTable := value.(*localbucket.Store); ok && isTable {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(lb.Len()), policy)
+		lb, isTable := value.(*localbucket.Store)
+		if !isTable {
+			return true
+		}
+		if policy, ok := strings.CutPrefix(key.(string), "local/"); ok {
+			keys[policy] += lb.Len()
+		} else if policy, ok := strings.CutPrefix(key.(string), fallbackPoolPrefix); ok {
+			keys[policy+"/on_store_error"] += lb.Len()
 		}
 		return true
 	})
+	for policy, n := range keys {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), policy)
+	}
 }
 
 // registerMetrics adds the collectors to a config's registry. A second

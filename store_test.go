@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // serveLoggingTo is serve with Caddy's default log going to a file at
@@ -149,5 +151,58 @@ func TestADryRunIsNotRefusedWhenTheStoreFailsWithOnStoreErrorDeny(t *testing.T) 
 				t.Errorf("a dry run with Redis down and on_store_error deny: %d %q, Retry-After %q; want 200, let through", r.status, r.body, r.header.Get("Retry-After"))
 			}
 		})
+	}
+}
+
+// A reload keeps every bucket of a policy on the local store, whatever its
+// name: one named as the on_store_error local fallback of another policy
+// would be ("api/on_store_error" beside "api") shares nothing with that
+// fallback, which each config load empties.
+func TestAReloadKeepsTheBucketsOfAPolicyNamedLikeAnotherPolicysFallback(t *testing.T) {
+	dead := freePort(t) // nothing listens here
+	port := freePort(t)
+	caddyfile := fmt.Sprintf(`{
+	admin off
+	skip_install_trust
+	servers {
+		trusted_proxies static 127.0.0.1/32
+	}
+}
+http://127.0.0.1:%d {
+	handle /a {
+		rate_limit 5 1/h {
+			name api
+			store redis {
+				address redis://127.0.0.1:%d
+				timeout 100ms
+			}
+			on_store_error local
+		}
+		respond "a"
+	}
+	handle /b {
+		rate_limit 1 1/h {
+			name api/on_store_error
+		}
+		respond "b"
+	}
+}
+`, port, dead)
+	s := serveCaddyfile(t, port, caddyfile)
+	if got := s.from("127.0.5.1", "/b").status; got != 200 {
+		t.Fatalf("the first request: %d, want 200", got)
+	}
+	if got := s.from("127.0.5.1", "/b").status; got != 429 {
+		t.Fatalf("the second request of a capacity of 1: %d, want 429", got)
+	}
+	cfg, err := adaptCaddyfile(caddyfile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.from("127.0.5.1", "/b").status; got != 429 {
+		t.Fatalf("after a reload, the next request: %d, want 429: the reload emptied the policy's buckets", got)
 	}
 }

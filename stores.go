@@ -201,17 +201,28 @@ func (s *LocalStore) maxKeys() int {
 	return s.MaxKeys
 }
 
-// localPool holds one bucket table per policy, across config reloads.
+// localPool holds one bucket table per policy, across config reloads:
+// "local/" and the policy's name for its local store, fallbackPoolPrefix
+// and the name for its on_store_error local fallback. No policy's name
+// puts one in the other's place.
 var localPool = caddy.NewUsagePool()
+
+// fallbackPoolPrefix starts the localPool key of an on_store_error local
+// fallback's table.
+const fallbackPoolPrefix = "on_store_error/"
 
 // bind implements policyStore: the store takes the policy's table, which
 // every loaded config of the policy shares, across reloads; a new table
 // reads the clocks c.
-func (s *LocalStore) bind(policy string, c clocks) error {
+func (s *LocalStore) bind(policy string, c clocks) error { return s.bindKey("local/"+policy, c) }
+
+// bindKey takes the table of localPool at key; a new table reads the
+// clocks c.
+func (s *LocalStore) bindKey(key string, c clocks) error {
 	if err := s.Validate(); err != nil {
 		return err
 	}
-	s.key = "local/" + policy
+	s.key = key
 	val, loaded, err := localPool.LoadOrNew(s.key, func() (caddy.Destructor, error) {
 		return localbucket.New(localOptions(s.maxKeys(), c)), nil
 	})
@@ -349,15 +360,15 @@ func localID(b *Bucket) uint64 {
 }
 
 // localFallback is the local store that decides a policy's requests on
-// this node while its shared store fails (on_store_error local): named
-// apart from the policy's own local store, so that a policy that switches
-// between local and Redis does not mix the two, and emptied at each
-// config load (localbucket.Store.StartLoad), so that an earlier config's
-// outage neither limits clients under the running one nor counts in its
-// keys.
+// this node while its shared store fails (on_store_error local): kept
+// apart from every policy's own local store (fallbackPoolPrefix), so that
+// a policy that switches between local and Redis does not mix the two, and
+// emptied at each config load (localbucket.Store.StartLoad), so that an
+// earlier config's outage neither limits clients under the running one
+// nor counts in its keys.
 func localFallback(ctx caddy.Context, policy string, c clocks) (*LocalStore, error) {
 	s := new(LocalStore)
-	if err := s.bind(policy+"/on_store_error", c); err != nil {
+	if err := s.bindKey(fallbackPoolPrefix+policy, c); err != nil {
 		return nil, err
 	}
 	if reg := ctx.GetMetricsRegistry(); reg != nil {

@@ -283,13 +283,13 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 	for {
 		if e.tokens >= cost && !t.lapsed(e, now) {
 			res := t.spend(e, cost, now)
-			e.fill(out, res, now)
+			e.fill(out, res, now, cost)
 			sh.mu.Unlock()
 			return res, nil
 		}
 		if t.refuses(e, ban, now, waited) {
 			res := e.result(now, false, cost)
-			e.fill(out, res, now)
+			e.fill(out, res, now, cost)
 			sh.mu.Unlock()
 			return res, nil
 		}
@@ -307,7 +307,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		if mine && (c.spent || c.banned) {
 			res := e.result(t.now(), c.spent, cost)
 			res.Banned = c.banned
-			e.fill(out, res, t.now())
+			e.fill(out, res, t.now(), cost)
 			sh.mu.Unlock()
 			return res, nil
 		}
@@ -408,24 +408,37 @@ func (e *lease) result(now int64, allowed bool, cost int64) bucket.Result {
 	return res
 }
 
-// fill writes into out each limit's and quota's result for a request
-// decided from e at now as res: the same decision, each with its own
-// level (beside the tokens held) and reset, as the last call saw them. A
-// lone limit's is res.
-func (e *lease) fill(out []bucket.Result, res bucket.Result, now int64) {
+// fill writes into out each limit's and quota's result for a request of
+// cost decided from e at now as res: the same decision, each with its own
+// level (beside the tokens held) and reset, as the last call saw them,
+// refused or not. On a refusal, as in strict mode, one that holds the
+// cost has no retry: a quota with room left is not said used up because a
+// limit refused, nor does it bind (bucket.Binding). A lone limit's is res.
+func (e *lease) fill(out []bucket.Result, res bucket.Result, now, cost int64) {
 	if len(out) == 1 {
 		out[0] = res
 		return
 	}
+	short := false
 	for i := range out {
 		r := &out[i]
 		*r = res
 		if i < len(e.each) {
 			x := e.each[i]
 			r.ResetAfter = max(0, x.resetAt-now)
-			if res.Allowed {
-				r.Remaining = e.tokens + x.level
+			r.Remaining = e.tokens + max(0, x.level)
+			if !res.Allowed && r.Remaining >= cost {
+				r.RetryAfter = 0
+			} else {
+				short = short || !res.Allowed
 			}
+		}
+	}
+	if !res.Allowed && !short {
+		// Every one held the cost when the last call saw them (a
+		// hold-off): each keeps the refusal's retry.
+		for i := range out {
+			out[i].RetryAfter = res.RetryAfter
 		}
 	}
 }

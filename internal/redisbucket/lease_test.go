@@ -975,3 +975,69 @@ func TestAPeekWithALeaseCountsTheTokensThisNodeHolds(t *testing.T) {
 		t.Errorf("after lease_ttl, %d tokens are held to spend; want none", got)
 	}
 }
+
+// A request the lease refuses for its rate limit tells each quota's
+// remaining as strict mode does: what the period has left, not the
+// tokens this node holds. A quota with room left is not said used up
+// until its period ends.
+func TestARequestRefusedWithLeasesReportsEachQuotaAsStrictModeDoes(t *testing.T) {
+	srv := redistest.Start(t)
+	q, err := bucket.ParseQuota("12/day", time.UTC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := bucket.Tier{Limits: []bucket.Limit{slowLimit(10)}, Quotas: []bucket.Quota{q}}
+	refused := map[string]bucket.Result{}
+	for _, lease := range []string{"", "2"} {
+		s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: lease})
+		key := bucketFor("quota beside a limit, lease " + lease)
+		for i := range 11 {
+			out := make([]bucket.Result, tr.Parts())
+			allowed, err := s.Take(bg, key, tr, 1, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if allowed != (i < 10) {
+				t.Fatalf("lease %q, request %d: allowed %v; want the 10 of the limit, then refused", lease, i+1, allowed)
+			}
+			if !allowed {
+				refused[lease] = out[1]
+			}
+		}
+	}
+	if strict, leased := refused[""], refused["2"]; strict.Remaining != 2 || leased.Remaining != strict.Remaining {
+		t.Errorf("the refused request's quota: %d left with leases, %d in strict mode; want 2 in both (12 a day, 10 taken)", leased.Remaining, strict.Remaining)
+	}
+}
+
+// A request the lease refuses names the same binding limit or quota as
+// strict mode does: the one used up, not one with room left, whose
+// remaining the X-RateLimit fields would show on a refusal.
+func TestARequestRefusedWithLeasesBindsWhatRefusedIt(t *testing.T) {
+	srv := redistest.Start(t)
+	q, err := bucket.ParseQuota("3/day", time.UTC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := bucket.Tier{Limits: []bucket.Limit{slowLimit(10)}, Quotas: []bucket.Quota{q}}
+	for _, lease := range []string{"", "2"} {
+		s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: lease})
+		key := bucketFor("quota used up, lease " + lease)
+		for i := range 4 {
+			out := make([]bucket.Result, tr.Parts())
+			allowed, err := s.Take(bg, key, tr, 1, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if allowed != (i < 3) {
+				t.Fatalf("lease %q, request %d: allowed %v; want the 3 of the quota, then refused", lease, i+1, allowed)
+			}
+			if allowed {
+				continue
+			}
+			if j := bucket.Binding(out, false); j != 1 || out[j].Remaining != 0 || out[j].RetryAfter <= 0 {
+				t.Errorf("lease %q: the refusal binds part %d, %+v of %+v; want the quota (1), used up, with a retry", lease, j, out[j], out)
+			}
+		}
+	}
+}

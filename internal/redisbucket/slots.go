@@ -38,8 +38,10 @@ func MinSlotTTL(timeout time.Duration) time.Duration {
 // slotsLua applies one operation to a bucket's slots, by the Redis
 // server's clock. KEYS[1] is the sorted set. ARGV: the operation
 // (acquire, renew or count); microseconds to add to TIME, which only tests
-// set; the slot TTL (µs); then, for acquire, the most slots and the new
-// slot's id; for renew, the ids. It answers {taken or renewed, in use}.
+// set; the slot TTL (µs); then, for acquire, the most slots, the new
+// slot's id and the ids of slots this node freed whose frees are still on
+// their way (slotTable.unsent), removed first; for renew, the ids. It
+// answers {taken or renewed, in use}.
 const slotsLua = `
 if redis.replicate_commands then redis.replicate_commands() end
 local op = ARGV[1]
@@ -54,6 +56,7 @@ local function extend()
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if op == 'acquire' then
+  for i = 6, #ARGV do redis.call('ZREM', KEYS[1], ARGV[i]) end
   local used = redis.call('ZCARD', KEYS[1])
   if used >= tonumber(ARGV[4]) then return {0, used} end
   redis.call('ZADD', KEYS[1], now + ttl, ARGV[5])
@@ -87,6 +90,11 @@ type slotTable struct {
 	// retry (freeRetry), the next renewal and the close send them, until
 	// each has reached Redis or its slot has expired there.
 	doubt []slotFree
+	// unsent are the slots freed on this node whose frees are queued, by
+	// their set's key: the next acquire on the set removes them first, so
+	// that a client whose request ended is not refused for it while its
+	// free is on its way.
+	unsent map[string][]uint64
 	// retiring: the store closed; the loops stop when the last slot held
 	// is freed. stopped: they stop or have; idle is closed once they have.
 	// doubtTaken: the close has sent the doubtful frees; none is kept now.
@@ -131,7 +139,7 @@ func slotTTL(ttl time.Duration) time.Duration {
 }
 
 func newSlotTable(s *Store, ttl time.Duration) *slotTable {
-	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, frees: make(chan slotFree, 4096), retry: make(chan struct{}, 1), stop: make(chan struct{}), idle: make(chan struct{})}
+	t := &slotTable{s: s, node: newNodeID(), ttl: slotTTL(ttl), held: map[uint64]string{}, unsent: map[string][]uint64{}, frees: make(chan slotFree, 4096), retry: make(chan struct{}, 1), stop: make(chan struct{}), idle: make(chan struct{})}
 	t.done.Add(2)
 	go t.freeLoop()
 	go t.renewLoop()
@@ -158,7 +166,13 @@ func (s *Store) Acquire(ctx context.Context, key []byte, n int64) (id uint64, in
 	}
 	id = t.seq.Add(1)
 	k := slotKey(key)
-	vals, err := s.runSlots(ctx, k, "acquire", n, t.member(id))
+	args := []any{n, t.member(id)}
+	t.mu.Lock()
+	for _, freed := range t.unsent[k] {
+		args = append(args, t.member(freed))
+	}
+	t.mu.Unlock()
+	vals, err := s.runSlots(ctx, k, "acquire", args...)
 	if err != nil || vals[0] != 1 {
 		if err != nil {
 			if !errors.Is(err, errBreakerOpen) {
@@ -223,6 +237,7 @@ func (s *Store) Release(key []byte, id uint64) {
 	queued := true
 	select {
 	case t.frees <- slotFree{key: k, id: id}:
+		t.unsent[k] = append(t.unsent[k], id)
 	default:
 		queued = false
 	}
@@ -310,6 +325,17 @@ func (t *slotTable) send(batch []slotFree) {
 		})
 		return err
 	})
+	t.mu.Lock()
+	for _, f := range batch {
+		if ids := t.unsent[f.key]; len(ids) > 0 {
+			if ids = slices.DeleteFunc(ids, func(id uint64) bool { return id == f.id }); len(ids) == 0 {
+				delete(t.unsent, f.key)
+			} else {
+				t.unsent[f.key] = ids
+			}
+		}
+	}
+	t.mu.Unlock()
 	if err != nil {
 		t.keep(batch)
 	}

@@ -336,3 +336,31 @@ func TestASlotFreeThatFailedIsSentAgain(t *testing.T) {
 		})
 	}
 }
+
+// A client whose request has ended has none in flight: the slot its
+// request freed on this node is free for its next request at once, though
+// the free is pipelined and may not have reached Redis yet. One at a time,
+// a client never meets a refusal, as with the local store.
+func TestASlotFreedOnThisNodeIsFreeForTheNextAcquireAtOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	s := slotStore(t, 0, srv.URL())
+	key := bucketFor("one at a time")
+	refused := 0
+	for range 500 {
+		id, inUse, ok, err := s.Acquire(bg, key, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			refused++
+			if refused == 1 {
+				t.Errorf("a request one at a time was refused its slot, %d in use: the last one's free had not reached Redis", inUse)
+			}
+			continue
+		}
+		s.Release(key, id)
+	}
+	if refused > 0 {
+		t.Errorf("%d of 500 requests one at a time were refused a slot of 1", refused)
+	}
+}
