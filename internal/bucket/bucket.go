@@ -158,6 +158,39 @@ func (s State) RawDeficit(now int64, l Limit) int64 {
 // to a bucket in state s. It returns the new state, which equals s when the
 // request is denied, unless the denial starts a ban.
 func Take(s State, now int64, l Limit, cost int64) (State, Result) {
+	if next, res, ok := takeAllowed(s, now, l, cost); ok {
+		return next, res
+	}
+	return takeAny(s, now, l, cost)
+}
+
+// takeAllowed is Take's common case, a request allowed by a limit of no
+// max_wait and not Instant, in a bucket neither banned nor in debt: the
+// steps of take, with the bound of the gap (Overdrawn, Deficit) divided
+// once. ok is false for every other case, which takeAny decides.
+func takeAllowed(s State, now int64, l Limit, cost int64) (next State, res Result, ok bool) {
+	if l.MaxWait > 0 || l.Instant || cost == 0 {
+		return State{}, Result{}, false
+	}
+	units := l.Units()
+	deficit := int64(0)
+	if gap := s.FullAt - now; gap > 0 {
+		if gap > (units+s.Slack)/l.Rate.Tokens {
+			return State{}, Result{}, false // Overdrawn
+		}
+		deficit = min(max(gap*l.Rate.Tokens-s.Slack, 0), units)
+	}
+	level := units - deficit
+	need := cost * l.Rate.Interval
+	if level < need {
+		return State{}, Result{}, false
+	}
+	next = StateAt(now, deficit+need, l)
+	return next, Result{Allowed: true, Remaining: (level - need) / l.Rate.Interval, ResetAfter: next.FullAt - now}, true
+}
+
+// takeAny is Take for every case.
+func takeAny(s State, now int64, l Limit, cost int64) (State, Result) {
 	next, res := take(s, now, l, cost)
 	if !res.Allowed && l.Ban > 0 {
 		return Ban(s, now, l, cost*l.Rate.Interval)
