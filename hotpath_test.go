@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -32,5 +33,24 @@ func TestARequestRefusedBeforeItsTakeResetsNow(t *testing.T) {
 				t.Errorf("reset %v, want a second from %d to %d", v, before, after)
 			}
 		})
+	}
+}
+
+// The moment a handler hands its local buckets (LocalStore.takeAt) is on
+// their monotonic clock, monotonicMicros, read from the monotonic reading
+// of the handler's time.Now: not the wall clock, which may jump.
+func TestTheRequestsMomentIsOnTheMonotonicClock(t *testing.T) {
+	for range 1000 {
+		before := monotonicMicros()
+		at := time.Now()
+		after := monotonicMicros()
+		if m := monotonicAt(at); m < before || m > after {
+			t.Fatalf("monotonicAt %d, want from %d to %d", m, before, after)
+		}
+		// The same wall time without its monotonic reading would be read
+		// from the wall clock: the moment must carry one.
+		if !strings.Contains(at.String(), " m=") {
+			t.Fatalf("the moment %s carries no monotonic reading", at)
+		}
 	}
 }

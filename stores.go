@@ -158,6 +158,11 @@ var processStart = time.Now()
 
 func monotonicMicros() int64 { return time.Since(processStart).Microseconds() + 1 }
 
+// monotonicAt is monotonicMicros at the moment t, a reading of time.Now:
+// computed from t's monotonic reading, as time.Since is, with no clock
+// read of its own.
+func monotonicAt(t time.Time) int64 { return t.Sub(processStart).Microseconds() + 1 }
+
 func init() {
 	caddy.RegisterModule(LocalStore{})
 }
@@ -255,7 +260,7 @@ func (s *LocalStore) take(_ context.Context, b *Bucket, tr bucket.Tier, cost int
 // policy's table reads the process's clocks: it saves the request a clock
 // read (localbucket.Store.TakeAt).
 func (s *LocalStore) takeAt(b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result, at time.Time) bool {
-	return s.buckets.TakeAt(localID(b), tr, cost, out, at.Sub(processStart).Microseconds()+1, at.UnixMicro())
+	return s.buckets.TakeAt(localID(b), tr, cost, out, monotonicAt(at), at.UnixMicro())
 }
 
 func (s *LocalStore) peek(_ context.Context, b *Bucket, tr bucket.Tier, out []bucket.Result) error {
