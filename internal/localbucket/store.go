@@ -154,15 +154,22 @@ func (s *Store) take(id uint64, l bucket.Limit, cost, now int64) bucket.Result {
 	// emptier, and leaves its FullAt as it would have been, so it can deny
 	// early, by the time between the two reads, and never admits more.
 	sh.mu.Lock()
-	old, ok := sh.states.get(id)
+	// One probe: a state found is written back in its slot.
+	var old bucket.State
+	i, ok := sh.states.find(tableKey(id))
+	if ok {
+		old = sh.states.at(i)
+	}
 	st, res := bucket.Take(old, now, l, cost)
-	if st != old {
-		if !ok {
-			if s.count.Load() >= s.maxKeys.Load() {
-				s.makeRoom(sh, now, id)
-			}
-			s.count.Add(1)
+	switch {
+	case st == old:
+	case ok:
+		sh.states.set(i, st)
+	default:
+		if s.count.Load() >= s.maxKeys.Load() {
+			s.makeRoom(sh, now, id)
 		}
+		s.count.Add(1)
 		sh.states.put(id, st)
 	}
 	sh.mu.Unlock()
