@@ -141,9 +141,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err := d.readCost(r); err != nil {
 		return err
 	}
-	began := time.Now()
-	res, err := d.take(r.Context(), h.store)
-	h.storeTime.Observe(time.Since(began).Seconds())
+	// The request's one reading of the clocks: the moment of the decision
+	// (d.start), at which the local store decides it (LocalStore.takeAt),
+	// and the start of the store's time.
+	d.start = time.Now()
+	res, err := d.take(r.Context(), h.store, d.start)
+	h.storeTime.Observe(time.Since(d.start).Seconds())
 	if err != nil {
 		return h.fallBack(w, r, next, d, err)
 	}
@@ -151,9 +154,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 }
 
 // newDecision starts the decision on r, and answers r's rate_limit
-// placeholders from it.
+// placeholders from it. Its moment (start) is read just before the take,
+// or when a request is refused without one (no_key deny, a bad cost).
 func (h *Handler) newDecision(r *http.Request) *decision {
-	d := &decision{handler: h, start: time.Now()}
+	d := &decision{handler: h}
 	d.claims = requestClaims{jwt: h.JWT, r: r}
 	if h.UpstreamHeaders {
 		// Later handlers trust these, so a client may not send its own.
@@ -224,6 +228,7 @@ var errNoKey = errors.New("no keyer named the client")
 // decision is counted and logged as a denial on the request's tier, with
 // the client IP's key id, so that logs show who sends unkeyable requests.
 func (h *Handler) refuseNoKey(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision) error {
+	d.start = time.Now() // the placeholders' reset counts from it
 	o, msg := outcomeDenied, "no keyer named the client"
 	if h.DryRun {
 		o, msg = outcomeDryRun, "no keyer named the client (dry run: let through)"
@@ -253,6 +258,7 @@ func (d *decision) readCost(r *http.Request) error {
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(repl.ReplaceAll(d.tier.CostPlaceholder, "")), 10, 64)
 	if err != nil || n < 0 || n > d.tier.maxCost {
+		d.start = time.Now() // the placeholders' reset counts from it
 		d.decide(outcomeDenied)
 		return rejection(http.StatusBadRequest, errBadCost)
 	}
@@ -265,15 +271,23 @@ func (d *decision) readCost(r *http.Request) error {
 // the bucket is banned or in debt. The result is the binding one's
 // (bucket.Binding): of the limits and quotas, the one with the least
 // remaining or, refused, the one that makes the client wait longest; its
-// Wait is the longest of the limits'.
-func (d *decision) take(ctx context.Context, s store) (bucket.Result, error) {
+// Wait is the longest of the limits'. A local store decides at the moment
+// at, when it is set, if its table reads the process's clocks: the
+// handler read them already (LocalStore.takeAt).
+func (d *decision) take(ctx context.Context, s store, at time.Time) (bucket.Result, error) {
 	d.took = s
 	out := d.parts()
 	if len(out) == 0 {
 		// Only in-flight requests: the slot decides.
 		return bucket.Result{Allowed: true}, nil
 	}
-	allowed, err := s.take(ctx, &d.bucket, d.tier.shape(), d.cost, out)
+	var allowed bool
+	var err error
+	if ls, ok := s.(*LocalStore); ok && !at.IsZero() {
+		allowed = ls.takeAt(&d.bucket, d.tier.shape(), d.cost, out, at)
+	} else {
+		allowed, err = s.take(ctx, &d.bucket, d.tier.shape(), d.cost, out)
+	}
 	if err != nil {
 		// Nothing was decided, whatever the store wrote.
 		d.result = bucket.Result{}
@@ -305,7 +319,8 @@ func (h *Handler) fallBack(w http.ResponseWriter, r *http.Request, next caddyhtt
 	case refuseUndecided:
 		return h.storeDown(w, r, d, err)
 	}
-	res, _ := d.take(r.Context(), h.local)
+	// At its own moment: the failed call may have taken its timeout.
+	res, _ := d.take(r.Context(), h.local, time.Time{})
 	return h.answer(w, r, next, d, res)
 }
 

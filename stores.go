@@ -158,6 +158,11 @@ var processStart = time.Now()
 
 func monotonicMicros() int64 { return time.Since(processStart).Microseconds() + 1 }
 
+// monotonicAt is monotonicMicros at the moment t, a reading of time.Now:
+// computed from t's monotonic reading, as time.Since is, with no clock
+// read of its own.
+func monotonicAt(t time.Time) int64 { return t.Sub(processStart).Microseconds() + 1 }
+
 func init() {
 	caddy.RegisterModule(LocalStore{})
 }
@@ -251,6 +256,13 @@ func (s *LocalStore) take(_ context.Context, b *Bucket, tr bucket.Tier, cost int
 	return s.buckets.Take(localID(b), tr, cost, out), nil
 }
 
+// takeAt is take at the moment at, which the handler read, when the
+// policy's table reads the process's clocks: it saves the request a clock
+// read (localbucket.Store.TakeAt).
+func (s *LocalStore) takeAt(b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result, at time.Time) bool {
+	return s.buckets.TakeAt(localID(b), tr, cost, out, monotonicAt(at), at.UnixMicro())
+}
+
 func (s *LocalStore) peek(_ context.Context, b *Bucket, tr bucket.Tier, out []bucket.Result) error {
 	s.buckets.Peek(localID(b), tr, out)
 	return nil
@@ -318,7 +330,13 @@ func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // clocks are what a handler's local buckets and its record of denials
 // read: now, monotonic microseconds, for the limits; wall, microseconds
 // since the epoch, for the quotas' calendar.
-type clocks struct{ now, wall func() int64 }
+type clocks struct {
+	now, wall func() int64
+	// system marks the process's clocks (systemClocks), which a handler
+	// reads a request's moment from (decision.start) and hands to its
+	// local buckets (LocalStore.takeAt) rather than have them read again.
+	system bool
+}
 
 func wallMicros() int64 { return time.Now().UnixMicro() }
 
@@ -326,7 +344,7 @@ func wallMicros() int64 { return time.Now().UnixMicro() }
 // (Handler.clocks, which tests of a handler alone set). Tests that load
 // Caddy replace them (useFakeClock): they run one at a time anyway, since
 // Caddy has one config.
-var systemClocks = clocks{now: monotonicMicros, wall: wallMicros}
+var systemClocks = clocks{now: monotonicMicros, wall: wallMicros, system: true}
 
 // or is c, or the system's clocks when c is the zero value.
 func (c clocks) or() clocks {
@@ -339,7 +357,7 @@ func (c clocks) or() clocks {
 // localOptions are the engine's settings for a store of maxKeys that
 // reads the clocks c.
 func localOptions(maxKeys int, c clocks) localbucket.Options {
-	return localbucket.Options{MaxKeys: maxKeys, Now: c.now, Wall: c.wall, Evictions: &evictionsTotal}
+	return localbucket.Options{MaxKeys: maxKeys, Now: c.now, Wall: c.wall, CallersClocks: c.system, Evictions: &evictionsTotal}
 }
 
 // hashSeed keys the local hash, so clients cannot aim for collisions.
@@ -347,16 +365,7 @@ var hashSeed = maphash.MakeSeed()
 
 // localID is the engine's id of a bucket: a keyed hash of its whole name.
 func localID(b *Bucket) uint64 {
-	var h maphash.Hash
-	h.SetSeed(hashSeed)
-	h.WriteString(b.Policy)
-	h.WriteByte(0)
-	h.WriteString(b.Tier)
-	h.WriteByte(0)
-	h.WriteString(b.Keyer)
-	h.WriteByte(0)
-	h.Write(b.Value)
-	return h.Sum64()
+	return localbucket.ID(hashSeed, b.Policy, b.Tier, b.Keyer, b.Value)
 }
 
 // localFallback is the local store that decides a policy's requests on

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math"
 	"math/big"
+	"math/bits"
 	"time"
 )
 
@@ -158,6 +159,31 @@ func (s State) RawDeficit(now int64, l Limit) int64 {
 // to a bucket in state s. It returns the new state, which equals s when the
 // request is denied, unless the denial starts a ban.
 func Take(s State, now int64, l Limit, cost int64) (State, Result) {
+	// The common case, written out here: a request allowed by a limit of
+	// no max_wait and not Instant, in a bucket neither banned nor in debt.
+	// It runs take's steps with two divisions where take has four; every
+	// other case goes to takeAny.
+	if l.MaxWait == 0 && !l.Instant && cost > 0 {
+		units, deficit := l.Units(), int64(0)
+		if gap := s.FullAt - now; gap > 0 {
+			// Overdrawn is gap*Tokens > Units+Slack, computed in 128 bits
+			// rather than divided: below it, the product is the deficit's.
+			hi, lo := bits.Mul64(uint64(gap), uint64(l.Rate.Tokens))
+			if hi != 0 || lo > uint64(units+s.Slack) {
+				return takeAny(s, now, l, cost)
+			}
+			deficit = max(int64(lo)-s.Slack, 0)
+		}
+		if level, need := units-deficit, cost*l.Rate.Interval; level >= need {
+			next := StateAt(now, deficit+need, l)
+			return next, Result{Allowed: true, Remaining: (level - need) / l.Rate.Interval, ResetAfter: next.FullAt - now}
+		}
+	}
+	return takeAny(s, now, l, cost)
+}
+
+// takeAny is Take for every case.
+func takeAny(s State, now int64, l Limit, cost int64) (State, Result) {
 	next, res := take(s, now, l, cost)
 	if !res.Allowed && l.Ban > 0 {
 		return Ban(s, now, l, cost*l.Rate.Interval)

@@ -15,6 +15,12 @@ import (
 // the figures are one request's whole cost in the store. Results and the
 // commands that produced them are in bench/README.md.
 
+// benchID is the id of the bucket of value, as the root's LocalStore
+// hashes it (ID).
+func benchID(value []byte) uint64 { return ID(idSeed, "p", "default", "ip/32/64", value) }
+
+// BenchmarkLocalTake is a take that reads the store's clock, as Take
+// does: the hash, the clock read and the take.
 func BenchmarkLocalTake(b *testing.B) {
 	s := newStore(defaultMaxKeys, monotonicMicros)
 	tr := lone(bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}})
@@ -22,7 +28,47 @@ func BenchmarkLocalTake(b *testing.B) {
 	var out [1]bucket.Result
 	b.ReportAllocs()
 	for b.Loop() {
-		s.Take(bucketID(value), tr, 1, out[:])
+		s.Take(benchID(value), tr, 1, out[:])
+	}
+}
+
+// BenchmarkLocalTakeAt is the take of a request whose handler read the
+// clock already (TakeAt, as LocalStore.takeAt): the hash and the take.
+// The moment is read once a thousand takes, so that it moves.
+func BenchmarkLocalTakeAt(b *testing.B) {
+	s := New(Options{MaxKeys: defaultMaxKeys, Now: monotonicMicros, Wall: wallMicros, CallersClocks: true})
+	tr := lone(bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}})
+	value := []byte("127.0.0.1")
+	var out [1]bucket.Result
+	var now, wall int64
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		if i&1023 == 0 {
+			now, wall = monotonicMicros(), wallMicros()
+		}
+		i++
+		s.TakeAt(benchID(value), tr, 1, out[:], now, wall)
+	}
+}
+
+// BenchmarkBucketID is the hash of a bucket's name alone, which every
+// request's take pays: ID, beside the piecewise maphash.Hash it replaced.
+func BenchmarkBucketID(b *testing.B) {
+	value := []byte("127.0.0.1")
+	var sink uint64
+	b.Run("ID", func(b *testing.B) {
+		for b.Loop() {
+			sink += benchID(value)
+		}
+	})
+	b.Run("piecewise", func(b *testing.B) {
+		for b.Loop() {
+			sink += bucketID(value)
+		}
+	})
+	if benchID(value) != bucketID(value) {
+		b.Fatal("ID and the piecewise hash differ")
 	}
 }
 
@@ -41,7 +87,7 @@ func BenchmarkLocalTakeParallel(b *testing.B) {
 		var out [1]bucket.Result
 		i := 0
 		for pb.Next() {
-			s.Take(bucketID(values[i&1023]), tr, 1, out[:])
+			s.Take(benchID(values[i&1023]), tr, 1, out[:])
 			i++
 		}
 	})

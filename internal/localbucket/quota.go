@@ -46,15 +46,15 @@ func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
 // periodName is the low bits of a period's start in seconds.
 func periodName(start int64) int64 { return start / 1_000_000 & (1<<periodBits - 1) }
 
-// takeQuotas is Take on a tier with quotas: the quotas' counts live beside
+// takeQuotas is Take on a tier with quotas, at now and wall: the quotas' counts live beside
 // the limits' states, under the same shard lock, each until its period
 // ends.
-func (s *Store) takeQuotas(id uint64, ls []bucket.Limit, qs []bucket.Quota, cost int64, out, qout []bucket.Result) bool {
+func (s *Store) takeQuotas(id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool {
+	ls, qs := tr.Limits, tr.Quotas
+	out, qout := out[:len(ls)], out[len(ls):len(ls)+len(qs)]
 	sh := s.shard(id)
 	var states, olds [bucket.MaxLimits]bucket.State
 	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
-	now := s.now()
-	wall := s.wall()
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for i := range ls {

@@ -49,7 +49,22 @@ func (t *stateTable) get(id uint64) (bucket.State, bool) {
 	if !ok {
 		return bucket.State{}, false
 	}
-	return bucket.State{FullAt: t.fullAt[i], Slack: int64(t.slack[i] &^ bannedBit), Banned: t.slack[i]&bannedBit != 0}, true
+	return t.at(i), true
+}
+
+// at is the state in slot i, which holds one.
+func (t *stateTable) at(i int) bucket.State {
+	return bucket.State{FullAt: t.fullAt[i], Slack: int64(t.slack[i] &^ bannedBit), Banned: t.slack[i]&bannedBit != 0}
+}
+
+// set stores st in slot i, which holds a state: a put with no second
+// probe.
+func (t *stateTable) set(i int, st bucket.State) {
+	t.fullAt[i] = st.FullAt
+	t.slack[i] = uint32(st.Slack)
+	if st.Banned {
+		t.slack[i] |= bannedBit
+	}
 }
 
 // bannedBit marks, in a slot's slack, a state that a ban wrote. Slack is
@@ -69,11 +84,7 @@ func (t *stateTable) put(id uint64, st bucket.State) {
 		t.keys[i] = key
 		t.n++
 	}
-	t.fullAt[i] = st.FullAt
-	t.slack[i] = uint32(st.Slack)
-	if st.Banned {
-		t.slack[i] |= bannedBit
-	}
+	t.set(i, st)
 }
 
 // remove deletes id's state, if any.

@@ -77,3 +77,18 @@ func TestHashZeroIsStored(t *testing.T) {
 		t.Fatalf("get(0) = %+v, %v; want FullAt 42", st, ok)
 	}
 }
+
+// ID hashes a bucket's name as a maphash.Hash written piece by piece does,
+// whether the name fits its stack buffer or not: a bucket keeps its id,
+// and its state, whichever way it was hashed.
+func TestIDIsThePiecewiseHashOfTheName(t *testing.T) {
+	for _, n := range []int{0, 1, 9, 200, 109, 110, 300, 5000} {
+		value := make([]byte, n)
+		for i := range value {
+			value[i] = byte(i*7 + n)
+		}
+		if got, want := ID(idSeed, "p", "default", "ip/32/64", value), bucketID(value); got != want {
+			t.Errorf("value of %d bytes: ID %x, want %x", n, got, want)
+		}
+	}
+}
