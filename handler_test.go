@@ -156,10 +156,13 @@ func TestAGiveBackOrAChargeAcrossAReloadThatChangesNothingCounts(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			cfg := `{"name":"reload-settle-` + strings.ReplaceAll(tt.name, " ", "-") + `",` + tt.settle + `,"tiers":[{"name":"default",` + tt.tier + `}]}`
-			_, running := reloadMidRequest(t, clocks{}, cfg, cfg, "127.0.0.7", func(w http.ResponseWriter, h *Handler) {
+			w, running := reloadMidRequest(t, clocks{}, cfg, cfg, "127.0.0.7", func(w http.ResponseWriter, h *Handler) {
 				tt.answer(w, h)
 				w.WriteHeader(http.StatusOK)
 			})
+			if w.Code != http.StatusOK {
+				t.Fatalf("the request across the reload: %d", w.Code)
+			}
 			w, err := serveOne(running, benchRequest("127.0.0.7"), nopHandler)
 			if err != nil {
 				t.Fatalf("ServeHTTP: %v", err)
