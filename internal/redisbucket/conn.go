@@ -111,13 +111,16 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 		c.master = &masterWatch{name: o.Sentinel.Master, sentinels: p.sentinels, switched: c.masterSwitched, log: &c.log}
 		c.master.start(life)
 	}
+	// The script is read here, not in the goroutine, which may run after
+	// the caller has gone on (a test that swaps bucketScript).
+	script := bucketScript
 	go func() {
 		ctx, cancel := context.WithTimeout(life, 10*time.Second)
 		defer cancel()
 		if p.asCluster != nil {
 			c.detectCluster(ctx)
 		}
-		_ = bucketScript.Load(ctx, c.client()).Err()
+		_ = script.Load(ctx, c.client()).Err()
 	}()
 	return c
 }
@@ -210,10 +213,11 @@ func (c *Conn) follow(seen string) bool {
 		zap.String("address", c.address), zap.String("seen", seen))
 	// Calls under way on the node client end within the timeout.
 	time.AfterFunc(4*c.timeout+time.Second, func() { _ = old.close() })
+	script := bucketScript
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		_ = bucketScript.Load(ctx, client).Err()
+		_ = script.Load(ctx, client).Err()
 	}()
 	return true
 }
