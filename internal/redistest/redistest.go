@@ -125,42 +125,39 @@ func (r *Server) start() {
 	deadline := time.Now().Add(10 * time.Second)
 	// First the port, polled by plain dials: a client whose first dials
 	// were refused waits about 100 ms more before it answers.
-	for {
+	r.poll(deadline, "listen", 2*time.Millisecond, func() error {
 		conn, err := net.DialTimeout("tcp", r.Addr(), 200*time.Millisecond)
 		if err == nil {
 			conn.Close()
-			break
 		}
-		select {
-		case <-r.exit:
-			log, _ := os.ReadFile(filepath.Join(r.dir, "redis.log"))
-			r.t.Fatalf("redis-server on port %d exited: %v\n%s", r.Port, err, log)
-		default:
-		}
-		if time.Now().After(deadline) {
-			r.t.Fatalf("redis-server on port %d did not listen: %v", r.Port, err)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+		return err
+	})
 	c := r.Client()
 	defer c.Close()
-	for {
+	r.poll(deadline, "answer", 20*time.Millisecond, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		err := c.Ping(ctx).Err()
-		cancel()
+		defer cancel()
+		return c.Ping(ctx).Err()
+	})
+}
+
+// poll calls try every pause until it succeeds, and fails the test when
+// the server exits first or the deadline passes: it did not do what.
+func (r *Server) poll(deadline time.Time, what string, pause time.Duration, try func() error) {
+	for {
+		err := try()
 		if err == nil {
 			return
 		}
 		select {
 		case <-r.exit:
-			log, _ := os.ReadFile(filepath.Join(r.dir, "redis.log"))
-			r.t.Fatalf("redis-server on port %d exited: %v\n%s", r.Port, err, log)
+			r.t.Fatalf("redis-server on port %d exited: %v\n%s", r.Port, err, r.Log())
 		default:
 		}
 		if time.Now().After(deadline) {
-			r.t.Fatalf("redis-server on port %d did not answer: %v", r.Port, err)
+			r.t.Fatalf("redis-server on port %d did not %s: %v", r.Port, what, err)
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(pause)
 	}
 }
 
