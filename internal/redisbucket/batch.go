@@ -37,6 +37,8 @@ type batchCall struct {
 	args []any
 	vals []int64
 	err  error
+	// took is the pipeline's time from its write to its reply (µs).
+	took int64
 	done chan struct{}
 }
 
@@ -56,32 +58,36 @@ func newRedisBatcher(client redis.UniversalClient, loops, maxBatch int) *redisBa
 func (b *redisBatcher) close() { close(b.stop) }
 
 // take runs the script on keys with args, batched with whatever other
-// decisions are waiting.
-func (b *redisBatcher) take(ctx context.Context, keys []string, args []any) ([]int64, error) {
+// decisions are waiting. It reports how long the call took from its write
+// to its reply (µs): a batched call's pipeline's, not its wait in the
+// queue; -1 when that was no round trip alone (callTimer).
+func (b *redisBatcher) take(ctx context.Context, keys []string, args []any) ([]int64, int64, error) {
 	defer b.callers.Add(-1)
 	if b.callers.Add(1) == 1 {
 		select {
 		case <-b.stop:
-			return nil, redis.ErrClosed
+			return nil, 0, redis.ErrClosed
 		default:
 		}
-		return bucketScript.Run(ctx, b.client, keys, args...).Int64Slice()
+		call := startCall()
+		vals, err := bucketScript.Run(ctx, b.client, keys, args...).Int64Slice()
+		return vals, call.took(), err
 	}
 	c := &batchCall{ctx: ctx, keys: keys, args: args, done: make(chan struct{})}
 	select {
 	case b.queue <- c:
 	case <-b.stop:
-		return nil, redis.ErrClosed
+		return nil, 0, redis.ErrClosed
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, 0, ctx.Err()
 	}
 	select {
 	case <-c.done:
-		return c.vals, c.err
+		return c.vals, c.took, c.err
 	case <-b.stop:
-		return nil, redis.ErrClosed
+		return nil, 0, redis.ErrClosed
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, 0, ctx.Err()
 	}
 }
 
@@ -139,6 +145,7 @@ func (b *redisBatcher) send(batch []*batchCall) {
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 	}
 	defer cancel()
+	call := startCall()
 	cmds := b.run(ctx, live, bucketScript.EvalSha)
 	var lost []*batchCall
 	var lostAt []int
@@ -155,8 +162,10 @@ func (b *redisBatcher) send(batch []*batchCall) {
 			cmds[lostAt[j]] = cmd
 		}
 	}
+	took := call.took()
 	for i, c := range live {
 		c.vals, c.err = cmds[i].Int64Slice()
+		c.took = took
 		close(c.done)
 	}
 }

@@ -28,7 +28,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 		wg.Go(func() {
 			for range 10 {
 				ctx, cancel := context.WithTimeout(bg, time.Second)
-				vals, err := b.take(ctx, []string{key}, s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1))
+				vals, _, err := b.take(ctx, []string{key}, s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1))
 				cancel()
 				if err != nil {
 					t.Error(err)
@@ -55,7 +55,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 		var wg sync.WaitGroup
 		for range n {
 			wg.Go(func() {
-				vals, err := b.take(bg, []string{key}, s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1))
+				vals, _, err := b.take(bg, []string{key}, s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1))
 				if err != nil {
 					t.Errorf("take after SCRIPT FLUSH (%d at once): %v", n, err)
 					return
@@ -76,7 +76,7 @@ func TestRedisBatcherAnswersAfterClose(t *testing.T) {
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
 	b := newRedisBatcher(s.conn.client(), 1, 8)
 	b.close()
-	if _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", bucket.Tier{Limits: []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}}, 0, 1)); !errors.Is(err, redis.ErrClosed) {
+	if _, _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", bucket.Tier{Limits: []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}}, 0, 1)); !errors.Is(err, redis.ErrClosed) {
 		t.Fatalf("take on a closed batcher: %v, want %v", err, redis.ErrClosed)
 	}
 }
@@ -123,7 +123,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 			bt := newRedisBatcher(s.conn.client(), loops, 128)
 			defer bt.close()
 			parallel(b, func(ctx context.Context, keys []string) error {
-				_, err := bt.take(ctx, keys, args)
+				_, _, err := bt.take(ctx, keys, args)
 				return err
 			})
 		})
@@ -154,7 +154,7 @@ func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	l := slowLimit(1000)
 	args := s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1)
 	key := string(bucketFor("192.0.2.40"))
-	if _, err := b.take(bg, []string{key}, args); err != nil {
+	if _, _, err := b.take(bg, []string{key}, args); err != nil {
 		t.Fatal(err)
 	}
 
@@ -168,7 +168,7 @@ func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 			ctx, cancel := context.WithTimeout(bg, timeout)
 			defer cancel()
 			start := time.Now()
-			_, err := b.take(ctx, []string{key}, args)
+			_, _, err := b.take(ctx, []string{key}, args)
 			took := time.Since(start)
 			if err == nil {
 				t.Errorf("decision %d answered while Redis was paused", i)
@@ -194,7 +194,7 @@ func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	// (CLIENT UNPAUSE would itself wait for the pause to end.)
 	ctx, cancel := context.WithTimeout(bg, 5*time.Second)
 	defer cancel()
-	if _, err := b.take(ctx, []string{key}, args); err != nil {
+	if _, _, err := b.take(ctx, []string{key}, args); err != nil {
 		t.Fatalf("take after Redis came back: %v", err)
 	}
 }

@@ -180,7 +180,8 @@ func (o *Options) sentinelClient(c *clientParams) (func() redis.UniversalClient,
 		DialerRetries:         oneTryDialerRetries,
 		ContextTimeoutEnabled: true,
 		// The Sentinels' connections and the master's, TLS included.
-		Dialer: dialer(c.tls, o.Timeout),
+		Dialer:    dialer(c.tls, o.Timeout),
+		OnConnect: countHandshake,
 	}
 	var each []*redis.Options
 	for _, addr := range sentinels {
@@ -245,6 +246,7 @@ func (o *Options) nodeClient(c *clientParams) (newClient func() redis.UniversalC
 	first.ContextTimeoutEnabled = true
 	first.DialTimeout = o.Timeout
 	first.Dialer = dialer(first.TLSConfig, o.Timeout)
+	first.OnConnect = countHandshake
 	return func() redis.UniversalClient { return redis.NewClient(first) }, asCluster, nil
 }
 
@@ -285,6 +287,7 @@ func (o *Options) clusterClient(c *clientParams, addresses []string, nodes []*re
 		opts.TLSConfig.ServerName = ""
 	}
 	opts.Dialer = dialer(opts.TLSConfig, o.Timeout)
+	opts.OnConnect = countHandshake
 	return func() redis.UniversalClient { return redis.NewClusterClient(opts) }, nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
@@ -33,6 +34,11 @@ type Store struct {
 	slots       *slotTable
 	slotsClosed bool
 	slotTTL     time.Duration
+
+	// rtt is the round trip this view's calls measured, and watch the
+	// settings it is checked against once WatchRoundTrip is called (rtt.go).
+	rtt   rttMeter
+	watch atomic.Pointer[rttWatch]
 
 	// clockOffset is added to the Redis server's TIME. Only tests set it,
 	// to replay traces faster than real time; it is always 0 otherwise.
@@ -297,9 +303,13 @@ func (s *Store) call(ctx context.Context, key string, args []any, batched bool, 
 	w0, w1 := want[0], want[len(want)-1]
 	var vals []int64
 	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
-		vals, err = set.runScript(ctx, key, args, batched)
+		var took int64
+		vals, took, err = set.runScript(ctx, key, args, batched)
 		if err == nil && len(vals) != w0 && len(vals) != w1 {
 			err = fmt.Errorf("script answered %d values, want %d or %d", len(vals), w0, w1)
+		}
+		if err == nil {
+			s.sample(took)
 		}
 		return err
 	})
@@ -329,12 +339,16 @@ func (s *Store) do(ctx context.Context, send func(context.Context, *clientSet) e
 }
 
 // runScript runs the bucket script on one key, through the batcher when
-// batched and there is one.
-func (set *clientSet) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, error) {
+// batched and there is one. It reports how long the call took from its
+// write to its reply (µs), not counting its wait in the batcher's queue;
+// -1 when that was no round trip alone (callTimer).
+func (set *clientSet) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, int64, error) {
 	if batched && set.batcher != nil {
 		return set.batcher.take(ctx, []string{key}, args)
 	}
-	return bucketScript.Run(ctx, set.client, []string{key}, args...).Int64Slice()
+	call := startCall()
+	vals, err := bucketScript.Run(ctx, set.client, []string{key}, args...).Int64Slice()
+	return vals, call.took(), err
 }
 
 // wrap says what went wrong with a call to Redis.
