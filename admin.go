@@ -82,6 +82,10 @@ type policyView struct {
 	// Leases is the buckets this node holds leased tokens of (Redis with
 	// lease only).
 	Leases int `json:"leases"`
+	// StoreRTTSeconds is the round trip to the store this node measured:
+	// a moving average of its calls that Redis answered (Redis only; 0
+	// before the first).
+	StoreRTTSeconds float64 `json:"store_rtt_seconds,omitempty"`
 	// Waiting is the policy's requests waiting for their tokens on this
 	// node now (max_wait), and MaxWaiting their bound.
 	Waiting    int64 `json:"waiting"`
@@ -164,6 +168,7 @@ func viewOf(h *Handler) policyView {
 	if r, ok := h.store.(reporter); ok {
 		rep := r.report()
 		v.Keys, v.Breaker, v.Leases, v.RedisMaster = rep.keys, rep.breaker, rep.leases, rep.master
+		v.StoreRTTSeconds = rep.rtt.Seconds()
 	}
 	if h.local != nil && h.local.buckets != nil {
 		// Beside a shared store: the on_store_error local fallback's.

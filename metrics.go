@@ -8,6 +8,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/localbucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -57,6 +58,9 @@ var (
 
 	keysGauge = keysCollector{desc: prometheus.NewDesc("caddy_http_rate_limit_keys",
 		"Buckets the local store holds, by policy.", []string{"policy"}, nil)}
+
+	storeRTTGauge = storeRTTCollector{desc: prometheus.NewDesc("caddy_http_rate_limit_store_rtt_seconds",
+		"The round trip to the shared store this node measured, by policy: a moving average of its calls the store answered.", []string{"policy", "store"}, nil)}
 )
 
 // keysCollector reports the size of every local bucket table when scraped,
@@ -86,13 +90,33 @@ func (c keysCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
+// storeRTTCollector reports, when scraped, the round trip each running
+// policy's store measured (roundTripWatcher), so that a reload's new
+// store is the one shown; a policy with none measured yet is left out.
+type storeRTTCollector struct{ desc *prometheus.Desc }
+
+func (c storeRTTCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c storeRTTCollector) Collect(ch chan<- prometheus.Metric) {
+	for policy, hs := range runningHandlers() {
+		h := hs[len(hs)-1]
+		w, ok := h.store.(roundTripWatcher)
+		if !ok {
+			continue
+		}
+		if rtt := w.roundTrip(); rtt > 0 {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, rtt.Seconds(), policy, caddy.GetModuleName(h.store))
+		}
+	}
+}
+
 // registerMetrics adds the collectors to a config's registry. A second
 // handler in the same config finds them there already.
 func registerMetrics(reg *prometheus.Registry) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, bansTotal, waitSeconds, inFlightGauge}, redisbucket.Collectors()...) {
+	for _, c := range append([]prometheus.Collector{requestsTotal, storeDuration, storeErrorsTotal, evictionsCounter, keysGauge, storeRTTGauge, bansTotal, waitSeconds, inFlightGauge}, redisbucket.Collectors()...) {
 		if err := reg.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

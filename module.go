@@ -243,6 +243,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if lw, ok := h.store.(leaseWarner); ok {
 		lw.warnLeaseCaps(h.logger, h.Tiers)
 	}
+	if w, ok := h.store.(roundTripWatcher); ok {
+		w.watchRoundTrip(h.logger, h.Tiers)
+	}
 	h.denials = denialsFor(h.Name)
 	h.provisionWait()
 	if err := h.joinConfig(ctx, unnamed); err != nil {

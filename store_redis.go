@@ -69,7 +69,8 @@ type RedisStore struct {
 	// Timeout bounds each decision, including the wait for a connection.
 	// A decision that takes longer fails, and on_store_error applies. It
 	// bounds each dial too, TLS handshake included, to Redis and to the
-	// Sentinels. Default 100ms.
+	// Sentinels. Default 100ms. Each node logs a warning when it is under
+	// twice the round trip the node measures (docs/operating.md).
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// PoolSize is the most connections kept per Redis node. Default 10 per
@@ -99,11 +100,14 @@ type RedisStore struct {
 	// to decide the requests they cover without calling Redis: a number,
 	// or a share of each tier's capacity such as "10%" (at least 1). The
 	// fleet still admits no more than one bucket would (docs/fleet.md).
-	// Default 1: every decision asks Redis.
+	// Default 1: every decision asks Redis. Each node logs a warning when
+	// a tier's lease is under what its rate refills in one measured round
+	// trip.
 	Lease string `json:"lease,omitempty"`
 
 	// LeaseTTL is how long leased tokens may stay unused on this node
-	// before they go back to the shared bucket. Default 1s.
+	// before they go back to the shared bucket. Default 1s. Each node logs
+	// a warning when it is under four times the measured round trip.
 	LeaseTTL caddy.Duration `json:"lease_ttl,omitempty"`
 
 	// SlotTTL is how long an in-flight slot (a tier's concurrency) lives
@@ -430,7 +434,28 @@ func (s *RedisStore) inFlight(ctx context.Context, b *Bucket) (int64, error) {
 }
 
 func (s *RedisStore) report() storeReport {
-	return storeReport{breaker: s.engine.BreakerState(), leases: s.engine.LeasesHeld(), master: s.engine.Master()}
+	return storeReport{breaker: s.engine.BreakerState(), leases: s.engine.LeasesHeld(), master: s.engine.Master(), rtt: s.roundTrip()}
+}
+
+// roundTrip is the engine's measured round trip, 0 before its first
+// answer.
+func (s *RedisStore) roundTrip() time.Duration {
+	rtt, _ := s.engine.RoundTrip()
+	return rtt
+}
+
+// watchRoundTrip makes the engine warn on the policy's logger when
+// timeout, lease_ttl or a tier's lease is too small for the round trip it
+// measures (redisbucket.Store.WatchRoundTrip). A tier of quotas alone has
+// no rate to weigh its lease against.
+func (s *RedisStore) watchRoundTrip(logger *zap.Logger, tiers []*Tier) {
+	var named []redisbucket.NamedTier
+	for _, t := range tiers {
+		if !t.Unlimited && !t.Deny && len(t.limits) > 0 && t.hidden == 0 {
+			named = append(named, redisbucket.NamedTier{Name: t.Name, Tier: bucket.Tier{Limits: t.limits, Quotas: t.quotas}})
+		}
+	}
+	s.engine.WatchRoundTrip(logger, named)
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
@@ -579,6 +604,7 @@ var (
 	_ leaseHolder           = (*RedisStore)(nil)
 	_ layeredResetter       = (*RedisStore)(nil)
 	_ leaseWarner           = (*RedisStore)(nil)
+	_ roundTripWatcher      = (*RedisStore)(nil)
 	_ caddy.Provisioner     = (*RedisStore)(nil)
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)

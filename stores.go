@@ -119,6 +119,9 @@ type storeReport struct {
 	// master is the address of the master in use, for a store that finds
 	// it through Sentinel.
 	master string
+	// rtt is the measured round trip to a shared store, 0 before its
+	// first answer and for the local store.
+	rtt time.Duration
 }
 
 // layeredResetter is a store whose reset clears several layers, some on
@@ -150,6 +153,14 @@ type policyStore interface {
 // of the tiers (a lease the tiers' capacities cap).
 type leaseWarner interface {
 	warnLeaseCaps(logger *zap.Logger, tiers []*Tier)
+}
+
+// roundTripWatcher is a store that measures its round trip, 0 before its
+// first answer, and warns, as it runs, of settings too small for it
+// (docs/operating.md).
+type roundTripWatcher interface {
+	roundTrip() time.Duration
+	watchRoundTrip(logger *zap.Logger, tiers []*Tier)
 }
 
 // processStart anchors the monotonic clock. One is added so that the zero
