@@ -111,7 +111,7 @@ func (t *leaseTable) roundTrip() int64 {
 }
 
 // rttWarmup is how many samples the average weighs before it is checked,
-// so that one slow dial does not warn.
+// so that a few slow first calls (the script loaded again) do not warn.
 const rttWarmup = 20
 
 // rttWarnEvery is how often one condition may warn again while it lasts.
