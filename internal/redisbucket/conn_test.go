@@ -1,7 +1,11 @@
 package redisbucket
 
 import (
+	"bufio"
+	"context"
 	"errors"
+	"io"
+	"net"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -273,4 +277,67 @@ func TestAConnectionLogsToItsNewestStoresLogger(t *testing.T) {
 	expect("the newer closed", "older")
 	a.Close()
 	expect("both closed", "made with")
+}
+
+// TestANewConnectionSendsNoClientSetInfo: a new connection's set-up is a
+// round trip per command, which a node far from Redis pays before its first
+// call can go (3 through a 160 ms link leave a 500 ms timeout 20 ms): it
+// sends no CLIENT SETINFO, which nothing here reads. A server older than
+// 7.2 refuses the command, so it is counted as an error or as a call.
+func TestANewConnectionSendsNoClientSetInfo(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	before := refusedCommands(rawInfo(t, srv.Addr()))
+	s := newTestStore(t, testConfig{Addresses: []string{srv.Addr()}, Timeout: time.Second})
+	if _, err := s.takeLimit(context.Background(), bucketFor("set-info"), slowLimit(10), 1); err != nil {
+		t.Fatal(err)
+	}
+	// Read by hand: a go-redis client would send its own CLIENT SETINFO.
+	info := rawInfo(t, srv.Addr())
+	if after := refusedCommands(info); after != before || strings.Contains(info, "cmdstat_client|setinfo") {
+		t.Errorf("a new connection sent CLIENT SETINFO (commands refused with ERR: %d before, %d after):\n%s", before, after, info)
+	}
+	if !strings.Contains(info, "cmdstat_evalsha") {
+		t.Errorf("no EVALSHA counted: the check reads the wrong statistics:\n%s", info)
+	}
+}
+
+// refusedCommands is INFO errorstats' count of ERR answers.
+func refusedCommands(info string) int {
+	_, rest, _ := strings.Cut(info, "errorstat_ERR:count=")
+	n, _ := strconv.Atoi(strings.TrimSpace(strings.SplitN(rest, "\r\n", 2)[0]))
+	return n
+}
+
+// rawInfo is INFO's commandstats and errorstats, asked over a plain TCP
+// connection.
+func rawInfo(t *testing.T, addr string) string {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte("INFO commandstats\r\nINFO errorstats\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	r := bufio.NewReader(c)
+	var sb strings.Builder
+	for range 2 {
+		head, err := r.ReadString('\n')
+		if err != nil || !strings.HasPrefix(head, "$") {
+			t.Fatalf("INFO answered %q, %v", head, err)
+		}
+		n, err := strconv.Atoi(strings.TrimSpace(head[1:]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := make([]byte, n+2)
+		if _, err := io.ReadFull(r, body); err != nil {
+			t.Fatal(err)
+		}
+		sb.Write(body)
+	}
+	return sb.String()
 }

@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 )
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
@@ -176,7 +177,7 @@ func (r *Server) URL() string  { return "redis://" + r.Addr() }
 
 // client is a plain client for the test's own looks at the server.
 func (r *Server) Client() *redis.Client {
-	return redis.NewClient(&redis.Options{Addr: r.Addr(), TLSConfig: r.tls, MaxRetries: -1, DialTimeout: time.Second})
+	return redis.NewClient(&redis.Options{Addr: r.Addr(), TLSConfig: r.tls, MaxRetries: -1, DialTimeout: time.Second, DisableIdentity: true, MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}})
 }
 
 // do runs one command and fails the test on an error.
