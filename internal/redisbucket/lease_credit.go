@@ -1,0 +1,126 @@
+package redisbucket
+
+import (
+	"context"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+
+	"go.uber.org/zap"
+)
+
+// Credit (`credit <k>` with lease, docs/fleet.md): a node admits the first
+// k requests of a key it holds no lease entry for at once, and charges
+// their cost to every limit of the tier in the background, as
+// cost_from_response's charge does, into debt if need be. A cold key then
+// costs no wait, and still one call. A charge never lifts a ban: the
+// request was admitted before the node could know of it.
+//
+// The debt rule: a node forgets an idle key after lease_ttl, and would
+// give it credit again. So the charge's answer says how long until the
+// bucket is out of debt (buckettest.Shared's Charge, the script's charge),
+// and the node keeps the key, with no credit left, until then: never
+// evicted, never dropped as idle. The time runs from the answer's arrival
+// on this node's clock, which is after Redis's own moment of the charge,
+// so the node never forgets the key before the debt it was told of ends.
+// While a shard of the table has no room to keep another such key, its new
+// keys get no credit. Over every window T the fleet then admits at most
+// C + floor(rT) + nodes x k requests' tokens
+// (TestCreditNeverAdmitsMoreThanNodesTimesKOverAnyWindow).
+//
+// A charge that fails (Redis down) leaves the key with no credit: its
+// requests were admitted and are not charged, as a failed
+// cost_from_response charge is not.
+
+// credited decides a request on credit, if the entry e has any left: it
+// is admitted, and its cost charged in the background. Under the shard's
+// lock.
+func (t *leaseTable) credited(e *lease, cost, now int64, out []bucket.Result) (bucket.Result, bool) {
+	if e.credit <= 0 || len(e.tier.Quotas) > 0 {
+		// A quota is never in debt: the debt rule could not bound what
+		// credit admits past a used-up one (the Caddyfile refuses both).
+		return bucket.Result{}, false
+	}
+	e.credit--
+	e.owed += cost
+	if !e.charging {
+		t.chargeOwed(e)
+	}
+	return creditResult(e.tier, cost, now, out), true
+}
+
+// creditResult is what a request admitted on credit reports: each limit
+// as strict mode reports a key's first request, a full bucket less the
+// cost. The node knows nothing of the shared bucket yet; the headers of
+// the key's next requests read what the calls found, as leases' do.
+func creditResult(tr bucket.Tier, cost, now int64, out []bucket.Result) bucket.Result {
+	var first bucket.Result
+	for i, l := range tr.Limits {
+		_, r := bucket.Take(bucket.State{}, now, l, cost)
+		if i < len(out) {
+			out[i] = r
+		}
+		if i == 0 || r.Remaining < first.Remaining {
+			first = r
+		}
+	}
+	return first
+}
+
+// chargeOwed charges what e's requests took on credit, in one background
+// call; requests credited while it is out are charged by the next, when
+// it answers. Under the shard's lock.
+func (t *leaseTable) chargeOwed(e *lease) {
+	n := e.owed
+	e.owed, e.charging = 0, true
+	t.calls.Add(1)
+	go func(key string, tr bucket.Tier) {
+		defer t.calls.Done()
+		debt, err := t.store.charge(key, tr, n)
+		sh := t.shard([]byte(key))
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		e.charging = false
+		switch {
+		case err != nil:
+			e.credit = 0
+			t.logger.Debug("redis store: charging requests admitted on credit failed; they go uncharged", zap.Int64("tokens", n), zap.Error(err))
+		case debt > 0:
+			e.credit = 0
+			e.debtUntil = max(e.debtUntil, t.now()+debt)
+		}
+		if e.owed > 0 {
+			t.chargeOwed(e)
+		}
+	}(e.key, e.tier)
+}
+
+// keeps says whether the debt rule keeps e: a charge of its credit is
+// owed or out, or the bucket is in debt as its answer said.
+func (t *leaseTable) keeps(e *lease, now int64) bool {
+	return e.charging || e.owed > 0 || now < e.debtUntil
+}
+
+// creditFor is the credit a new entry gets in a shard that holds n
+// entries once room is made: none when the shard could not keep it.
+func (t *leaseTable) creditFor(n int) int64 {
+	if n >= t.perShard {
+		return 0
+	}
+	return t.credit
+}
+
+// chargeShared charges n tokens to every limit and quota of the tier tr
+// of the shared bucket at key, into debt if need be, by one script call;
+// it reports how long until every limit holds 0 tokens or more again.
+func (s *Store) chargeShared(ctx context.Context, key string, tr bucket.Tier, n int64) (int64, error) {
+	v, err := s.call(context.WithoutCancel(ctx), key, s.args("charge", tr, 0, n), false, 3)
+	if err != nil {
+		return 0, err
+	}
+	return v[2], nil
+}
+
+// charge is chargeShared for credit, apart from any request's context.
+func (s *Store) charge(key string, tr bucket.Tier, n int64) (int64, error) {
+	return s.chargeShared(context.Background(), key, tr, n)
+}
