@@ -11,6 +11,7 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 )
 
 // charge is the model's charge after the fact, as the script's: the
@@ -437,4 +438,39 @@ func TestTheCreditPropertyCatchesAFleetWithoutTheDebtRule(t *testing.T) {
 		}
 	}
 	t.Fatal("no round caught the fleet without the debt rule")
+}
+
+// Against a real redis-server 50 ms away each way: a cold key's credited
+// request answers at once, not after a round trip, and its charge reaches
+// the shared bucket once; the key's next request leases, one round trip.
+func TestACreditedColdKeyDoesNotWaitOnRedis(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t, srv.Addr(), 50*time.Millisecond)
+	plan, err := NewPlan(Options{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(nopLogger)
+	s := NewStore(conn, StoreOptions{Lease: LeaseSize{tokens: 5}, Credit: 1})
+	defer func() { s.Close(); _ = conn.Close() }()
+	direct := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	l := slowLimit(20)
+	key := bucketFor("cold over a slow link")
+	out := make([]bucket.Result, 1)
+	began := time.Now()
+	allowed, err := s.Take(bg, key, oneLimit(l), 1, out)
+	took := time.Since(began)
+	if err != nil || !allowed || took >= 25*time.Millisecond {
+		t.Fatalf("a cold key's first request: %v %v after %v; want allowed well within the 100 ms round trip", allowed, err, took)
+	}
+	tableSync(s.leases)
+	if err := direct.Peek(bg, key, oneLimit(l), out); err != nil || out[0].Remaining != l.Capacity-1 {
+		t.Fatalf("the shared bucket after the charge: %+v %v; want %d left, charged once", out[0], err, l.Capacity-1)
+	}
+	began = time.Now()
+	allowed, err = s.Take(bg, key, oneLimit(l), 1, out)
+	if took := time.Since(began); err != nil || !allowed || took < 100*time.Millisecond {
+		t.Fatalf("the second request: %v %v after %v; want allowed by a lease call, one round trip", allowed, err, took)
+	}
 }
