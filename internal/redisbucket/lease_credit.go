@@ -30,6 +30,16 @@ import (
 // A charge that fails (Redis down) leaves the key with no credit: its
 // requests were admitted and are not charged, as a failed
 // cost_from_response charge is not.
+//
+// With the rest of a tier: a credited request is admitted without a wait
+// (max_wait), takes its slot after as any request does (concurrency);
+// its count_status give-back and a cost_from_response charge go to the
+// shared bucket (the node holds no lease to take them), after or before
+// the credit's charge, which only ever admits less (a give-back never
+// fills past the capacity). Several limits: each is charged, and the
+// debt is the longest. A tier with a quota gets no credit: a quota is
+// never in debt, so nothing would stop the nodes crediting a client past
+// a used-up one (the root's checkCredit refuses it at adapt).
 
 // credited decides a request on credit, if the entry e has any left: it
 // is admitted, and its cost charged in the background. Under the shard's

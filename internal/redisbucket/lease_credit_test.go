@@ -229,6 +229,43 @@ func TestCreditIsOffWhileTheTableCannotKeepAnotherKey(t *testing.T) {
 	_ = clock
 }
 
+// On a tier of two limits, a credited request reports each limit as a
+// full bucket less its cost, and its charge takes from both; its
+// count_status give-back and a cost_from_response charge after it go to
+// the shared bucket, since the node holds no lease to take them.
+func TestCreditChargesEveryLimitAndItsGiveBackGoesToTheSharedBucket(t *testing.T) {
+	t.Parallel()
+	clock, sm := newModelStore()
+	c := &creditModel{sharedModel: sm}
+	hour := bucket.Rate{Tokens: 1, Interval: 3_600_000_000}
+	tr := bucket.Tier{Limits: []bucket.Limit{{Capacity: 10, Rate: hour}, {Capacity: 50, Rate: hour}}}
+	tb := newCreditTable(c, LeaseSize{tokens: 4}, time.Second, 1000, 1)
+	defer tb.close()
+	key := []byte("two limits")
+	out := make([]bucket.Result, 2)
+	res, err := tb.take(bg, key, tr, 2, out)
+	tableSync(tb)
+	if err != nil || !res.Allowed || out[0].Remaining != 8 || out[1].Remaining != 48 || res != out[0] {
+		t.Fatalf("credited: %+v %v, each %+v; want allowed, 8 and 48 left, the first binding", res, err, out)
+	}
+	levels := func() [2]int64 {
+		sm.mu.Lock()
+		defer sm.mu.Unlock()
+		each := make([]bucket.Result, 2)
+		sm.bucket(string(key), 2).Peek(clock.now(), tr.Limits, each)
+		return [2]int64{each[0].Remaining, each[1].Remaining}
+	}
+	if got := levels(); got != [2]int64{8, 48} {
+		t.Fatalf("levels %v after the charge; want [8 48]", got)
+	}
+	if rest := tb.giveBackHeld(key, 2); rest != 2 {
+		t.Fatalf("a give-back of the credited request: %d to the shared bucket; want 2", rest)
+	}
+	if rest := tb.chargeHeld(key, 3); rest != 3 {
+		t.Fatalf("a charge after the credited request: %d to the shared bucket; want 3", rest)
+	}
+}
+
 // holds says whether the table has an entry for key.
 func (t *leaseTable) holds(key []byte) bool {
 	sh := t.shard(key)
