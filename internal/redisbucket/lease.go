@@ -89,8 +89,10 @@ type leaseTable struct {
 	// tier is gone. A table closed by a reload gives back under it.
 	current func(key string, tr bucket.Tier) (bucket.Tier, bool)
 	// credit is how many requests of a key with no entry are admitted at
-	// once, before any call (lease_credit.go); 0 for none.
-	credit int64
+	// once, before any call (lease_credit.go); 0 for none. failing, when
+	// set, says that calls to the store fail: credit is off meanwhile.
+	credit  int64
+	failing func() bool
 
 	stop    chan struct{}
 	closed  atomic.Bool

@@ -27,9 +27,11 @@ import (
 // C + floor(rT) + nodes x k requests' tokens
 // (TestCreditNeverAdmitsMoreThanNodesTimesKOverAnyWindow).
 //
-// A charge that fails (Redis down) leaves the key with no credit: its
-// requests were admitted and are not charged, as a failed
-// cost_from_response charge is not.
+// Credit is given only while the node's calls to the store succeed (the
+// last one did, and the breaker is closed): a charge that fails leaves its
+// requests uncharged, as a failed cost_from_response charge does, and then
+// cold keys are decided as without credit, so that on_store_error decides
+// them once the store is down.
 //
 // With the rest of a tier: a credited request is admitted without a wait
 // (max_wait), takes its slot after as any request does (concurrency);
@@ -45,9 +47,15 @@ import (
 // is admitted, and its cost charged in the background. Under the shard's
 // lock.
 func (t *leaseTable) credited(e *lease, cost, now int64, out []bucket.Result) (bucket.Result, bool) {
-	if e.credit <= 0 || len(e.tier.Quotas) > 0 {
+	if e.credit <= 0 {
+		return bucket.Result{}, false
+	}
+	if len(e.tier.Quotas) > 0 || t.failing != nil && t.failing() {
 		// A quota is never in debt: the debt rule could not bound what
 		// credit admits past a used-up one (the Caddyfile refuses both).
+		// And a store that fails would not be charged: the request is
+		// decided as without credit, on_store_error included.
+		e.credit = 0
 		return bucket.Result{}, false
 	}
 	e.credit--
@@ -102,6 +110,13 @@ func (t *leaseTable) chargeOwed(e *lease) {
 			t.chargeOwed(e)
 		}
 	}(e.key, e.tier)
+}
+
+// storeFailing says whether the last call to the store failed, or its
+// breaker is open: credit is off meanwhile.
+func (s *Store) storeFailing() bool {
+	b := &s.conn.breaker
+	return b.open() || b.failures.Load() != 0
 }
 
 // keeps says whether the debt rule keeps e: a charge of its credit is

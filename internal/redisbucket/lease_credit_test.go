@@ -511,3 +511,31 @@ func TestACreditedColdKeyDoesNotWaitOnRedis(t *testing.T) {
 		t.Fatalf("the second request: %v %v after %v; want allowed by a lease call, one round trip", allowed, err, took)
 	}
 }
+
+// Credit only while the node's calls to Redis succeed: once one fails, a
+// cold key is no longer admitted on credit (uncharged, as its charge would
+// fail too) but decided as without it, so on_store_error applies.
+func TestCreditIsOffOnceACallToRedisFails(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(nopLogger)
+	s := NewStore(conn, StoreOptions{Lease: LeaseSize{tokens: 5}, Credit: 1})
+	defer func() { s.Close(); _ = conn.Close() }()
+	l := slowLimit(20)
+	if allowed, err := s.Take(bg, bucketFor("warm"), oneLimit(l), 1, make([]bucket.Result, 1)); err != nil || !allowed {
+		t.Fatalf("while Redis is up: %v %v", allowed, err)
+	}
+	tableSync(s.leases)
+	srv.Kill()
+	if _, err := s.Take(bg, bucketFor("warm"), oneLimit(l), 1, make([]bucket.Result, 1)); err == nil {
+		t.Fatal("a lease call with Redis gone: no error")
+	}
+	allowed, err := s.Take(bg, bucketFor("cold"), oneLimit(l), 1, make([]bucket.Result, 1))
+	if err == nil || allowed {
+		t.Fatalf("a cold key after a call failed: %v %v; want the store's error, not credit", allowed, err)
+	}
+}

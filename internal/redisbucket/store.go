@@ -107,7 +107,7 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 		s.leases.after = func(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
 		s.leases.current = o.Current
 		s.leases.onBan = o.OnBan
-		s.leases.credit = o.Credit
+		s.leases.credit, s.leases.failing = o.Credit, s.storeFailing
 	}
 	return s
 }
