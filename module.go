@@ -467,6 +467,9 @@ func (h *Handler) check() (settings, error) {
 			return v, fmt.Errorf("tier %q has no conditions, so the tiers after it would never apply", t.Name)
 		}
 	}
+	if err := checkCredit(h.StoreRaw, h.Tiers); err != nil {
+		return v, err
+	}
 	if last := h.Tiers[len(h.Tiers)-1]; !last.catchAll() {
 		return v, fmt.Errorf("policy %q: no catch-all tier: every tier has a condition, so some requests would have none; add a capacity and refill to the rate_limit line, such as `rate_limit 100 10/s`", policy)
 	}

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -109,6 +110,17 @@ type RedisStore struct {
 	// before they go back to the shared bucket. Default 1s. Each node logs
 	// a warning when it is under four times the measured round trip.
 	LeaseTTL caddy.Duration `json:"lease_ttl,omitempty"`
+
+	// Credit is how many requests of a bucket this node holds no lease
+	// entry for (a cold key) it admits at once, before any call; it
+	// charges them to every limit of the tier in one background call, as
+	// cost_from_response does, into debt if need be, and a ban the charge
+	// meets holds. A cold key then costs no wait, and still one call. A
+	// node keeps a key its charge left in debt until the debt is paid, so
+	// over any window the fleet admits at most nodes x Credit requests
+	// more than the limit (docs/fleet.md). Needs Lease; refused on a tier
+	// with a quota. Default 0: none.
+	Credit int `json:"credit,omitempty"`
 
 	// SlotTTL is how long an in-flight slot (a tier's concurrency) lives
 	// in Redis unless its node renews it, which it does while the request
@@ -263,6 +275,11 @@ func (s *RedisStore) validate() error {
 			time.Duration(s.SlotTTL), redisbucket.MinSlotTTL(time.Duration(s.Timeout)))
 	case s.DenyCacheSize < 0:
 		return fmt.Errorf("redis store: deny_cache_size %d: must be at least 1", s.DenyCacheSize)
+	case s.Credit < 0:
+		return fmt.Errorf("redis store: credit %d: want 0 or more", s.Credit)
+	}
+	if z, err := redisbucket.ParseLeaseSize(s.Lease); err == nil && z.Strict() && s.Credit > 0 {
+		return fmt.Errorf("redis store: credit %d needs lease: credit admits a cold key's requests while a lease call is out, and in strict mode every decision waits on Redis", s.Credit)
 	}
 	if t := s.TLS; t != nil && (t.Cert == "") != (t.Key == "") {
 		return errors.New("redis store: tls: give cert and key together")
@@ -300,7 +317,27 @@ func (s *RedisStore) options() (redisbucket.Options, redisbucket.StoreOptions, e
 	if t := s.TLS; t != nil {
 		o.TLS = &redisbucket.TLS{CA: expand(t.CA), Cert: expand(t.Cert), Key: expand(t.Key), InsecureSkipVerify: t.InsecureSkipVerify}
 	}
-	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize, SlotTTL: time.Duration(s.SlotTTL)}, nil
+	return o, redisbucket.StoreOptions{Prefix: s.Prefix, Lease: lease, LeaseTTL: time.Duration(s.LeaseTTL), MaxLeases: s.DenyCacheSize, SlotTTL: time.Duration(s.SlotTTL), Credit: int64(s.Credit)}, nil
+}
+
+// checkCredit refuses credit on a tier with a quota, for the handler's
+// check: a quota is never in debt, so the debt rule could not stop the
+// nodes from crediting a client again and again past a used-up quota
+// (internal/redisbucket/lease_credit.go).
+func checkCredit(raw json.RawMessage, tiers []*Tier) error {
+	var s struct {
+		Store  string `json:"store"`
+		Credit int    `json:"credit"`
+	}
+	if raw == nil || json.Unmarshal(raw, &s) != nil || s.Store != "redis" || s.Credit <= 0 {
+		return nil
+	}
+	for _, t := range tiers {
+		if len(t.Quotas) > 0 {
+			return fmt.Errorf("tier %q: credit %d with a quota: credit admits requests before the store counts them, and a quota is never in debt, so the nodes would credit a client again and again past a used-up quota; drop credit or the quota", t.Name, s.Credit)
+		}
+	}
+	return nil
 }
 
 // warnLeaseCaps logs, once a tier at load, a lease given in tokens that
@@ -481,6 +518,7 @@ func (s *RedisStore) watchRoundTrip(logger *zap.Logger, tiers []*Tier) {
 //	    batch on|off            # pipeline concurrent decisions, default on
 //	    lease <n>|<p>%          # tokens a node takes at once, default 1 (strict)
 //	    lease_ttl <duration>    # unused leased tokens go back after, default 1s
+//	    credit <k>              # a cold key's first k requests at once, with lease; default 0
 //	    slot_ttl <duration>     # an in-flight slot lives unrenewed, default 30s
 //	}
 func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -490,7 +528,7 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	seen := make(map[string]bool)
 	for d.NextBlock(0) {
-		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch", "lease", "lease_ttl", "slot_ttl"); err != nil {
+		if err := once(d, seen, "sentinel", "username", "password", "db", "tls", "prefix", "timeout", "pool_size", "breaker_failures", "breaker_cooldown", "deny_cache_size", "batch", "lease", "lease_ttl", "slot_ttl", "credit"); err != nil {
 			return err
 		}
 		if err := s.unmarshalSetting(d); err != nil {
@@ -548,6 +586,8 @@ func (s *RedisStore) unmarshalSetting(d *caddyfile.Dispenser) error {
 		}
 	case "lease_ttl":
 		return positiveDuration(d, &s.LeaseTTL)
+	case "credit":
+		return intBetween(d, 0, 1<<20, &s.Credit)
 	case "slot_ttl":
 		return positiveDuration(d, &s.SlotTTL)
 	case "batch":

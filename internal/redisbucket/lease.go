@@ -51,6 +51,10 @@ type leaseRemote interface {
 	// Its result is the binding one's; on a tier of several limits or
 	// quotas, each is each one's, limits first.
 	reserve(ctx context.Context, key string, tr bucket.Tier, cost int64) (res bucket.Result, each []bucket.Result, err error)
+	// charge takes n more tokens from every limit and quota, into debt if
+	// need be, and says how long until every limit is out of debt (0: none
+	// is): requests admitted on credit (lease_credit.go).
+	charge(key string, tr bucket.Tier, n int64) (debt int64, err error)
 }
 
 // leaseTable is one store's leases, by Redis key.
@@ -84,6 +88,11 @@ type leaseTable struct {
 	// bucket at key, whose lease was taken under l; false when the bucket's
 	// tier is gone. A table closed by a reload gives back under it.
 	current func(key string, tr bucket.Tier) (bucket.Tier, bool)
+	// credit is how many requests of a key with no entry are admitted at
+	// once, before any call (lease_credit.go); 0 for none. failing, when
+	// set, says that calls to the store fail: credit is off meanwhile.
+	credit  int64
+	failing func() bool
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -148,6 +157,13 @@ type lease struct {
 	// been answered: the next lease call waits for it, so that it cannot
 	// overtake the give-back and leave it naming a lease no longer there.
 	returning chan struct{}
+	// credit is how many more requests the entry admits on credit; owed,
+	// the tokens they took that no charge has carried yet; charging, that
+	// a charge is out; debtUntil, until when its answer said the bucket is
+	// in debt. The debt rule keeps the entry meanwhile (lease_credit.go).
+	credit, owed int64
+	charging     bool
+	debtUntil    int64
 }
 
 // levelAt is one limit's or quota's level, and when it is full again or
@@ -278,6 +294,10 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 	}
 	now := t.now()
 	e := t.entry(sh, key, tr, now)
+	if res, ok := t.credited(e, cost, now, out); ok {
+		sh.mu.Unlock()
+		return res, nil
+	}
 	ban := tr.First().Ban
 	waited := false
 	for {
@@ -448,7 +468,7 @@ func (t *leaseTable) insert(sh *leaseShard, key string, tr bucket.Tier, now int6
 	if len(sh.m) >= t.perShard {
 		t.evict(sh, now)
 	}
-	e := &lease{key: key, tier: tr}
+	e := &lease{key: key, tier: tr, credit: t.creditFor(len(sh.m))}
 	if done, ok := sh.returning[key]; ok {
 		e.returning = done
 		delete(sh.returning, key)
@@ -458,11 +478,12 @@ func (t *leaseTable) insert(sh *leaseShard, key string, tr bucket.Tier, now int6
 }
 
 // evict drops one entry of a full shard: an idle one if it can, giving
-// back any tokens it holds. An entry with a call in flight stays.
+// back any tokens it holds. An entry with a call in flight stays, and so
+// does one the debt rule keeps (lease_credit.go).
 func (t *leaseTable) evict(sh *leaseShard, now int64) {
 	var victim *lease
 	for _, e := range sh.m {
-		if e.call != nil {
+		if e.call != nil || t.keeps(e, now) {
 			continue
 		}
 		if victim == nil || e.tokens == 0 && victim.tokens != 0 || e.lastUsed < victim.lastUsed {

@@ -160,7 +160,8 @@ func (t *leaseTable) sweepEvery(every time.Duration) {
 }
 
 // sweep takes the tokens to give back: those leased lease_ttl ago or more,
-// or, with all, every one. It forgets entries idle for lease_ttl.
+// or, with all, every one. It forgets entries idle for lease_ttl, unless
+// the debt rule keeps them (lease_credit.go).
 func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 	var back []leaseReturn
 	for i := range t.shards {
@@ -173,7 +174,7 @@ func (t *leaseTable) sweep(now int64, all bool) []leaseReturn {
 			if e.tokens > 0 && (all || t.lapsed(e, now)) {
 				back = append(back, e.takeBack())
 			}
-			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil {
+			if e.tokens == 0 && now-e.lastUsed >= t.ttl && now >= e.holdUntil && !t.keeps(e, now) {
 				sh.forget(e, t.perShard)
 			}
 		}

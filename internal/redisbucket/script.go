@@ -60,7 +60,9 @@ import "github.com/redis/go-redis/v9"
 //     cost), void (the node gives back what a ban voided), ban holds, the
 //     retry after of the limits alone, then
 //     each limit's and each quota's {remaining, reset after}}
-//   - return, giveback, charge: {tokens, now}
+//   - return, giveback: {tokens, now}
+//   - charge: {tokens, now, debt (how long until every limit holds 0
+//     tokens or more again, 0 when none is in debt)}
 //
 // It reads TIME and then writes, which Redis before 5 refuses unless the
 // script replicates its effects rather than itself: replicate_commands asks

@@ -519,13 +519,16 @@ func checkScriptModel(s *Store, rdb *redis.Client, rng *rand.Rand, traces, steps
 					if j == 0 && m.charge > 0 {
 						n = m.charge
 					}
-					v, err := s.call(bg, key, s.args("charge", tr, 0, n), false, 2)
+					v, err := s.call(bg, key, s.args("charge", tr, 0, n), false, 3)
 					if err != nil {
 						return fmt.Errorf("%s: %w", what, err)
 					}
 					now = v[1]
-					sh.Charge(now, ls, n)
+					debt := sh.Charge(now, ls, n)
 					sh.ChargeQuotas(now, qs, n)
+					if v[2] != debt {
+						return fmt.Errorf("%s: the script says the bucket is out of debt in %d µs, the model in %d", what, v[2], debt)
+					}
 				case "reset":
 					if err := s.Reset(bg, []byte(key)); err != nil {
 						return err
@@ -740,6 +743,7 @@ func TestTheScriptModelPropertyCatchesABrokenScript(t *testing.T) {
 		{"the tier's fast path's next wait forgets the quotas", "if out[1] == 1 and q.used + count > q.n then nxt", "if false then nxt"},
 		{"the tier's fast path reads another period's count as this one's", "if Q[j].p == p + 0 and Q[j].start == s + 0 then", "if Q[j].p == p + 0 then"},
 		{"a quota admits one more", "if q.used + cost > q.n then return {ok = false", "if q.used + cost > q.n + 1 then return {ok = false"},
+		{"a charge's debt forgets the slack", "debt = math.max(debt, S[i].full - now - idiv(L[i].units + S[i].slack, L[i].tok))", "debt = math.max(debt, S[i].full - now - idiv(L[i].units, L[i].tok))"},
 	}
 	defer func(orig *redis.Script) { bucketScript = orig }(bucketScript)
 	for _, m := range mutations {

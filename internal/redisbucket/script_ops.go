@@ -330,8 +330,16 @@ if op == 'charge' then
   end
   -- Never lower: a reload may have set n below what was used.
   for _, q in ipairs(Q) do q.used = math.max(q.used, math.min(q.n, q.used + math.max(0, count))) end
+  -- How long until every limit is out of debt (shared.go's Charge); the
+  -- limit of a plan of quotas alone (a ban of -1) is never in debt.
+  local debt = 0
+  for i = 1, n do
+    if i > 1 or tonumber(A[5]) >= 0 then
+      debt = math.max(debt, S[i].full - now - idiv(L[i].units + S[i].slack, L[i].tok))
+    end
+  end
   save()
-  return {count, now}
+  return {count, now, debt}
 end
 
 return redis.error_reply('rate_limit: unknown operation ' .. tostring(op))

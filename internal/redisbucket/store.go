@@ -56,6 +56,10 @@ type StoreOptions struct {
 	LeaseTTL time.Duration
 	// MaxLeases bounds the lease table's entries. Default DenyCacheSize.
 	MaxLeases int
+	// Credit is how many requests of a key this node holds no lease entry
+	// for it admits at once, charging them in the background
+	// (lease_credit.go). Leases only; default 0.
+	Credit int64
 	// SlotTTL is how long an in-flight slot lives unless its node renews
 	// it. Default DefaultSlotTTL, or MinSlotTTL of the timeout if longer.
 	SlotTTL time.Duration
@@ -109,6 +113,7 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 		s.leases.after = func(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
 		s.leases.current = o.Current
 		s.leases.onBan = o.OnBan
+		s.leases.credit, s.leases.failing = o.Credit, s.storeFailing
 	}
 	return s
 }
@@ -248,7 +253,7 @@ func (s *Store) Charge(ctx context.Context, key []byte, tr bucket.Tier, n int64)
 	if n = s.fromLease(key, n, false, 0); n == 0 && s.leases != nil {
 		return nil
 	}
-	_, err := s.call(context.WithoutCancel(ctx), string(key), s.args("charge", tr, 0, n), false, 2)
+	_, err := s.chargeShared(ctx, string(key), tr, n)
 	return err
 }
 

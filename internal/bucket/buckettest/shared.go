@@ -393,10 +393,23 @@ func (sh *Shared) GiveBack(now int64, ls []bucket.Limit, n int64) {
 }
 
 // Charge takes n more tokens from every limit after the fact, as Charge
-// does.
-func (sh *Shared) Charge(now int64, ls []bucket.Limit, n int64) {
+// does. It returns how long until every limit is out of debt again (holds
+// no fewer than 0 tokens; a ban counts as debt until it ends), 0 when none
+// is in debt: a node that admitted requests on credit keeps the key that
+// long (internal/redisbucket/lease_credit.go).
+func (sh *Shared) Charge(now int64, ls []bucket.Limit, n int64) int64 {
 	sh.settle(now, ls)
+	var debt int64
 	for i, l := range ls {
 		sh.Levels[i] = bucket.Charge(sh.Levels[i], now, l, n)
+		debt = max(debt, debtLeft(sh.Levels[i], now, l))
 	}
+	return debt
+}
+
+// debtLeft is how long until the bucket in state s holds 0 tokens or
+// more, 0 when it does (bucket.State's Overdrawn, timed).
+func debtLeft(s bucket.State, now int64, l bucket.Limit) int64 {
+	s = s.Read(now, l)
+	return max(0, s.FullAt-now-(l.Units()+s.Slack)/l.Rate.Tokens)
 }
