@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/redisbucket"
 )
 
 // Regions on real processes (the harness of lease_process_test.go): one
@@ -183,6 +185,12 @@ func longestTook(out []answer, keep func(answer) bool) time.Duration {
 	return d
 }
 
+// storeErrors is the decisions on_store_error made on every node: the
+// store failed them, or its breaker was open.
+func (f *regionFleet) storeErrors() float64 {
+	return f.metric("caddy_http_rate_limit_store_errors_total", "")
+}
+
 // regionShares is what each region admitted of out, and its share.
 func (f *regionFleet) regionShares(out []answer) ([]int, string) {
 	by := make([]int, len(f.regions))
@@ -259,7 +267,7 @@ func TestRegionsChaos(t *testing.T) {
 func (f *regionFleet) hotKey(t *testing.T, logf func(string, ...any)) {
 	p := regionsPolicy
 	r := p.refillPerSecond(t)
-	before := f.scriptCalls()
+	before, errs := f.scriptCalls(), f.storeErrors()
 	out := f.paced("hot", 5*r, 12*time.Second)
 	afterGiveBacks()
 	calls := f.scriptCalls() - before
@@ -283,9 +291,9 @@ func (f *regionFleet) hotKey(t *testing.T, logf func(string, ...any)) {
 			slow = append(slow, fmt.Sprintf("%s %s of %d answers", rg.name, all, n))
 		}
 	}
-	logf("hot key, %d requests at %.0f/s over %s: statuses %v; admitted %d, %.3f of the allowance %d; by region %s; median added latency after the first second %s; slowest answer %s; global script calls %d (bound %d); worst window against C + floor(rT): %s; %s (fleet totals so far)",
+	logf("hot key, %d requests at %.0f/s over %s: statuses %v; admitted %d, %.3f of the allowance %d; by region %s; median added latency after the first second %s; slowest answer %s; global script calls %d (bound %d); worst window against C + floor(rT): %s; store errors %.0f; %s (fleet totals so far)",
 		len(out), 5*r, sending.Round(time.Millisecond), counts, admitted, float64(admitted)/float64(least), least, shares,
-		strings.Join(medians, ", "), strings.Join(slowest, ", "), calls, maxCalls, worst, f.leaseCounts())
+		strings.Join(medians, ", "), strings.Join(slowest, ", "), calls, maxCalls, worst, f.storeErrors()-errs, f.leaseCounts())
 	if counts[200]+counts[429] != len(out) {
 		t.Errorf("hot key: statuses %v, want only 200 and 429", counts)
 	}
@@ -311,6 +319,7 @@ func (f *regionFleet) hotKey(t *testing.T, logf func(string, ...any)) {
 // underLimitKey sends a key at 0.8 of its rate to region C's nodes.
 func (f *regionFleet) underLimitKey(t *testing.T, logf func(string, ...any)) {
 	c := f.regions[2]
+	errs := f.storeErrors()
 	out := f.pacedOn(c.nodes, "under", 40, 8*time.Second)
 	counts := tally(out)
 	var later, slow int
@@ -323,8 +332,8 @@ func (f *regionFleet) underLimitKey(t *testing.T, logf func(string, ...any)) {
 		}
 	}
 	median, _ := medianTook(out, func(answer) bool { return true })
-	logf("under-limit key, %d requests at 40/s to region C: statuses %v; median %s; after the first second %d of %d (%.1f%%) took 150 ms or more",
-		len(out), counts, median.Round(10*time.Microsecond), slow, later, 100*float64(slow)/float64(max(later, 1)))
+	logf("under-limit key, %d requests at 40/s to region C: statuses %v; median %s; after the first second %d of %d (%.1f%%) took 150 ms or more; store errors %.0f",
+		len(out), counts, median.Round(10*time.Microsecond), slow, later, 100*float64(slow)/float64(max(later, 1)), f.storeErrors()-errs)
 	if counts[200] != len(out) {
 		t.Errorf("under-limit key: statuses %v, want all %d allowed; not allowed: %s", counts, len(out), notAllowed(f.leaseFleet, out))
 	}
@@ -348,16 +357,18 @@ func (f *regionFleet) coldKeys(t *testing.T, logf func(string, ...any)) {
 		return append(firsts, seconds...)
 	}
 
-	before := f.scriptCalls()
+	before, leases, errs := f.scriptCalls(), f.leaseCounts(), f.storeErrors()
 	out := twice("/", "X-Key", "cold-")
 	during := f.scriptCalls() - before
 	afterGiveBacks()
 	calls := f.scriptCalls() - before
 	counts := tally(out)
 	median, _ := medianTook(out, func(answer) bool { return true })
+	firsts, _ := medianTook(out[:keys], func(answer) bool { return true })
+	seconds, _ := medianTook(out[keys:], func(answer) bool { return true })
 	withCredit := median < 5*time.Millisecond
-	logf("cold keys, %d fresh keys 2 requests each to region C, shared limit: statuses %v; median %s (< 5 ms with credit: %s); global script calls %d during the load, %d with give-backs, for %d requests",
-		keys, counts, median.Round(10*time.Microsecond), pending(withCredit), during, calls, len(out))
+	logf("cold keys, %d fresh keys 2 requests each to region C, shared limit: statuses %v; median %s (first requests %s, second %s; < 5 ms with credit: %s); global script calls %d during the load, %d with give-backs, for %d requests; store errors %.0f; %s before, %s after",
+		keys, counts, median.Round(10*time.Microsecond), firsts.Round(10*time.Microsecond), seconds.Round(10*time.Microsecond), pending(withCredit), during, calls, len(out), f.storeErrors()-errs, leases, f.leaseCounts())
 	if counts[200] != len(out) {
 		t.Errorf("cold keys, shared limit: statuses %v, want all %d allowed", counts, len(out))
 	}
@@ -368,13 +379,13 @@ func (f *regionFleet) coldKeys(t *testing.T, logf func(string, ...any)) {
 		t.Errorf("cold keys, shared limit with credit: median %s, want < 5ms", median)
 	}
 
-	before, regional := f.scriptCalls(), scriptCalls(c.redis)
+	before, regional, errs := f.scriptCalls(), scriptCalls(c.redis), f.storeErrors()
 	out = twice("/region", "X-IP", "cold-ip-")
 	calls, regional = f.scriptCalls()-before, scriptCalls(c.redis)-regional
 	counts = tally(out)
 	median, _ = medianTook(out, func(answer) bool { return true })
-	logf("cold keys, %d fresh keys 2 requests each to region C, region's own limit: statuses %v; median %s; script calls on region C's Redis %d, on the global one %d",
-		keys, counts, median.Round(10*time.Microsecond), regional, calls)
+	logf("cold keys, %d fresh keys 2 requests each to region C, region's own limit: statuses %v; median %s; script calls on region C's Redis %d, on the global one %d; store errors %.0f",
+		keys, counts, median.Round(10*time.Microsecond), regional, calls, f.storeErrors()-errs)
 	if counts[200] != len(out) {
 		t.Errorf("cold keys, region's limit: statuses %v, want all %d allowed", counts, len(out))
 	}
@@ -397,6 +408,7 @@ func (f *regionFleet) creditAttack(t *testing.T, logf func(string, ...any)) {
 		extra = len(f.nodes) * 1 // credit 1
 	}
 	var out []answer
+	errs := f.storeErrors()
 	start := time.Now()
 	for k := 0; time.Duration(k)*1200*time.Millisecond < 10*time.Second; k++ {
 		time.Sleep(time.Until(start.Add(time.Duration(k) * 1200 * time.Millisecond)))
@@ -405,8 +417,8 @@ func (f *regionFleet) creditAttack(t *testing.T, logf func(string, ...any)) {
 	counts := tally(out)
 	worst := worstWindow(out, p, r, extra)
 	wall, _ := span(out)
-	logf("credit attack, %d %s: %d requests in bursts of 3 a node every 1.2 s: statuses %v over %s (allowance %d); worst window against C + floor(rT) + %d: %s",
-		p.capacity, p.refill, len(out), counts, wall.Round(time.Millisecond), allowance(p, r, wall), extra, worst)
+	logf("credit attack, %d %s: %d requests in bursts of 3 a node every 1.2 s: statuses %v over %s (allowance %d); worst window against C + floor(rT) + %d: %s; store errors %.0f",
+		p.capacity, p.refill, len(out), counts, wall.Round(time.Millisecond), allowance(p, r, wall), extra, worst, f.storeErrors()-errs)
 	if counts[200]+counts[429] != len(out) {
 		t.Errorf("credit attack: statuses %v, want only 200 and 429", counts)
 	}
@@ -418,13 +430,14 @@ func (f *regionFleet) creditAttack(t *testing.T, logf func(string, ...any)) {
 // cutAndHeal floods a key at 5x its rate over every node for 20 s, and
 // blackholes region C's link to the global Redis from 3 s to 13 s.
 func (f *regionFleet) cutAndHeal(t *testing.T, logf func(string, ...any)) {
-	const (
-		before, cut, total = 3 * time.Second, 10 * time.Second, 20 * time.Second
-		timeout            = 500 * time.Millisecond
-		cooldown           = 2 * time.Second // breaker_cooldown's default
-	)
+	const before, cut, total = 3 * time.Second, 10 * time.Second, 20 * time.Second
 	p := regionsPolicy
 	r := p.refillPerSecond(t)
+	timeout, err := time.ParseDuration(p.timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cooldown := redisbucket.DefaultBreakerCooldown // the nodes leave breaker_cooldown out
 	c := f.regions[2]
 	share := 1.0
 	if withShareReconcileAndCredit {
@@ -432,6 +445,7 @@ func (f *regionFleet) cutAndHeal(t *testing.T, logf func(string, ...any)) {
 	}
 
 	var out []answer
+	errs := f.storeErrors()
 	loaded := make(chan struct{})
 	start := time.Now()
 	go func() {
@@ -478,9 +492,9 @@ func (f *regionFleet) cutAndHeal(t *testing.T, logf func(string, ...any)) {
 	}
 	_, shares := f.regionShares(out)
 	withinRun := float64(admitted) <= 1.01*float64(most)
-	logf("cut and heal, %d requests at %.0f/s over %s, region C cut off %s from %s in: statuses %v; admitted %d, %.3f of the allowance %d (at most 1.01 with reconcile: %s); by region %s; worst window against C + floor(rT) + %d: %s; against C + floor(rT): %s; slowest answer in C %s sent while cut, %s sent while connected; C's nodes' lease calls answered again %v after the restore; %s",
+	logf("cut and heal, %d requests at %.0f/s over %s, region C cut off %s from %s in: statuses %v; admitted %d, %.3f of the allowance %d (at most 1.01 with reconcile: %s); by region %s; worst window against C + floor(rT) + %d: %s; against C + floor(rT): %s; slowest answer in C %s sent while cut, %s sent while connected; C's nodes' lease calls answered again %v after the restore; store errors %.0f; %s",
 		len(out), 5*r, wall.Round(time.Millisecond), cutFor.Round(time.Millisecond), before, counts, admitted, float64(admitted)/float64(most), most, pending(withinRun),
-		shares, extra, worst, connected, whileCut.Round(time.Millisecond), otherwise.Round(time.Millisecond), back, f.leaseCounts())
+		shares, extra, worst, connected, whileCut.Round(time.Millisecond), otherwise.Round(time.Millisecond), back, f.storeErrors()-errs, f.leaseCounts())
 	if counts[200]+counts[429] != len(out) {
 		t.Errorf("cut: statuses %v, want only 200 and 429", counts)
 	}
