@@ -39,8 +39,15 @@ var (
 // regionsLease is regionsPolicy's lease in tokens: 10% of 100.
 const regionsLease = 10
 
-// nodesPerRegion is how many Caddy nodes each region runs.
-const nodesPerRegion = 2
+// nodesPerRegion is how many Caddy nodes each region runs, of the
+// fleet's regions x nodesPerRegion; with withShareReconcileAndCredit, a
+// node's fallback is a fleet node's share of the limit, and it admits
+// regionsCredit requests of a key it holds no lease for.
+const (
+	nodesPerRegion = 2
+	fleetNodes     = 3 * nodesPerRegion
+	regionsCredit  = 1
+)
 
 // windowSlack is how far an admission's time may be from when the client
 // saw its answer: the windows are checked on the answers' times, each
@@ -100,7 +107,7 @@ func (f *regionFleet) caddyfile(node fleetNode, rg *region) string {
 	global := func(p fleetPolicy) fleetPolicy {
 		p.fallback = "local"
 		if withShareReconcileAndCredit {
-			p.fallback, p.more = "local 1/6 reconcile", "credit 1"
+			p.fallback, p.more = fmt.Sprintf("local 1/%d reconcile", fleetNodes), fmt.Sprintf("credit %d", regionsCredit)
 		}
 		return p
 	}
@@ -405,7 +412,7 @@ func (f *regionFleet) creditAttack(t *testing.T, logf func(string, ...any)) {
 	r := p.refillPerSecond(t)
 	extra := 0
 	if withShareReconcileAndCredit {
-		extra = len(f.nodes) * 1 // credit 1
+		extra = len(f.nodes) * regionsCredit
 	}
 	var out []answer
 	errs := f.storeErrors()
@@ -441,7 +448,7 @@ func (f *regionFleet) cutAndHeal(t *testing.T, logf func(string, ...any)) {
 	c := f.regions[2]
 	share := 1.0
 	if withShareReconcileAndCredit {
-		share = 1.0 / 6
+		share = 1 / float64(fleetNodes)
 	}
 
 	var out []answer
