@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"fmt"
 	"math"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -198,6 +199,19 @@ func (f *regionFleet) storeErrors() float64 {
 	return f.metric("caddy_http_rate_limit_store_errors_total", "")
 }
 
+// loadAverage is the machine's load over the last minute: the proxies
+// and the client share the CPUs with the nodes, so a loaded machine
+// lengthens the round trips, and calls that take over timeout fall back
+// (the phases' store errors).
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	first, _, _ := strings.Cut(string(b), " ")
+	return first
+}
+
 // regionShares is what each region admitted of out, and its share.
 func (f *regionFleet) regionShares(out []answer) ([]int, string) {
 	by := make([]int, len(f.regions))
@@ -252,7 +266,7 @@ func pending(held bool) string {
 // The figures are logged in one block at the end.
 func TestRegionsChaos(t *testing.T) {
 	skipUnderShort(t, "real-process chaos (6 Caddy processes in 3 regions, delayed and cut Redis links)")
-	began := time.Now()
+	began, load := time.Now(), loadAverage()
 	f := startRegionFleet(t)
 	started := time.Since(began)
 	var figures []string
@@ -266,7 +280,7 @@ func TestRegionsChaos(t *testing.T) {
 	f.creditAttack(t, logf)
 	f.cutAndHeal(t, logf)
 
-	logf("fleet started in %s; whole test %s", started.Round(100*time.Millisecond), time.Since(began).Round(100*time.Millisecond))
+	logf("fleet started in %s; whole test %s; load average %s at the start, %s at the end", started.Round(100*time.Millisecond), time.Since(began).Round(100*time.Millisecond), load, loadAverage())
 	t.Logf("figures:\n%s", strings.Join(figures, "\n"))
 }
 
