@@ -263,7 +263,8 @@ func pending(held bool) string {
 //     again within breaker_cooldown + timeout + 1 s of the restore; and,
 //     with reconcile, at most the allowance + 1% over the 20 s.
 //
-// The figures are logged in one block at the end.
+// The figures are logged in one block at the end. The test is not
+// parallel, so that they are of this fleet's load alone.
 func TestRegionsChaos(t *testing.T) {
 	skipUnderShort(t, "real-process chaos (6 Caddy processes in 3 regions, delayed and cut Redis links)")
 	began, load := time.Now(), loadAverage()
