@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"bufio"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -36,6 +37,8 @@ type fleetPolicy struct {
 	timeout  string // per decision
 	more     string // more lines for the store block
 	ban      string // the ban setting, "" for none
+	key      string // the header that names the client, X-Key for ""
+	fallback string // on_store_error, deny for ""
 	// limits are the tier's limits after the first, each "<capacity>
 	// <refill>" for a `limit` line, such as "100 1/m".
 	limits []string
@@ -87,10 +90,7 @@ func startLeaseFleet(t *testing.T, n int, delay time.Duration, p fleetPolicy) *l
 // at different distances from Redis, one proxy for each distance.
 func startLeaseFleetAt(t *testing.T, delays []time.Duration, p fleetPolicy) *leaseFleet {
 	t.Helper()
-	f := &leaseFleet{t: t, redis: startRedis(t)}
-	f.transport = &http.Transport{MaxIdleConnsPerHost: 128}
-	f.client = &http.Client{Transport: f.transport, Timeout: 10 * time.Second}
-	t.Cleanup(f.transport.CloseIdleConnections)
+	f := newLeaseFleet(t, startRedis(t))
 	proxies := map[time.Duration]*faultProxy{}
 	for _, delay := range delays {
 		if proxies[delay] == nil {
@@ -104,9 +104,44 @@ func startLeaseFleetAt(t *testing.T, delays []time.Duration, p fleetPolicy) *lea
 	return f
 }
 
-// caddyfile is one node's config. /ready is outside the limit, so that
-// neither startCaddyProcess nor a reload touches Redis.
+// newLeaseFleet is a fleet of no nodes yet on the Redis redis, with the
+// client that sends its requests.
+func newLeaseFleet(t *testing.T, redis *redisServer) *leaseFleet {
+	t.Helper()
+	f := &leaseFleet{t: t, redis: redis}
+	f.transport = &http.Transport{MaxIdleConnsPerHost: 128}
+	f.client = &http.Client{Transport: f.transport, Timeout: 10 * time.Second}
+	t.Cleanup(f.transport.CloseIdleConnections)
+	return f
+}
+
+// caddyfile is one node's config: p on every path but /ready.
 func (f *leaseFleet) caddyfile(node fleetNode, p fleetPolicy) string {
+	return nodeCaddyfile(node, `@limited not path /ready
+	`+p.rateLimit("fleet", "@limited", node.proxy.addr())+`
+	respond "ok"`)
+}
+
+// nodeCaddyfile is a node's config: its admin API, and a site on its port
+// that serves routes, and /ready outside them, so that neither
+// startCaddyProcess nor a reload touches Redis.
+func nodeCaddyfile(node fleetNode, routes string) string {
+	return fmt.Sprintf(`{
+	admin 127.0.0.1:%d
+	persist_config off
+}
+http://127.0.0.1:%d {
+	handle /ready {
+		respond "ready"
+	}
+	%s
+}
+`, node.admin, node.port, routes)
+}
+
+// rateLimit is p's rate_limit directive, the policy name, on the Redis at
+// address, for the requests matcher names (all for "").
+func (p fleetPolicy) rateLimit(name, matcher, address string) string {
 	lease := ""
 	if p.lease != "" {
 		lease = "lease " + p.lease + "\n\t\t\tlease_ttl 1s"
@@ -119,30 +154,18 @@ func (f *leaseFleet) caddyfile(node fleetNode, p fleetPolicy) string {
 	for _, l := range p.limits {
 		limits.WriteString("\n\t\tlimit " + l)
 	}
-	return fmt.Sprintf(`{
-	admin 127.0.0.1:%d
-	persist_config off
-}
-http://127.0.0.1:%d {
-	handle /ready {
-		respond "ready"
-	}
-	@limited not path /ready
-	rate_limit @limited %d %s {
-		name fleet
-		key header X-Key
+	return fmt.Sprintf(`rate_limit %s %d %s {
+		name %s
+		key header %s
 		store redis {
 			address redis://%s
 			timeout %s
 			%s
 			%s
 		}
-		on_store_error deny
+		on_store_error %s
 		%s%s
-	}
-	respond "ok"
-}
-`, node.admin, node.port, p.capacity, p.refill, node.proxy.addr(), p.timeout, lease, p.more, ban, limits.String())
+	}`, matcher, p.capacity, p.refill, name, cmp.Or(p.key, "X-Key"), address, p.timeout, lease, p.more, cmp.Or(p.fallback, "deny"), ban, limits.String())
 }
 
 // reload loads p on every node through its admin API, forcing a reload
@@ -185,9 +208,12 @@ type answer struct {
 func (o answer) took() time.Duration { return o.done.Sub(o.sent) }
 
 // get sends one request for key to node i.
-func (f *leaseFleet) get(i int, key string) answer {
-	req, _ := http.NewRequest(http.MethodGet, f.nodes[i].base()+"/", nil)
-	req.Header.Set("X-Key", key)
+func (f *leaseFleet) get(i int, key string) answer { return f.getAt(i, "/", "X-Key", key) }
+
+// getAt sends one request for path to node i, the client named by header.
+func (f *leaseFleet) getAt(i int, path, header, value string) answer {
+	req, _ := http.NewRequest(http.MethodGet, f.nodes[i].base()+path, nil)
+	req.Header.Set(header, value)
 	o := answer{node: i, sent: time.Now()}
 	resp, err := f.client.Do(req)
 	if err == nil {
@@ -209,6 +235,11 @@ func (f *leaseFleet) paced(key string, rate float64, d time.Duration) []answer {
 
 // pacedOn is paced over the nodes numbered in nodes, or all for nil.
 func (f *leaseFleet) pacedOn(nodes []int, key string, rate float64, d time.Duration) []answer {
+	return f.pacedWith(nodes, rate, d, func(i, _ int) answer { return f.get(i, key) })
+}
+
+// pacedWith is pacedOn with send making the nth request, to node i.
+func (f *leaseFleet) pacedWith(nodes []int, rate float64, d time.Duration, send func(i, n int) answer) []answer {
 	if nodes == nil {
 		for i := range f.nodes {
 			nodes = append(nodes, i)
@@ -220,7 +251,7 @@ func (f *leaseFleet) pacedOn(nodes []int, key string, rate float64, d time.Durat
 	start := time.Now()
 	for i := range n {
 		time.Sleep(time.Until(start.Add(time.Duration(float64(i) / rate * float64(time.Second)))))
-		wg.Go(func() { out[i] = f.get(nodes[i%len(nodes)], key) })
+		wg.Go(func() { out[i] = send(nodes[i%len(nodes)], i) })
 	}
 	wg.Wait()
 	return out
@@ -235,9 +266,15 @@ func (f *leaseFleet) warmUp() { f.warmUpOn("warm-up") }
 // would exhaust needs a fresh key for each.
 func (f *leaseFleet) warmUpOn(key string) {
 	f.t.Helper()
+	f.warmUpWith(func(i int) answer { return f.get(i, key) })
+}
+
+// warmUpWith is warmUp with send making each request, to node i.
+func (f *leaseFleet) warmUpWith(send func(i int) answer) {
+	f.t.Helper()
 	for i, node := range f.nodes {
 		waitFor(f.t, 10*time.Second, fmt.Sprintf("node %d to allow a request", node.port), func() bool {
-			return f.get(i, key).status == 200
+			return send(i).status == 200
 		})
 	}
 }
@@ -737,13 +774,18 @@ func (f *leaseFleet) openConns(n int) {
 
 // burst sends perNode requests for key to every node, all at once.
 func (f *leaseFleet) burst(key string, perNode int) []answer {
+	return f.burstWith(perNode, func(i int) answer { return f.get(i, key) })
+}
+
+// burstWith is burst with send making each request, to node i.
+func (f *leaseFleet) burstWith(perNode int, send func(i int) answer) []answer {
 	out := make([]answer, perNode*len(f.nodes))
 	start := make(chan struct{})
 	var wg sync.WaitGroup
 	for i := range out {
 		wg.Go(func() {
 			<-start
-			out[i] = f.get(i%len(f.nodes), key)
+			out[i] = send(i % len(f.nodes))
 		})
 	}
 	close(start)
