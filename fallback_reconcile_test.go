@@ -151,3 +151,43 @@ func TestAConfigThatUnloadsDuringACutCountsWhatItCouldNotCharge(t *testing.T) {
 		t.Fatalf("lost tokens at unload with the store down: %v; want 3", got)
 	}
 }
+
+// TestACaddyfileShareAndReconcileWorkThroughCaddy loads the setting as a
+// Caddyfile into Caddy: cut off from Redis, the node enforces a quarter of
+// the limit and says so in its headers; once Redis answers, the admin API
+// shows the shared bucket charged what the node admitted.
+func TestACaddyfileShareAndReconcileWorkThroughCaddy(t *testing.T) {
+	useFakeClock(t)
+	srv := startRedis(t)
+	proxy := redistest.StartProxy(t, srv.Addr(), 0)
+	s, admin := serveWithAdmin(t, fmt.Sprintf(`
+	rate_limit 8 1/h {
+		name reconcile_caddy
+		store redis {
+			address redis://%s
+			timeout 100ms
+			breaker_cooldown 50ms
+		}
+		on_store_error local 1/4 reconcile
+	}
+	respond "ok"`, proxy.Addr()))
+	const client, prober = "127.0.0.70", "127.0.0.71"
+
+	proxy.Cut()
+	for i, want := range []int{200, 200, 429} {
+		r := s.from(client, "/")
+		if r.status != want || r.header.Get("X-RateLimit-Limit") != "2" {
+			t.Fatalf("cut off, request %d: %d with X-RateLimit-Limit %q; want %d and 2 (8 x 1/4)", i+1, r.status, r.header.Get("X-RateLimit-Limit"), want)
+		}
+	}
+	proxy.Restore()
+
+	url := admin + "/rate_limit/buckets?policy=reconcile_caddy&value=" + client
+	var got struct {
+		Remaining int64 `json:"remaining"`
+	}
+	waitFor(t, 5*time.Second, "the admin API to show the shared bucket charged 2", func() bool {
+		s.from(prober, "/")
+		return getJSON(t, url, &got) == http.StatusOK && got.Remaining == 6
+	})
+}
