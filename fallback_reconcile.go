@@ -136,6 +136,13 @@ func (o *reconciler) sub(b *Bucket, n int64) {
 	}
 }
 
+// forget drops the bucket b's count: an admin reset forgave it.
+func (o *reconciler) forget(b *Bucket) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.owed, localID(b))
+}
+
 // lose counts and logs n tokens of the bucket b that will not be charged.
 // Only the key id names the client.
 func (o *reconciler) lose(b *Bucket, t *Tier, n int64, msg string) {

@@ -191,3 +191,31 @@ func TestACaddyfileShareAndReconcileWorkThroughCaddy(t *testing.T) {
 		return getJSON(t, url, &got) == http.StatusOK && got.Remaining == 6
 	})
 }
+
+// TestAnAdminResetForgetsWhatTheFallbackOwes: a bucket reset through the
+// admin API during a cut is not charged its earlier count once the store
+// answers: the reset forgave it.
+func TestAnAdminResetForgetsWhatTheFallbackOwes(t *testing.T) {
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), fmt.Sprintf(`{
+		"name": "reconcile-reset",
+		"store": {"store": "redis", "addresses": ["redis://127.0.0.1:%d"], "timeout": "50ms"},
+		"on_store_error": "local", "on_store_error_reconcile": true,
+		"tiers": [{"name": "t", "capacity": 10, "refill": "1/h"}]
+	}`, freePort(t)))
+	lost := reconcileLostTokens.WithLabelValues("reconcile-reset")
+	before := counterValue(t, lost)
+	r := benchRequest("192.0.2.50")
+	for range 2 {
+		serveOne(h, r, nopHandler)
+	}
+	d := h.newDecision(r)
+	if err := h.chooseTier(r, d, h.nameClient(r, d)); err != nil {
+		t.Fatal(err)
+	}
+	resetBucket(context.Background(), h, &d.bucket)
+	done() // the store is still down: whatever is owed is lost, and counted
+	if got := counterValue(t, lost) - before; got != 0 {
+		t.Fatalf("tokens still owed after an admin reset: %v; want 0", got)
+	}
+}
