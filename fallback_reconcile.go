@@ -176,8 +176,10 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	failed := false
+	var charged, tokens int64
 	for id, c := range batch {
 		if c.state.Load() == owedCharged {
+			charged, tokens = charged+1, tokens+c.n
 			continue
 		}
 		failed = true
@@ -193,6 +195,10 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 			c.state.Store(owedPending)
 			o.owed[id] = c
 		}
+	}
+	if charged > 0 {
+		o.log.Info("the store answers again: charged the shared buckets what this node admitted alone",
+			zap.String("policy", o.policy), zap.Int64("buckets", charged), zap.Int64("tokens", tokens), zap.Int("left", len(o.owed)))
 	}
 	if failed {
 		o.retryAt = o.now() + reconcileRetry.Microseconds()

@@ -84,6 +84,9 @@ func (s share) whole() bool { return s.num == s.den }
 
 // count is n scaled by the share, rounded down, at least least.
 func (s share) count(n, least int64) int64 {
+	if s.den == 0 {
+		return max(n, least) // no share worked out: the whole
+	}
 	hi, lo := bits.Mul64(uint64(n), uint64(s.num))
 	q, _ := bits.Div64(hi, lo, uint64(s.den)) // hi < den: num <= den
 	return max(int64(q), least)
