@@ -219,3 +219,80 @@ func TestAnAdminResetForgetsWhatTheFallbackOwes(t *testing.T) {
 		t.Fatalf("tokens still owed after an admin reset: %v; want 0", got)
 	}
 }
+
+// TestReconcileChargesNoTokenALeaseCovered: with leases, requests a lease
+// covers while Redis is cut off are decided by the lease table, which
+// took those tokens from the shared bucket already; reconcile charges only
+// what the fallback admitted after it.
+func TestReconcileChargesNoTokenALeaseCovered(t *testing.T) {
+	t.Parallel()
+	srv := startRedis(t)
+	proxy := redistest.StartProxy(t, srv.Addr(), 0)
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), fmt.Sprintf(`{
+		"name": "reconcile-lease",
+		"store": {"store": "redis", "addresses": ["redis://%s"], "timeout": "100ms", "breaker_cooldown": "50ms",
+			"lease": "8", "lease_ttl": "30s"},
+		"on_store_error": "local", "on_store_error_share": "1/4", "on_store_error_reconcile": true,
+		"tiers": [{"name": "t", "capacity": 40, "refill": "1/h"}]
+	}`, proxy.Addr()))
+	defer done()
+	const client, prober = "192.0.2.60", "192.0.2.61"
+	r := benchRequest(client)
+	d := h.newDecision(r)
+	if err := h.chooseTier(r, d, h.nameClient(r, d)); err != nil {
+		t.Fatal(err)
+	}
+	b := d.bucket
+	b.Value = append([]byte(nil), b.Value...)
+
+	admitted := 0
+	for range 6 {
+		if w, _ := serveOne(h, benchRequest(client), nopHandler); w.Code == http.StatusOK {
+			admitted++
+		}
+	}
+	// Until no lease call is in flight: one whose answer the cut lost
+	// would hold tokens out on lease that no node spends.
+	var last [2]int64
+	var since time.Time
+	waitFor(t, 5*time.Second, "the node to hold leased tokens, no lease call in flight", func() bool {
+		now := [2]int64{h.store.(leaseHolder).held(&b), sharedRemaining(t, h, client)}
+		if now != last {
+			last, since = now, time.Now()
+		}
+		return now[0] > 0 && time.Since(since) > 200*time.Millisecond
+	})
+	heldAtCut := h.store.(leaseHolder).held(&b)
+	t.Logf("%d admitted before the cut; %d tokens leased at the cut", admitted, heldAtCut)
+
+	proxy.Cut()
+	fromFallback := 0
+	for i := 0; ; i++ {
+		w, _ := serveOne(h, benchRequest(client), nopHandler)
+		if w.Code != http.StatusOK {
+			break
+		}
+		if int64(i) >= heldAtCut {
+			fromFallback++
+		}
+		admitted++
+	}
+	if fromFallback != 40/4 {
+		t.Fatalf("cut off with %d tokens leased: the fallback admitted %d after them; want %d (40 x 1/4)", heldAtCut, fromFallback, 40/4)
+	}
+	proxy.Restore()
+
+	// Every admitted request took one token from the shared bucket, once:
+	// from a lease, from Redis, or charged by reconcile.
+	waitFor(t, 5*time.Second, "the shared bucket charged the fallback's count", func() bool {
+		serveOne(h, benchRequest(prober), nopHandler)
+		return sharedRemaining(t, h, client) == int64(40-admitted)
+	})
+	for range 5 {
+		serveOne(h, benchRequest(prober), nopHandler)
+	}
+	h.owed.wait()
+	if got := sharedRemaining(t, h, client); got != int64(40-admitted) {
+		t.Fatalf("the shared bucket has %d left after %d admitted (%d from a lease while cut off); want %d", got, admitted, heldAtCut, 40-admitted)
+	}
+}
