@@ -120,25 +120,25 @@ func TestACutOffNodeWithAQuarterShareAdmitsItsPart(t *testing.T) {
 	t.Parallel()
 	clock := newFakeClock()
 	const capacity, perSecond = 22, 10 // floor(22/4) = 5; 10/4 = 2.5/s
-	h := deadRedisHandler(t, clock, "share-quarter", `"on_store_error": "local", "on_store_error_share": "1/4"`,
+	h := deadRedisHandler(t, clock, "share-quarter", `"headers": "both", "on_store_error": "local", "on_store_error_share": "1/4"`,
 		fmt.Sprintf(`[{"name": "t", "capacity": %d, "refill": "%d/s"}]`, capacity, perSecond))
-	admitted := func() (n int, limit string) {
+	admitted := func() (n int, limit, policy string) {
 		for {
 			w, _ := serveOne(h, benchRequest("192.0.2.7"), nopHandler)
 			if w.Code != http.StatusOK {
-				return n, limit
+				return n, limit, policy
 			}
 			n++
-			limit = w.Header().Get("X-RateLimit-Limit")
+			limit, policy = w.Header().Get("X-RateLimit-Limit"), w.Header().Get("RateLimit-Policy")
 		}
 	}
-	n, limit := admitted()
-	if want := capacity / 4; n != want || limit != fmt.Sprint(want) {
-		t.Fatalf("cut off, at once: %d admitted with X-RateLimit-Limit %q; want %d and %q (floor(C/4))", n, limit, want, fmt.Sprint(want))
+	n, limit, policy := admitted()
+	if want := capacity / 4; n != want || limit != fmt.Sprint(want) || !strings.Contains(policy, fmt.Sprintf(";q=%d;", want)) {
+		t.Fatalf("cut off, at once: %d admitted with X-RateLimit-Limit %q and RateLimit-Policy %q; want %d and q=%d (floor(C/4))", n, limit, policy, want, want)
 	}
 	const seconds = 2 // within the time the scaled bucket takes to refill whole
 	clock.advance(seconds * time.Second)
-	if n, _ := admitted(); n != perSecond*seconds/4 {
+	if n, _, _ := admitted(); n != perSecond*seconds/4 {
 		t.Fatalf("cut off, %d s later: %d admitted; want %d (floor(r/4 x T))", seconds, n, perSecond*seconds/4)
 	}
 }
