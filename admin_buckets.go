@@ -329,6 +329,10 @@ func resetBucket(ctx context.Context, h *Handler, b *Bucket) (reset []string, fa
 	if h.local != nil {
 		note("local_fallback", h.local.reset(ctx, b))
 	}
+	if h.owed != nil {
+		// Reset forgives what the fallback admitted, too.
+		h.owed.forget(b)
+	}
 	return reset, failed
 }
 

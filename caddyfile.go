@@ -65,7 +65,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	        deny
 //	    }
 //	    store local|redis { ... }
-//	    on_store_error local|allow|deny
+//	    on_store_error local [<share>] [reconcile] | allow | deny
 //	    headers x|ietf|both|none
 //	    upstream_headers
 //	    status <code>
@@ -143,7 +143,7 @@ func (h *Handler) parseSetting(d *caddyfile.Dispenser, seen map[string]bool, cat
 	case "store":
 		err = h.parseStore(d)
 	case "on_store_error":
-		err = oneArg(d, &h.OnStoreError)
+		err = h.parseOnStoreError(d)
 	case "headers":
 		err = oneArg(d, &h.Headers)
 	case "upstream_headers":
@@ -575,6 +575,30 @@ func positiveDuration(d *caddyfile.Dispenser, dur *caddy.Duration) error {
 	}
 	if *dur == 0 {
 		return d.Errf("%s %q: must be above 0", name, d.Val())
+	}
+	return nil
+}
+
+// parseOnStoreError reads `on_store_error local [<share>] [reconcile]`, or
+// allow or deny. A share (1/6, 0.25) is checked here, to name the value
+// where it was written; what it goes with, by check.
+func (h *Handler) parseOnStoreError(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) == 0 {
+		return d.Err("on_store_error: want local [<share>] [reconcile], allow or deny")
+	}
+	h.OnStoreError, args = args[0], args[1:]
+	if len(args) > 0 && args[0] != "reconcile" {
+		if _, err := parseShare(args[0]); err != nil {
+			return d.Err(err.Error())
+		}
+		h.OnStoreErrorShare, args = args[0], args[1:]
+	}
+	if len(args) > 0 && args[0] == "reconcile" {
+		h.OnStoreErrorReconcile, args = true, args[1:]
+	}
+	if len(args) > 0 {
+		return d.Errf("on_store_error %s: unexpected %q: want local [<share>] [reconcile]", h.OnStoreError, args[0])
 	}
 	return nil
 }

@@ -150,6 +150,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if err != nil {
 		return h.fallBack(w, r, next, d, err)
 	}
+	if h.owed != nil {
+		h.owed.storeAnswered()
+	}
 	return h.answer(w, r, next, d, res)
 }
 
@@ -319,8 +322,13 @@ func (h *Handler) fallBack(w http.ResponseWriter, r *http.Request, next caddyhtt
 	case refuseUndecided:
 		return h.storeDown(w, r, d, err)
 	}
-	// At its own moment: the failed call may have taken its timeout.
+	// On the tier as the fallback enforces it (its share), at its own
+	// moment: the failed call may have taken its timeout.
+	d.tier = d.tier.fallback
 	res, _ := d.take(r.Context(), h.local, time.Time{})
+	if h.owed != nil && res.Allowed {
+		h.owed.add(&d.bucket, d.tier, d.cost)
+	}
 	return h.answer(w, r, next, d, res)
 }
 
@@ -508,7 +516,7 @@ var errNoSlot = errors.New("too many requests of this client in flight (concurre
 // is answered with Retry-After: 1. A store that fails is answered as
 // on_store_error says; with local, this node counts alone.
 func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (bucket.Result, error) {
-	n := d.tier.Concurrency
+	n := d.tier.asWritten().Concurrency
 	d.result = res // what giveBackTaken gives back from
 	from, owner := slotInStore, h
 	slot, inUse, ok, err := h.store.acquire(r.Context(), &d.bucket, n)
@@ -542,6 +550,11 @@ func (h *Handler) acquireSlot(r *http.Request, d *decision, res bucket.Result) (
 			return res, err
 		}
 		from = slotInLocal
+		n = owner.share.count(n, 1) // the fallback's share of it
+		if owner == h && len(d.tier.limits) == 0 {
+			// Only in-flight requests: the headers report the fallback's.
+			d.tier = d.tier.fallback
+		}
 		slot, inUse, ok, _ = owner.local.acquire(r.Context(), &d.bucket, n)
 	}
 	if !ok {
@@ -794,6 +807,9 @@ func (h *Handler) chargeFromResponse(hdr http.Header, r *http.Request, d *decisi
 	if n == 0 {
 		return
 	}
+	if h.owed != nil && d.took == store(h.local) {
+		h.owed.add(&d.bucket, d.tier, n)
+	}
 	// A reload since the take: the origin's figure is in the running
 	// config's tokens. A tier of several limits is charged only while
 	// they run: after a reload that changed them, the figure is in
@@ -831,6 +847,9 @@ func (h *Handler) giveBackUncounted(r *http.Request, d *decision, status int) {
 func (h *Handler) giveBackTaken(r *http.Request, d *decision, why string) {
 	if d.cost == 0 {
 		return
+	}
+	if h.owed != nil && d.took == store(h.local) {
+		h.owed.sub(&d.bucket, d.cost)
 	}
 	ls, n := liveLimits(h, d.tier, d.cost)
 	if ls == nil {

@@ -78,6 +78,28 @@ type Handler struct {
 	// "deny" answers 503 with Retry-After: 1. Default "local".
 	OnStoreError string `json:"on_store_error,omitempty"`
 
+	// OnStoreErrorShare, with on_store_error local beside a shared store,
+	// scales what this node enforces alone while the store fails: each
+	// limit's capacity and refill, each quota and concurrency, rounded
+	// down, at least 1 (and at least the tier's cost). A fraction such as
+	// "1/6" or a decimal such as "0.25", above 0 and at most 1: "1/<nodes>"
+	// keeps a node cut off from the store to its part of the fleet's
+	// limit. Headers on its decisions report the scaled limit, which is
+	// what it enforces. Default: the whole limit.
+	OnStoreErrorShare string `json:"on_store_error_share,omitempty"`
+
+	// OnStoreErrorReconcile, with on_store_error local beside a shared
+	// store, charges each shared bucket, as soon as a call to the store
+	// succeeds again, what this node admitted alone in it (taken minus
+	// given back), in the background, as cost_from_response does: the
+	// bucket may go into debt, and a ban the charge meets holds. Tokens
+	// spent from a lease are not charged again. The counts of buckets
+	// beyond the fallback's max keys, and those a reload or shutdown
+	// cannot charge within the store's timeout, are lost: counted in
+	// caddy_http_rate_limit_reconcile_lost_tokens_total and logged
+	// (docs/fleet.md).
+	OnStoreErrorReconcile bool `json:"on_store_error_reconcile,omitempty"`
+
 	// Headers chooses the response headers: "x" (X-RateLimit-Limit,
 	// -Remaining, -Reset), "ietf" (RateLimit and RateLimit-Policy), "both"
 	// or "none". Retry-After is sent on every rejection whatever this says.
@@ -149,7 +171,14 @@ type Handler struct {
 	fallback *IPKeyer
 	store    store
 	// local limits per node while the shared store fails, with on_store_error local.
-	local       *LocalStore
+	local *LocalStore
+	// share scales the tiers local enforces (Tier.fallback), and owed
+	// counts what local admitted, to charge the store with once it
+	// answers again (on_store_error local reconcile; nil without).
+	share share
+	owed  *reconciler
+	// owedMax bounds owed's buckets; 0 is the fallback's max keys. Tests set it.
+	owedMax     int
 	keySecret   []byte
 	xHeaders    bool
 	ietfHeaders bool
@@ -248,6 +277,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.denials = denialsFor(h.Name)
 	h.provisionWait()
+	if err := h.scaleForFallback(); err != nil {
+		return err
+	}
 	if err := h.joinConfig(ctx, unnamed); err != nil {
 		return err
 	}
@@ -318,6 +350,7 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 		if h.local, err = localFallback(ctx, h.Name, h.clocks); err != nil {
 			return err
 		}
+		return h.provisionFallback(ctx)
 	}
 	return nil
 }
@@ -400,6 +433,8 @@ type settings struct {
 	xHeaders, ietfHeaders, noKeyDeny bool
 	// counted is CountStatus as a set; nil counts every response.
 	counted *statusSet
+	// share is on_store_error local's share.
+	share share
 	// tiers are each tier's, in the order of Tiers.
 	tiers []tierSettings
 }
@@ -410,6 +445,7 @@ type settings struct {
 // what was written.
 func (h *Handler) check() (settings, error) {
 	var v settings
+	var err error
 	policy := cmp.Or(h.Name, "default")
 	onStoreError := cmp.Or(h.OnStoreError, "local")
 	headers := cmp.Or(h.Headers, "x")
@@ -421,6 +457,9 @@ func (h *Handler) check() (settings, error) {
 	case "local", "allow", "deny":
 	default:
 		return v, fmt.Errorf("on_store_error %q: want local, allow or deny", h.OnStoreError)
+	}
+	if v.share, err = h.checkFallback(onStoreError); err != nil {
+		return v, err
 	}
 	if err := h.checkNoKey(); err != nil {
 		return v, err
@@ -458,6 +497,9 @@ func (h *Handler) check() (settings, error) {
 		if err != nil {
 			return v, err
 		}
+		if err := v.share.scaledLimits(ts); err != nil {
+			return v, fmt.Errorf("tier %q: %w", t.Name, err)
+		}
 		v.tiers = append(v.tiers, ts)
 		if seen[t.Name] {
 			return v, fmt.Errorf("tier %q is defined twice", t.Name)
@@ -494,18 +536,23 @@ func (h *Handler) checkNoKey() error {
 // apply sets the handler and its tiers up as their settings imply.
 func (h *Handler) apply(v settings) {
 	h.xHeaders, h.ietfHeaders, h.noKeyDeny, h.counted = v.xHeaders, v.ietfHeaders, v.noKeyDeny, v.counted
+	h.share = v.share
 	for i, t := range h.Tiers {
 		t.apply(v.tiers[i])
 	}
 }
 
 // Cleanup takes the handler out of the running ones, ends its denial
-// recorder and releases the on_store_error store. Caddy cleans up the
+// recorder, charges what reconcile still counts (within the store's
+// timeout) and releases the on_store_error store. Caddy cleans up the
 // store itself, as a module it loaded for the handler.
 func (h *Handler) Cleanup() error {
 	h.unregister()
 	h.leaveConfig()
 	h.notes.end()
+	if h.owed != nil {
+		h.owed.drain()
+	}
 	if h.local != nil {
 		return h.local.Cleanup()
 	}

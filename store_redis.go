@@ -229,6 +229,7 @@ func (s *RedisStore) Cleanup() error {
 	if s.poolKey == "" {
 		return nil
 	}
+	storeUnloading(s) // reconcile's last charges (fallback_reconcile.go)
 	s.engine.Close()
 	key := s.poolKey
 	s.poolKey = ""

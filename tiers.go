@@ -120,6 +120,12 @@ type Tier struct {
 	policyText string
 	quotedName string
 	counters   *outcomeCounters
+	// fallback is the tier as the on_store_error local fallback enforces
+	// it, scaled by the share (fallback_share.go): the tier itself when
+	// the share is whole. written is, on that scaled copy, the tier as
+	// written, which the shared store enforces; nil on the tier itself.
+	fallback *Tier
+	written  *Tier
 }
 
 // TierLimit is one limit of a tier: a bucket's capacity and refill.
@@ -440,6 +446,14 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		}
 	}
 	t.quotedName = strconv.Quote(t.Name)
+	t.fallback = t
+	t.renderTexts()
+	return nil
+}
+
+// renderTexts renders the header values of the tier's limits, quotas and
+// concurrency, which do not change from request to request.
+func (t *Tier) renderTexts() {
 	if !t.Unlimited && !t.Deny {
 		var items []string
 		t.limitTexts = t.limitTexts[:0]
@@ -465,7 +479,15 @@ func (t *Tier) provision(ctx caddy.Context) error {
 		}
 		t.policyText = strings.Join(items, ", ")
 	}
-	return nil
+}
+
+// asWritten is the tier as written: the one the shared store enforces,
+// also when t is the fallback's scaled copy of it.
+func (t *Tier) asWritten() *Tier {
+	if t.written != nil {
+		return t.written
+	}
+	return t
 }
 
 // shape is the tier's shape as every store call takes it: its limits,
