@@ -215,14 +215,21 @@ if [[ " $SETUPS " == *" e "* ]]; then
 	curl -s -o /dev/null "http://127.0.0.1:${port[e]}/"
 fi
 
+store_errors() { # store_errors <setup>: the Redis store's failed calls since start
+	curl -s "http://127.0.0.1:${admin[$1]}/metrics" |
+		awk '/^caddy_http_rate_limit_store_errors_total/ { n += $2 } END { printf "%d", n }'
+}
+
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
-declare -A redis_calls redis_reqs
+declare -A redis_calls redis_reqs redis_errors
 for r in $(seq "$ROUNDS"); do
 	for s in $SETUPS; do
 		before=$(redis_script_calls)
+		errors=$(store_errors "$s")
 		wrk_run "$s" "$out/wrk-$s-$r.txt"
 		after=$(redis_script_calls)
 		redis_calls[$s]=$((${redis_calls[$s]:-0} + after - before))
+		redis_errors[$s]=$((${redis_errors[$s]:-0} + $(store_errors "$s") - errors))
 		n=$(awk '/requests in/ { print $1 }' "$out/wrk-$s-$r.txt")
 		redis_reqs[$s]=$((${redis_reqs[$s]:-0} + n))
 		log "round $r ($s): $(awk '/Requests\/sec/ { print $2 }' "$out/wrk-$s-$r.txt") req/s, $((after - before)) Redis script calls"
@@ -280,6 +287,14 @@ for s in $SETUPS; do
 	fi
 	printf '| (%s) | %s | %.0f | %s | %s µs | %s µs | %s | %s |\n' \
 		"$s" "${what[$s]}" "${rps[$s]}" "$ratio" "$p50" "$p99" "$non2xx" "$per"
+done
+# A request whose store call failed (a timeout, or the breaker open after
+# five) is decided by on_store_error (local by default): its throughput is
+# the local store's, not the setup's.
+echo "Store errors per request (decided by on_store_error):"
+for s in $SETUPS; do
+	[[ $s == d || $s == e || $s == g || $s == i || $s == j || $s == m ]] || continue
+	awk -v s="$s" -v e="${redis_errors[$s]}" -v n="${redis_reqs[$s]}" 'BEGIN { printf "  (%s) %.4f (%d / %d)\n", s, e / n, e, n }'
 done
 echo "Per-round req/s:"
 for s in $SETUPS; do

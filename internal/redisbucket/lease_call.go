@@ -197,12 +197,7 @@ func (s *Store) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []buck
 
 // leaseAt is lease, and also returns the server's time of the call.
 func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
-	prefetch := 0
-	if a.Prefetch {
-		prefetch = 1
-	}
-	args := s.args("lease", tr, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
-	v, err := s.call(context.Background(), key, args, false, leaseAnswer+2*tr.Parts())
+	v, err := s.call(context.Background(), key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
 	}
@@ -222,7 +217,7 @@ const leaseAnswer = 13
 // give-backs that were redirected go again (do).
 func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	args := func(g leaseReturn) []any {
-		return s.args("return", g.tier, 0, g.tokens, node, g.seq)
+		return s.returnArgs(g.tier, g.tokens, node, g.seq)
 	}
 	var returned int64
 	answered := make([]bool, len(back))

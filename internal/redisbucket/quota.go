@@ -65,3 +65,40 @@ func (s *Store) takeArgs(tr bucket.Tier, cost int64) []any {
 	}
 	return args
 }
+
+// leaseShort says whether a lease call on the tier tr, and the give-back
+// of its tokens, go in the script's short forms, which its lease fast
+// paths answer (script.go): one limit, no quota, no max_wait, no ban.
+func leaseShort(tr bucket.Tier) bool {
+	if !tr.Lone() {
+		return false
+	}
+	l := tr.Limits[0]
+	return l.MaxWait == 0 && !l.Instant && l.Ban == 0
+}
+
+// leaseArgs are the script's arguments for the lease call a on the tier
+// tr: the short form when it has its shape (leaseShort), the long one
+// otherwise.
+func (s *Store) leaseArgs(tr bucket.Tier, a bucket.LeaseAsk) []any {
+	prefetch := 0
+	if a.Prefetch {
+		prefetch = 1
+	}
+	if !leaseShort(tr) {
+		return s.args("lease", tr, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch)
+	}
+	l := tr.Limits[0]
+	return []any{"l", a.Cost, l.Capacity, l.Rate.Tokens, l.Rate.Interval, s.clockOffset, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch}
+}
+
+// returnArgs are the script's arguments for the give-back of tokens
+// leased to node by its call seq on the tier tr, in the short form when
+// it has its shape (leaseShort).
+func (s *Store) returnArgs(tr bucket.Tier, tokens int64, node string, seq int64) []any {
+	if !leaseShort(tr) {
+		return s.args("return", tr, 0, tokens, node, seq)
+	}
+	l := tr.Limits[0]
+	return []any{"r", tokens, l.Capacity, l.Rate.Tokens, l.Rate.Interval, s.clockOffset, node, seq}
+}

@@ -43,7 +43,13 @@ import "github.com/redis/go-redis/v9"
 // long form of the same take. A take in the long form without max_wait,
 // on a bucket that holds only its limits' states and this period's quota
 // counts, has a fast path too, after the arguments are read and before the
-// helpers are defined; it answers as the long form does.
+// helpers are defined; it answers as the long form does. A lease and its
+// give-back on one limit without quotas, max_wait or a ban have short forms
+// too, whose first argument is "l" or "r" (leaseArgs, returnArgs), and fast
+// paths that answer them as the long form does, on a bucket that holds at
+// most the calling node's lease: a node that leases the same keys again and
+// again makes these two calls for each (bench/README.md, "Issue 34: leases
+// with many keys").
 //
 // It answers:
 //   - take, peek: {allowed, banned (a ban started), now, then for each
@@ -143,6 +149,137 @@ if #A <= 6 then
   end
   -- The long form of the same take.
   A = {'take', '1', A[1], A[5] or '0', A[6] or '0', '0', A[2], A[3], A[4], '0'}
+elseif A[1] == 'l' or A[1] == 'r' then
+  -- The fast paths of a lease ('l') and of its give-back ('r') on one
+  -- limit, without quotas, max_wait or a ban (leaseArgs, returnArgs in
+  -- quota.go): the cost or the tokens, the capacity, the rate tokens and
+  -- interval, the microseconds to add to TIME, the node and the call's
+  -- seq, then for a lease the tokens the node holds, the tokens it wants,
+  -- how long the record lives, the tokens it spends and 1 for a prefetch.
+  -- They answer a bucket stored as "<fullAt> <slack>", with this node's
+  -- lease after it (";l:<node>:<tokens>:<expires>:<seq>:0"), or not at
+  -- all: the steps below for n = 1 and at most this one lease, with the
+  -- same answer, before any helper is defined. Any other bucket, and a
+  -- lease the limit refuses, goes on as the long form.
+  -- TestRedisScriptMatchesTheSharedModel and
+  -- TestTheLeaseFastPathsAnswerAsTheLongForm hold them to it.
+  local count, c, k, iv = A[2] + 0, A[3] + 0, A[4] + 0, A[5] + 0
+  local now, node, seq = t[1] * 1000000 + t[2] + A[6], A[7], A[8] + 0
+  local min, units = math.min, c * iv
+  stored, got = redis.call('GET', KEYS[1]), true
+  local full, slack, ok, hn, ht, he, hs = 0, 0, not stored, nil, 0, 0, 0
+  if stored then
+    local a, b = string.match(stored, '^(%d+) (%d+)$')
+    if a then
+      ok = true
+    else
+      a, b, hn, ht, he, hs = string.match(stored, '^(%d+) (%d+);l:([^:;]+):(%d+):(%d+):(%d+):0$')
+      if not a then
+        a, b, hn, ht, he, hs = '0', '0', string.match(stored, '^;l:([^:;]+):(%d+):(%d+):(%d+):0$')
+      end
+      if hn == node then ht, he, hs, ok = ht + 0, he + 0, hs + 0, true end
+    end
+    if ok then full, slack = a + 0, b + 0 end
+  end
+  local function idiv(x, y)
+    local q = math.floor(x / y)
+    local r = x - q * y
+    if r < 0 then q = q - 1 elseif r >= y then q = q + 1 end
+    return q
+  end
+  -- deficit and state_at below, on (full, slack).
+  local function def(at)
+    if at >= full then return 0 end
+    local gap = full - at
+    if gap > idiv(units + slack, k) + 1 then return units end
+    local d = gap * k - slack
+    if d > units then return units elseif d < 0 then return 0 end
+    return d
+  end
+  local function put(at, d)
+    local refill = idiv(d + k - 1, k)
+    full, slack = at + refill, refill * k - d
+  end
+  if ok and hn then
+    -- settle_to(now): the lease caps the level; one that expired counted
+    -- as spent when it did, and goes.
+    local f = min(ht, c) * iv
+    if he <= now then
+      if def(he) < f then put(he, f) end
+      hn = nil
+    elseif def(now) < f then
+      put(now, f)
+    end
+  end
+  local r
+  if ok and A[1] == 'l' then
+    local held, want, hold, spend = A[9] + 0, A[10] + 0, A[11] + 0, A[12] + 0
+    local gap, d = full - now, def(now)
+    if not hn then ht = 0 end
+    ht = min(ht, math.max(held, 0))
+    if (gap <= 0 or gap <= idiv(units + slack, k)) and units - d >= count * iv then
+      local grant = min(want, idiv(c, 2) - ht, idiv(units - d, iv))
+      if grant < count then grant = count end
+      put(now, d + grant * iv)
+      ht, he, hs, hn = ht + grant - min(spend, grant), now + hold, seq, node
+      if ht == 0 then hn = nil end
+      -- wait_all(x) and peek on the new state.
+      d = def(now)
+      gap = full - now
+      local over = gap > 0 and gap > idiv(units + slack, k)
+      local function waitfor(x)
+        if not over and units - d >= x * iv then return 0 end
+        return math.max(1, gap - idiv(units - x * iv + slack, k))
+      end
+      local lretry, hold_off = waitfor(count), 0
+      if grant < want and lretry > 0 then hold_off = waitfor(want) end
+      local rem, reset = idiv(units - d, iv), idiv(d + k - 1, k)
+      if d == units then reset = math.max(reset, math.max(1, gap - idiv(slack, k))) end
+      r = {grant, rem, lretry, hold_off, reset, 0, 0, now, 0, 0, 0, 0, lretry, rem, reset}
+    end
+  elseif ok then
+    local back = 0
+    if hn and hs == seq then
+      back, hn = math.max(0, min(count, ht)), nil
+      if back > 0 then
+        -- give_back, with nothing else out: the raw deficit less back.
+        local maxd, g, raw = units + min(units * 1000, 4503599627370496 - units), full - now, 0
+        if g > 0 then
+          if g > idiv(maxd + slack, k) + 1 then raw = maxd else raw = min(math.max(0, g * k - slack), maxd) end
+        end
+        local d2 = raw - min(back, c) * iv
+        if d2 <= 0 then full, slack = 0, 0 else put(now, d2) end
+      end
+    end
+    r = {back, now}
+  end
+  if r then
+    -- save, and life for one lease: the key lives until the lease has
+    -- expired and the limit is full again from the cap it leaves.
+    local v, ttl = '', full - now
+    if full > now then v = string.format('%d %d', full, slack) end
+    if hn then
+      v = v .. string.format(';l:%s:%d:%d:%d:0', hn, ht, he, hs)
+      local f0, s0 = full, slack
+      if def(he) < min(ht, c) * iv then put(he, min(ht, c) * iv) end
+      ttl = math.max(0, math.max(he, full) - now)
+      full, slack = f0, s0
+    end
+    if v == '' then
+      if stored then redis.call('DEL', KEYS[1]) end
+    elseif v ~= stored then
+      local w = redis.pcall('SET', KEYS[1], v, 'PX', idiv(ttl + 999, 1000) + 1)
+      if w.err then
+        error('rate_limit: Redis refused to write the bucket (it needs Redis 3.2 or newer): ' .. w.err)
+      end
+    end
+    return r
+  end
+  if A[1] == 'l' then
+    A = {'lease', '1', A[2], A[6], '0', '0', A[3], A[4], A[5], '0', A[7], A[8], A[9], A[10], A[11], A[12], A[13]}
+  else
+    A = {'return', '1', A[2], A[6], '0', '0', A[3], A[4], A[5], '0', A[7], A[8]}
+  end
 end
 local function idiv(a, b)
   local q = math.floor(a / b)

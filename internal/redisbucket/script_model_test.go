@@ -495,7 +495,12 @@ func checkScriptModel(s *Store, rdb *redis.Client, rng *rand.Rand, traces, steps
 					if seq[node] == 0 {
 						at = 1 + rng.Int64N(3) // a record the trace started with
 					}
-					v, err := s.call(bg, key, s.args("return", tr, 0, n, node, at), false, 2)
+					args := s.args("return", tr, 0, n, node, at)
+					if rng.IntN(2) == 0 {
+						// The short form where the tier has its shape.
+						args = s.returnArgs(tr, n, node, at)
+					}
+					v, err := s.call(bg, key, args, false, 2)
 					if err != nil {
 						return fmt.Errorf("%s: %w", what, err)
 					}
@@ -695,7 +700,9 @@ func checkStored(rdb *redis.Client, key string, m *modelTrace, now int64, before
 // dropped quota's count), against a real redis-server. After each step
 // the answers match, the key holds the model's bucket field for field, and
 // lives as long as the model needs it and no longer than its last period.
-// The fast path answers exactly the short-form takes it can.
+// The fast path answers exactly the short-form takes it can. Leases, and
+// half the give-backs, go in the short forms where the tier has their
+// shape (leaseArgs, returnArgs).
 func TestRedisScriptMatchesTheSharedModel(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
@@ -752,6 +759,145 @@ func TestTheScriptModelPropertyCatchesABrokenScript(t *testing.T) {
 		}
 		bucketScript = redis.NewScript(strings.Replace(bucketLua, m.from, m.to, 1))
 		if _, err := checkScriptModel(s, rdb, rand.New(rand.NewPCG(34, 1)), 200, 30); err == nil {
+			t.Errorf("mutation %q: the property holds on the broken script", m.name)
+		} else {
+			t.Logf("mutation %q caught: %v", m.name, err)
+		}
+	}
+}
+
+// checkLeaseShortForms plays traces of leases and give-backs on one limit
+// without quotas, max_wait or a ban, sent in the script's short forms
+// ("l" and "r": leaseArgs and returnArgs), from a fresh bucket, a spent
+// one, one in debt, and one holding a lease of the node that calls, of
+// another node, or one about to expire; and says how the first step that
+// differs from buckettest's Shared differs: in its answer, in what the key
+// holds, or in how long it lives.
+func checkLeaseShortForms(s *Store, rdb *redis.Client, rng *rand.Rand, traces, steps int) error {
+	for ti := range traces {
+		s.clockOffset = 0
+		base := time.Now().UnixMicro() + 2*second
+		l := modelValid([]bucket.Limit{modelLimit(rng)}, 0, 0)[0]
+		ls := []bucket.Limit{l}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+		m := &modelTrace{ls: ls, sh: sh}
+		full, half := refillOf(l), max(1, min(l.Capacity, 12)/2)
+		switch ti % 5 {
+		case 1:
+			sh.Levels[0] = bucket.State{FullAt: base + rng.Int64N(full+1), Slack: rng.Int64N(l.Rate.Tokens)}
+		case 2:
+			sh.Levels[0] = bucket.State{FullAt: base + min(full+1+rng.Int64N(20*full+1), deepestGap(l)), Slack: rng.Int64N(l.Rate.Tokens)}
+		case 3, 4:
+			sh.Levels[0] = bucket.State{FullAt: base + rng.Int64N(full+1), Slack: rng.Int64N(l.Rate.Tokens)}
+			node := []string{"a1", "b2"}[ti%5-3]
+			sh.Held = []buckettest.Held{{Node: node, Tokens: 1 + rng.Int64N(half), Expires: base + rng.Int64N(min(2*full, 3600*second)+1), Seq: 1}}
+		}
+		key := string(bucketFor(fmt.Sprint("lease-short-", ti)))
+		if text := r34Text(sh, nil); text == "" {
+			if err := rdb.Del(bg, key).Err(); err != nil {
+				return err
+			}
+		} else if err := rdb.Set(bg, key, text, time.Hour).Err(); err != nil {
+			return err
+		}
+		seq := map[string]int64{"a1": 1, "b2": 1}
+		for j := range steps {
+			if j > 0 {
+				s.clockOffset += rng.Int64N(2*min(full, 3600*second)+1) * int64(rng.IntN(4)) / 3
+			}
+			node := "a1"
+			if rng.IntN(4) == 0 {
+				node = "b2"
+			}
+			what := fmt.Sprintf("trace %d step %d: limit %+v", ti, j, l)
+			before, err := rdb.Get(bg, key).Result()
+			if err != nil && err != redis.Nil {
+				return err
+			}
+			sent := time.Now()
+			var now int64
+			if rng.IntN(3) > 0 {
+				seq[node]++
+				c := min(l.Capacity, 12)
+				cost := 1 + rng.Int64N(c)
+				a := bucket.LeaseAsk{Node: node, Seq: seq[node], Held: rng.Int64N(c), Cost: cost, Want: cost + rng.Int64N(c-cost+1), Hold: rng.Int64N(3 * min(full, 3600*second))}
+				prefetch := 0
+				switch rng.IntN(3) {
+				case 0:
+					a.Spend = cost
+				case 1:
+					a.Prefetch, prefetch = true, 1
+				}
+				args := []any{"l", a.Cost, l.Capacity, l.Rate.Tokens, l.Rate.Interval, s.clockOffset, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, prefetch}
+				v, err := s.call(bg, key, args, false, leaseAnswer+2)
+				if err != nil {
+					return fmt.Errorf("%s: lease %+v: %w", what, a, err)
+				}
+				now = v[7]
+				got := bucket.LeaseResult{Granted: v[0], Remaining: v[1], RetryAfter: v[2], HoldOff: v[3], ResetAfter: v[4], Banned: v[5] == 1, Drop: v[6] == 1,
+					Until: v[8], QuotaHold: v[9], Void: v[10] == 1, BanHolds: v[11] == 1, LimitRetry: v[12]}
+				each := []bucket.Result{{Remaining: v[13], ResetAfter: v[14]}}
+				want, wantEach := sh.LeaseQuotas(now, ls, nil, a), make([]bucket.Result, 1)
+				if sh.ReportEach(now, ls, nil, wantEach); got != want || !slices.Equal(each, wantEach) {
+					return fmt.Errorf("%s: lease %+v at %d (stored %q): Redis %+v %+v, model %+v %+v", what, a, now, before, got, each, want, wantEach)
+				}
+			} else {
+				n, at := 1+rng.Int64N(half+1), seq[node]-rng.Int64N(2)
+				v, err := s.call(bg, key, []any{"r", n, l.Capacity, l.Rate.Tokens, l.Rate.Interval, s.clockOffset, node, at}, false, 2)
+				if err != nil {
+					return fmt.Errorf("%s: return: %w", what, err)
+				}
+				now = v[1]
+				if want := sh.ReturnQuotas(now, ls, nil, node, at, n); v[0] != want {
+					return fmt.Errorf("%s: return %d of %s seq %d at %d (stored %q): Redis %d, model %d", what, n, node, at, now, before, v[0], want)
+				}
+			}
+			if err := checkStored(rdb, key, m, now, before, sent); err != nil {
+				return fmt.Errorf("%s: %w", what, err)
+			}
+		}
+	}
+	return nil
+}
+
+// A lease and its give-back on one limit without quotas, max_wait or a
+// ban go in the script's short forms, which its fast paths answer as
+// buckettest's Shared does, step for step and to the unit (seed fixed).
+func TestALoneLimitsLeaseAndReturnInTheShortFormsMatchTheModel(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	rdb := srv.Client()
+	defer rdb.Close()
+	if err := checkLeaseShortForms(s, rdb, rand.New(rand.NewPCG(34, 3)), 300, 30); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The short forms' property catches a fast path that breaks it: each
+// mutation below is a plausible slip in the lease or the return fast path.
+func TestTheLeaseShortFormPropertyCatchesABrokenScript(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	rdb := srv.Client()
+	defer rdb.Close()
+	mutations := []struct{ name, from, to string }{
+		{"the lease fast path grants past half the capacity", "local grant = min(want, idiv(c, 2) - ht, idiv(units - d, iv))", "local grant = min(want, c - ht, idiv(units - d, iv))"},
+		{"the lease fast path counts what the node spends as held", "ht + grant - min(spend, grant), now + hold", "ht + grant, now + hold"},
+		{"the lease fast path trusts the node's held over the record", "ht = min(ht, math.max(held, 0))", "ht = math.max(held, 0)"},
+		{"the fast paths forget the cap a lease puts on the level", "elseif def(now) < f then", "elseif false then"},
+		{"the fast paths keep an expired lease", "if def(he) < f then put(he, f) end\n      hn = nil", "if def(he) < f then put(he, f) end"},
+		{"the return fast path takes a give-back of an older call", "if hn and hs == seq then", "if hn then"},
+		{"the return fast path gives nothing back to the level", "local d2 = raw - min(back, c) * iv", "local d2 = raw"},
+		{"the fast paths' key forgets the cap the lease leaves when it expires", "if def(he) < min(ht, c) * iv then put(he, min(ht, c) * iv) end", "local _ = he"},
+		{"the lease fast path's hold-off says the cost's wait", "hold_off = waitfor(want) end", "hold_off = lretry end"},
+	}
+	defer func(orig *redis.Script) { bucketScript = orig }(bucketScript)
+	for _, m := range mutations {
+		if strings.Count(bucketLua, m.from) != 1 {
+			t.Fatalf("mutation %q: %q is not once in the script", m.name, m.from)
+		}
+		bucketScript = redis.NewScript(strings.Replace(bucketLua, m.from, m.to, 1))
+		if err := checkLeaseShortForms(s, rdb, rand.New(rand.NewPCG(34, 3)), 300, 30); err == nil {
 			t.Errorf("mutation %q: the property holds on the broken script", m.name)
 		} else {
 			t.Logf("mutation %q caught: %v", m.name, err)

@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -101,5 +102,59 @@ func TestABucketKeyOutlivesTheLeaseCapOnItsLevel(t *testing.T) {
 	bound := ls[0].Capacity + (last-spent)*ls[0].Rate.Tokens/ls[0].Rate.Interval
 	if 50+burst > bound {
 		t.Errorf("the fleet took 50 + %d between %d and %d µs, more than C + floor(r*T) = %d", burst, spent, last, bound)
+	}
+}
+
+// BenchmarkRedisLeaseCalls is a node's lease call and the give-back of the
+// lease, on one limit over 1,000 keys, in the script's short forms (its
+// lease fast paths) and in the long form, in the same run: redis-µs/call
+// is Redis's own time per call (INFO commandstats), allocs/op the node's
+// for the two calls.
+func BenchmarkRedisLeaseCalls(b *testing.B) {
+	srv := redistest.Start(b)
+	s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
+	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}} // bench/caddy/i.Caddyfile's
+	tr := oneLimit(l)
+	var keys [1000]string
+	for i := range keys {
+		keys[i] = string(bucketFor("lease-calls-" + strconv.Itoa(i)))
+	}
+	evalsha := func() (calls, usec float64) {
+		for f := range strings.SplitSeq(srv.Info("commandstats", "cmdstat_evalsha"), ",") {
+			k, v, _ := strings.Cut(f, "=")
+			n, _ := strconv.ParseFloat(v, 64)
+			switch k {
+			case "calls":
+				calls = n
+			case "usec":
+				usec = n
+			}
+		}
+		return calls, usec
+	}
+	for _, form := range []string{"short", "long"} {
+		b.Run(form, func(b *testing.B) {
+			b.ReportAllocs()
+			calls, usec := evalsha()
+			var seq int64
+			for b.Loop() {
+				seq++
+				key := keys[seq%int64(len(keys))]
+				a := bucket.LeaseAsk{Node: "n1", Seq: seq, Cost: 1, Want: 1000, Hold: 1_350_000, Spend: 1}
+				lease, back := s.leaseArgs(tr, a), s.returnArgs(tr, 999, a.Node, seq)
+				if form == "long" {
+					lease = s.args("lease", tr, 0, a.Cost, a.Node, a.Seq, a.Held, a.Want, a.Hold, a.Spend, 0)
+					back = s.args("return", tr, 0, 999, a.Node, seq)
+				}
+				if v, err := s.call(bg, key, lease, false, leaseAnswer+2); err != nil || v[0] != a.Want {
+					b.Fatalf("lease: %v %v", v, err)
+				}
+				if v, err := s.call(bg, key, back, false, 2); err != nil || v[0] != 999 {
+					b.Fatalf("return: %v %v", v, err)
+				}
+			}
+			calls2, usec2 := evalsha()
+			b.ReportMetric((usec2-usec)/(calls2-calls), "redis-µs/call")
+		})
 	}
 }
