@@ -135,9 +135,12 @@ type lease struct {
 	// saw it; holdUntil: no call for this bucket before then.
 	retryAt, retryCost int64
 	holdUntil          int64
-	// short: the last call got fewer tokens than it asked for, and the
-	// shared bucket held fewer than that: the fleet oversubscribes it.
-	short bool
+	// emptyUntil: the last answer showed the shared level empty (it could
+	// not cover another request of this cost); until an answer shows it
+	// holding one again, and no longer than lease_ttl after the call, a
+	// request that finds no tokens here is refused at once rather than
+	// wait a long round trip on a call (refuses).
+	emptyUntil int64
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
 	banUntil int64
@@ -174,15 +177,13 @@ type levelAt struct{ level, resetAt int64 }
 type leaseCall struct {
 	done chan struct{}
 	err  error
-	// short: the call got fewer tokens than it asked for, and the shared
-	// bucket is empty for now, so strict mode would refuse too; or none,
-	// and the shared store refused the requests that waited on it.
+	// short: the answer showed the shared level empty, so strict mode
+	// would refuse too; or the shared store refused the requests that
+	// waited on it.
 	short bool
 	// spent: the call took the cost of the request that made it, which
 	// is allowed without taking from what the node holds.
 	spent bool
-	// timer: the hold-off's end made the call.
-	timer bool
 	// banned: the call's refusal started a ban, for the request that made
 	// it to report; abandoned: that request went away first, so onBan
 	// counts it. finished: the answer is in. All under the shard's lock.
@@ -299,7 +300,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		return res, nil
 	}
 	ban := tr.First().Ban
-	waited := false
+	waited, asked := false, false
 	for {
 		if e.tokens >= cost && !t.lapsed(e, now) {
 			res := t.spend(e, cost, now)
@@ -308,6 +309,11 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 			return res, nil
 		}
 		if t.refuses(e, ban, now, waited) {
+			if ban == 0 && !waited && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.banUntil {
+				// Refused by emptyUntil alone: the next lease comes in
+				// the background, for the requests after this one.
+				t.fetch(e, cost, now, true)
+			}
 			res := e.result(now, false, cost)
 			e.fill(out, res, now, cost)
 			sh.mu.Unlock()
@@ -335,15 +341,18 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 			sh.mu.Unlock()
 			return bucket.Result{}, errLeasesClosed
 		}
-		// A short lease means the shared bucket is empty: the requests it
-		// did not cover are refused, with no second round trip. A full one
-		// that others spent first (a small early lease) leaves the shared
-		// bucket holding more: ask again, as strict mode would. An entry
+		// An answer that shows the shared bucket empty refuses the
+		// requests it did not cover, with no second round trip. One that
+		// others spent first (a small early lease) leaves the shared
+		// bucket holding more: ask again, as strict mode would, but once,
+		// so that no request waits more than two round trips. An entry
 		// evicted meanwhile gave its tokens back: start again on a new one.
 		// Under a ban setting, a request refused by a call made for
 		// another (a prefetch, another request's cost) asks the shared
 		// store itself, which bans if one bucket would.
-		now, waited = t.now(), c.short && (ban == 0 || mine)
+		again := asked && !c.short
+		asked = true
+		now, waited = t.now(), (c.short || again) && (ban == 0 || mine)
 		if next := t.entry(sh, key, tr, now); next != e {
 			e, waited = next, false
 		}
@@ -351,13 +360,15 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 }
 
 // spend takes cost from the tokens e holds, and fetches the next lease in
-// the background when they fall to half; under a ban setting, a lease
-// spent is said so at once, so that a refusal on another node does not
-// take these tokens for held, and bans when one bucket would.
+// the background when they fall to half, or when the lease ends within
+// two round trips, so that its requests never find the tokens lapsed and
+// wait on a call; under a ban setting, a lease spent is said so at once,
+// so that a refusal on another node does not take these tokens for held,
+// and bans when one bucket would.
 func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 	e.tokens -= cost
 	switch {
-	case e.tokens*2 < e.size && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil:
+	case (e.tokens*2 < e.size || t.endsWithin(e, now, 2*t.roundTrip(e))) && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil:
 		t.fetch(e, cost, now, true)
 	case e.tokens == 0 && e.recorded > 0 && e.tier.First().Ban > 0 && e.call == nil:
 		t.giveBackLater([]leaseReturn{e.takeBack()})
@@ -369,13 +380,30 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // from memory, with no call. Under a ban setting it asks the shared store,
 // unless a ban is known to hold: one bucket would start the ban at this
 // refusal, and so must the shared one. A bucket the fleet oversubscribes
-// (the last call was short) has its refill shared out by calls: a request
-// that finds them all spent and a call in flight is refused at once rather
-// than wait on it, until the shared bucket holds a request's cost again as
-// that call saw it (retryAt); what the call brings stays for the next
-// requests, so nothing is lost, and allowed requests do not wait.
+// (the last answer showed the shared level empty) has its refill shared
+// out by calls: when a call takes longer than the bucket takes to refill a
+// token (a store far away), a request that finds the tokens all
+// spent is refused at once rather than wait that round trip on a call
+// (takeHeld makes one in the background if none is out), until an answer
+// shows the shared level holding a request's cost again, or lease_ttl has
+// passed; what the call brings stays for the next requests, so nothing is
+// lost, and allowed requests do not wait. With a store close by, the
+// request waits on the call, so that a client that comes back at its
+// Retry-After is not refused again beside a bucket that holds its cost.
 func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || e.short && e.call != nil && !e.call.timer && now < e.retryAt)
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.roundTrip(e) > e.tier.Refill(1))
+}
+
+// roundTrip is how long a call for e takes (µs), as the last one did.
+func (t *leaseTable) roundTrip(e *lease) int64 { return e.rtt }
+
+// endsWithin says whether the tokens e holds lapse within d of now.
+func (t *leaseTable) endsWithin(e *lease, now, d int64) bool {
+	end := e.leasedAt + t.ttl
+	if e.spendBy != 0 {
+		end = min(end, e.spendBy)
+	}
+	return end-now <= d
 }
 
 // lapsed says whether the tokens e holds may no longer be spent: lease_ttl

@@ -62,7 +62,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		// A refusal says when the cost is back; an answer that grants
 		// nothing and says no such time asks the node to give back what
 		// a ban voided first, and to ask again (LeaseResult.Void).
-		c.err, c.short = err, lr.Granted < want && lr.Remaining < cost || lr.Granted == 0 && lr.RetryAfter > 0
+		c.err, c.short = err, lr.Remaining < cost || lr.Granted == 0 && lr.RetryAfter > 0
 		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
 		if lr.Banned {
 			if c.abandoned || ask.Prefetch {
@@ -112,7 +112,12 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		e.stopTimer = nil
 	}
 	e.holdUntil, e.banUntil, e.quotaUntil = 0, 0, 0
-	e.short = lr.Granted < ask.Want && lr.Remaining < ask.Want
+	e.emptyUntil = 0
+	if lr.Remaining < ask.Cost || lr.Granted == 0 && lr.RetryAfter > 0 {
+		// Remaining is the level after the grant: it cannot cover
+		// another request of this cost.
+		e.emptyUntil = sent + t.ttl
+	}
 	if lr.BanHolds && lr.Granted == 0 {
 		// Refused under a ban: the requests until it is over are refused
 		// here, and start no other (a refusal during a ban does not). A
@@ -136,9 +141,13 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		}
 		e.holdUntil = until
 		if t.after != nil && e.banUntil == 0 {
-			// Sent a round trip early, so that its tokens are here when
-			// the hold-off ends and refused clients come back.
-			at := max(0, until-e.rtt-t.now())
+			// Sent half a round trip early, so that it reaches the store
+			// as the hold-off ends there (it counts from when this call
+			// was sent). Sent a round trip early, a far region's calls
+			// reached the store first and the near region fell under its
+			// share; sent at the end, the far one did (the region model,
+			// TestLeasesWithRegionsKeepTheConnectedBounds).
+			at := max(0, until-t.roundTrip(e)/2-t.now())
 			e.stopTimer = t.after(time.Duration(at)*time.Microsecond, func() { t.prefetchAfterHoldOff(e, until) })
 		}
 	}
@@ -147,7 +156,11 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 // prefetchAfterHoldOff fetches the next lease of a bucket still in use
 // when its hold-off ends, in the background, so that its requests find
 // tokens rather than wait on a call: an oversubscribed bucket's steady
-// traffic then waits no more than the rest.
+// traffic then waits no more than the rest. In use is more than refused
+// during the hold-off: a node whose tokens fell under half while the
+// hold-off kept it from the prefetch at half fetches too, or a region far
+// from the store, whose grants come a round trip later, falls behind (the
+// region model, TestLeasesWithRegionsKeepTheConnectedBounds).
 func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
 	sh := t.shard([]byte(e.key))
 	sh.mu.Lock()
@@ -157,7 +170,7 @@ func (t *leaseTable) prefetchAfterHoldOff(e *lease, until int64) {
 		return
 	}
 	t.expire(e, now)
-	t.fetch(e, max(1, e.retryCost), now, true).timer = true
+	t.fetch(e, max(1, e.retryCost), now, true)
 }
 
 // periodOf records the quota period of tokens granted by a call sent at

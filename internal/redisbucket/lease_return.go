@@ -59,7 +59,7 @@ func (t *leaseTable) giveBackHeldSince(key []byte, n, took int64) int64 {
 		// The rest goes to the shared bucket: it may cover a request
 		// there now, so the node's hold-offs no longer hold (as strict
 		// mode's give-back forgets a cached denial).
-		e.holdUntil, e.quotaUntil = 0, 0
+		e.holdUntil, e.quotaUntil, e.emptyUntil = 0, 0, 0
 	}
 	return n - put
 }
