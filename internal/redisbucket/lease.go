@@ -368,7 +368,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 	e.tokens -= cost
 	switch {
-	case (e.tokens*2 < e.size || t.endsWithin(e, now, 2*t.roundTrip(e))) && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil:
+	case (e.tokens*2 < e.size || t.endsWithin(e, now, 2*t.roundTripOf(e))) && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil:
 		t.fetch(e, cost, now, true)
 	case e.tokens == 0 && e.recorded > 0 && e.tier.First().Ban > 0 && e.call == nil:
 		t.giveBackLater([]leaseReturn{e.takeBack()})
@@ -391,11 +391,18 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // request waits on the call, so that a client that comes back at its
 // Retry-After is not refused again beside a bucket that holds its cost.
 func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.roundTrip(e) > e.tier.Refill(1))
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.roundTripOf(e) > e.tier.Refill(1))
 }
 
-// roundTrip is how long a call for e takes (µs), as the last one did.
-func (t *leaseTable) roundTrip(e *lease) int64 { return e.rtt }
+// roundTripOf is how long a call for e takes (µs): the store's measured
+// round trip (rtt.go), or, before it has one or on a store that measures
+// none, how long e's last call took.
+func (t *leaseTable) roundTripOf(e *lease) int64 {
+	if rt := t.roundTrip(); rt > 0 {
+		return rt
+	}
+	return e.rtt
+}
 
 // endsWithin says whether the tokens e holds lapse within d of now.
 func (t *leaseTable) endsWithin(e *lease, now, d int64) bool {

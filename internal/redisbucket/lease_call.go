@@ -147,7 +147,7 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 			// reached the store first and the near region fell under its
 			// share; sent at the end, the far one did (the region model,
 			// TestLeasesWithRegionsKeepTheConnectedBounds).
-			at := max(0, until-t.roundTrip(e)/2-t.now())
+			at := max(0, until-t.roundTripOf(e)/2-t.now())
 			e.stopTimer = t.after(time.Duration(at)*time.Microsecond, func() { t.prefetchAfterHoldOff(e, until) })
 		}
 	}

@@ -234,6 +234,12 @@ type regionRemote struct {
 	node int
 }
 
+// charge is credit's call, which the regions model's nodes never make
+// (no credit): one made is an error the trace reports.
+func (r regionRemote) charge(string, bucket.Tier, int64) (int64, error) {
+	return 0, errors.New("regions model: a charge, with no credit given")
+}
+
 func (r regionRemote) lease(_ string, tr bucket.Tier, a bucket.LeaseAsk, _ []bucket.Result) (bucket.LeaseResult, error) {
 	s := r.s
 	c := &regionCall{prefetch: a.Prefetch, answer: make(chan bucket.LeaseResult, 1)}
