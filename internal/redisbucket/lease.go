@@ -344,13 +344,14 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		// An answer that shows the shared bucket empty refuses the
 		// requests it did not cover, with no second round trip. One that
 		// others spent first (a small early lease) leaves the shared
-		// bucket holding more: ask again, as strict mode would, but once,
-		// so that no request waits more than two round trips. An entry
+		// bucket holding more: ask again, as strict mode would; with a
+		// store far away (far), once, so that no request waits more than
+		// two long round trips. An entry
 		// evicted meanwhile gave its tokens back: start again on a new one.
 		// Under a ban setting, a request refused by a call made for
 		// another (a prefetch, another request's cost) asks the shared
 		// store itself, which bans if one bucket would.
-		again := asked && !c.short
+		again := asked && !c.short && t.far(e)
 		asked = true
 		now, waited = t.now(), (c.short || again) && (ban == 0 || mine)
 		if next := t.entry(sh, key, tr, now); next != e {
@@ -391,8 +392,16 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // request waits on the call, so that a client that comes back at its
 // Retry-After is not refused again beside a bucket that holds its cost.
 func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.roundTripOf(e) > e.tier.Refill(1))
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.far(e))
 }
+
+// far says whether a call for e takes longer than its bucket takes to
+// refill a token: a store far away, where a request waits on at most two
+// calls (takeHeld) and one that finds the tokens spent beside an empty
+// shared level is refused at once (refuses). With a store close by a
+// request waits on calls until one covers it or shows the level empty, as
+// strict mode would decide it.
+func (t *leaseTable) far(e *lease) bool { return t.roundTripOf(e) > e.tier.Refill(1) }
 
 // roundTripOf is how long a call for e takes (µs): the store's measured
 // round trip (rtt.go), or, before it has one or on a store that measures
