@@ -160,6 +160,9 @@ type lease struct {
 	// been answered: the next lease call waits for it, so that it cannot
 	// overtake the give-back and leave it naming a lease no longer there.
 	returning chan struct{}
+	// backlog is what the requests a call left uncovered cost together,
+	// for the next call, which they all wait on, to ask (fetch).
+	backlog int64
 	// credit is how many more requests the entry admits on credit; owed,
 	// the tokens they took that no charge has carried yet; charging, that
 	// a charge is out; debtUntil, until when its answer said the bucket is
@@ -301,6 +304,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 	}
 	ban := tr.First().Ban
 	waited, asked := false, false
+	backlog := int64(0)
 	for {
 		if e.tokens >= cost && !t.lapsed(e, now) {
 			res := t.spend(e, cost, now)
@@ -321,6 +325,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		}
 		c, mine := e.call, e.call == nil
 		if mine {
+			e.backlog = backlog
 			c = t.fetch(e, cost, now, false)
 		} else {
 			c.joined++
@@ -353,6 +358,9 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		// store itself, which bans if one bucket would.
 		again := asked && !c.short && t.far(e)
 		asked = true
+		// The requests this call left uncovered ask again together: the
+		// next call asks for all of them, up to a lease.
+		backlog = cost * int64(c.joined+1)
 		now, waited = t.now(), (c.short || again) && (ban == 0 || mine)
 		if next := t.entry(sh, key, tr, now); next != e {
 			e, waited = next, false

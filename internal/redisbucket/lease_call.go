@@ -23,6 +23,12 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			want = max(cost, min(2*e.size, t.size.ofTier(e.tier)))
 		}
 	}
+	if e.backlog > 0 {
+		// Requests the last call left uncovered, in the shared store's
+		// level still: one call for them all, not one each.
+		want = max(want, min(e.backlog, t.size.ofTier(e.tier)))
+		e.backlog = 0
+	}
 	c := &leaseCall{done: make(chan struct{})}
 	e.call = c
 	e.seq = t.seq.Add(1)

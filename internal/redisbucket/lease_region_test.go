@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"go.uber.org/zap"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -764,5 +765,75 @@ func TestWaitersAreRefusedWhenAFullGrantLeavesTheSharedLevelEmpty(t *testing.T) 
 	tableSync(node)
 	if allowed != 1 || m.calls != 1 {
 		t.Errorf("3 requests on one token, the first call granting it all: %d allowed, %d lease calls; want 1 and 1 (the answer showed the level empty)", allowed, m.calls)
+	}
+}
+
+// steppedModel is the model store answering one lease call each time the
+// test sends on step (a closed step answers every call), so that each call
+// takes the time the test moves its clock on by meanwhile.
+type steppedModel struct {
+	*sharedModel
+	step chan struct{}
+}
+
+func (m steppedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	<-m.step
+	return m.sharedModel.lease(key, tr, a, each)
+}
+
+// TestTheRequestsACallLeftUncoveredShareOneCallThatCoversThem: far from
+// the store, the requests that waited on a node's first lease (the cost
+// alone) and were not covered by it, with the shared level holding
+// plenty, ask again once; that call asks for them all, so none is
+// refused beside a bucket that holds its cost.
+// Regression test for issue 35 (an under-limit key refused in the chaos test).
+func TestTheRequestsACallLeftUncoveredShareOneCallThatCoversThem(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
+	stepped := steppedModel{m, make(chan struct{})}
+	node := newLeaseTable(stepped, m.now, LeaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, zap.NewNop())
+	defer node.close()
+	defer close(stepped.step)
+	const requests = 4
+	results := make(chan bucket.Result, requests)
+	waiting := func(n int) func() bool {
+		return func() bool {
+			sh := node.shard([]byte("k"))
+			sh.mu.Lock()
+			defer sh.mu.Unlock()
+			e := sh.m["k"]
+			return e != nil && e.call != nil && e.call.joined == n
+		}
+	}
+	for i := range requests {
+		go func() {
+			res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
+			if err != nil {
+				t.Error(err)
+			}
+			results <- res
+		}()
+		redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", waiting(i))
+	}
+	// Each call takes 200 ms, 20 tokens' refill: a store far away. The
+	// first grants the cost of the request that made it; the three others
+	// ask again, together.
+	clock.advance(200 * time.Millisecond)
+	stepped.step <- struct{}{}
+	redistest.WaitFor(t, 5*time.Second, "the others to wait on one more call", waiting(requests-2))
+	clock.advance(200 * time.Millisecond)
+	stepped.step <- struct{}{}
+	allowed := 0
+	for range requests {
+		if res := <-results; res.Allowed {
+			allowed++
+		}
+	}
+	m.mu.Lock()
+	calls := m.calls
+	m.mu.Unlock()
+	if allowed != requests || calls != 2 {
+		t.Errorf("%d requests on a full bucket of 100, far from the store: %d allowed on %d lease calls; want all on 2", requests, allowed, calls)
 	}
 }
