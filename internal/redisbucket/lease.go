@@ -303,7 +303,10 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		return res, nil
 	}
 	ban := tr.First().Ban
-	waited, asked := false, false
+	waited := false
+	// backlog is what the requests that waited on the last call cost
+	// together: the next call asks for them all (up to a lease), not for
+	// one request's cost.
 	backlog := int64(0)
 	for {
 		if e.tokens >= cost && !t.lapsed(e, now) {
@@ -349,19 +352,14 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		// An answer that shows the shared bucket empty refuses the
 		// requests it did not cover, with no second round trip. One that
 		// others spent first (a small early lease) leaves the shared
-		// bucket holding more: ask again, as strict mode would; with a
-		// store far away (far), once, so that no request waits more than
-		// two long round trips. An entry
+		// bucket holding more: the requests it left uncovered ask again,
+		// as strict mode would, in one call for them all. An entry
 		// evicted meanwhile gave its tokens back: start again on a new one.
 		// Under a ban setting, a request refused by a call made for
 		// another (a prefetch, another request's cost) asks the shared
 		// store itself, which bans if one bucket would.
-		again := asked && !c.short && t.far(e)
-		asked = true
-		// The requests this call left uncovered ask again together: the
-		// next call asks for all of them, up to a lease.
 		backlog = cost * int64(c.joined+1)
-		now, waited = t.now(), (c.short || again) && (ban == 0 || mine)
+		now, waited = t.now(), c.short && (ban == 0 || mine)
 		if next := t.entry(sh, key, tr, now); next != e {
 			e, waited = next, false
 		}
@@ -404,11 +402,9 @@ func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
 }
 
 // far says whether a call for e takes longer than its bucket takes to
-// refill a token: a store far away, where a request waits on at most two
-// calls (takeHeld) and one that finds the tokens spent beside an empty
-// shared level is refused at once (refuses). With a store close by a
-// request waits on calls until one covers it or shows the level empty, as
-// strict mode would decide it.
+// refill a token: a store far away, where a request that finds the tokens
+// spent beside an empty shared level is refused at once rather than wait
+// on a call (refuses).
 func (t *leaseTable) far(e *lease) bool { return t.roundTripOf(e) > e.tier.Refill(1) }
 
 // roundTripOf is how long a call for e takes (µs): the store's measured

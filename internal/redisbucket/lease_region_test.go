@@ -837,3 +837,63 @@ func TestTheRequestsACallLeftUncoveredShareOneCallThatCoversThem(t *testing.T) {
 		t.Errorf("%d requests on a full bucket of 100, far from the store: %d allowed on %d lease calls; want all on 2", requests, allowed, calls)
 	}
 }
+
+// TestFarFromTheStoreAKeyUnderItsLimitIsNeverRefused: requests that arrive
+// while a node's lease calls are out join them; a call that covers some
+// of them, the shared level holding plenty, leaves the rest to ask again,
+// however many calls that takes, and none is refused.
+// Regression test for issue 35 (an under-limit key refused in the chaos
+// test: the rest were refused after asking once).
+func TestFarFromTheStoreAKeyUnderItsLimitIsNeverRefused(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 100, Interval: 1_000_000}}
+	stepped := steppedModel{m, make(chan struct{})}
+	node := newLeaseTable(stepped, m.now, LeaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, zap.NewNop())
+	defer node.close()
+	results := make(chan bucket.Result, 8)
+	waiting := func(n int) func() bool {
+		return func() bool {
+			sh := node.shard([]byte("k"))
+			sh.mu.Lock()
+			defer sh.mu.Unlock()
+			e := sh.m["k"]
+			return e != nil && e.call != nil && e.call.joined == n
+		}
+	}
+	request := func(joined int) {
+		go func() {
+			res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
+			if err != nil {
+				t.Error(err)
+			}
+			results <- res
+		}()
+		redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", waiting(joined))
+	}
+	sent := 0
+	for i := range 4 {
+		request(i)
+		sent++
+	}
+	// Each call takes 200 ms, 20 tokens' refill: a store far away.
+	clock.advance(200 * time.Millisecond)
+	stepped.step <- struct{}{}
+	redistest.WaitFor(t, 5*time.Second, "the three to wait on one more call", waiting(2))
+	// Two more arrive while it is out.
+	for i := range 2 {
+		request(3 + i)
+		sent++
+	}
+	clock.advance(200 * time.Millisecond)
+	close(stepped.step) // every call from here on is answered
+	allowed := 0
+	for range sent {
+		if res := <-results; res.Allowed {
+			allowed++
+		}
+	}
+	if allowed != sent {
+		t.Errorf("%d requests on a full bucket of 100, far from the store, some arriving while a call was out: %d allowed; want all", sent, allowed)
+	}
+}
