@@ -736,24 +736,8 @@ func TestWaitersAreRefusedWhenAFullGrantLeavesTheSharedLevelEmpty(t *testing.T) 
 	gate := make(chan struct{})
 	m.gate = gate
 	results := make(chan bucket.Result, 3)
-	joined := func(n int) func() bool {
-		return func() bool {
-			sh := node.shard([]byte("k"))
-			sh.mu.Lock()
-			defer sh.mu.Unlock()
-			e := sh.m["k"]
-			return e != nil && e.call != nil && e.call.joined == n
-		}
-	}
 	for i := range 3 {
-		go func() {
-			res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-			if err != nil {
-				t.Error(err)
-			}
-			results <- res
-		}()
-		redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", joined(i))
+		takeJoining(t, node, l, results, i)
 	}
 	close(gate)
 	allowed := 0
@@ -797,31 +781,15 @@ func TestTheRequestsACallLeftUncoveredShareOneCallThatCoversThem(t *testing.T) {
 	defer close(stepped.step)
 	const requests = 4
 	results := make(chan bucket.Result, requests)
-	waiting := func(n int) func() bool {
-		return func() bool {
-			sh := node.shard([]byte("k"))
-			sh.mu.Lock()
-			defer sh.mu.Unlock()
-			e := sh.m["k"]
-			return e != nil && e.call != nil && e.call.joined == n
-		}
-	}
 	for i := range requests {
-		go func() {
-			res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-			if err != nil {
-				t.Error(err)
-			}
-			results <- res
-		}()
-		redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", waiting(i))
+		takeJoining(t, node, l, results, i)
 	}
 	// Each call takes 200 ms, 20 tokens' refill: a store far away. The
 	// first grants the cost of the request that made it; the three others
 	// ask again, together.
 	clock.advance(200 * time.Millisecond)
 	stepped.step <- struct{}{}
-	redistest.WaitFor(t, 5*time.Second, "the others to wait on one more call", waiting(requests-2))
+	redistest.WaitFor(t, 5*time.Second, "the others to wait on one more call", func() bool { return callJoinedBy(node, "k", requests-2) })
 	clock.advance(200 * time.Millisecond)
 	stepped.step <- struct{}{}
 	allowed := 0
@@ -852,37 +820,18 @@ func TestFarFromTheStoreAKeyUnderItsLimitIsNeverRefused(t *testing.T) {
 	node := newLeaseTable(stepped, m.now, LeaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, zap.NewNop())
 	defer node.close()
 	results := make(chan bucket.Result, 8)
-	waiting := func(n int) func() bool {
-		return func() bool {
-			sh := node.shard([]byte("k"))
-			sh.mu.Lock()
-			defer sh.mu.Unlock()
-			e := sh.m["k"]
-			return e != nil && e.call != nil && e.call.joined == n
-		}
-	}
-	request := func(joined int) {
-		go func() {
-			res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
-			if err != nil {
-				t.Error(err)
-			}
-			results <- res
-		}()
-		redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", waiting(joined))
-	}
 	sent := 0
 	for i := range 4 {
-		request(i)
+		takeJoining(t, node, l, results, i)
 		sent++
 	}
 	// Each call takes 200 ms, 20 tokens' refill: a store far away.
 	clock.advance(200 * time.Millisecond)
 	stepped.step <- struct{}{}
-	redistest.WaitFor(t, 5*time.Second, "the three to wait on one more call", waiting(2))
+	redistest.WaitFor(t, 5*time.Second, "the three to wait on one more call", func() bool { return callJoinedBy(node, "k", 2) })
 	// Two more arrive while it is out.
 	for i := range 2 {
-		request(3 + i)
+		takeJoining(t, node, l, results, 3+i)
 		sent++
 	}
 	clock.advance(200 * time.Millisecond)
@@ -896,4 +845,29 @@ func TestFarFromTheStoreAKeyUnderItsLimitIsNeverRefused(t *testing.T) {
 	if allowed != sent {
 		t.Errorf("%d requests on a full bucket of 100, far from the store, some arriving while a call was out: %d allowed; want all", sent, allowed)
 	}
+}
+
+// callJoinedBy says whether the call out for the bucket at key on node
+// has n requests waiting on it beside the one that made it.
+func callJoinedBy(node *leaseTable, key string, n int) bool {
+	sh := node.shard([]byte(key))
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[key]
+	return e != nil && e.call != nil && e.call.joined == n
+}
+
+// takeJoining sends a request of cost 1 for the bucket "k" of limit l to
+// node, its result to results, and waits until it waits on the call out
+// with joined others beside the one that made it.
+func takeJoining(t *testing.T, node *leaseTable, l bucket.Limit, results chan<- bucket.Result, joined int) {
+	t.Helper()
+	go func() {
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 1, nil)
+		if err != nil {
+			t.Error(err)
+		}
+		results <- res
+	}()
+	redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", func() bool { return callJoinedBy(node, "k", joined) })
 }
