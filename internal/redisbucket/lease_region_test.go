@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"go.uber.org/zap"
 	"math/rand/v2"
 	"runtime"
 	"slices"
@@ -18,6 +17,7 @@ import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+	"go.uber.org/zap"
 )
 
 // The fleet's bounds with regions far from the shared store: runFleet's
