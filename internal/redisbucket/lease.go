@@ -138,8 +138,9 @@ type lease struct {
 	// emptyUntil: the last answer showed the shared level empty (it could
 	// not cover another request of this cost); until an answer shows it
 	// holding one again, and no longer than lease_ttl after the call, a
-	// request that finds no tokens here is refused at once rather than
-	// wait a long round trip on a call (refuses).
+	// request that finds no tokens here, and whose cost that level did
+	// not cover (emptyFor), is refused at once rather than wait a long
+	// round trip on a call (refuses).
 	emptyUntil int64
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
@@ -190,6 +191,18 @@ type leaseCall struct {
 	banned, abandoned, finished bool
 	// joined counts the requests that wait on the call besides its own.
 	joined int
+	// cost is the cost of the request the call was made for, and level
+	// the shared level its answer showed: short is for that cost
+	// (shortFor).
+	cost, level int64
+}
+
+// shortFor says whether c's answer showed the shared level unable to
+// cover a request of cost: as short says for the call's cost or more; for
+// a cheaper request, only when the level is under its cost, since one
+// bucket would admit it.
+func (c *leaseCall) shortFor(cost int64) bool {
+	return c.short && (cost >= c.cost || c.level < cost)
 }
 
 // newLeaseTable makes the lease table of a store whose calls take up to
@@ -308,7 +321,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 			sh.mu.Unlock()
 			return res, nil
 		}
-		if t.refuses(e, ban, now, waited) {
+		if t.refuses(e, ban, cost, now, waited) {
 			if ban == 0 && !waited && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.banUntil {
 				// Refused by emptyUntil alone: the next lease comes in
 				// the background, for the requests after this one.
@@ -351,9 +364,10 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		// Under a ban setting, a request refused by a call made for
 		// another (a prefetch, another request's cost) asks the shared
 		// store itself, which bans if one bucket would.
-		again := asked && !c.short && t.far(e)
+		short := c.shortFor(cost)
+		again := asked && !short && t.far(e)
 		asked = true
-		now, waited = t.now(), (c.short || again) && (ban == 0 || mine)
+		now, waited = t.now(), (short || again) && (ban == 0 || mine)
 		if next := t.entry(sh, key, tr, now); next != e {
 			e, waited = next, false
 		}
@@ -391,8 +405,16 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // lost, and allowed requests do not wait. With a store close by, the
 // request waits on the call, so that a client that comes back at its
 // Retry-After is not refused again beside a bucket that holds its cost.
-func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.far(e))
+func (t *leaseTable) refuses(e *lease, ban, cost, now int64, waited bool) bool {
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || e.emptyFor(cost, now) && t.far(e))
+}
+
+// emptyFor says whether the last answer showed the shared level unable to
+// cover a request of cost, and still counts (emptyUntil): for the cost of
+// the request its call was made for or more, as emptyUntil says; for a
+// cheaper one, only when the level it showed is under that cost.
+func (e *lease) emptyFor(cost, now int64) bool {
+	return now < e.emptyUntil && (cost >= e.retryCost || e.level < cost)
 }
 
 // far says whether a call for e takes longer than its bucket takes to
