@@ -93,6 +93,9 @@ type leaseTable struct {
 	// set, says that calls to the store fail: credit is off meanwhile.
 	credit  int64
 	failing func() bool
+	// debts, when set, are the keys in debt that the tables of every
+	// config on this connection keep apart from credit (debtBook).
+	debts *debtBook
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -535,6 +538,9 @@ func (t *leaseTable) insert(sh *leaseShard, key string, tr bucket.Tier, now int6
 		t.evict(sh, now)
 	}
 	e := &lease{key: key, tier: tr, credit: t.creditFor(len(sh.m))}
+	if e.credit > 0 && t.debts != nil {
+		e.credit, e.debtUntil = t.debts.creditFor(key, e.credit, now)
+	}
 	if done, ok := sh.returning[key]; ok {
 		e.returning = done
 		delete(sh.returning, key)

@@ -113,7 +113,7 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 		s.leases.after = func(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
 		s.leases.current = o.Current
 		s.leases.onBan = o.OnBan
-		s.leases.credit, s.leases.failing = o.Credit, s.storeFailing
+		s.leases.credit, s.leases.failing, s.leases.debts = o.Credit, s.storeFailing, conn.debts
 	}
 	return s
 }

@@ -1,0 +1,73 @@
+package redisbucket
+
+import (
+	"testing"
+	"time"
+
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
+)
+
+// The debt rule holds across a reload: a key whose credit charge left the
+// shared bucket in debt gets no credit from the next config's lease table
+// either, on the same connection, until the debt is paid; else every
+// reload would admit nodes x k more. Strict mode refuses the request.
+func TestAReloadDoesNotCreditAKeyInDebtAgain(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	plan, err := NewPlan(Options{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := plan.Connect(nopLogger)
+	defer func() { _ = conn.Close() }()
+	opts := StoreOptions{Lease: LeaseSize{tokens: 2}, Credit: 1}
+	l := slowLimit(4)
+	key := bucketFor("in debt across reloads")
+	out := make([]bucket.Result, 1)
+	strict := NewStore(conn, StoreOptions{})
+	if allowed, err := strict.Take(bg, key, oneLimit(l), 4, out); err != nil || !allowed {
+		t.Fatalf("spending the bucket: %v %v", allowed, err)
+	}
+	s := NewStore(conn, opts)
+	if allowed, err := s.Take(bg, key, oneLimit(l), 1, out); err != nil || !allowed {
+		t.Fatalf("the first request on credit: %v %v", allowed, err)
+	}
+	tableSync(s.leases)
+	for i := range 3 {
+		// A reload: the next config's store, then the old one closed.
+		next := NewStore(conn, opts)
+		s.Close()
+		s = next
+		allowed, err := s.Take(bg, key, oneLimit(l), 1, out)
+		tableSync(s.leases)
+		if err != nil || allowed {
+			s.Close()
+			t.Fatalf("reload %d: a request on a bucket of %d spent and 1 in debt: allowed %v (%v); want refused, no credit while in debt", i+1, l.Capacity, allowed, err)
+		}
+	}
+	s.Close()
+}
+
+// The connection's book of keys in debt stays within its bound under a
+// flood of keys in debt: once it is full of debts not yet ended, a new
+// key gets no credit; once they end, it does again.
+func TestTheBookOfDebtsTurnsCreditOffWhenFull(t *testing.T) {
+	t.Parallel()
+	b := newDebtBook(2)
+	b.note("a", 100, 0)
+	b.note("b", 200, 0)
+	b.note("c", 300, 0) // no room: the book keeps its bound
+	if n := len(b.until); n != 2 {
+		t.Fatalf("%d keys in a book of 2", n)
+	}
+	if k, until := b.creditFor("a", 3, 50); k != 0 || until != 100 {
+		t.Errorf("a key in debt until 100, at 50: credit %d, kept until %d; want none, until 100", k, until)
+	}
+	if k, _ := b.creditFor("d", 3, 50); k != 0 {
+		t.Errorf("a new key while the book is full of debts: credit %d; want none", k)
+	}
+	if k, until := b.creditFor("d", 3, 150); k != 3 || until != 0 {
+		t.Errorf("a new key once a debt ended: credit %d, kept until %d; want 3, not kept", k, until)
+	}
+}
