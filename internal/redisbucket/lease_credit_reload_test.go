@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -70,4 +71,41 @@ func TestTheBookOfDebtsTurnsCreditOffWhenFull(t *testing.T) {
 	if k, until := b.creditFor("d", 3, 150); k != 3 || until != 0 {
 		t.Errorf("a new key once a debt ended: credit %d, kept until %d; want 3, not kept", k, until)
 	}
+}
+
+// The credit property (runCredit) with every node's config reloaded
+// before each attack: over every window at most C + floor(rT) + nodes x k,
+// since each node's book of debts carries the debt rule to the next table.
+func TestCreditAcrossReloadsNeverAdmitsMoreThanNodesTimesK(t *testing.T) {
+	t.Parallel()
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(36, seed))
+	rounds := 120
+	if testing.Short() {
+		rounds = 40
+	}
+	for i := range rounds {
+		r := randomCreditRound(rng, 300)
+		r.reload = true
+		if _, err := runCredit(rng, r); err != nil {
+			t.Fatalf("round %d (limit %+v, lease %+v, ttl %s, %d nodes, credit %d): %v", i, r.limit, r.size, r.ttl, r.nodes, r.credit, err)
+		}
+	}
+}
+
+// The property catches nodes whose next config forgets the keys in debt:
+// each reload credits them again.
+func TestTheReloadCreditPropertyCatchesATableWithoutTheBook(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(36, 5))
+	for round := range 60 {
+		r := randomCreditRound(rng, 300)
+		r.reload, r.noBook = true, true
+		if _, err := runCredit(rng, r); err != nil {
+			t.Logf("caught in round %d: %v", round, err)
+			return
+		}
+	}
+	t.Fatal("no round caught the tables without the book of debts")
 }
