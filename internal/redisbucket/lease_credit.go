@@ -92,6 +92,11 @@ func creditResult(tr bucket.Tier, cost, now int64, out []bucket.Result) bucket.R
 func (t *leaseTable) chargeOwed(e *lease) {
 	n := e.owed
 	e.owed, e.charging = 0, true
+	if t.debts != nil {
+		// Until the answer says whether it left a debt, the next config's
+		// table gives the key no credit either.
+		t.debts.charging(e.key)
+	}
 	t.calls.Add(1)
 	go func(key string, tr bucket.Tier) {
 		defer t.calls.Done()
@@ -100,17 +105,17 @@ func (t *leaseTable) chargeOwed(e *lease) {
 		sh.mu.Lock()
 		defer sh.mu.Unlock()
 		e.charging = false
+		now := t.now()
 		switch {
 		case err != nil:
 			e.credit = 0
 			t.logger.Debug("redis store: charging requests admitted on credit failed; they go uncharged", zap.Int64("tokens", n), zap.Error(err))
 		case debt > 0:
-			now := t.now()
 			e.credit = 0
 			e.debtUntil = max(e.debtUntil, now+debt)
-			if t.debts != nil {
-				t.debts.note(key, e.debtUntil, now)
-			}
+		}
+		if t.debts != nil {
+			t.debts.charged(key, e.debtUntil, now)
 		}
 		if e.owed > 0 {
 			t.chargeOwed(e)
@@ -179,15 +184,30 @@ func newDebtBook(most int) *debtBook {
 	return &debtBook{until: make(map[string]int64), most: max(1, most)}
 }
 
-// note records that key is in debt until until.
-func (b *debtBook) note(key string, until, now int64) {
+// charging marks key while a charge of it is out: in debt until its
+// answer (charged). A book with no room for it marks nothing.
+func (b *debtBook) charging(key string) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if _, ok := b.until[key]; ok || len(b.until) < b.most {
+		b.until[key] = math.MaxInt64
+	}
+}
+
+// charged records what a charge of key answered: in debt until until,
+// or, when that has passed (no debt), not in debt.
+func (b *debtBook) charged(key string, until, now int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if until <= now {
+		delete(b.until, key)
+		return
+	}
 	if _, ok := b.until[key]; !ok && len(b.until) >= b.most {
 		b.prune(now)
 	}
-	if old, ok := b.until[key]; ok || len(b.until) < b.most {
-		b.until[key] = max(old, until)
+	if _, ok := b.until[key]; ok || len(b.until) < b.most {
+		b.until[key] = until
 		b.next = min(b.next, until)
 	}
 }
@@ -199,7 +219,12 @@ func (b *debtBook) creditFor(key string, k, now int64) (credit, debtUntil int64)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if until, ok := b.until[key]; ok {
-		if until > now {
+		switch {
+		case until == math.MaxInt64:
+			// A charge is out: the table that made it keeps the key,
+			// and the book learns its debt.
+			return 0, 0
+		case until > now:
 			return 0, until
 		}
 		delete(b.until, key)

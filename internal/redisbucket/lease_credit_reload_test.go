@@ -56,9 +56,9 @@ func TestAReloadDoesNotCreditAKeyInDebtAgain(t *testing.T) {
 func TestTheBookOfDebtsTurnsCreditOffWhenFull(t *testing.T) {
 	t.Parallel()
 	b := newDebtBook(2)
-	b.note("a", 100, 0)
-	b.note("b", 200, 0)
-	b.note("c", 300, 0) // no room: the book keeps its bound
+	b.charged("a", 100, 0)
+	b.charged("b", 200, 0)
+	b.charged("c", 300, 0) // no room: the book keeps its bound
 	if n := len(b.until); n != 2 {
 		t.Fatalf("%d keys in a book of 2", n)
 	}
@@ -108,4 +108,42 @@ func TestTheReloadCreditPropertyCatchesATableWithoutTheBook(t *testing.T) {
 		}
 	}
 	t.Fatal("no round caught the tables without the book of debts")
+}
+
+// A reload while the old table's credit charge is still out: the next
+// table gives the key no credit before that charge answers, since it may
+// leave the bucket in debt (the book marks the key while it is charged).
+func TestAReloadDuringACreditChargeDoesNotCreditTheKeyAgain(t *testing.T) {
+	t.Parallel()
+	clock, sm := newModelStore()
+	c := &creditModel{sharedModel: sm, gate: make(chan struct{})}
+	l := slowLimit(4)
+	key := []byte("charged across a reload")
+	sm.bucket(string(key), 1).Take(clock.now(), []bucket.Limit{l}, 4, make([]bucket.Result, 1)) // spent
+	book := newDebtBook(1000)
+	old := newCreditTable(c, LeaseSize{tokens: 2}, time.Second, 1000, 1)
+	old.debts = book
+	if res, err := old.take(bg, key, oneLimit(l), 1, nil); err != nil || !res.Allowed {
+		t.Fatalf("credited: %+v %v", res, err)
+	}
+	next := newCreditTable(c, LeaseSize{tokens: 2}, time.Second, 1000, 1)
+	next.debts = book
+	defer next.close()
+	res, err := next.take(bg, key, oneLimit(l), 1, nil)
+	c.mu.Lock()
+	close(c.gate)
+	c.gate = nil
+	c.mu.Unlock()
+	old.close()
+	tableSync(next)
+	if err != nil || res.Allowed {
+		t.Fatalf("the next config's first request on a spent bucket, the old one's charge out: %+v %v; want refused by a lease call, no credit", res, err)
+	}
+	// The charge left a debt: the next table's entry is not kept past it
+	// by the mark the charge left while it was out.
+	clock.advance(48 * time.Hour)
+	next.sweep(clock.now(), false)
+	if next.holds(key) {
+		t.Error("the next table keeps the key two days after the debt of a token an hour ended")
+	}
 }
