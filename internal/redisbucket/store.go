@@ -351,9 +351,9 @@ func (set *clientSet) runScript(ctx context.Context, key string, args []any, bat
 	if batched && set.batcher != nil {
 		return set.batcher.take(ctx, []string{key}, args)
 	}
-	call := startCall()
-	vals, err := bucketScript.Run(ctx, set.client, []string{key}, args...).Int64Slice()
-	return vals, call.took(), err
+	cmd, took := runTimed(ctx, bucketScript, set.client, []string{key}, args...)
+	vals, err := cmd.Int64Slice()
+	return vals, took, err
 }
 
 // wrap says what went wrong with a call to Redis.
