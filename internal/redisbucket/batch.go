@@ -69,9 +69,9 @@ func (b *redisBatcher) take(ctx context.Context, keys []string, args []any) ([]i
 			return nil, 0, redis.ErrClosed
 		default:
 		}
-		call := startCall()
-		vals, err := bucketScript.Run(ctx, b.client, keys, args...).Int64Slice()
-		return vals, call.took(), err
+		cmd, took := runTimed(ctx, bucketScript, b.client, keys, args...)
+		vals, err := cmd.Int64Slice()
+		return vals, took, err
 	}
 	c := &batchCall{ctx: ctx, keys: keys, args: args, done: make(chan struct{})}
 	select {
@@ -163,6 +163,10 @@ func (b *redisBatcher) send(batch []*batchCall) {
 		}
 	}
 	took := call.took()
+	if len(lost) > 0 {
+		// Two pipelines: no round trip alone (runTimed).
+		took = -1
+	}
 	for i, c := range live {
 		c.vals, c.err = cmds[i].Int64Slice()
 		c.took = took

@@ -39,6 +39,9 @@ type Conn struct {
 	// now is the breaker's and the deny cache's clock, monotonic
 	// microseconds; tests replace it.
 	now func() int64
+	// debts are the keys whose credit charge left them in debt, for the
+	// lease tables of the configs loaded after (lease_credit.go).
+	debts *debtBook
 }
 
 // clientSet is a client and the batcher that sends through it (nil
@@ -89,6 +92,7 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 		stop:         stop,
 		asCluster:    p.asCluster,
 		now:          monotonicMicros,
+		debts:        newDebtBook(o.DenyCacheSize),
 	}
 	logger = sampled(logger)
 	c.log.fallBackTo(logger)

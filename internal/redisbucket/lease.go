@@ -93,6 +93,9 @@ type leaseTable struct {
 	// set, says that calls to the store fail: credit is off meanwhile.
 	credit  int64
 	failing func() bool
+	// debts, when set, are the keys in debt that the tables of every
+	// config on this connection keep apart from credit (debtBook).
+	debts *debtBook
 
 	stop    chan struct{}
 	closed  atomic.Bool
@@ -138,8 +141,9 @@ type lease struct {
 	// emptyUntil: the last answer showed the shared level empty (it could
 	// not cover another request of this cost); until an answer shows it
 	// holding one again, and no longer than lease_ttl after the call, a
-	// request that finds no tokens here is refused at once rather than
-	// wait a long round trip on a call (refuses).
+	// request that finds no tokens here, and whose cost that level did
+	// not cover (emptyFor), is refused at once rather than wait a long
+	// round trip on a call (refuses).
 	emptyUntil int64
 	// banUntil is when a ban the last call found ends (and the cost is
 	// back): until then every request is refused here, with no call.
@@ -193,6 +197,18 @@ type leaseCall struct {
 	banned, abandoned, finished bool
 	// joined counts the requests that wait on the call besides its own.
 	joined int
+	// cost is the cost of the request the call was made for, and level
+	// the shared level its answer showed: short is for that cost
+	// (shortFor).
+	cost, level int64
+}
+
+// shortFor says whether c's answer showed the shared level unable to
+// cover a request of cost: as short says for the call's cost or more; for
+// a cheaper request, only when the level is under its cost, since one
+// bucket would admit it.
+func (c *leaseCall) shortFor(cost int64) bool {
+	return c.short && (cost >= c.cost || c.level < cost)
 }
 
 // newLeaseTable makes the lease table of a store whose calls take up to
@@ -315,7 +331,7 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 			sh.mu.Unlock()
 			return res, nil
 		}
-		if t.refuses(e, ban, now, waited) {
+		if t.refuses(e, ban, cost, now, waited) {
 			if ban == 0 && !waited && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.banUntil {
 				// Refused by emptyUntil alone: the next lease comes in
 				// the background, for the requests after this one.
@@ -358,8 +374,9 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 		// Under a ban setting, a request refused by a call made for
 		// another (a prefetch, another request's cost) asks the shared
 		// store itself, which bans if one bucket would.
+		short := c.shortFor(cost)
 		backlog = cost * int64(c.joined+1)
-		now, waited = t.now(), c.short && (ban == 0 || mine)
+		now, waited = t.now(), short && (ban == 0 || mine)
 		if next := t.entry(sh, key, tr, now); next != e {
 			e, waited = next, false
 		}
@@ -397,8 +414,16 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 // lost, and allowed requests do not wait. With a store close by, the
 // request waits on the call, so that a client that comes back at its
 // Retry-After is not refused again beside a bucket that holds its cost.
-func (t *leaseTable) refuses(e *lease, ban int64, now int64, waited bool) bool {
-	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || now < e.emptyUntil && t.far(e))
+func (t *leaseTable) refuses(e *lease, ban, cost, now int64, waited bool) bool {
+	return waited || now < e.banUntil || now < e.quotaUntil || ban == 0 && (now < e.holdUntil || e.emptyFor(cost, now) && t.far(e))
+}
+
+// emptyFor says whether the last answer showed the shared level unable to
+// cover a request of cost, and still counts (emptyUntil): for the cost of
+// the request its call was made for or more, as emptyUntil says; for a
+// cheaper one, only when the level it showed is under that cost.
+func (e *lease) emptyFor(cost, now int64) bool {
+	return now < e.emptyUntil && (cost >= e.retryCost || e.level < cost)
 }
 
 // far says whether a call for e takes longer than its bucket takes to
@@ -417,11 +442,17 @@ func (t *leaseTable) roundTripOf(e *lease) int64 {
 	return e.rtt
 }
 
-// endsWithin says whether the tokens e holds lapse within d of now.
+// endsWithin says whether the tokens e holds lapse within d of now, at
+// the end of their lease_ttl. Not when the quota period that counted them
+// ends first: a call that lands before it brings tokens of the same
+// period, which lapse with them, and one that lands after it has the
+// shared store drop what the node holds, which the limits never get back
+// (TestNoLeasedTokenIsLostAcrossAQuotaPeriodsEnd); the give-back of
+// lapsed tokens returns them.
 func (t *leaseTable) endsWithin(e *lease, now, d int64) bool {
 	end := e.leasedAt + t.ttl
-	if e.spendBy != 0 {
-		end = min(end, e.spendBy)
+	if e.spendBy != 0 && e.spendBy <= end {
+		return false
 	}
 	return end-now <= d
 }
@@ -517,6 +548,9 @@ func (t *leaseTable) insert(sh *leaseShard, key string, tr bucket.Tier, now int6
 		t.evict(sh, now)
 	}
 	e := &lease{key: key, tier: tr, credit: t.creditFor(len(sh.m))}
+	if e.credit > 0 && t.debts != nil {
+		e.credit, e.debtUntil = t.debts.creditFor(key, e.credit, now)
+	}
 	if done, ok := sh.returning[key]; ok {
 		e.returning = done
 		delete(sh.returning, key)

@@ -69,6 +69,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		// nothing and says no such time asks the node to give back what
 		// a ban voided first, and to ask again (LeaseResult.Void).
 		c.err, c.short = err, lr.Remaining < cost || lr.Granted == 0 && lr.RetryAfter > 0
+		c.cost, c.level = cost, lr.Remaining
 		c.spent = err == nil && lr.Granted > 0 && ask.Spend > 0
 		if lr.Banned {
 			if c.abandoned || ask.Prefetch {

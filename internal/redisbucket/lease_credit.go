@@ -2,6 +2,8 @@ package redisbucket
 
 import (
 	"context"
+	"math"
+	"sync"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 
@@ -90,6 +92,11 @@ func creditResult(tr bucket.Tier, cost, now int64, out []bucket.Result) bucket.R
 func (t *leaseTable) chargeOwed(e *lease) {
 	n := e.owed
 	e.owed, e.charging = 0, true
+	if t.debts != nil {
+		// Until the answer says whether it left a debt, the next config's
+		// table gives the key no credit either.
+		t.debts.charging(e.key)
+	}
 	t.calls.Add(1)
 	go func(key string, tr bucket.Tier) {
 		defer t.calls.Done()
@@ -98,13 +105,17 @@ func (t *leaseTable) chargeOwed(e *lease) {
 		sh.mu.Lock()
 		defer sh.mu.Unlock()
 		e.charging = false
+		now := t.now()
 		switch {
 		case err != nil:
 			e.credit = 0
 			t.logger.Debug("redis store: charging requests admitted on credit failed; they go uncharged", zap.Int64("tokens", n), zap.Error(err))
 		case debt > 0:
 			e.credit = 0
-			e.debtUntil = max(e.debtUntil, t.now()+debt)
+			e.debtUntil = max(e.debtUntil, now+debt)
+		}
+		if t.debts != nil {
+			t.debts.charged(key, e.debtUntil, now)
 		}
 		if e.owed > 0 {
 			t.chargeOwed(e)
@@ -148,4 +159,96 @@ func (s *Store) chargeShared(ctx context.Context, key string, tr bucket.Tier, n 
 // charge is chargeShared for credit, apart from any request's context.
 func (s *Store) charge(key string, tr bucket.Tier, n int64) (int64, error) {
 	return s.chargeShared(context.Background(), key, tr, n)
+}
+
+// debtBook is, for one connection, the keys whose credit charge left the
+// shared bucket in debt, and until when (the tables' clock, the
+// connection's). A reload makes a new lease table, which holds no entry
+// for them and would credit each again: nodes x k more at every reload.
+// So the debt rule reaches the tables of every config on the connection
+// through it: a new entry of a key in debt gets no credit, and is kept
+// until the debt ends. It holds at most most keys; while it is full of
+// keys still in debt, new keys get no credit, as while a table's shard is
+// (creditFor).
+type debtBook struct {
+	mu    sync.Mutex
+	until map[string]int64
+	most  int
+	// next is the earliest end of the debts pruning kept or note added
+	// since: no prune finds one ended before then, so that a book full of
+	// debts costs a flood of new keys no scan each.
+	next int64
+}
+
+func newDebtBook(most int) *debtBook {
+	return &debtBook{until: make(map[string]int64), most: max(1, most)}
+}
+
+// charging marks key while a charge of it is out: in debt until its
+// answer (charged). A book with no room for it marks nothing.
+func (b *debtBook) charging(key string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, ok := b.until[key]; ok || len(b.until) < b.most {
+		b.until[key] = math.MaxInt64
+	}
+}
+
+// charged records what a charge of key answered: in debt until until,
+// or, when that has passed (no debt), not in debt.
+func (b *debtBook) charged(key string, until, now int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if until <= now {
+		delete(b.until, key)
+		return
+	}
+	if _, ok := b.until[key]; !ok && len(b.until) >= b.most {
+		b.prune(now)
+	}
+	if _, ok := b.until[key]; ok || len(b.until) < b.most {
+		b.until[key] = until
+		b.next = min(b.next, until)
+	}
+}
+
+// creditFor is the credit and the debt's end for a new entry of key that
+// the table would credit k: none, and until when to keep it, while the
+// key is in debt; none while the book has no room for another key.
+func (b *debtBook) creditFor(key string, k, now int64) (credit, debtUntil int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if until, ok := b.until[key]; ok {
+		switch {
+		case until == math.MaxInt64:
+			// A charge is out: the table that made it keeps the key,
+			// and the book learns its debt.
+			return 0, 0
+		case until > now:
+			return 0, until
+		}
+		delete(b.until, key)
+	}
+	if len(b.until) >= b.most {
+		b.prune(now)
+		if len(b.until) >= b.most {
+			return 0, 0
+		}
+	}
+	return k, 0
+}
+
+// prune forgets the debts that have ended.
+func (b *debtBook) prune(now int64) {
+	if now < b.next {
+		return
+	}
+	b.next = math.MaxInt64
+	for key, until := range b.until {
+		if until <= now {
+			delete(b.until, key)
+		} else {
+			b.next = min(b.next, until)
+		}
+	}
 }

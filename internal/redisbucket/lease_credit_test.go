@@ -283,6 +283,9 @@ type creditRound struct {
 	credit int64
 	steps  int
 	noDebt bool
+	// reload: before each attack every node reloads (a new table, with
+	// the node's book of debts unless noBook, a mutation).
+	reload, noBook bool
 }
 
 func randomCreditRound(rng *rand.Rand, steps int) creditRound {
@@ -337,9 +340,21 @@ func runCredit(rng *rand.Rand, r creditRound) (charges int, err error) {
 	m.states[key] = start
 
 	tables := make([]*leaseTable, r.nodes)
+	books := make([]*debtBook, r.nodes)
 	for i := range tables {
 		tables[i] = newCreditTable(m, r.size, r.ttl, 1000, r.credit)
 		tables[i].jitter = rand.New(rand.NewPCG(rng.Uint64(), 0)).Int64N
+		books[i] = newDebtBook(1000)
+		tables[i].debts = books[i]
+	}
+	reload := func(i int) {
+		next := newCreditTable(m, r.size, r.ttl, 1000, r.credit)
+		next.jitter = tables[i].jitter
+		if !r.noBook {
+			next.debts = books[i]
+		}
+		tables[i].close()
+		tables[i] = next
 	}
 	defer func() {
 		for _, tb := range tables {
@@ -380,7 +395,13 @@ func runCredit(rng *rand.Rand, r creditRound) (charges int, err error) {
 			sweepAll()
 		case op < 90:
 			// The attack: k requests to every node, lease_ttl + 200 ms
-			// after the last, once the nodes swept their idle keys.
+			// after the last, once the nodes swept their idle keys; with
+			// reload, each node's config reloaded first.
+			if r.reload {
+				for i := range tables {
+					reload(i)
+				}
+			}
 			for range r.credit {
 				for i := range tables {
 					take(i)

@@ -42,6 +42,20 @@ type callTimer struct{ start, handshakes int64 }
 
 func startCall() callTimer { return callTimer{monotonicMicros(), handshakes.Load()} }
 
+// runTimed runs script on keys as Script.Run does, EVALSHA and, when Redis
+// answers NOSCRIPT (it restarted, or no node loaded the script yet), EVAL,
+// and reports the call's round trip in µs (took): -1 after NOSCRIPT, since
+// the call then took two, and the first of a store would seed the average
+// with twice the round trip.
+func runTimed(ctx context.Context, script *redis.Script, c redis.Scripter, keys []string, args ...any) (*redis.Cmd, int64) {
+	call := startCall()
+	cmd := script.EvalSha(ctx, c, keys, args...)
+	if isNoScript(cmd.Err()) {
+		return script.Eval(ctx, c, keys, args...), -1
+	}
+	return cmd, call.took()
+}
+
 // took is the call's round trip in µs, or -1 when a connection finished
 // its handshake meanwhile.
 func (c callTimer) took() int64 {

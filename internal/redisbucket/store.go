@@ -113,7 +113,7 @@ func NewStore(conn *Conn, o StoreOptions) *Store {
 		s.leases.after = func(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
 		s.leases.current = o.Current
 		s.leases.onBan = o.OnBan
-		s.leases.credit, s.leases.failing = o.Credit, s.storeFailing
+		s.leases.credit, s.leases.failing, s.leases.debts = o.Credit, s.storeFailing, conn.debts
 	}
 	return s
 }
@@ -351,9 +351,9 @@ func (set *clientSet) runScript(ctx context.Context, key string, args []any, bat
 	if batched && set.batcher != nil {
 		return set.batcher.take(ctx, []string{key}, args)
 	}
-	call := startCall()
-	vals, err := bucketScript.Run(ctx, set.client, []string{key}, args...).Int64Slice()
-	return vals, call.took(), err
+	cmd, took := runTimed(ctx, bucketScript, set.client, []string{key}, args...)
+	vals, err := cmd.Int64Slice()
+	return vals, took, err
 }
 
 // wrap says what went wrong with a call to Redis.
