@@ -497,7 +497,7 @@ func (h *Handler) check() (settings, error) {
 		if err != nil {
 			return v, err
 		}
-		if err := v.share.scaledLimits(ts); err != nil {
+		if err := v.share.scaledLimits(ts, t.CostPlaceholder); err != nil {
 			return v, fmt.Errorf("tier %q: %w", t.Name, err)
 		}
 		v.tiers = append(v.tiers, ts)
