@@ -43,6 +43,10 @@ type reconciler struct {
 	passDone *sync.Cond
 	owed     map[uint64]*owedCount
 	running  bool
+	// settled, while a pass runs, is what the request path gave back or
+	// forgave of the buckets the pass is charging: a charge that fails
+	// goes back into owed less that.
+	settled map[uint64]settlement
 	// closed: the config unloaded (drain); what comes later is lost.
 	closed  bool
 	retryAt int64
@@ -57,6 +61,13 @@ type owedCount struct {
 	n    int64
 	// state is owedPending, then owedCharged or owedLost, once.
 	state atomic.Int32
+}
+
+// settlement is what happened to a bucket's count while its charge was
+// out: tokens given back, or an admin reset that forgave it.
+type settlement struct {
+	back     int64
+	forgiven bool
 }
 
 const (
@@ -133,6 +144,10 @@ func (o *reconciler) sub(b *Bucket, n int64) {
 		if c.n -= n; c.n <= 0 {
 			delete(o.owed, id)
 		}
+	} else if o.running {
+		st := o.settled[id]
+		st.back += n
+		o.settled[id] = st
 	}
 }
 
@@ -140,7 +155,11 @@ func (o *reconciler) sub(b *Bucket, n int64) {
 func (o *reconciler) forget(b *Bucket) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	delete(o.owed, localID(b))
+	id := localID(b)
+	delete(o.owed, id)
+	if o.running {
+		o.settled[id] = settlement{forgiven: true}
+	}
 }
 
 // lose counts and logs n tokens of the bucket b that will not be charged.
@@ -165,6 +184,7 @@ func (o *reconciler) storeAnswered() {
 	o.owed = make(map[uint64]*owedCount)
 	o.pending.Store(false)
 	o.running = true
+	o.settled = make(map[uint64]settlement)
 	o.mu.Unlock()
 	go o.pass(batch)
 }
@@ -183,6 +203,10 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 			continue
 		}
 		failed = true
+		if st := o.settled[id]; st.forgiven || st.back >= c.n {
+			continue // given back or forgiven while its charge was out
+		}
+		c.n -= o.settled[id].back
 		if o.closed {
 			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
 			continue
@@ -205,6 +229,7 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 		o.pending.Store(len(o.owed) > 0)
 	}
 	o.running = false
+	o.settled = nil
 	o.passDone.Broadcast()
 }
 
