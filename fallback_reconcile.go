@@ -3,11 +3,14 @@ package ratelimit
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -52,11 +55,15 @@ type reconciler struct {
 	retryAt int64
 }
 
-// owedCount is one bucket's count: its name (the client's value copied,
-// as the request's buffer is reused), the tier as written, which the
-// shared store enforces, and the tokens.
+// owedCount is one bucket's count: its name, the tier as written, which
+// the shared store enforces, and the tokens. The name keeps the digest of
+// the client's value (Bucket.Digest), which is all a digestCharger needs:
+// a flood of long keys during a cut costs no more memory than short ones,
+// and no client value is kept. For any other store, the value is copied
+// too, as the request's buffer is reused.
 type owedCount struct {
 	b    Bucket
+	sum  [sha256.Size]byte
 	tier *Tier
 	n    int64
 	// state is owedPending, then owedCharged or owedLost, once.
@@ -75,6 +82,12 @@ const (
 	owedCharged
 	owedLost
 )
+
+// digestCharger is a store that charges a bucket named by its policy,
+// tier and digest (Bucket.Digest), without the client's value.
+type digestCharger interface {
+	chargeDigest(ctx context.Context, policy, tier string, sum *[sha256.Size]byte, tr bucket.Tier, n int64) error
+}
 
 // reconcileRetry is how long a node waits after a pass whose charges
 // failed (the store answered a take, then failed again) before it tries
@@ -121,12 +134,16 @@ func (o *reconciler) add(b *Bucket, t *Tier, n int64) {
 	defer o.mu.Unlock()
 	c := o.owed[id]
 	if c == nil {
+		sum := b.Digest()
 		if o.closed || len(o.owed) >= o.max {
-			o.lose(b, t, n, "the count of what this node admitted alone is lost: too many buckets to count, or the config unloaded")
+			o.lose(&sum, t, n, "the count of what this node admitted alone is lost: too many buckets to count, or the config unloaded")
 			return
 		}
-		c = &owedCount{b: *b, tier: t.asWritten()}
-		c.b.Value = append([]byte(nil), b.Value...)
+		c = &owedCount{b: *b, sum: sum, tier: t.asWritten()}
+		c.b.Value = nil
+		if _, ok := o.store.(digestCharger); !ok {
+			c.b.Value = append([]byte(nil), b.Value...)
+		}
 		o.owed[id] = c
 	}
 	c.n += n
@@ -162,11 +179,19 @@ func (o *reconciler) forget(b *Bucket) {
 	}
 }
 
-// lose counts and logs n tokens of the bucket b that will not be charged.
-// Only the key id names the client.
-func (o *reconciler) lose(b *Bucket, t *Tier, n int64, msg string) {
+// lose counts and logs n tokens of the bucket of digest sum that will not
+// be charged. Only the key id (keyID) names the client.
+func (o *reconciler) lose(sum *[sha256.Size]byte, t *Tier, n int64, msg string) {
 	o.lost.Add(float64(n))
-	o.log.Warn(msg, zap.String("policy", o.policy), zap.String("tier", t.Name), zap.String("key_id", keyID(b)), zap.Int64("tokens", n))
+	o.log.Warn(msg, zap.String("policy", o.policy), zap.String("tier", t.Name), zap.String("key_id", hex.EncodeToString(sum[:8])), zap.Int64("tokens", n))
+}
+
+// charge charges c's bucket its count, by digest when the store can.
+func (o *reconciler) charge(c *owedCount) error {
+	if dc, ok := o.store.(digestCharger); ok {
+		return dc.chargeDigest(context.Background(), c.b.Policy, c.b.Tier, &c.sum, c.tier.shape(), c.n)
+	}
+	return o.store.charge(context.Background(), &c.b, c.tier.shape(), c.n)
 }
 
 // storeAnswered starts a pass in the background, when counts wait and
@@ -208,13 +233,13 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 		}
 		c.n -= o.settled[id].back
 		if o.closed {
-			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
+			o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
 			continue
 		}
 		if now := o.owed[id]; now != nil {
 			now.n += c.n
 		} else if len(o.owed) >= o.max {
-			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: too many buckets to count")
+			o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is lost: too many buckets to count")
 		} else {
 			c.state.Store(owedPending)
 			o.owed[id] = c
@@ -244,7 +269,7 @@ func (o *reconciler) chargeAll(batch map[uint64]*owedCount) {
 		go func() {
 			defer wg.Done()
 			for c := range work {
-				err := o.store.charge(context.Background(), &c.b, c.tier.shape(), c.n)
+				err := o.charge(c)
 				if err == nil && c.state.CompareAndSwap(owedPending, owedCharged) {
 					o.charged.Add(float64(c.n))
 				}
@@ -285,7 +310,7 @@ func (o *reconciler) drain() {
 	}
 	for _, c := range batch {
 		if c.state.CompareAndSwap(owedPending, owedLost) {
-			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
+			o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
 		}
 	}
 }
@@ -354,4 +379,7 @@ func registerReconcileMetrics(reg *prometheus.Registry) error {
 }
 
 // Interface guards
-var _ storeTimeouter = (*RedisStore)(nil)
+var (
+	_ storeTimeouter = (*RedisStore)(nil)
+	_ digestCharger  = (*RedisStore)(nil)
+)

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -408,6 +409,13 @@ func (s *RedisStore) emptyPasswords() []string {
 func (s *RedisStore) key(buf []byte, b *Bucket) []byte {
 	sum := b.Digest()
 	return s.engine.AppendKey(buf, b.Policy, b.Tier, sum[:16])
+}
+
+// chargeDigest is charge for the bucket of policy and tier whose client
+// digest (Bucket.Digest) is sum: reconcile keeps no client value.
+func (s *RedisStore) chargeDigest(ctx context.Context, policy, tier string, sum *[sha256.Size]byte, tr bucket.Tier, n int64) error {
+	var buf [192]byte
+	return s.engine.Charge(ctx, s.engine.AppendKey(buf[:0], policy, tier, sum[:16]), tr, n)
 }
 
 func (s *RedisStore) take(ctx context.Context, b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
