@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -91,12 +92,19 @@ type digestCharger interface {
 
 // reconcileRetry is how long a node waits after a pass whose charges
 // failed (the store answered a take, then failed again) before it tries
-// the rest again.
+// the rest again: those that surely did not land (mayHaveLanded).
 const reconcileRetry = time.Second
 
 // reconcileWorkers bounds the charges in flight at once, each bucket's
 // one call.
 const reconcileWorkers = 4
+
+// mayHaveLanded says whether a charge that failed with err may have
+// reached the store and been applied: it got no answer in time.
+func mayHaveLanded(err error) bool {
+	var netErr net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout()
+}
 
 // storeTimeouter is a store whose calls are bounded by a timeout: a config
 // that unloads waits that long for its charges.
@@ -223,8 +231,11 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 	failed := false
 	var charged, tokens int64
 	for id, c := range batch {
-		if c.state.Load() == owedCharged {
+		switch c.state.Load() {
+		case owedCharged:
 			charged, tokens = charged+1, tokens+c.n
+			continue
+		case owedLost:
 			continue
 		}
 		failed = true
@@ -270,8 +281,16 @@ func (o *reconciler) chargeAll(batch map[uint64]*owedCount) {
 			defer wg.Done()
 			for c := range work {
 				err := o.charge(c)
-				if err == nil && c.state.CompareAndSwap(owedPending, owedCharged) {
-					o.charged.Add(float64(c.n))
+				switch {
+				case err == nil:
+					if c.state.CompareAndSwap(owedPending, owedCharged) {
+						o.charged.Add(float64(c.n))
+					}
+				case mayHaveLanded(err):
+					// Tried again, it could be charged twice.
+					if c.state.CompareAndSwap(owedPending, owedLost) {
+						o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is not charged again: its charge got no answer in time, and may have landed")
+					}
 				}
 			}
 		}()
@@ -358,7 +377,7 @@ var (
 
 	reconcileLostTokens = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "reconcile_lost_tokens_total",
-		Help: "Tokens this node admitted alone while its shared store failed (on_store_error local reconcile) that it will not charge: buckets beyond the fallback's max keys, or not charged within the store's timeout when a config unloaded, by policy.",
+		Help: "Tokens this node admitted alone while its shared store failed (on_store_error local reconcile) that it will not charge: buckets beyond the fallback's max keys, not charged within the store's timeout when a config unloaded, or whose charge got no answer in time and may have landed, by policy.",
 	}, []string{"policy"})
 )
 

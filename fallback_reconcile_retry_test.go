@@ -10,6 +10,7 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/localbucket"
+	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -135,5 +136,57 @@ func TestAnAdminResetDuringAFailedReconcileChargeForgivesItsRetry(t *testing.T) 
 	// back to a full bucket.
 	if got != 10 {
 		t.Fatalf("the shared bucket after the retried charge: %d left; want 10: the admin reset forgave what the fallback admitted", got)
+	}
+}
+
+// TestAReconcileChargeWhoseAnswerWasLostIsNotChargedAgain: Redis stops
+// (SIGSTOP) while a reconcile charge is on its way, so the node times out
+// and Redis runs the charge once it goes on. The node cannot know it
+// landed: trying it again would charge the client twice.
+func TestAReconcileChargeWhoseAnswerWasLostIsNotChargedAgain(t *testing.T) {
+	t.Parallel()
+	srv := startRedis(t)
+	proxy := redistest.StartProxy(t, srv.Addr(), 0)
+	clock := newFakeClock()
+	h, done := provisionedHandlerOn(t, clock.clocks(), fmt.Sprintf(`{
+		"name": "reconcile-lost-answer",
+		"store": {"store": "redis", "addresses": ["redis://%s"], "timeout": "100ms", "breaker_failures": 100},
+		"on_store_error": "local", "on_store_error_reconcile": true,
+		"tiers": [{"name": "t", "capacity": 10, "refill": "1/h"}]
+	}`, proxy.Addr()))
+	defer done()
+	const client, prober = "192.0.2.85", "192.0.2.86"
+	lost := reconcileLostTokens.WithLabelValues("reconcile-lost-answer")
+	before := counterValue(t, lost)
+
+	proxy.Cut()
+	for range 3 {
+		if w, _ := serveOne(h, benchRequest(client), nopHandler); w.Code != http.StatusOK {
+			t.Fatalf("cut off: %d, want 200 from the fallback", w.Code)
+		}
+	}
+	proxy.Restore()
+	// A connection in the pool, made by a peek, which starts no charge.
+	if got := sharedRemaining(t, h, client); got != 10 {
+		t.Fatalf("the shared bucket after the cut: %d left; want 10", got)
+	}
+	srv.pause()
+	h.owed.storeAnswered() // as a call that just succeeded does
+	h.owed.wait()          // the charge timed out, Redis stopped
+	srv.Resume()
+	if got := counterValue(t, lost) - before; got != 3 {
+		t.Errorf("lost tokens after a charge that got no answer: %v; want 3, counted once as not charged again", got)
+	}
+	waitFor(t, 5*time.Second, "Redis to run the charge it received while stopped", func() bool {
+		return sharedRemaining(t, h, client) == 10-3
+	})
+
+	clock.advance(reconcileRetry)
+	for range 3 {
+		serveOne(h, benchRequest(prober), nopHandler)
+		h.owed.wait()
+	}
+	if got := sharedRemaining(t, h, client); got != 10-3 {
+		t.Fatalf("the shared bucket once the store answers again: %d left; want %d: the three requests the fallback admitted, charged once", got, 10-3)
 	}
 }
