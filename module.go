@@ -283,6 +283,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.joinConfig(ctx, unnamed); err != nil {
 		return err
 	}
+	h.shareRoundTrip()
 	// The http app loads the events app before its handlers; outside a
 	// server (tests that provision a handler alone) there is none.
 	var events *caddyevents.App

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -502,6 +503,25 @@ func (s *RedisStore) watchRoundTrip(logger *zap.Logger, tiers []*Tier) {
 		}
 	}
 	s.engine.WatchRoundTrip(logger, named)
+}
+
+// shareRoundTrip makes the handler's Redis store share the round trip,
+// and its warnings, of a copy of the handler in the same config load: a
+// site on two ports has a copy in each server, one policy that measures
+// one round trip (docs/operating.md, "Round-trip warnings").
+func (h *Handler) shareRoundTrip() {
+	mine, ok := h.store.(*RedisStore)
+	if !ok || h.loadKey == nil {
+		return
+	}
+	configLoads.Lock()
+	defer configLoads.Unlock()
+	for _, other := range configLoads.m[h.loadKey] {
+		if o, ok := other.store.(*RedisStore); ok && other != h && other.Name == h.Name && bytes.Equal(other.written, h.written) {
+			mine.engine.ShareRoundTrip(o.engine)
+			return
+		}
+	}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:
