@@ -329,9 +329,16 @@ func resetBucket(ctx context.Context, h *Handler, b *Bucket) (reset []string, fa
 	if h.local != nil {
 		note("local_fallback", h.local.reset(ctx, b))
 	}
+	// Reset forgives what the fallback admitted, too: in every handler of
+	// the policy (a site on two ports has a copy in each server), each of
+	// which counts what it admitted.
 	if h.owed != nil {
-		// Reset forgives what the fallback admitted, too.
 		h.owed.forget(b)
+	}
+	for _, x := range runningHandlers()[h.Name] {
+		if x != h && x.owed != nil {
+			x.owed.forget(b)
+		}
 	}
 	return reset, failed
 }

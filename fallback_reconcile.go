@@ -3,11 +3,15 @@ package ratelimit
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
+	"net"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
@@ -43,20 +47,35 @@ type reconciler struct {
 	passDone *sync.Cond
 	owed     map[uint64]*owedCount
 	running  bool
+	// settled, while a pass runs, is what the request path gave back or
+	// forgave of the buckets the pass is charging: a charge that fails
+	// goes back into owed less that.
+	settled map[uint64]settlement
 	// closed: the config unloaded (drain); what comes later is lost.
 	closed  bool
 	retryAt int64
 }
 
-// owedCount is one bucket's count: its name (the client's value copied,
-// as the request's buffer is reused), the tier as written, which the
-// shared store enforces, and the tokens.
+// owedCount is one bucket's count: its name, the tier as written, which
+// the shared store enforces, and the tokens. The name keeps the digest of
+// the client's value (Bucket.Digest), which is all a digestCharger needs:
+// a flood of long keys during a cut costs no more memory than short ones,
+// and no client value is kept. For any other store, the value is copied
+// too, as the request's buffer is reused.
 type owedCount struct {
 	b    Bucket
+	sum  [sha256.Size]byte
 	tier *Tier
 	n    int64
 	// state is owedPending, then owedCharged or owedLost, once.
 	state atomic.Int32
+}
+
+// settlement is what happened to a bucket's count while its charge was
+// out: tokens given back, or an admin reset that forgave it.
+type settlement struct {
+	back     int64
+	forgiven bool
 }
 
 const (
@@ -65,14 +84,27 @@ const (
 	owedLost
 )
 
+// digestCharger is a store that charges a bucket named by its policy,
+// tier and digest (Bucket.Digest), without the client's value.
+type digestCharger interface {
+	chargeDigest(ctx context.Context, policy, tier string, sum *[sha256.Size]byte, tr bucket.Tier, n int64) error
+}
+
 // reconcileRetry is how long a node waits after a pass whose charges
 // failed (the store answered a take, then failed again) before it tries
-// the rest again.
+// the rest again: those that surely did not land (mayHaveLanded).
 const reconcileRetry = time.Second
 
 // reconcileWorkers bounds the charges in flight at once, each bucket's
 // one call.
 const reconcileWorkers = 4
+
+// mayHaveLanded says whether a charge that failed with err may have
+// reached the store and been applied: it got no answer in time.
+func mayHaveLanded(err error) bool {
+	var netErr net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout()
+}
 
 // storeTimeouter is a store whose calls are bounded by a timeout: a config
 // that unloads waits that long for its charges.
@@ -110,12 +142,16 @@ func (o *reconciler) add(b *Bucket, t *Tier, n int64) {
 	defer o.mu.Unlock()
 	c := o.owed[id]
 	if c == nil {
+		sum := b.Digest()
 		if o.closed || len(o.owed) >= o.max {
-			o.lose(b, t, n, "the count of what this node admitted alone is lost: too many buckets to count, or the config unloaded")
+			o.lose(&sum, t, n, "the count of what this node admitted alone is lost: too many buckets to count, or the config unloaded")
 			return
 		}
-		c = &owedCount{b: *b, tier: t.asWritten()}
-		c.b.Value = append([]byte(nil), b.Value...)
+		c = &owedCount{b: *b, sum: sum, tier: t.asWritten()}
+		c.b.Value = nil
+		if _, ok := o.store.(digestCharger); !ok {
+			c.b.Value = append([]byte(nil), b.Value...)
+		}
 		o.owed[id] = c
 	}
 	c.n += n
@@ -133,6 +169,10 @@ func (o *reconciler) sub(b *Bucket, n int64) {
 		if c.n -= n; c.n <= 0 {
 			delete(o.owed, id)
 		}
+	} else if o.running {
+		st := o.settled[id]
+		st.back += n
+		o.settled[id] = st
 	}
 }
 
@@ -140,14 +180,26 @@ func (o *reconciler) sub(b *Bucket, n int64) {
 func (o *reconciler) forget(b *Bucket) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	delete(o.owed, localID(b))
+	id := localID(b)
+	delete(o.owed, id)
+	if o.running {
+		o.settled[id] = settlement{forgiven: true}
+	}
 }
 
-// lose counts and logs n tokens of the bucket b that will not be charged.
-// Only the key id names the client.
-func (o *reconciler) lose(b *Bucket, t *Tier, n int64, msg string) {
+// lose counts and logs n tokens of the bucket of digest sum that will not
+// be charged. Only the key id (keyID) names the client.
+func (o *reconciler) lose(sum *[sha256.Size]byte, t *Tier, n int64, msg string) {
 	o.lost.Add(float64(n))
-	o.log.Warn(msg, zap.String("policy", o.policy), zap.String("tier", t.Name), zap.String("key_id", keyID(b)), zap.Int64("tokens", n))
+	o.log.Warn(msg, zap.String("policy", o.policy), zap.String("tier", t.Name), zap.String("key_id", hex.EncodeToString(sum[:8])), zap.Int64("tokens", n))
+}
+
+// charge charges c's bucket its count, by digest when the store can.
+func (o *reconciler) charge(c *owedCount) error {
+	if dc, ok := o.store.(digestCharger); ok {
+		return dc.chargeDigest(context.Background(), c.b.Policy, c.b.Tier, &c.sum, c.tier.shape(), c.n)
+	}
+	return o.store.charge(context.Background(), &c.b, c.tier.shape(), c.n)
 }
 
 // storeAnswered starts a pass in the background, when counts wait and
@@ -165,6 +217,7 @@ func (o *reconciler) storeAnswered() {
 	o.owed = make(map[uint64]*owedCount)
 	o.pending.Store(false)
 	o.running = true
+	o.settled = make(map[uint64]settlement)
 	o.mu.Unlock()
 	go o.pass(batch)
 }
@@ -178,19 +231,26 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 	failed := false
 	var charged, tokens int64
 	for id, c := range batch {
-		if c.state.Load() == owedCharged {
+		switch c.state.Load() {
+		case owedCharged:
 			charged, tokens = charged+1, tokens+c.n
+			continue
+		case owedLost:
 			continue
 		}
 		failed = true
+		if st := o.settled[id]; st.forgiven || st.back >= c.n {
+			continue // given back or forgiven while its charge was out
+		}
+		c.n -= o.settled[id].back
 		if o.closed {
-			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
+			o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
 			continue
 		}
 		if now := o.owed[id]; now != nil {
 			now.n += c.n
 		} else if len(o.owed) >= o.max {
-			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: too many buckets to count")
+			o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is lost: too many buckets to count")
 		} else {
 			c.state.Store(owedPending)
 			o.owed[id] = c
@@ -205,6 +265,7 @@ func (o *reconciler) pass(batch map[uint64]*owedCount) {
 		o.pending.Store(len(o.owed) > 0)
 	}
 	o.running = false
+	o.settled = nil
 	o.passDone.Broadcast()
 }
 
@@ -219,9 +280,17 @@ func (o *reconciler) chargeAll(batch map[uint64]*owedCount) {
 		go func() {
 			defer wg.Done()
 			for c := range work {
-				err := o.store.charge(context.Background(), &c.b, c.tier.shape(), c.n)
-				if err == nil && c.state.CompareAndSwap(owedPending, owedCharged) {
-					o.charged.Add(float64(c.n))
+				err := o.charge(c)
+				switch {
+				case err == nil:
+					if c.state.CompareAndSwap(owedPending, owedCharged) {
+						o.charged.Add(float64(c.n))
+					}
+				case mayHaveLanded(err):
+					// Tried again, it could be charged twice.
+					if c.state.CompareAndSwap(owedPending, owedLost) {
+						o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is not charged again: its charge got no answer in time, and may have landed")
+					}
 				}
 			}
 		}()
@@ -260,7 +329,7 @@ func (o *reconciler) drain() {
 	}
 	for _, c := range batch {
 		if c.state.CompareAndSwap(owedPending, owedLost) {
-			o.lose(&c.b, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
+			o.lose(&c.sum, c.tier, c.n, "the count of what this node admitted alone is lost: the config unloaded before the store answered")
 		}
 	}
 }
@@ -308,7 +377,7 @@ var (
 
 	reconcileLostTokens = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "reconcile_lost_tokens_total",
-		Help: "Tokens this node admitted alone while its shared store failed (on_store_error local reconcile) that it will not charge: buckets beyond the fallback's max keys, or not charged within the store's timeout when a config unloaded, by policy.",
+		Help: "Tokens this node admitted alone while its shared store failed (on_store_error local reconcile) that it will not charge: buckets beyond the fallback's max keys, not charged within the store's timeout when a config unloaded, or whose charge got no answer in time and may have landed, by policy.",
 	}, []string{"policy"})
 )
 
@@ -329,4 +398,7 @@ func registerReconcileMetrics(reg *prometheus.Registry) error {
 }
 
 // Interface guards
-var _ storeTimeouter = (*RedisStore)(nil)
+var (
+	_ storeTimeouter = (*RedisStore)(nil)
+	_ digestCharger  = (*RedisStore)(nil)
+)

@@ -92,8 +92,8 @@ func (s share) count(n, least int64) int64 {
 	return max(int64(q), least)
 }
 
-// limit is l scaled by the share: its capacity rounded down, at least the
-// tier's cost (so that a request still fits), and its rate exactly. The
+// limit is l scaled by the share: its capacity rounded down, at least
+// cost, the tier's largest (largestCost), and its rate exactly. The
 // hidden limit of a plan of quotas alone (Instant) refills whole each
 // microsecond at the scaled smallest quota.
 func (s share) limit(l bucket.Limit, cost int64) (bucket.Limit, error) {
@@ -122,11 +122,23 @@ func (s share) limit(l bucket.Limit, cost int64) (bucket.Limit, error) {
 	return l, nil
 }
 
+// largestCost is the largest cost a tier's request may have: its cost, or
+// with a cost placeholder its smallest capacity (readCost). A scaled
+// limit or quota holds at least that much, so that every request the
+// tier accepts still fits the fallback, and a refusal's Retry-After
+// comes true.
+func largestCost(placeholder string, cost, maxCost int64) int64 {
+	if placeholder != "" {
+		return max(cost, maxCost)
+	}
+	return cost
+}
+
 // scaledLimits checks that every limit of a tier's settings scales by the
 // share, for check: a share that cannot fails adapt.
-func (s share) scaledLimits(ts tierSettings) error {
+func (s share) scaledLimits(ts tierSettings, placeholder string) error {
 	for _, l := range ts.limits {
-		if _, err := s.limit(l, ts.cost); err != nil {
+		if _, err := s.limit(l, largestCost(placeholder, ts.cost, ts.maxCost)); err != nil {
 			return err
 		}
 	}
@@ -144,9 +156,10 @@ func (t *Tier) scaled(s share) (*Tier, error) {
 	}
 	c := *t
 	c.written = t
+	least := largestCost(t.CostPlaceholder, t.cost, t.maxCost)
 	c.limits = make([]bucket.Limit, len(t.limits))
 	for i, l := range t.limits {
-		sl, err := s.limit(l, t.cost)
+		sl, err := s.limit(l, least)
 		if err != nil {
 			return nil, fmt.Errorf("tier %q: %w", t.Name, err)
 		}
@@ -157,7 +170,7 @@ func (t *Tier) scaled(s share) (*Tier, error) {
 	}
 	c.quotas = make([]bucket.Quota, len(t.quotas))
 	for i, q := range t.quotas {
-		q.N = s.count(q.N, t.cost)
+		q.N = s.count(q.N, least)
 		c.quotas[i] = q
 	}
 	if t.Concurrency > 0 {

@@ -283,6 +283,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.joinConfig(ctx, unnamed); err != nil {
 		return err
 	}
+	h.shareRoundTrip()
 	// The http app loads the events app before its handlers; outside a
 	// server (tests that provision a handler alone) there is none.
 	var events *caddyevents.App
@@ -497,7 +498,7 @@ func (h *Handler) check() (settings, error) {
 		if err != nil {
 			return v, err
 		}
-		if err := v.share.scaledLimits(ts); err != nil {
+		if err := v.share.scaledLimits(ts, t.CostPlaceholder); err != nil {
 			return v, fmt.Errorf("tier %q: %w", t.Name, err)
 		}
 		v.tiers = append(v.tiers, ts)

@@ -1,7 +1,9 @@
 package ratelimit
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -410,6 +412,13 @@ func (s *RedisStore) key(buf []byte, b *Bucket) []byte {
 	return s.engine.AppendKey(buf, b.Policy, b.Tier, sum[:16])
 }
 
+// chargeDigest is charge for the bucket of policy and tier whose client
+// digest (Bucket.Digest) is sum: reconcile keeps no client value.
+func (s *RedisStore) chargeDigest(ctx context.Context, policy, tier string, sum *[sha256.Size]byte, tr bucket.Tier, n int64) error {
+	var buf [192]byte
+	return s.engine.Charge(ctx, s.engine.AppendKey(buf[:0], policy, tier, sum[:16]), tr, n)
+}
+
 func (s *RedisStore) take(ctx context.Context, b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
 	var buf [192]byte
 	return s.engine.Take(ctx, s.key(buf[:0], b), tr, cost, out)
@@ -494,6 +503,25 @@ func (s *RedisStore) watchRoundTrip(logger *zap.Logger, tiers []*Tier) {
 		}
 	}
 	s.engine.WatchRoundTrip(logger, named)
+}
+
+// shareRoundTrip makes the handler's Redis store share the round trip,
+// and its warnings, of a copy of the handler in the same config load: a
+// site on two ports has a copy in each server, one policy that measures
+// one round trip (docs/operating.md, "Round-trip warnings").
+func (h *Handler) shareRoundTrip() {
+	mine, ok := h.store.(*RedisStore)
+	if !ok || h.loadKey == nil {
+		return
+	}
+	configLoads.Lock()
+	defer configLoads.Unlock()
+	for _, other := range configLoads.m[h.loadKey] {
+		if o, ok := other.store.(*RedisStore); ok && other != h && other.Name == h.Name && bytes.Equal(other.written, h.written) {
+			mine.engine.ShareRoundTrip(o.engine)
+			return
+		}
+	}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens:

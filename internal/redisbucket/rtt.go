@@ -99,21 +99,40 @@ func (s *Store) sample(took int64) {
 	if took < 0 {
 		return
 	}
-	n := s.rtt.add(took)
+	m := s.meter()
+	n := m.add(took)
 	if w := s.watch.Load(); w != nil && n >= rttWarmup {
-		w.check(s.rtt.avg.Load(), n)
+		w.check(m.avg.Load(), n)
 	}
 }
 
 // RoundTrip is the moving average of this store's round trips to Redis,
 // and how many calls it weighs; 0 and 0 before the first answer.
 func (s *Store) RoundTrip() (avg time.Duration, samples int64) {
-	a, n := s.rtt.read()
+	a, n := s.meter().read()
 	return time.Duration(a) * time.Microsecond, n
 }
 
 // roundTripMicros is RoundTrip in µs, for the lease table.
-func (s *Store) roundTripMicros() int64 { return s.rtt.avg.Load() }
+func (s *Store) roundTripMicros() int64 { return s.meter().avg.Load() }
+
+// meter is the meter this store's calls add to: its own, or the one it
+// shares.
+func (s *Store) meter() *rttMeter {
+	if m := s.sharedRTT.Load(); m != nil {
+		return m
+	}
+	return &s.rtt
+}
+
+// ShareRoundTrip makes s add its calls to other's round trip and warn
+// through other's watch (WatchRoundTrip): copies of one policy, each a
+// Store, measure one round trip, and each condition warns once for them
+// all.
+func (s *Store) ShareRoundTrip(other *Store) {
+	s.sharedRTT.Store(other.meter())
+	s.watch.Store(other.watch.Load())
+}
 
 // roundTrip is the measured round trip to the shared store in µs, 0 while
 // nothing was measured (or the store is a model that measures nothing).

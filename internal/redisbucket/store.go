@@ -37,8 +37,10 @@ type Store struct {
 
 	// rtt is the round trip this view's calls measured, and watch the
 	// settings it is checked against once WatchRoundTrip is called (rtt.go).
-	rtt   rttMeter
-	watch atomic.Pointer[rttWatch]
+	// sharedRTT, when set, is the meter it shares instead (ShareRoundTrip).
+	rtt       rttMeter
+	sharedRTT atomic.Pointer[rttMeter]
+	watch     atomic.Pointer[rttWatch]
 
 	// clockOffset is added to the Redis server's TIME. Only tests set it,
 	// to replay traces faster than real time; it is always 0 otherwise.
