@@ -63,6 +63,50 @@ type regionRound struct {
 	// table, when set, changes the lease table of each node, in its
 	// region: a mutation.
 	table func(t *leaseTable, region int)
+	// cut, when set, cuts a region off the store for a while.
+	cut *regionCut
+}
+
+// regionCut is a region cut off from the shared store from from to to (µs
+// after the trace's start): its nodes' calls fail at once, as with the
+// breaker open, and on_store_error decides their requests: each node's
+// own bucket of share num/den of the limit (on_store_error local <share>),
+// or a refusal with a share of 0 (deny). With reconcile, a node's first
+// answered call after the cut charges the shared bucket what its fallback
+// admitted.
+type regionCut struct {
+	region    int
+	from, to  int64
+	num, den  int64
+	reconcile bool
+	fullShare bool // a mutation: the fallback's limits not scaled
+	noCharge  bool // a mutation: reconcile charges nothing
+}
+
+// during says whether the region reg is cut off at now, in the trace that
+// started at start.
+func (c *regionCut) during(reg int, start, now int64) bool {
+	return c != nil && reg == c.region && now >= start+c.from && now < start+c.to
+}
+
+// scaled is the fallback's limit: l's capacity and rate times the share,
+// the capacity rounded down, at least 1.
+func (c *regionCut) scaled(l bucket.Limit) bucket.Limit {
+	num, den := c.num, c.den
+	if c.fullShare {
+		num, den = 1, 1
+	}
+	return bucket.Limit{Capacity: max(1, l.Capacity*num/den), Rate: bucket.Rate{Tokens: l.Rate.Tokens * num, Interval: l.Rate.Interval * den}}
+}
+
+// extra is what the cut adds to the bound of every window:
+// n_cut x (floor(sC) + floor(s r T_c)).
+func (c *regionCut) extra(l bucket.Limit, nodes int) int64 {
+	if c == nil || c.num == 0 {
+		return 0
+	}
+	tc := c.to - c.from
+	return int64(nodes) * (max(1, l.Capacity*c.num/c.den) + tc*l.Rate.Tokens*c.num/(l.Rate.Interval*c.den))
 }
 
 // regionFigures is what one trace measured.
@@ -173,6 +217,7 @@ func (q *regionQueue) Pop() any {
 type regionCall struct {
 	prefetch, released bool
 	res                bucket.LeaseResult
+	err                error
 	answer             chan bucket.LeaseResult
 }
 
@@ -203,6 +248,54 @@ type regionSim struct {
 	f      regionFigures
 	// decided are the requests' outcomes.
 	decided []regionRequest
+	// start is when the trace starts; fallback and owed are each node's
+	// on_store_error local bucket and what it admitted that no charge
+	// has carried (reconcile), while a cut lasts.
+	start    int64
+	fallback []bucket.State
+	owed     []int64
+}
+
+// cutOff says whether node is cut off from the store now.
+func (s *regionSim) cutOff(node int) bool {
+	return s.r.cut.during(s.region[node], s.start, s.clock.now())
+}
+
+// fallBack decides a request the node's store failed, as on_store_error
+// does: from the node's own bucket of the limit's share, or refused.
+func (s *regionSim) fallBack(node int) bool {
+	c := s.r.cut
+	if c == nil || c.num == 0 {
+		return false
+	}
+	s.smu.Lock()
+	defer s.smu.Unlock()
+	var res bucket.Result
+	s.fallback[node], res = bucket.Take(s.fallback[node], s.clock.now(), c.scaled(s.r.limit), 1)
+	if res.Allowed {
+		s.owed[node]++
+	}
+	return res.Allowed
+}
+
+// reconcile charges the shared bucket what node's fallback admitted, once
+// a call of the node was answered, landing half a round trip later.
+func (s *regionSim) reconcile(node int, rtt int64) {
+	c := s.r.cut
+	s.smu.Lock()
+	n := s.owed[node]
+	if c == nil || !c.reconcile || n == 0 {
+		s.smu.Unlock()
+		return
+	}
+	s.owed[node] = 0
+	lands := max(s.clock.now()+rtt/2, s.fifo[node])
+	s.fifo[node] = lands
+	s.smu.Unlock()
+	if c.noCharge {
+		return
+	}
+	s.push(lands, node, func() { s.sh.Charge(s.clock.now(), s.ls, n) })
 }
 
 type regionRequest struct {
@@ -243,6 +336,10 @@ func (r regionRemote) charge(string, bucket.Tier, int64) (int64, error) {
 
 func (r regionRemote) lease(_ string, tr bucket.Tier, a bucket.LeaseAsk, _ []bucket.Result) (bucket.LeaseResult, error) {
 	s := r.s
+	if s.cutOff(r.node) {
+		// The breaker open: no call goes out.
+		return bucket.LeaseResult{}, errBreakerOpen
+	}
 	c := &regionCall{prefetch: a.Prefetch, answer: make(chan bucket.LeaseResult, 1)}
 	s.smu.Lock()
 	sent := s.clock.now()
@@ -252,34 +349,48 @@ func (r regionRemote) lease(_ string, tr bucket.Tier, a bucket.LeaseAsk, _ []buc
 	s.f.calls++
 	s.smu.Unlock()
 	s.push(lands, r.node, func() {
+		if s.cutOff(r.node) {
+			// Lost on the way: the node's timeout fails it.
+			c.err = errBreakerOpen
+			return
+		}
 		c.res = s.sh.LeaseQuotas(s.clock.now(), tr.Limits, nil, a)
 		if s.r.mutate != nil {
 			s.r.mutate(s.sh, &c.res)
 		}
-
 	})
 	s.push(max(sent+rtt, lands), r.node, func() {
 		s.smu.Lock()
 		c.released = true
 		s.smu.Unlock()
+		if c.err == nil {
+			s.reconcile(r.node, rtt)
+		}
 		c.answer <- c.res
 	})
 	// Parked once both events are in the queue: quiet then holds.
 	s.smu.Lock()
 	s.parked[regionCallKey{r.node, a.Seq}] = c
 	s.smu.Unlock()
-	return <-c.answer, nil
+	res := <-c.answer
+	return res, c.err
 }
 
 // giveBack does not wait for its answer: it lands after the node's calls
 // sent before it and before those sent after, as on one connection.
 func (r regionRemote) giveBack(node string, back []leaseReturn) (int64, error) {
 	s := r.s
+	if s.cutOff(r.node) {
+		return 0, errBreakerOpen
+	}
 	s.smu.Lock()
 	lands := max(s.clock.now()+regionRTT[s.region[r.node]]/2, s.fifo[r.node])
 	s.fifo[r.node] = lands
 	s.smu.Unlock()
 	s.push(lands, r.node, func() {
+		if s.cutOff(r.node) {
+			return
+		}
 		for _, b := range back {
 			n := s.sh.ReturnQuotas(s.clock.now(), b.tier.Limits, nil, node, b.seq, b.tokens)
 			s.f.sent += b.tokens
@@ -387,7 +498,7 @@ func runRegions(r regionRound) regionFigures {
 	start := 1_000_000 + rng.Int64N(1_000_000_000)
 	clock.micros.Store(start)
 	l := r.limit
-	s := &regionSim{r: r, clock: clock, ls: []bucket.Limit{l}, parked: map[regionCallKey]*regionCall{}, byName: map[string]int{}}
+	s := &regionSim{r: r, clock: clock, ls: []bucket.Limit{l}, parked: map[regionCallKey]*regionCall{}, byName: map[string]int{}, start: start}
 	tr := oneLimit(l)
 	// A random state: part spent, and tokens out on a dead node's lease.
 	s.sh = &buckettest.Shared{Levels: make([]bucket.State, 1)}
@@ -424,6 +535,8 @@ func runRegions(r regionRound) regionFigures {
 			s.tables = append(s.tables, tb)
 			s.region = append(s.region, reg)
 			s.fifo = append(s.fifo, 0)
+			s.fallback = append(s.fallback, bucket.State{})
+			s.owed = append(s.owed, 0)
 			s.byName[tb.node] = i
 		}
 	}
@@ -461,8 +574,12 @@ func runRegions(r regionRound) regionFigures {
 			go func() {
 				var out [1]bucket.Result
 				res, err := tb.take(bg, key, tr, 1, out[:])
+				allowed := err == nil && res.Allowed
+				if err != nil {
+					allowed = s.fallBack(node)
+				}
 				s.smu.Lock()
-				s.decided = append(s.decided, regionRequest{node: node, arrived: at, answer: clock.now(), allowed: err == nil && res.Allowed})
+				s.decided = append(s.decided, regionRequest{node: node, arrived: at, answer: clock.now(), allowed: allowed})
 				s.smu.Unlock()
 				s.live.Add(-1)
 			}()
@@ -503,7 +620,10 @@ func runRegions(r regionRound) regionFigures {
 			f.wait[i] = w[len(w)/2]
 		}
 	}
-	f.over = checkFleet(adm, nil, nil, l, r.ttl)
+	// A cut adds its fallbacks' share to every window's bound.
+	bound := l
+	bound.Capacity += r.cut.extra(l, r.nodes)
+	f.over = checkFleet(adm, nil, nil, bound, r.ttl)
 	return f
 }
 
@@ -870,4 +990,95 @@ func takeJoining(t *testing.T, node *leaseTable, l bucket.Limit, results chan<- 
 		results <- res
 	}()
 	redistest.WaitFor(t, 5*time.Second, "the request to wait on the call", func() bool { return callJoinedBy(node, "k", joined) })
+}
+
+// A region cut off (docs/regions.md, the cut bounds), on the same model:
+// the region's nodes lose the store for T_c and decide alone. Over every
+// window the fleet admits at most C + floor(rT) + n_cut x (floor(sC) +
+// floor(s r T_c)) with on_store_error local <s>, C + floor(rT) with deny;
+// with reconcile, over the run, at most what one bucket admits of the
+// same arrivals + 1%, once the charges are paid off.
+
+// randomCutRound is a region round with a cut of one region, in mode
+// "local", "deny" or "reconcile".
+func randomCutRound(rng *rand.Rand, mode string) regionRound {
+	r := randomRegionRound(rng)
+	// A refill of the capacity within 2 s, so that a reconcile's debt is
+	// paid off within the trace.
+	r.limit.Rate.Tokens = max(r.limit.Rate.Tokens, (r.limit.Capacity+1)/2)
+	c := &regionCut{region: rng.IntN(len(regionRTT)), from: 1_000_000 + rng.Int64N(2_000_000), num: 1, den: int64(3 * r.nodes)}
+	c.to = c.from + 1_000_000 + rng.Int64N(3_000_000)
+	switch mode {
+	case "local":
+		c.num, c.den = []int64{1, 1, 1}[rng.IntN(3)], []int64{int64(3 * r.nodes), 2, 1}[rng.IntN(3)]
+	case "deny":
+		c.num = 0
+	case "reconcile":
+		c.reconcile = true
+	}
+	r.cut = c
+	refill := r.limit.Capacity * r.limit.Rate.Interval / r.limit.Rate.Tokens
+	r.span = c.to + 2*refill + 2*(c.to-c.from) + 2_000_000
+	return r
+}
+
+// playCuts plays rounds traces of mode from seed, each changed by mutate
+// when set, and returns the first bound broken, or nil.
+func playCuts(t *testing.T, seed uint64, rounds int, mode string, mutate func(r *regionRound)) error {
+	t.Helper()
+	if testing.Short() {
+		rounds = max(1, rounds/3)
+	}
+	rng := rand.New(rand.NewPCG(seed, 16))
+	for i := range rounds {
+		r := randomCutRound(rng, mode)
+		if mutate != nil {
+			mutate(&r)
+		}
+		f := runRegions(r)
+		c := r.cut
+		t.Logf("round %d (%s, limit %d %d/s, lease %d, 3x%d nodes, region %d cut from %d to %d ms, share %d/%d): %s",
+			i, mode, r.limit.Capacity, r.limit.Rate.Tokens, r.size.ofTier(oneLimit(r.limit)), r.nodes, c.region, c.from/1000, c.to/1000, c.num, c.den, f)
+		switch {
+		case f.over != nil:
+			return fmt.Errorf("round %d: %w (the cut adds %d)", i, f.over, c.extra(r.limit, r.nodes))
+		case c.reconcile && f.admitted*100 > f.allowance*101:
+			return fmt.Errorf("round %d: with reconcile, %d admitted over the run, more than the %d one bucket admits + 1%%", i, f.admitted, f.allowance)
+		}
+	}
+	return nil
+}
+
+func TestARegionCutOffKeepsTheCutBounds(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"local", "deny", "reconcile"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			if err := playCuts(t, regionSeed, 6, mode, nil); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// The cut property fails on a fallback that does not scale the limits,
+// and on a reconcile that charges nothing.
+func TestTheCutPropertyCatchesABrokenFallback(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name, mode string
+		mutate     func(r *regionRound)
+	}{
+		{"the share not applied", "local", func(r *regionRound) { r.cut.num, r.cut.den, r.cut.fullShare = 1, int64(3*r.nodes), true }},
+		{"reconcile charges nothing", "reconcile", func(r *regionRound) { r.cut.noCharge = true }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			err := playCuts(t, regionSeed, 6, tt.mode, tt.mutate)
+			if err == nil {
+				t.Fatal("no bound caught the broken fallback")
+			}
+			t.Logf("caught: %v", err)
+		})
+	}
 }
