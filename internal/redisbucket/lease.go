@@ -195,7 +195,8 @@ type leaseCall struct {
 	// it to report; abandoned: that request went away first, so onBan
 	// counts it. finished: the answer is in. All under the shard's lock.
 	banned, abandoned, finished bool
-	// joined counts the requests that wait on the call besides its own.
+	// joined counts the requests that wait on the call besides its own,
+	// less those that went away before its answer (await).
 	joined int
 	// cost is the cost of the request the call was made for, and level
 	// the shared level its answer showed: short is for that cost
@@ -475,6 +476,12 @@ func (t *leaseTable) await(ctx context.Context, sh *leaseShard, c *leaseCall, mi
 		finished := c.finished
 		if !finished {
 			c.abandoned = c.abandoned || mine
+			if !mine {
+				// No longer waiting: the next call, sized for the
+				// requests this one left uncovered (backlog), is not
+				// for this one.
+				c.joined--
+			}
 		}
 		sh.mu.Unlock()
 		if !finished {
