@@ -205,11 +205,13 @@ type leaseCall struct {
 }
 
 // shortFor says whether c's answer showed the shared level unable to
-// cover a request of cost: as short says for the call's cost or more; for
-// a cheaper request, only when the level is under its cost, since one
-// bucket would admit it.
+// cover a request of cost: when the level is under that cost, whatever
+// the call's, since one bucket would refuse it too
+// (TestACostlyWaiterIsRefusedByAnAnswerThatShowedTheLevelUnderItsCost);
+// else as short says, for the call's cost or more, but not for a cheaper
+// request, which one bucket would admit.
 func (c *leaseCall) shortFor(cost int64) bool {
-	return c.short && (cost >= c.cost || c.level < cost)
+	return c.level < cost || c.short && cost >= c.cost
 }
 
 // newLeaseTable makes the lease table of a store whose calls take up to

@@ -67,3 +67,41 @@ func TestTheNextCallAsksOnlyForTheWaitersStillThere(t *testing.T) {
 		t.Errorf("with %d of %d waiters gone before the answer, the next call asked for %d tokens (the node now holds %d idle); want at most 2, for the one request still waiting", gone, gone+1, wants[1], held)
 	}
 }
+
+// TestACostlyWaiterIsRefusedByAnAnswerThatShowedTheLevelUnderItsCost: a
+// request that waited on a cheaper request's lease call, whose answer
+// showed the shared level under the waiter's own cost, is refused at that
+// answer, as one bucket would refuse it, rather than wait on a call of its
+// own (a round trip more far from the store) to hear the same.
+func TestACostlyWaiterIsRefusedByAnAnswerThatShowedTheLevelUnderItsCost(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	l := slowLimit(20)
+	m.bucket("k", 1).Take(clock.now(), []bucket.Limit{l}, 15, make([]bucket.Result, 1)) // 5 left
+	stepped := steppedModel{m, make(chan struct{})}
+	node := newLeaseTable(stepped, m.now, LeaseSize{tokens: 10}, time.Second, 100*time.Millisecond, 1000, zap.NewNop())
+	defer node.close()
+	cheap := make(chan bucket.Result, 1)
+	takeJoining(t, node, l, cheap, 0)
+	costly := make(chan bucket.Result, 1)
+	go func() {
+		res, err := node.take(bg, []byte("k"), oneLimit(l), 8, nil)
+		if err != nil {
+			t.Error(err)
+		}
+		costly <- res
+	}()
+	redistest.WaitFor(t, 5*time.Second, "the request of 8 to wait on the call", func() bool { return callJoinedBy(node, "k", 1) })
+	close(stepped.step)
+	if res := <-cheap; !res.Allowed {
+		t.Fatalf("a request of 1 beside a level of 5: %+v", res)
+	}
+	res := <-costly
+	tableSync(node)
+	m.mu.Lock()
+	calls := m.calls
+	m.mu.Unlock()
+	if res.Allowed || calls != 1 {
+		t.Errorf("a request of 8 that waited on a call whose answer showed a level of 4: allowed %v after %d lease calls; want refused after that one call", res.Allowed, calls)
+	}
+}
