@@ -148,13 +148,20 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		}
 		e.holdUntil = until
 		if t.after != nil && e.banUntil == 0 {
-			// Sent half a round trip early, so that it reaches the store
-			// as the hold-off ends there (it counts from when this call
-			// was sent). Sent a round trip early, a far region's calls
-			// reached the store first and the near region fell under its
-			// share; sent at the end, the far one did (the region model,
-			// TestLeasesWithRegionsKeepTheConnectedBounds).
-			at := max(0, until-t.roundTripOf(e)/2-t.now())
+			// Sent a round trip early, so that its tokens are here when
+			// the hold-off ends and refused clients come back (a request
+			// then waits on no call: TestLeaseTierOfTwoLimitsOnFourNodes).
+			// Far from the store, half a round trip early, so that it
+			// reaches the store as the hold-off ends there (it counts from
+			// when this call was sent): a round trip early, a far region's
+			// calls reached the store first and the near region fell under
+			// its share; sent at the end, the far one did (the region
+			// model, TestLeasesWithRegionsKeepTheConnectedBounds).
+			early := t.roundTripOf(e)
+			if t.far(e) {
+				early /= 2
+			}
+			at := max(0, until-early-t.now())
 			e.stopTimer = t.after(time.Duration(at)*time.Microsecond, func() { t.prefetchAfterHoldOff(e, until) })
 		}
 	}

@@ -1082,3 +1082,56 @@ func TestTheCutPropertyCatchesABrokenFallback(t *testing.T) {
 		})
 	}
 }
+
+// TestNearTheStoreTheHoldOffsPrefetchIsSentARoundTripEarly: a node whose
+// calls take less than the bucket's refill of a token sends the hold-off's
+// prefetch a whole round trip before the hold-off ends, so that its tokens
+// are here when refused clients come back and none waits on the call;
+// only far from the store is it half a round trip early.
+// Regression test for issue 35 (TestLeaseTierOfTwoLimitsOnFourNodes's
+// median after the first second went over 5 ms).
+func TestNearTheStoreTheHoldOffsPrefetchIsSentARoundTripEarly(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name  string
+		rate  bucket.Rate
+		early int64
+	}{
+		{"near: a token a second, a call of 40 ms", bucket.Rate{Tokens: 1, Interval: 1_000_000}, 40_000},
+		{"far: 100 tokens a second, a call of 40 ms", bucket.Rate{Tokens: 100, Interval: 1_000_000}, 20_000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			clock, m := newModelStore()
+			l := bucket.Limit{Capacity: 10, Rate: tt.rate}
+			// In debt past the call's refill.
+			m.bucket("k", 1).Charge(clock.now(), []bucket.Limit{l}, 20)
+			stepped := steppedModel{m, make(chan struct{})}
+			node := newLeaseTable(stepped, m.now, LeaseSize{tokens: 5}, time.Second, 100*time.Millisecond, 1000, zap.NewNop())
+			defer node.close()
+			defer close(stepped.step)
+			node.jitter = func(int64) int64 { return 0 }
+			var timers fakeTimers
+			timers.install(node)
+			results := make(chan bucket.Result, 1)
+			takeJoining(t, node, l, results, 0)
+			clock.advance(40 * time.Millisecond)
+			stepped.step <- struct{}{}
+			if res := <-results; res.Allowed {
+				t.Fatalf("a request on an empty bucket: %+v; want refused", res)
+			}
+			sh := node.shard([]byte("k"))
+			sh.mu.Lock()
+			until := sh.m["k"].holdUntil
+			sh.mu.Unlock()
+			timers.mu.Lock()
+			defer timers.mu.Unlock()
+			if len(timers.due) != 1 || until == 0 {
+				t.Fatalf("%d timers, a hold-off until %d; want one timer and a hold-off", len(timers.due), until)
+			}
+			if got := until - timers.due[0].at; got != tt.early {
+				t.Errorf("the hold-off's prefetch is sent %d µs before it ends; want %d (the call took 40 ms)", got, tt.early)
+			}
+		})
+	}
+}
