@@ -1,6 +1,6 @@
 package redisbucket
 
-// bucketLuaOps is the second part of the bucket script (script.go): the
+// bucketLuaOps is the last part of the bucket script (script.go): the
 // operations, each of which answers and ends the script: peek, take,
 // lease, return, giveback and charge.
 const bucketLuaOps = `
