@@ -24,11 +24,12 @@ import (
 // own EVALSHA at once: going through a loop would only add a hand-over to
 // its round trip (BenchmarkRedisTake, serial).
 type redisBatcher struct {
-	client   redis.UniversalClient
-	queue    chan *batchCall
-	stop     chan struct{}
-	maxBatch int
-	callers  atomic.Int64 // decisions in take now
+	client     redis.UniversalClient
+	handshakes *handshakes
+	queue      chan *batchCall
+	stop       chan struct{}
+	maxBatch   int
+	callers    atomic.Int64 // decisions in take now
 }
 
 type batchCall struct {
@@ -47,8 +48,8 @@ const (
 	maxBatch   = 128
 )
 
-func newRedisBatcher(client redis.UniversalClient, loops, maxBatch int) *redisBatcher {
-	b := &redisBatcher{client: client, queue: make(chan *batchCall, loops*maxBatch), stop: make(chan struct{}), maxBatch: maxBatch}
+func newRedisBatcher(client redis.UniversalClient, h *handshakes, loops, maxBatch int) *redisBatcher {
+	b := &redisBatcher{client: client, handshakes: h, queue: make(chan *batchCall, loops*maxBatch), stop: make(chan struct{}), maxBatch: maxBatch}
 	for range loops {
 		go b.loop()
 	}
@@ -69,7 +70,7 @@ func (b *redisBatcher) take(ctx context.Context, keys []string, args []any) ([]i
 			return nil, 0, redis.ErrClosed
 		default:
 		}
-		cmd, took := runTimed(ctx, bucketScript, b.client, keys, args...)
+		cmd, took := runTimed(ctx, bucketScript, b.client, b.handshakes, keys, args...)
 		vals, err := cmd.Int64Slice()
 		return vals, took, err
 	}
@@ -145,7 +146,7 @@ func (b *redisBatcher) send(batch []*batchCall) {
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 	}
 	defer cancel()
-	call := startCall()
+	call := b.handshakes.startCall()
 	cmds := b.run(ctx, live, bucketScript.EvalSha)
 	var lost []*batchCall
 	var lostAt []int

@@ -18,7 +18,7 @@ func TestRedisBatcherAdmitsExactlyTheCapacity(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
-	b := newRedisBatcher(s.conn.client(), 2, 64)
+	b := newRedisBatcher(s.conn.client(), s.conn.handshakes, 2, 64)
 	defer b.close()
 	l := slowLimit(100)
 	key := string(bucketFor("192.0.2.20"))
@@ -74,7 +74,7 @@ func TestRedisBatcherAnswersAfterClose(t *testing.T) {
 	t.Parallel()
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
-	b := newRedisBatcher(s.conn.client(), 1, 8)
+	b := newRedisBatcher(s.conn.client(), s.conn.handshakes, 1, 8)
 	b.close()
 	if _, _, err := b.take(bg, []string{string(bucketFor("192.0.2.30"))}, s.args("take", bucket.Tier{Limits: []bucket.Limit{{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}}, 0, 1)); !errors.Is(err, redis.ErrClosed) {
 		t.Fatalf("take on a closed batcher: %v, want %v", err, redis.ErrClosed)
@@ -120,7 +120,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 	})
 	for _, loops := range []int{1, 2, 4, 8} {
 		b.Run("batcher-loops-"+strconv.Itoa(loops), func(b *testing.B) {
-			bt := newRedisBatcher(s.conn.client(), loops, 128)
+			bt := newRedisBatcher(s.conn.client(), s.conn.handshakes, loops, 128)
 			defer bt.close()
 			parallel(b, func(ctx context.Context, keys []string) error {
 				_, _, err := bt.take(ctx, keys, args)
@@ -149,7 +149,7 @@ func TestRedisBatcherHonoursEachDeadline(t *testing.T) {
 	skipUnderShort(t, "fault injection")
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
-	b := newRedisBatcher(s.conn.client(), 2, 8)
+	b := newRedisBatcher(s.conn.client(), s.conn.handshakes, 2, 8)
 	defer b.close()
 	l := slowLimit(1000)
 	args := s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1)

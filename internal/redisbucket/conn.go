@@ -42,19 +42,22 @@ type Conn struct {
 	// debts are the keys whose credit charge left them in debt, for the
 	// lease tables of the configs loaded after (lease_credit.go).
 	debts *debtBook
+	// handshakes counts the handshakes of the connection's clients.
+	handshakes *handshakes
 }
 
 // clientSet is a client and the batcher that sends through it (nil
 // unless Batch).
 type clientSet struct {
-	client  redis.UniversalClient
-	batcher *redisBatcher
+	client     redis.UniversalClient
+	batcher    *redisBatcher
+	handshakes *handshakes
 }
 
 func (c *Conn) newSet(client redis.UniversalClient) *clientSet {
-	set := &clientSet{client: client}
+	set := &clientSet{client: client, handshakes: c.handshakes}
 	if c.batch {
-		set.batcher = newRedisBatcher(client, batchLoops, maxBatch)
+		set.batcher = newRedisBatcher(client, c.handshakes, batchLoops, maxBatch)
 	}
 	return set
 }
@@ -93,6 +96,7 @@ func (p *Plan) Connect(logger *zap.Logger) *Conn {
 		asCluster:    p.asCluster,
 		now:          monotonicMicros,
 		debts:        newDebtBook(o.DenyCacheSize),
+		handshakes:   p.handshakes,
 	}
 	logger = sampled(logger)
 	c.log.fallBackTo(logger)

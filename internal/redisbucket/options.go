@@ -96,20 +96,22 @@ type Plan struct {
 	// sentinels are the Sentinels' own settings, for following the
 	// master's address (Sentinel only).
 	sentinels []*redis.Options
+	// handshakes counts the handshakes of the clients it makes.
+	handshakes *handshakes
 }
 
 // NewPlan checks o, reads its TLS files and readies its client. It never
 // talks to Redis.
 func NewPlan(o Options) (*Plan, error) {
 	o = o.withDefaults()
-	c := &clientParams{username: o.Username, password: o.Password}
+	c := &clientParams{username: o.Username, password: o.Password, handshakes: new(handshakes)}
 	var err error
 	if c.tls, c.id.TLS, err = o.tlsConfig(); err != nil {
 		return nil, err
 	}
 	c.id.Username, c.id.Password, c.id.DB, c.id.PoolSize, c.id.Timeout = c.username, hashString(c.password), o.DB, o.PoolSize, o.Timeout
 	c.id.Breaker, c.id.DenyCache, c.id.Batch = fmt.Sprint(o.BreakerFailures, o.BreakerCooldown), o.DenyCacheSize, o.Batch
-	p := &Plan{o: o}
+	p := &Plan{o: o, handshakes: c.handshakes}
 	if o.Sentinel != nil {
 		p.newClient, p.sentinels, err = o.sentinelClient(c)
 	} else {
@@ -128,6 +130,7 @@ func NewPlan(o Options) (*Plan, error) {
 type clientParams struct {
 	username, password string
 	tls                *tls.Config
+	handshakes         *handshakes
 	id                 struct {
 		Nodes     []string
 		Master    string
@@ -182,7 +185,7 @@ func (o *Options) sentinelClient(c *clientParams) (func() redis.UniversalClient,
 		ContextTimeoutEnabled: true,
 		// The Sentinels' connections and the master's, TLS included.
 		Dialer:    dialer(c.tls, o.Timeout),
-		OnConnect: countHandshake,
+		OnConnect: c.handshakes.onConnect,
 		// No CLIENT SETINFO at connect (noMaintNotifications says why).
 		DisableIdentity: true,
 	}
@@ -249,7 +252,7 @@ func (o *Options) nodeClient(c *clientParams) (newClient func() redis.UniversalC
 	first.ContextTimeoutEnabled = true
 	first.DialTimeout = o.Timeout
 	first.Dialer = dialer(first.TLSConfig, o.Timeout)
-	first.OnConnect = countHandshake
+	first.OnConnect = c.handshakes.onConnect
 	first.DisableIdentity = true
 	first.MaintNotificationsConfig = noMaintNotifications()
 	return func() redis.UniversalClient { return redis.NewClient(first) }, asCluster, nil
@@ -292,7 +295,7 @@ func (o *Options) clusterClient(c *clientParams, addresses []string, nodes []*re
 		opts.TLSConfig.ServerName = ""
 	}
 	opts.Dialer = dialer(opts.TLSConfig, o.Timeout)
-	opts.OnConnect = countHandshake
+	opts.OnConnect = c.handshakes.onConnect
 	opts.DisableIdentity = true
 	opts.MaintNotificationsConfig = noMaintNotifications()
 	return func() redis.UniversalClient { return redis.NewClusterClient(opts) }, nil

@@ -26,29 +26,35 @@ import (
 // queue) to its reply. Pipelines of give-backs, renewals and frees are
 // not samples: their time grows with their length.
 
-// handshakes counts the connections that finished their handshake, in
-// every client of the process (the clients' OnConnect). A call during
-// which one did may have waited for it, its dial included: that is no
-// round trip, so it is no sample. Dials are rare once the pools are warm.
-var handshakes atomic.Int64
+// handshakes counts the connections of one Plan's clients that finished
+// their handshake (the clients' OnConnect), the Cluster client a node is
+// followed by included. A call during which one did may have waited for
+// it, its dial included: that is no round trip, so it is no sample. Dials
+// are rare once the pools are warm; another connection's do not count.
+type handshakes struct{ n atomic.Int64 }
 
-func countHandshake(context.Context, *redis.Conn) error {
-	handshakes.Add(1)
+func (h *handshakes) onConnect(context.Context, *redis.Conn) error {
+	h.n.Add(1)
 	return nil
 }
 
 // callTimer times one call from its write to its reply.
-type callTimer struct{ start, handshakes int64 }
+type callTimer struct {
+	start, seen int64
+	h           *handshakes
+}
 
-func startCall() callTimer { return callTimer{monotonicMicros(), handshakes.Load()} }
+func (h *handshakes) startCall() callTimer {
+	return callTimer{monotonicMicros(), h.n.Load(), h}
+}
 
 // runTimed runs script on keys as Script.Run does, EVALSHA and, when Redis
 // answers NOSCRIPT (it restarted, or no node loaded the script yet), EVAL,
 // and reports the call's round trip in µs (took): -1 after NOSCRIPT, since
 // the call then took two, and the first of a store would seed the average
 // with twice the round trip.
-func runTimed(ctx context.Context, script *redis.Script, c redis.Scripter, keys []string, args ...any) (*redis.Cmd, int64) {
-	call := startCall()
+func runTimed(ctx context.Context, script *redis.Script, c redis.Scripter, h *handshakes, keys []string, args ...any) (*redis.Cmd, int64) {
+	call := h.startCall()
 	cmd := script.EvalSha(ctx, c, keys, args...)
 	if isNoScript(cmd.Err()) {
 		return script.Eval(ctx, c, keys, args...), -1
@@ -59,7 +65,7 @@ func runTimed(ctx context.Context, script *redis.Script, c redis.Scripter, keys 
 // took is the call's round trip in µs, or -1 when a connection finished
 // its handshake meanwhile.
 func (c callTimer) took() int64 {
-	if handshakes.Load() != c.handshakes {
+	if c.h.n.Load() != c.seen {
 		return -1
 	}
 	return monotonicMicros() - c.start

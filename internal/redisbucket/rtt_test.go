@@ -158,7 +158,7 @@ func TestBatchedCallsRoundTripLeavesOutTheQueue(t *testing.T) {
 	proxy := redistest.StartProxy(t, srv.Addr(), oneWay)
 	s := newTestStore(t, testConfig{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: 5 * time.Second})
 	warmPool(t, s, 3)
-	b := newRedisBatcher(s.conn.client(), 1, 1)
+	b := newRedisBatcher(s.conn.client(), s.conn.handshakes, 1, 1)
 	defer b.close()
 	args := s.args("take", oneLimit(slowLimit(10)), 0, 1)
 	type result struct {
@@ -189,19 +189,15 @@ func TestBatchedCallsRoundTripLeavesOutTheQueue(t *testing.T) {
 }
 
 // A call that fails is no sample: Redis killed (refused), then the
-// breaker open, then a link that went silent (timed out).
+// breaker open, then a link that went silent (timed out). The counts are
+// read before and after, since an answered call during which another
+// test's connection finished its handshake is no sample either.
 func TestFailedCallsAddNoRoundTripSample(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, BreakerFailures: 2, BreakerCooldown: time.Hour})
 	warmPool(t, s, 1)
-	for i := range 3 {
-		if _, err := s.takeLimit(bg, bucketFor("up"+strconv.Itoa(i)), slowLimit(10), 1); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, n := s.RoundTrip(); n != 3 {
-		t.Fatalf("3 answered calls: %d samples", n)
-	}
+	takeUntil(t, s, oneLimit(slowLimit(10)), 3)
+	_, before := s.RoundTrip()
 	srv.Kill()
 	for i := range 2 {
 		if _, err := s.takeLimit(bg, bucketFor("down"+strconv.Itoa(i)), slowLimit(10), 1); err == nil {
@@ -211,23 +207,22 @@ func TestFailedCallsAddNoRoundTripSample(t *testing.T) {
 	if _, err := s.takeLimit(bg, bucketFor("open"), slowLimit(10), 1); !errors.Is(err, errBreakerOpen) {
 		t.Fatalf("take with the breaker open: %v", err)
 	}
-	if _, n := s.RoundTrip(); n != 3 {
-		t.Errorf("after 2 refused calls and 1 the breaker stopped: %d samples, want 3", n)
+	if _, n := s.RoundTrip(); n != before {
+		t.Errorf("after 2 refused calls and 1 the breaker stopped: %d samples, want %d", n, before)
 	}
 
 	srv2 := redistest.Start(t)
 	proxy := redistest.StartProxy(t, srv2.Addr(), 0)
 	silent := newTestStore(t, testConfig{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: 100 * time.Millisecond, BreakerFailures: 1000})
 	warmPool(t, silent, 1)
-	if _, err := silent.takeLimit(bg, bucketFor("before"), slowLimit(10), 1); err != nil {
-		t.Fatal(err)
-	}
+	takeUntil(t, silent, oneLimit(slowLimit(10)), 1)
+	_, before = silent.RoundTrip()
 	proxy.Blackhole()
 	if _, err := silent.takeLimit(bg, bucketFor("silent"), slowLimit(10), 1); err == nil {
 		t.Fatal("take over a silent link: no error")
 	}
-	if _, n := silent.RoundTrip(); n != 1 {
-		t.Errorf("1 answered call and 1 timed out: %d samples, want 1", n)
+	if _, n := silent.RoundTrip(); n != before {
+		t.Errorf("%d answered calls and 1 timed out: %d samples, want %d", before, n, before)
 	}
 }
 
@@ -372,25 +367,46 @@ func TestLeaseSettingsUnderTheRoundTripWarn(t *testing.T) {
 	}
 }
 
-// A call during which a connection finished its handshake is no sample:
-// it may have waited for that connection's dial and handshake, which are
-// no round trip of its own.
+// A call during which a connection of its own clients finished its
+// handshake is no sample: it may have waited for that connection's dial
+// and handshake, which are no round trip of its own. Another connection's
+// handshake (another policy's, another test's) leaves it one.
 func TestACallDuringAHandshakeIsNoRoundTripSample(t *testing.T) {
 	srv := redistest.Start(t)
 	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	warmPool(t, s, 1)
-	call := startCall()
-	if _, err := s.takeLimit(bg, bucketFor("warm"), slowLimit(10), 1); err != nil {
-		t.Fatal(err)
+	h := s.conn.handshakes
+	// The store's own start may still be dialling (the script's load): a
+	// warm call is a sample once that is done.
+	took := int64(-1)
+	for i := 0; i < 20 && took < 0; i++ {
+		call := h.startCall()
+		if _, err := s.takeLimit(bg, bucketFor("warm"+strconv.Itoa(i)), slowLimit(10), 1); err != nil {
+			t.Fatal(err)
+		}
+		took = call.took()
 	}
-	if took := call.took(); took < 0 {
-		t.Errorf("a call on a warm connection took %d µs", took)
+	if took < 0 {
+		t.Errorf("20 calls on a warm connection: none a sample")
 	}
-	call = startCall()
+	// Holding every connection of the pool and one more dials one.
+	client := s.conn.client().(*redis.Client)
+	call := h.startCall()
+	for range client.PoolStats().TotalConns + 1 {
+		held := client.Conn()
+		defer held.Close()
+		if err := held.Ping(bg).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if took := call.took(); took != -1 {
+		t.Errorf("a call while a new connection of its pool shook hands took %d µs, want -1 (no sample)", took)
+	}
+	call = h.startCall()
 	other := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
 	warmPool(t, other, 1)
-	if took := call.took(); took != -1 {
-		t.Errorf("a call while another connection shook hands took %d µs, want -1 (no sample)", took)
+	if took := call.took(); took < 0 {
+		t.Errorf("a call while another connection's client shook hands took %d µs, want a sample", took)
 	}
 	_, before := s.RoundTrip()
 	s.sample(-1)

@@ -269,7 +269,7 @@ func (s *Store) runSlots(ctx context.Context, k, op string, args ...any) ([]int6
 	argv := append([]any{op, s.clockOffset, slotTTL(s.slotTTL).Microseconds()}, args...)
 	var vals []int64
 	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
-		cmd, took := runTimed(ctx, slotsScript, set.client, []string{k}, argv...)
+		cmd, took := runTimed(ctx, slotsScript, set.client, set.handshakes, []string{k}, argv...)
 		vals, err = cmd.Int64Slice()
 		if err == nil && len(vals) != 2 {
 			err = fmt.Errorf("slots script answered %d values, want 2", len(vals))

@@ -353,7 +353,7 @@ func (set *clientSet) runScript(ctx context.Context, key string, args []any, bat
 	if batched && set.batcher != nil {
 		return set.batcher.take(ctx, []string{key}, args)
 	}
-	cmd, took := runTimed(ctx, bucketScript, set.client, []string{key}, args...)
+	cmd, took := runTimed(ctx, bucketScript, set.client, set.handshakes, []string{key}, args...)
 	vals, err := cmd.Int64Slice()
 	return vals, took, err
 }
