@@ -86,7 +86,7 @@ func sentWithin(out []answer, d time.Duration) []answer {
 // Each admits no more than one bucket of both limits could over the wall
 // span (the least of C_i + floor(r_i*T)), over the first second too; only
 // 200 and 429 are answered; and the requests allowed after the first
-// second are answered from memory (median < 5 ms): on the tier
+// second are answered from memory (median under one way to Redis): on the tier
 // too, since a node held off by a refused lease fetches the next one a
 // round trip before its hold-off ends, and spends it in memory. Strict
 // mode's median on the tier is measured beside it: at least a
@@ -172,8 +172,11 @@ func floodTwoLimits(t *testing.T, f *leaseFleet, p fleetPolicy, key string, rate
 				i+1, l.Capacity, l.Rate.Tokens, time.Duration(l.Rate.Interval)*time.Microsecond, levels[i], admitted, elapsed, most)
 		}
 	}
-	if n == 0 || median >= 5*time.Millisecond {
-		t.Errorf("median latency of the %d requests allowed after the first second: %s, want < 5ms", n, median)
+	// From memory, not through the store: under one way to Redis, so no
+	// round trip (2 x wanDelay) is in it. Quiet, the median is about 1 ms;
+	// 4 Caddy processes under -race on a loaded runner made it 5.75 ms.
+	if n == 0 || median >= wanDelay {
+		t.Errorf("median latency of the %d requests allowed after the first second: %s, want < %s (no round trip)", n, median, wanDelay)
 	}
 }
 

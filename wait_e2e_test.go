@@ -180,14 +180,21 @@ func burstSpacedAtTheRate(t *testing.T, s *testServer, origin *waitOrigin, key s
 			t.Fatalf("status %d", o.status)
 		}
 	}
+	slices.Sort(refusals)
 	if served != 11 || refused != 19 {
-		t.Fatalf("%d served, %d refused; want 11 and 19", served, refused)
+		// A burst sent over more than 100 ms (a loaded machine, the race
+		// detector) meets one more token for each 100 ms: late, not wrong,
+		// when the last refusal came that late.
+		spread := refusals[len(refusals)-1]
+		if served < 11 || served > 11+int(spread/(100*time.Millisecond)) || served+refused != 30 {
+			t.Fatalf("%d served, %d refused, the last refusal %v after the burst was sent; want 11 and 19", served, refused, spread)
+		}
+		return fmt.Errorf("%d served, %d refused: the burst took %v to be decided, more than a token's 100 ms", served, refused, spread)
 	}
 	at := origin.arrivals()
 	if len(at) != 11 {
 		t.Fatalf("%d requests reached the origin, want 11", len(at))
 	}
-	slices.Sort(refusals)
 	t.Logf("refusals: median %v, slowest %v, served at once %v; arrivals %v", refusals[len(refusals)/2], refusals[len(refusals)-1], atOnce, offsets(at, t0))
 	// Refused at once: no refusal waits for a token (100 ms). The 30
 	// requests share this process's 2 CPUs with Caddy, so a refusal costs
