@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -335,12 +336,49 @@ func resetBucket(ctx context.Context, h *Handler, b *Bucket) (reset []string, fa
 	if h.owed != nil {
 		h.owed.forget(b)
 	}
-	for _, x := range runningHandlers()[h.Name] {
-		if x != h && x.owed != nil {
-			x.owed.forget(b)
-		}
+	if err := resetCopies(ctx, h, b); err != nil {
+		note("copies", err)
 	}
 	return reset, failed
+}
+
+// hereForgetter is a store shared by the copies of a policy whose copies
+// each keep some of a bucket on this node (a lease, a denial), which
+// forgetHere drops without calling the shared store again.
+type hereForgetter interface {
+	forgetHere(b *Bucket)
+}
+
+// resetCopies resets the bucket in the other running copies of h's
+// policy (a site on two ports has one in each server): what each keeps of
+// its own, a lease or a lease call's hold-off, a fallback table, what its
+// fallback admitted, which would otherwise go on refusing or charging the
+// client there. The shared bucket, which h's store reset, is not called
+// again: the copies share its connection, and a second call while it is
+// down would count one more failure toward its breaker.
+func resetCopies(ctx context.Context, h *Handler, b *Bucket) error {
+	var errs []error
+	for _, x := range runningHandlers()[h.Name] {
+		if x == h {
+			continue
+		}
+		own := *b
+		own.secret = x.keySecret
+		if x.owed != nil {
+			x.owed.forget(&own)
+		}
+		switch f, ok := x.store.(hereForgetter); {
+		case x.store == h.store:
+		case ok:
+			f.forgetHere(&own)
+		default:
+			errs = append(errs, x.store.reset(ctx, &own))
+		}
+		if x.local != nil && x.local != h.local {
+			errs = append(errs, x.local.reset(ctx, &own))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // tierNamed finds a tier that has buckets; "" names the catch-all.

@@ -459,6 +459,13 @@ func (s *RedisStore) reset(ctx context.Context, b *Bucket) error {
 	return s.engine.Reset(ctx, s.key(buf[:0], b))
 }
 
+// forgetHere drops this node's lease and denial of b and leaves Redis
+// alone (resetCopies).
+func (s *RedisStore) forgetHere(b *Bucket) {
+	var buf [192]byte
+	s.engine.Forget(s.key(buf[:0], b))
+}
+
 // resetLayers resets this node's deny cache and lease whatever Redis
 // does, then the shared bucket.
 func (s *RedisStore) resetLayers(ctx context.Context, b *Bucket) ([]string, []error) {

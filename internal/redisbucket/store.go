@@ -280,15 +280,23 @@ func (s *Store) fromLease(key []byte, n int64, give bool, at int64) int64 {
 	}
 }
 
+// Forget drops what this node keeps of the bucket at key, its lease (or
+// a lease call's hold-off) and its denial in the deny cache, and leaves
+// Redis alone: for another Store on the same connection whose Reset
+// emptied the shared bucket (a copy of a policy on a second port).
+func (s *Store) Forget(key []byte) {
+	if s.leases != nil {
+		s.leases.reset(key)
+	}
+	s.conn.denied.remove(string(key))
+}
+
 // Reset deletes the bucket at key. It forgets the bucket's denial on this
 // node whether or not Redis answers; other nodes may still answer from
 // their deny caches until the retry time they were given.
 func (s *Store) Reset(ctx context.Context, key []byte) error {
 	k := string(key)
-	if s.leases != nil {
-		s.leases.reset(key)
-	}
-	s.conn.denied.remove(k)
+	s.Forget(key)
 	// Again once Redis has answered: a Take that went to Redis before the
 	// reset is dropped when it puts its denial, but one that set out
 	// between the first remove and the DEL carries the newer epoch.
