@@ -320,7 +320,7 @@ func (h *Handler) fallBack(w http.ResponseWriter, r *http.Request, next caddyhtt
 		d.decide(outcomeError)
 		return next.ServeHTTP(w, r)
 	case refuseUndecided:
-		return h.storeDown(w, r, d, err)
+		return h.storeDown(w, r, d)
 	}
 	// On the tier as the fallback enforces it (its share), at its own
 	// moment: the failed call may have taken its timeout.
@@ -366,12 +366,17 @@ func (h *Handler) onStoreError(err error, msg string, dryRun bool) storeFallback
 // on_store_error deny: 503 with Retry-After: 1. Nothing was decided, so
 // its placeholders are empty, whatever the rate limit allowed before; the
 // store's failure is the handler's own sampled warn line (onStoreError).
-func (h *Handler) storeDown(w http.ResponseWriter, r *http.Request, d *decision, err error) error {
+func (h *Handler) storeDown(w http.ResponseWriter, r *http.Request, d *decision) error {
 	d.result = bucket.Result{}
 	d.decide(outcomeError)
 	w.Header()["Retry-After"] = []string{"1"}
-	return refuse(w, r, http.StatusServiceUnavailable, fmt.Errorf("rate limit store unavailable: %w", err))
+	return refuse(w, r, http.StatusServiceUnavailable, errStoreUnavailable)
 }
+
+// errStoreUnavailable is the error of a request refused because its store
+// failed ({http.error.message}, which a handle_errors page may show the
+// client): what failed, and where, is in the line onStoreError logs.
+var errStoreUnavailable = errors.New("rate limit store unavailable")
 
 // clientGone answers a request whose client went away before it was
 // answered: as reverse_proxy does, the access log gets 499 (client closed
@@ -397,7 +402,7 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, next caddyhttp.
 		if res, err = h.acquireSlot(r, d, res); errors.Is(err, errClientGone) {
 			return h.clientGone(w, d, outcomeAllowed)
 		} else if err != nil {
-			return h.storeDown(w, r, d, err)
+			return h.storeDown(w, r, d)
 		}
 		if len(d.tier.limits) == 0 && d.slotFrom != noSlot {
 			// Only in-flight requests: the X- fields report the slots.

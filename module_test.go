@@ -493,3 +493,27 @@ func TestValidateChangesNothing(t *testing.T) {
 		}
 	}
 }
+
+// A store that fails with on_store_error deny fills {http.error.message}
+// with what failed, never where: a handle_errors page that shows it must
+// not give clients the store's address.
+func TestAStoreFailureKeepsTheStoresAddressOutOfTheErrorMessage(t *testing.T) {
+	useFakeClock(t)
+	addr := "127.0.0.1:" + strconv.Itoa(freePort(t))
+	s := serve(t, `
+	rate_limit 10 1/m {
+		store redis {
+			address redis://`+addr+`
+			timeout 200ms
+		}
+		on_store_error deny
+	}
+	respond "ok"
+	handle_errors {
+		respond "{http.error.status_code}|{http.error.message}" {http.error.status_code}
+	}`)
+	r := s.get("/")
+	if r.status != 503 || r.body != "503|rate limit store unavailable" {
+		t.Fatalf("with Redis at %s down: %d %q; want 503|rate limit store unavailable, no address", addr, r.status, r.body)
+	}
+}
