@@ -6,6 +6,7 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The {http.rate_limit.*} placeholders (their list is Handler's doc
@@ -16,28 +17,45 @@ import (
 // placeholderPrefix starts every name the handler answers.
 const placeholderPrefix = "http.rate_limit."
 
-// decisionRef is the placeholder name under which the first rate_limit
-// handler of a request answers its decision, for the later ones to find:
-// a Caddyfile cannot name it.
+// decisionVar is the request variable (caddyhttp's vars) under which the
+// first rate_limit handler of a request keeps its decision, for the later
+// ones to find: a Caddyfile cannot name it. A map lookup, where asking the
+// replacer would ask each of Caddy's placeholder providers first.
+const decisionVar = "\x00rate_limit.decision"
+
+// decisionRef is the placeholder name under which the first handler
+// answers its decision, for a request without vars (one that did not come
+// through a Caddy server: a test's).
 const decisionRef = "\x00decision"
 
 // provide answers r's rate_limit placeholders from d. Only the first
 // handler of the request answers them, since Caddy asks its providers in
 // order: it answers from the latest decision, which d becomes.
 func (d *decision) provide(r *http.Request) {
-	repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	ctx := r.Context()
+	repl, ok := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if !ok {
 		return
 	}
-	if v, ok := repl.Get(placeholderPrefix + decisionRef); ok {
-		first := v.(*decision)
-		for first.later != nil {
-			first = first.later
+	var first any
+	vars, ok := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if ok {
+		first, ok = vars[decisionVar]
+		if !ok {
+			vars[decisionVar] = d
 		}
-		first.later = d
+	} else {
+		first, ok = repl.Get(placeholderPrefix + decisionRef)
+	}
+	if !ok {
+		repl.Map(d.placeholder)
 		return
 	}
-	repl.Map(d.placeholder)
+	last := first.(*decision)
+	for last.later != nil {
+		last = last.later
+	}
+	last.later = d
 }
 
 // placeholder answers the request's rate_limit placeholders: from the
