@@ -125,6 +125,10 @@ type lease struct {
 	// may be spent until lease_ttl after it, and, with quotas, before
 	// spendBy, when the quota period that counted them ends (0: no end).
 	leasedAt, spendBy int64
+	// renewAt is when a request that spends from the lease renews it in
+	// the background, before it lapses (renewFrom); never once a call
+	// granted nothing, until one grants tokens again.
+	renewAt int64
 	// periodFrom is when the call that first granted tokens of the
 	// current quota period was sent (periodOf).
 	periodFrom int64

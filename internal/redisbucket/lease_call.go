@@ -29,6 +29,15 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		want = max(want, min(e.backlog, t.size.ofTier(e.tier)))
 		e.backlog = 0
 	}
+	size := want
+	if prefetch && e.tokens*2 >= e.size {
+		// A renewal, not at half: the call renews the tokens held (it
+		// names them) and adds a lease, but never past two, so that a key
+		// spending less than a lease a lease_ttl does not pile tokens up,
+		// and one spending about a lease renews with no prefetch at half
+		// between (TestKeysInSteadyUseRenewTheirLeasesSpreadOut).
+		want = max(cost, min(size, 2*size-e.tokens))
+	}
 	c := &leaseCall{done: make(chan struct{})}
 	e.call = c
 	e.seq = t.seq.Add(1)
@@ -54,7 +63,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		sh.mu.Lock()
 		e.rtt = t.now() - now
 		if err == nil {
-			t.apply(e, lr, ask, now)
+			t.apply(e, lr, ask, size, now)
 			e.each = e.each[:0]
 			for _, r := range each {
 				e.each = append(e.each, levelAt{r.Remaining, now + r.ResetAfter})
@@ -87,9 +96,10 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	return c
 }
 
-// apply records in e the answer to the lease call ask, sent at sent.
-func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, sent int64) {
-	e.size = ask.Want
+// apply records in e the answer to the lease call ask, sent at sent, for a
+// lease of size tokens.
+func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, size, sent int64) {
+	e.size = size
 	if lr.Drop {
 		// A ban started since the last call, or the quota period of what
 		// the node holds ended: it is void, and the node starts again from
@@ -108,8 +118,10 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		e.recorded += lr.Granted - ask.Spend
 		e.leasedAt = sent
 		t.periodOf(e, lr, sent)
+		e.renewAt = t.renewFrom(e, sent)
 		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
 	} else {
+		e.renewAt = never
 		leasesTotal.WithLabelValues("refused").Inc()
 	}
 	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
