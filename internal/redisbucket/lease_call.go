@@ -234,9 +234,16 @@ func (s *Store) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []buck
 	return lr, err
 }
 
-// leaseAt is lease, and also returns the server's time of the call.
+// leaseAt is lease, and also returns the server's time of the call. A
+// prefetch is a call no request waits on (doAside).
 func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
-	v, err := s.call(context.Background(), key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
+	var v []int64
+	var err error
+	if a.Prefetch {
+		v, err = s.callAside(key, s.leaseArgs(tr, a), leaseAnswer+2*tr.Parts())
+	} else {
+		v, err = s.call(context.Background(), key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
+	}
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
 	}
@@ -247,12 +254,34 @@ func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bu
 		Until: v[8], QuotaHold: v[9], Void: v[10] == 1, BanHolds: v[11] == 1, LimitRetry: v[12]}, v[7], nil
 }
 
+// callAside is Store.call, unbatched, for a call no request waits on: its
+// failure does not count toward the breaker (doAside).
+func (s *Store) callAside(key string, args []any, want int) ([]int64, error) {
+	var vals []int64
+	err := s.doAside(func(ctx context.Context, set *clientSet) (err error) {
+		var took int64
+		vals, took, err = set.runScript(ctx, key, args, false)
+		if err == nil && len(vals) != want {
+			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+		}
+		if err == nil {
+			s.sample(took)
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return vals, nil
+}
+
 // leaseAnswer is how many values a lease's answer has before each limit's
 // and quota's level.
 const leaseAnswer = 13
 
 // giveBack returns the unused tokens of node's leases to their buckets in
-// one pipeline, and reports how many went back. After a MOVED, only the
+// one pipeline, and reports how many went back; no request waits on it
+// (doAside). After a MOVED, only the
 // give-backs that were redirected go again (do).
 func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	args := func(g leaseReturn) []any {
@@ -261,7 +290,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	var returned int64
 	answered := make([]bool, len(back))
 	var failed error
-	err := s.do(context.Background(), func(ctx context.Context, set *clientSet) error {
+	err := s.doAside(func(ctx context.Context, set *clientSet) error {
 		cmds := make([]*redis.Cmd, len(back))
 		_, err := set.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
 			for i, g := range back {
