@@ -27,7 +27,8 @@ import (
 // the lease size (at most half the capacity), when the node spent the last
 // one within lease_ttl (half of it for a prefetch). Once leases are larger
 // than the cost, the next is fetched in the background when the tokens held
-// fall to half. Requests that find no tokens share one call in flight per
+// fall to half, or, a part of lease_ttl before the lease lapses, renewed
+// (renewFrom). Requests that find no tokens share one call in flight per
 // bucket. A lease that is refused, or partly granted, says how long until
 // the shared bucket covers the node's next lease; until then, and a random
 // 0 to 50% more, the node answers from memory and makes no call for that
