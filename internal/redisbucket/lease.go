@@ -130,6 +130,9 @@ type lease struct {
 	// the background, before it lapses (renewFrom); never once a call
 	// granted nothing, until one grants tokens again.
 	renewAt int64
+	// quietUntil: a call in the background for this lease failed; no other
+	// goes before it lapses (prefetches).
+	quietUntil int64
 	// periodFrom is when the call that first granted tokens of the
 	// current quota period was sent (periodOf).
 	periodFrom int64

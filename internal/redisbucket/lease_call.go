@@ -72,6 +72,8 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 				// Spent while the call was out: say so, as take does.
 				t.giveBackLater([]leaseReturn{e.takeBack()})
 			}
+		} else if ask.Prefetch {
+			e.quietUntil = e.leasedAt + t.ttl
 		}
 		e.call = nil
 		// A refusal says when the cost is back; an answer that grants

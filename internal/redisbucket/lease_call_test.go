@@ -931,3 +931,56 @@ func TestKeysInSteadyUseRenewTheirLeasesSpreadOut(t *testing.T) {
 		t.Errorf("a key held %d%% of its lease size; want at most two leases' tokens", most)
 	}
 }
+
+// A renewal that fails (Redis slow or down) is not sent again in the
+// background while the lease lasts: background calls do not count toward
+// the breaker, and one a request would otherwise send every time it finds
+// the lease due would pile more calls on a Redis that cannot answer them.
+// The lease's requests spend what it holds; once it lapses a request calls
+// itself, and that call counts.
+// Regression test for issue 34 (renewals retried on every request).
+func TestAFailedRenewalIsNotRetriedInTheBackground(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	remote := &askLog{sharedModel: m}
+	ttl := time.Second
+	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 1000}, ttl, 100*time.Millisecond, 1000, nopLogger)
+	defer node.close()
+	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
+	key := []byte("k")
+	take := func() bucket.Result {
+		t.Helper()
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	// 100 requests a second until the lease is large enough to last.
+	for node.snapshot(key).size < 64 {
+		take()
+		clock.advance(10 * time.Millisecond)
+	}
+	e := node.snapshot(key)
+	m.mu.Lock()
+	m.down = true
+	m.mu.Unlock()
+	remote.mu.Lock()
+	before := len(remote.asks)
+	remote.mu.Unlock()
+	clock.micros.Store(e.renewAt)
+	for range 20 {
+		if node.snapshot(key).tokens < 1 || node.lapsed(&e, clock.now()) {
+			break
+		}
+		take()
+		clock.advance(5 * time.Millisecond)
+	}
+	remote.mu.Lock()
+	sent := remote.asks[before:]
+	remote.mu.Unlock()
+	if len(sent) != 1 || !sent[0].ask.Prefetch {
+		t.Fatalf("requests that found the lease due for renewal while the store failed: %d lease calls (the first a prefetch: %v); want one renewal", len(sent), len(sent) > 0 && sent[0].ask.Prefetch)
+	}
+}

@@ -152,10 +152,14 @@ func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 
 // prefetches says whether a prefetch that is due for e goes now: the lease
 // is larger than a request (a first lease of one request's cost is not
-// prefetched), no call is out, no hold-off holds, and the quota period that
-// counted the tokens does not end within two round trips.
+// prefetched), no call is out, no hold-off holds, no background call for
+// the lease failed (quietUntil: its failure does not count toward the
+// breaker, so retrying at every request would pile calls on a Redis that
+// cannot answer them, TestAFailedRenewalIsNotRetriedInTheBackground; once
+// the lease lapses a request calls itself, and that call counts), and the
+// quota period that counted the tokens does not end within two round trips.
 func (t *leaseTable) prefetches(e *lease, cost, now int64) bool {
-	return e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && !t.periodEndsWithin(e, now, 2*t.roundTripOf(e))
+	return e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.quietUntil && !t.periodEndsWithin(e, now, 2*t.roundTripOf(e))
 }
 
 // refuses says whether a request that e's tokens do not cover is refused
