@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"sync/atomic"
@@ -139,3 +140,29 @@ func (b *breaker) state(now int64) string {
 
 // open reports whether the breaker is failing calls.
 func (b *breaker) open() bool { return b.openUntil.Load() != 0 }
+
+// doAside is Store.do for a call no request waits on: a lease call made in
+// the background (a prefetch, a renewal) or a give-back. Its failure does
+// not count toward the breaker: a burst of renewals queued past the
+// timeout on a busy Redis would otherwise open it, and stop every key's
+// leases for the cool-down, when requests' own calls are answered. A Redis
+// that is down still opens it: the leases lapse, and requests' calls fail
+// (TestBackgroundLeaseCallsThatTimeOutLeaveTheBreakerClosed). Its answer
+// counts as any call's. It is not sent while the breaker is open, and
+// never probes: a request's call does.
+func (s *Store) doAside(send func(context.Context, *clientSet) error) error {
+	b := &s.conn.breaker
+	if b.open() {
+		return b.openError()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	err := s.conn.send(ctx, send)
+	if err == nil || isRedirect(err) {
+		b.record(false, callOK, s.conn.now())
+	}
+	if err != nil {
+		return s.wrap(err)
+	}
+	return nil
+}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -231,5 +232,70 @@ func TestRedisBreakerOpenNamesTheLastFailure(t *testing.T) {
 	_, err = s.takeLimit(bg, bucketFor("while-open"), slowLimit(10), 1)
 	if !errors.Is(err, errBreakerOpen) || !strings.Contains(err.Error(), "connection refused") {
 		t.Fatalf("take with the breaker open: %v; want the breaker's error naming the refused connection", err)
+	}
+}
+
+// Lease calls that no request waits on (prefetches, renewals, give-backs)
+// that time out leave the breaker closed: a burst of renewals queued past
+// the timeout on a loaded Redis must not stop every key's leases for the
+// cool-down. A Redis that is really down still opens it, from requests'
+// own calls; while it is open, background calls are not sent, and they
+// never take the probe.
+// Regression test for issue 34 (a wave of background timeouts opened the
+// breaker).
+func TestBackgroundLeaseCallsThatTimeOutLeaveTheBreakerClosed(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 50 * time.Millisecond, Lease: "10%", BreakerCooldown: 100 * time.Millisecond})
+	tr := oneLimit(slowLimit(100))
+	key := string(bucketFor("renewed"))
+	ask := func(seq int64, prefetch bool) error {
+		a := bucket.LeaseAsk{Node: "n", Seq: seq, Cost: 1, Want: 10, Hold: 2_000_000, Prefetch: prefetch}
+		if !prefetch {
+			a.Spend = 1
+		}
+		_, err := s.lease(key, tr, a, nil)
+		return err
+	}
+	if err := ask(1, false); err != nil {
+		t.Fatal(err)
+	}
+	srv.Pause()
+	defer srv.Resume()
+	for i := range 2 * DefaultBreakerFailures {
+		if err := ask(int64(2+i), true); err == nil || !strings.Contains(err.Error(), "no answer within 50ms") {
+			t.Fatalf("renewal %d from a paused Redis: %v", i, err)
+		}
+		if _, err := s.giveBack("n", []leaseReturn{{key: key, tier: tr, tokens: 1, seq: 1}}); err == nil {
+			t.Fatalf("give-back %d answered by a paused Redis", i)
+		}
+	}
+	if st := s.BreakerState(); st != "closed" {
+		t.Fatalf("after %d renewals and give-backs timed out: the breaker is %s; want closed", 2*DefaultBreakerFailures, st)
+	}
+	for i := range DefaultBreakerFailures {
+		if err := ask(int64(100+i), false); err == nil {
+			t.Fatalf("request's lease call %d answered by a paused Redis", i)
+		}
+	}
+	if st := s.BreakerState(); st != "open" {
+		t.Fatalf("after %d requests' lease calls timed out: the breaker is %s; want open", DefaultBreakerFailures, st)
+	}
+	start := time.Now()
+	if err := ask(200, true); !errors.Is(err, errBreakerOpen) {
+		t.Fatalf("a renewal with the breaker open: %v; want errBreakerOpen", err)
+	}
+	if d := time.Since(start); d > 10*time.Millisecond {
+		t.Fatalf("a renewal with the breaker open waited %s", d)
+	}
+	time.Sleep(150 * time.Millisecond) // the cool-down
+	if err := ask(201, true); !errors.Is(err, errBreakerOpen) {
+		t.Fatalf("a renewal once the cool-down is over: %v; want errBreakerOpen (a request's call probes)", err)
+	}
+	srv.Resume()
+	if err := ask(202, false); err != nil {
+		t.Fatalf("the probe, a request's lease call, once Redis is back: %v", err)
+	}
+	if st := s.BreakerState(); st != "closed" {
+		t.Fatalf("after the probe answered: the breaker is %s; want closed", st)
 	}
 }

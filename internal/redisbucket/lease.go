@@ -27,7 +27,8 @@ import (
 // the lease size (at most half the capacity), when the node spent the last
 // one within lease_ttl (half of it for a prefetch). Once leases are larger
 // than the cost, the next is fetched in the background when the tokens held
-// fall to half. Requests that find no tokens share one call in flight per
+// fall to half, or, a part of lease_ttl before the lease lapses, renewed
+// (renewFrom). Requests that find no tokens share one call in flight per
 // bucket. A lease that is refused, or partly granted, says how long until
 // the shared bucket covers the node's next lease; until then, and a random
 // 0 to 50% more, the node answers from memory and makes no call for that
@@ -125,6 +126,13 @@ type lease struct {
 	// may be spent until lease_ttl after it, and, with quotas, before
 	// spendBy, when the quota period that counted them ends (0: no end).
 	leasedAt, spendBy int64
+	// renewAt is when a request that spends from the lease renews it in
+	// the background, before it lapses (renewFrom); never once a call
+	// granted nothing, until one grants tokens again.
+	renewAt int64
+	// quietUntil: a call in the background for this lease failed; no other
+	// goes before it lapses (prefetches).
+	quietUntil int64
 	// periodFrom is when the call that first granted tokens of the
 	// current quota period was sent (periodOf).
 	periodFrom int64

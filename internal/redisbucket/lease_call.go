@@ -29,6 +29,15 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		want = max(want, min(e.backlog, t.size.ofTier(e.tier)))
 		e.backlog = 0
 	}
+	size := want
+	if prefetch && e.tokens*2 >= e.size {
+		// A renewal, not at half: the call renews the tokens held (it
+		// names them) and adds a lease, but never past two, so that a key
+		// spending less than a lease a lease_ttl does not pile tokens up,
+		// and one spending about a lease renews with no prefetch at half
+		// between (TestKeysInSteadyUseRenewTheirLeasesSpreadOut).
+		want = max(cost, min(size, 2*size-e.tokens))
+	}
 	c := &leaseCall{done: make(chan struct{})}
 	e.call = c
 	e.seq = t.seq.Add(1)
@@ -54,7 +63,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		sh.mu.Lock()
 		e.rtt = t.now() - now
 		if err == nil {
-			t.apply(e, lr, ask, now)
+			t.apply(e, lr, ask, size, now)
 			e.each = e.each[:0]
 			for _, r := range each {
 				e.each = append(e.each, levelAt{r.Remaining, now + r.ResetAfter})
@@ -63,6 +72,8 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 				// Spent while the call was out: say so, as take does.
 				t.giveBackLater([]leaseReturn{e.takeBack()})
 			}
+		} else if ask.Prefetch {
+			e.quietUntil = e.leasedAt + t.ttl
 		}
 		e.call = nil
 		// A refusal says when the cost is back; an answer that grants
@@ -87,9 +98,10 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	return c
 }
 
-// apply records in e the answer to the lease call ask, sent at sent.
-func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, sent int64) {
-	e.size = ask.Want
+// apply records in e the answer to the lease call ask, sent at sent, for a
+// lease of size tokens.
+func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk, size, sent int64) {
+	e.size = size
 	if lr.Drop {
 		// A ban started since the last call, or the quota period of what
 		// the node holds ended: it is void, and the node starts again from
@@ -108,8 +120,10 @@ func (t *leaseTable) apply(e *lease, lr bucket.LeaseResult, ask bucket.LeaseAsk,
 		e.recorded += lr.Granted - ask.Spend
 		e.leasedAt = sent
 		t.periodOf(e, lr, sent)
+		e.renewAt = t.renewFrom(e, sent)
 		leasesTotal.WithLabelValues(leaseOutcome(lr.Granted, ask.Want)).Inc()
 	} else {
+		e.renewAt = never
 		leasesTotal.WithLabelValues("refused").Inc()
 	}
 	e.level, e.resetAt = lr.Remaining, sent+lr.ResetAfter
@@ -222,9 +236,16 @@ func (s *Store) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []buck
 	return lr, err
 }
 
-// leaseAt is lease, and also returns the server's time of the call.
+// leaseAt is lease, and also returns the server's time of the call. A
+// prefetch is a call no request waits on (doAside).
 func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
-	v, err := s.call(context.Background(), key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
+	var v []int64
+	var err error
+	if a.Prefetch {
+		v, err = s.callAside(key, s.leaseArgs(tr, a), leaseAnswer+2*tr.Parts())
+	} else {
+		v, err = s.call(context.Background(), key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
+	}
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
 	}
@@ -235,12 +256,34 @@ func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bu
 		Until: v[8], QuotaHold: v[9], Void: v[10] == 1, BanHolds: v[11] == 1, LimitRetry: v[12]}, v[7], nil
 }
 
+// callAside is Store.call, unbatched, for a call no request waits on: its
+// failure does not count toward the breaker (doAside).
+func (s *Store) callAside(key string, args []any, want int) ([]int64, error) {
+	var vals []int64
+	err := s.doAside(func(ctx context.Context, set *clientSet) (err error) {
+		var took int64
+		vals, took, err = set.runScript(ctx, key, args, false)
+		if err == nil && len(vals) != want {
+			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
+		}
+		if err == nil {
+			s.sample(took)
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return vals, nil
+}
+
 // leaseAnswer is how many values a lease's answer has before each limit's
 // and quota's level.
 const leaseAnswer = 13
 
 // giveBack returns the unused tokens of node's leases to their buckets in
-// one pipeline, and reports how many went back. After a MOVED, only the
+// one pipeline, and reports how many went back; no request waits on it
+// (doAside). After a MOVED, only the
 // give-backs that were redirected go again (do).
 func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	args := func(g leaseReturn) []any {
@@ -249,7 +292,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	var returned int64
 	answered := make([]bool, len(back))
 	var failed error
-	err := s.do(context.Background(), func(ctx context.Context, set *clientSet) error {
+	err := s.doAside(func(ctx context.Context, set *clientSet) error {
 		cmds := make([]*redis.Cmd, len(back))
 		_, err := set.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
 			for i, g := range back {

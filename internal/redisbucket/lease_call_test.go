@@ -831,3 +831,156 @@ func TestARefusedPrefetchAcrossMidnightDoesNotHoldOffTheBan(t *testing.T) {
 		t.Errorf("the next request, which one bucket refuses: %+v; want refused, starting the ban", res)
 	}
 }
+
+// askedAt is a lease call the model answered: its key, its ask and when.
+type askedAt struct {
+	key string
+	ask bucket.LeaseAsk
+	at  int64
+}
+
+// askLog is the model store that logs every lease call.
+type askLog struct {
+	*sharedModel
+	mu   sync.Mutex
+	asks []askedAt
+}
+
+func (r *askLog) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	r.mu.Lock()
+	r.asks = append(r.asks, askedAt{key, a, r.now()})
+	r.mu.Unlock()
+	return r.sharedModel.lease(key, tr, a, each)
+}
+
+// Keys in steady use renew their leases before they lapse, in the
+// background and spread out in time: 200 keys started together, each seen
+// 30 times a second (bench/keys.lua's clients, setup (i) of bench/run.sh),
+// make no lease call for a request once each has ramped up (its first two
+// requests: a first lease of one request's cost, then the next), and after
+// the ramp (2 s) no 10 ms holds more than an eighth of the keys' calls (a
+// wave: every key's, 60, in one pass of 33 ms), nor does a key call more
+// than 1.5 times a lease_ttl. No key ever holds more than two leases' tokens.
+// Regression test for issue 34 (leases lapsing in waves).
+func TestKeysInSteadyUseRenewTheirLeasesSpreadOut(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	remote := &askLog{sharedModel: m}
+	const keys, perSecond, seconds = 200, 30, 5
+	ttl := time.Second
+	node := newLeaseTable(remote, m.now, LeaseSize{percent: 10}, ttl, 100*time.Millisecond, 1000, nopLogger)
+	node.jitter = func(int64) int64 { return 0 }
+	defer node.close()
+	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
+	names := make([][]byte, keys)
+	for i := range names {
+		names[i] = []byte(fmt.Sprintf("client-%d", i))
+	}
+	start := clock.now()
+	step := time.Second / (keys * perSecond)
+	var most int64
+	for i := range keys * perSecond * seconds {
+		key := names[i%keys]
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil || !res.Allowed {
+			t.Fatalf("request %d: %+v, %v", i, res, err)
+		}
+		if e := node.snapshot(key); e.size > 0 {
+			most = max(most, e.tokens*100/e.size)
+		}
+		clock.advance(step)
+	}
+	remote.mu.Lock()
+	asks := remote.asks
+	remote.mu.Unlock()
+	forRequests := map[string]int{}
+	var late []int64
+	for _, a := range asks {
+		if !a.ask.Prefetch {
+			forRequests[a.key]++
+		}
+		if a.at >= start+2*time.Second.Microseconds() {
+			// Past the ramp: the keys' leases doubled in step, each at
+			// half, until they last a lease_ttl.
+			late = append(late, a.at)
+		}
+	}
+	waited := 0
+	for _, n := range forRequests {
+		waited += max(0, n-2)
+	}
+	if waited > 0 {
+		t.Errorf("%d lease calls made for requests beyond each key's first two (%d calls in all); want none: a key in steady use renews in the background", waited, len(asks))
+	}
+	crowd := 0
+	for i := range late {
+		n := 0
+		for j := i; j < len(late) && late[j] < late[i]+10_000; j++ {
+			n++
+		}
+		crowd = max(crowd, n)
+	}
+	if crowd > keys/8 {
+		t.Errorf("after the ramp, %d lease calls within 10 ms; want at most %d (the keys' renewals spread out, not every key's in one pass of 33 ms)", crowd, keys/8)
+	}
+	if perKey := float64(len(late)) / keys / (seconds - 2); perKey > 1.5 {
+		t.Errorf("after the ramp, %.2f lease calls a key a second; want at most 1.5 (a renewal a lease_ttl, a part early)", perKey)
+	}
+	if most > 200 {
+		t.Errorf("a key held %d%% of its lease size; want at most two leases' tokens", most)
+	}
+}
+
+// A renewal that fails (Redis slow or down) is not sent again in the
+// background while the lease lasts: background calls do not count toward
+// the breaker, and one a request would otherwise send every time it finds
+// the lease due would pile more calls on a Redis that cannot answer them.
+// The lease's requests spend what it holds; once it lapses a request calls
+// itself, and that call counts.
+// Regression test for issue 34 (renewals retried on every request).
+func TestAFailedRenewalIsNotRetriedInTheBackground(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	remote := &askLog{sharedModel: m}
+	ttl := time.Second
+	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 1000}, ttl, 100*time.Millisecond, 1000, nopLogger)
+	defer node.close()
+	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
+	key := []byte("k")
+	take := func() bucket.Result {
+		t.Helper()
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	// 100 requests a second until the lease is large enough to last.
+	for node.snapshot(key).size < 64 {
+		take()
+		clock.advance(10 * time.Millisecond)
+	}
+	e := node.snapshot(key)
+	m.mu.Lock()
+	m.down = true
+	m.mu.Unlock()
+	remote.mu.Lock()
+	before := len(remote.asks)
+	remote.mu.Unlock()
+	clock.micros.Store(e.renewAt)
+	for range 20 {
+		if node.snapshot(key).tokens < 1 || node.lapsed(&e, clock.now()) {
+			break
+		}
+		take()
+		clock.advance(5 * time.Millisecond)
+	}
+	remote.mu.Lock()
+	sent := remote.asks[before:]
+	remote.mu.Unlock()
+	if len(sent) != 1 || !sent[0].ask.Prefetch {
+		t.Fatalf("requests that found the lease due for renewal while the store failed: %d lease calls (the first a prefetch: %v); want one renewal", len(sent), len(sent) > 0 && sent[0].ask.Prefetch)
+	}
+}

@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"context"
 	"fmt"
+	"math"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 )
@@ -131,20 +132,34 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 }
 
 // spend takes cost from the tokens e holds, and fetches the next lease in
-// the background when they fall to half, or when the lease ends within
-// two round trips, so that its requests never find the tokens lapsed and
+// the background when they fall to half, or when the lease is due for
+// renewal (renewAt), so that its requests never find the tokens lapsed and
 // wait on a call; under a ban setting, a lease spent is said so at once,
 // so that a refusal on another node does not take these tokens for held,
-// and bans when one bucket would.
+// and bans when one bucket would. A request that needs neither costs two
+// comparisons here: the round trip and the quota period are read only
+// when a prefetch is due.
 func (t *leaseTable) spend(e *lease, cost, now int64) bucket.Result {
 	e.tokens -= cost
 	switch {
-	case (e.tokens*2 < e.size || t.endsWithin(e, now, 2*t.roundTripOf(e))) && e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && !t.periodEndsWithin(e, now, 2*t.roundTripOf(e)):
+	case (e.tokens*2 < e.size || now >= e.renewAt) && t.prefetches(e, cost, now):
 		t.fetch(e, cost, now, true)
 	case e.tokens == 0 && e.recorded > 0 && e.tier.First().Ban > 0 && e.call == nil:
 		t.giveBackLater([]leaseReturn{e.takeBack()})
 	}
 	return e.result(now, true, cost)
+}
+
+// prefetches says whether a prefetch that is due for e goes now: the lease
+// is larger than a request (a first lease of one request's cost is not
+// prefetched), no call is out, no hold-off holds, no background call for
+// the lease failed (quietUntil: its failure does not count toward the
+// breaker, so retrying at every request would pile calls on a Redis that
+// cannot answer them, TestAFailedRenewalIsNotRetriedInTheBackground; once
+// the lease lapses a request calls itself, and that call counts), and the
+// quota period that counted the tokens does not end within two round trips.
+func (t *leaseTable) prefetches(e *lease, cost, now int64) bool {
+	return e.size > cost && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.quietUntil && !t.periodEndsWithin(e, now, 2*t.roundTripOf(e))
 }
 
 // refuses says whether a request that e's tokens do not cover is refused
@@ -189,20 +204,44 @@ func (t *leaseTable) roundTripOf(e *lease) int64 {
 	return e.rtt
 }
 
-// endsWithin says whether the tokens e holds lapse within d of now, at
-// the end of their lease_ttl. Not when the quota period that counted them
-// ends first: a call that lands before it brings tokens of the same
-// period, which lapse with them, and one that lands after it has the
-// shared store drop what the node holds, which the limits never get back
+// renewFrom is when a request renews the lease granted by a call sent at
+// sent (renewAt): a part of lease_ttl before it lapses, from an eighth to
+// three eighths, keyed on the bucket, so that keys whose leases were taken
+// together renew spread out in time rather than in one wave of calls
+// (TestKeysInSteadyUseRenewTheirLeasesSpreadOut), and never later than two
+// round trips before it lapses, so that the renewal lands in time (R4 of
+// docs/regions.md, TestANodeFetchesItsNextLeaseWhenItsLeaseEndsWithinTwoRoundTrips).
+// Never when the quota period that counted the tokens ends first: a call
+// that lands before it brings tokens of the same period, which lapse with
+// them, and one that lands after it has the shared store drop what the
+// node holds, which the limits never get back
 // (TestNoLeasedTokenIsLostAcrossAQuotaPeriodsEnd); the give-back of
 // lapsed tokens returns them.
-func (t *leaseTable) endsWithin(e *lease, now, d int64) bool {
-	end := e.leasedAt + t.ttl
+func (t *leaseTable) renewFrom(e *lease, sent int64) int64 {
+	end := sent + t.ttl
 	if e.spendBy != 0 && e.spendBy <= end {
-		return false
+		return never
 	}
-	return end-now <= d
+	return end - max(2*t.roundTripOf(e), t.ttl/8+t.ttl/4*spreadOf(e.key)/1024)
 }
+
+// spreadOf is a number from 0 to 1023 that the bucket's key picks, the
+// same on every node and in every run.
+func spreadOf(key string) int64 {
+	h := uint64(14695981039346656037)
+	for i := 0; i < len(key); i++ {
+		h = (h ^ uint64(key[i])) * 1099511628211
+	}
+	// FNV's high bits barely move with the last bytes: mix them in
+	// (murmur3's finalizer).
+	h ^= h >> 33
+	h *= 0xff51afd7ed558ccd
+	h ^= h >> 33
+	return int64(h >> 54)
+}
+
+// never is a time that never comes.
+const never = math.MaxInt64
 
 // periodEndsWithin says whether the quota period that counted the tokens
 // e holds ends within d of now. A prefetch then, at half as well as near

@@ -276,6 +276,57 @@ func BenchmarkRedisLeaseTake(b *testing.B) {
 	}
 }
 
+// BenchmarkRedisLeaseTakeFromHeldTokens is the Go cost of a request the
+// lease table decides from the tokens it holds, as in setup (m) of
+// bench/run.sh (`rate_limit 100000000 10000000/s`, `lease 10%`): the
+// table is warmed until its leases are large, so that nearly no request
+// makes or waits on a call. "one-key" is (m)'s one client; "1000-keys"
+// spreads the requests over 1,000 buckets.
+func BenchmarkRedisLeaseTakeFromHeldTokens(b *testing.B) {
+	srv := redistest.Start(b)
+	l := bucket.Limit{Capacity: 100_000_000, Rate: bucket.Rate{Tokens: 10_000_000, Interval: 1_000_000}}
+	tr := oneLimit(l)
+	for _, n := range []int{1, 1000} {
+		s := newTestStore(b, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second, Lease: "10%"})
+		keys := make([][]byte, n)
+		for i := range keys {
+			keys[i] = bucketFor("client-" + strconv.Itoa(i))
+		}
+		var out [1]bucket.Result
+		for start := time.Now(); time.Since(start) < 300*time.Millisecond; {
+			for _, k := range keys {
+				if _, err := s.Take(bg, k, tr, 1, out[:]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		name := map[int]string{1: "one-key", 1000: "1000-keys"}[n]
+		b.Run(name+"/serial", func(b *testing.B) {
+			b.ReportAllocs()
+			var out [1]bucket.Result
+			i := 0
+			for b.Loop() {
+				if _, err := s.Take(bg, keys[i%n], tr, 1, out[:]); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+		})
+		b.Run(name+"/parallel", func(b *testing.B) {
+			b.SetParallelism(16)
+			b.RunParallel(func(pb *testing.PB) {
+				var out [1]bucket.Result
+				for i := 0; pb.Next(); i++ {
+					if _, err := s.Take(bg, keys[i%n], tr, 1, out[:]); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		})
+	}
+}
+
 // An oversubscribed fleet (docs/fleet.md) on the model, with a simulated clock: 4
 // nodes share a key at 8x its rate for 4 s (capacity 200, 50/s, lease
 // 10%). The fleet admits at most C + r*T and at least 0.9 of it, with
