@@ -131,7 +131,7 @@ type lease struct {
 	// granted nothing, until one grants tokens again.
 	renewAt int64
 	// quietUntil: a call in the background for this lease failed; no other
-	// goes before it lapses (prefetches).
+	// goes before it lapses (prefetches), unless a call is answered first.
 	quietUntil int64
 	// periodFrom is when the call that first granted tokens of the
 	// current quota period was sent (periodOf).

@@ -63,6 +63,9 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		sh.mu.Lock()
 		e.rtt = t.now() - now
 		if err == nil {
+			// Redis answered: a failed background call's quiet ends with
+			// it (TestANewLeaseAfterAFailedRenewalPrefetchesAgain).
+			e.quietUntil = 0
 			t.apply(e, lr, ask, size, now)
 			e.each = e.each[:0]
 			for _, r := range each {

@@ -984,3 +984,67 @@ func TestAFailedRenewalIsNotRetriedInTheBackground(t *testing.T) {
 		t.Fatalf("requests that found the lease due for renewal while the store failed: %d lease calls (the first a prefetch: %v); want one renewal", len(sent), len(sent) > 0 && sent[0].ask.Prefetch)
 	}
 }
+
+// A failed renewal keeps the lease's background calls quiet only while
+// that lease lasts: once a request's own call has brought a new lease
+// (Redis answers again), its tokens falling to half are prefetched in the
+// background as any lease's, and no further request waits on a call.
+// Regression test for issue 34 (a failed renewal's quiet outlived its lease).
+func TestANewLeaseAfterAFailedRenewalPrefetchesAgain(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	remote := &askLog{sharedModel: m}
+	ttl := time.Second
+	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 1000}, ttl, 100*time.Millisecond, 1000, nopLogger)
+	defer node.close()
+	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
+	key := []byte("k")
+	take := func() {
+		t.Helper()
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil || !res.Allowed {
+			t.Fatalf("a request under the limit: %+v, %v", res, err)
+		}
+	}
+	for node.snapshot(key).size < 64 {
+		take()
+		clock.advance(10 * time.Millisecond)
+	}
+	e := node.snapshot(key)
+	setDown := func(down bool) {
+		m.mu.Lock()
+		m.down = down
+		m.mu.Unlock()
+	}
+	setDown(true)
+	clock.micros.Store(e.renewAt)
+	take() // the renewal, which fails
+	setDown(false)
+	remote.mu.Lock()
+	before := len(remote.asks)
+	remote.mu.Unlock()
+	// 10 requests a millisecond, all within the failed renewal's lease:
+	// its tokens run out, a request calls, and then the new lease's.
+	for range 400 {
+		take()
+		clock.advance(100 * time.Microsecond)
+	}
+	if now := clock.now(); now >= e.leasedAt+ttl.Microseconds() {
+		t.Fatalf("the requests went on past the lease's end (%d ≥ %d)", now, e.leasedAt+ttl.Microseconds())
+	}
+	remote.mu.Lock()
+	sent := remote.asks[before:]
+	remote.mu.Unlock()
+	forRequests, prefetches := 0, 0
+	for _, a := range sent {
+		if a.ask.Prefetch {
+			prefetches++
+		} else {
+			forRequests++
+		}
+	}
+	if forRequests != 1 || prefetches == 0 {
+		t.Errorf("once Redis answered again: %d lease calls for requests, %d prefetches; want one request's call (the failed renewal's lease ran out), then prefetches", forRequests, prefetches)
+	}
+}
