@@ -76,7 +76,10 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 				t.giveBackLater([]leaseReturn{e.takeBack()})
 			}
 		} else if ask.Prefetch {
-			e.quietUntil = e.leasedAt + t.ttl
+			// Quiet while the lease lasts, and, for the background call of
+			// a request refused beside an empty shared level, while that
+			// refuses (takeHeld): after it, a request calls itself.
+			e.quietUntil = max(e.leasedAt+t.ttl, e.emptyUntil)
 		}
 		e.call = nil
 		// A refusal says when the cost is back; an answer that grants

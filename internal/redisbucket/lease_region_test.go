@@ -1135,3 +1135,65 @@ func TestNearTheStoreTheHoldOffsPrefetchIsSentARoundTripEarly(t *testing.T) {
 		})
 	}
 }
+
+// Far from the store, a request refused from memory beside an empty shared
+// level fetches the next lease in the background; once such a call has
+// failed (Redis down), the requests after it do not each send another,
+// which no failure of counts toward the breaker: the quiet of a failed
+// background call holds there too, until the lease lapses or the level's
+// emptiness is no longer known.
+// Regression test for issue 34 (background calls retried at every request).
+func TestAFailedBackgroundCallBesideAnEmptyLevelIsNotRetriedAtEveryRequest(t *testing.T) {
+	t.Parallel()
+	l := bucket.Limit{Capacity: 40, Rate: bucket.Rate{Tokens: 20, Interval: 1_000_000}}
+	clock, m := newModelStore()
+	node := newLeaseTable(measuredRemote{m, 100_000}, m.now, LeaseSize{tokens: 10}, 2*time.Second, time.Second, 1000, nopLogger)
+	node.jitter = func(int64) int64 { return 0 }
+	defer node.close()
+	key := []byte("k")
+	take := func() bucket.Result {
+		t.Helper()
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		tableSync(node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	for i := 0; take().Allowed; i++ {
+		if i > 2*int(l.Capacity) {
+			t.Fatalf("%d requests on a bucket of %d all allowed", i, l.Capacity)
+		}
+	}
+	e := node.snapshot(key)
+	if e.holdUntil == 0 || e.emptyUntil <= e.holdUntil {
+		t.Fatalf("the refused call set no hold-off within the empty level's: %+v", e)
+	}
+	clock.micros.Store(e.holdUntil)
+	m.mu.Lock()
+	m.down = true
+	before := m.calls
+	m.mu.Unlock()
+	for range 50 {
+		if clock.now() >= e.emptyUntil {
+			break
+		}
+		take()
+		clock.advance(time.Millisecond)
+	}
+	m.mu.Lock()
+	sent := m.calls - before
+	m.mu.Unlock()
+	if sent > 1 {
+		t.Errorf("50 requests beside an empty shared level, with the store failing: %d background lease calls; want one", sent)
+	}
+	// Redis answers again: once the empty level is no longer known, a
+	// request calls itself and is admitted by the refilled bucket.
+	m.mu.Lock()
+	m.down = false
+	m.mu.Unlock()
+	clock.micros.Store(max(clock.now(), e.emptyUntil))
+	if res := take(); !res.Allowed {
+		t.Errorf("a request once Redis answers and the bucket refilled: %+v; want allowed", res)
+	}
+}

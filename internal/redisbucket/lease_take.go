@@ -80,9 +80,11 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 			return res, nil
 		}
 		if t.refuses(e, ban, cost, now, waited) {
-			if ban == 0 && !waited && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.banUntil {
+			if ban == 0 && !waited && e.call == nil && now >= e.holdUntil && now >= e.quotaUntil && now >= e.banUntil && now >= e.quietUntil {
 				// Refused by emptyUntil alone: the next lease comes in
-				// the background, for the requests after this one.
+				// the background, for the requests after this one, unless
+				// such a call failed (quietUntil,
+				// TestAFailedBackgroundCallBesideAnEmptyLevelIsNotRetriedAtEveryRequest).
 				t.fetch(e, cost, now, true)
 			}
 			res := e.result(now, false, cost)
