@@ -209,6 +209,9 @@ type leaseCall struct {
 	// the shared level its answer showed: short is for that cost
 	// (shortFor).
 	cost, level int64
+	// held is the tokens the call names (LeaseAsk.Held): its answer keeps
+	// no more of what the node holds (apply).
+	held int64
 }
 
 // shortFor says whether c's answer showed the shared level unable to

@@ -42,6 +42,7 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	e.call = c
 	e.seq = t.seq.Add(1)
 	ask := bucket.LeaseAsk{Node: t.node, Seq: e.seq, Held: e.tokens, Cost: cost, Want: want, Hold: t.hold, Prefetch: prefetch}
+	c.held = ask.Held
 	if !prefetch {
 		// The request that makes the call spends its cost from the grant
 		// at once, so the shared store need not count it as held.

@@ -53,6 +53,12 @@ func (t *leaseTable) giveBackHeldSince(key []byte, n, took int64) int64 {
 	var put int64
 	if !t.lapsed(e, t.now()) && (e.spendBy == 0 || took >= e.periodFrom) {
 		put = min(n-shared, e.recorded-e.tokens)
+		if e.call != nil {
+			// The call's answer keeps no more than it names: tokens
+			// taken before it was sent go to the shared bucket
+			// (TestAGiveBackWhileARenewalIsOutLosesNoToken).
+			put = min(put, max(0, e.call.held-e.tokens))
+		}
 		e.tokens += put
 	}
 	if n > put {

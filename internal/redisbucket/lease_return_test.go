@@ -640,3 +640,59 @@ func TestClosedLeaseTableStartsNoCall(t *testing.T) {
 		t.Errorf("take after close: %v with %d calls; want errLeasesClosed and none", err, m.calls)
 	}
 }
+
+// A request's tokens given back while a renewal of the lease is out are
+// not lost: those it took before the renewal was sent, which the renewal
+// no longer names, go to the shared bucket rather than into the lease,
+// whose answer keeps only what it named. Every token is in the lease, on
+// its way to the shared bucket, or spent.
+// Regression test for issue 34 (a renewal racing a give-back).
+func TestAGiveBackWhileARenewalIsOutLosesNoToken(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	var granted int64
+	m.onAsk = func(_ bucket.LeaseAsk, _ *buckettest.Shared, lr bucket.LeaseResult) { granted = lr.Granted }
+	ttl := time.Second
+	node := newLeaseTable(m, m.now, LeaseSize{tokens: 1000}, ttl, 100*time.Millisecond, 1000, nopLogger)
+	defer node.close()
+	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
+	key := []byte("k")
+	take := func() {
+		t.Helper()
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		if err != nil || !res.Allowed {
+			t.Fatalf("a request under the limit: %+v, %v", res, err)
+		}
+	}
+	for node.snapshot(key).size < 64 {
+		take()
+		tableSync(node)
+		clock.advance(10 * time.Millisecond)
+	}
+	e := node.snapshot(key)
+	clock.micros.Store(e.renewAt - 1)
+	take() // a request the renewal will not name
+	tableSync(node)
+	if got := node.snapshot(key); got.call != nil || got.renewAt != e.renewAt {
+		t.Fatalf("the request before the renewal made a call: %+v", got)
+	}
+	gate := make(chan struct{})
+	m.mu.Lock()
+	m.gate = gate
+	m.mu.Unlock()
+	clock.micros.Store(e.renewAt)
+	take() // the renewal, held at the gate
+	held := node.snapshot(key).tokens
+	if node.snapshot(key).call == nil {
+		t.Fatal("no renewal out")
+	}
+	// The first request's give-back (count_status), while the renewal is out.
+	left := node.giveBackHeld(key, 1)
+	close(gate)
+	tableSync(node)
+	after := node.snapshot(key).tokens
+	if after+left != held+granted+1 {
+		t.Errorf("after the renewal (%d granted beside %d held): the lease holds %d and %d went to the shared bucket; want %d in all, the given-back token too",
+			granted, held, after, left, held+granted+1)
+	}
+}
