@@ -94,6 +94,7 @@ func BenchmarkRedisBatch(b *testing.B) {
 	args := s.args("take", bucket.Tier{Limits: []bucket.Limit{l}}, 0, 1)
 	var goroutines atomic.Int64
 	parallel := func(b *testing.B, take func(ctx context.Context, keys []string) error) {
+		defer reportCPU(b)()
 		b.SetParallelism(16)
 		b.RunParallel(func(pb *testing.PB) {
 			// A client per goroutine, as an edge sees; "hot" below is one.

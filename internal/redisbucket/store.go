@@ -344,8 +344,9 @@ func (s *Store) callBy(ctx context.Context, args []any, batched bool, w0, w1 int
 
 // do makes one call to Redis, within the timeout and through the breaker:
 // send sends it on the client in use (Conn.send, which follows a Cluster
-// on MOVED). Every call a give-back, a reset, a slot or a free makes goes
-// through it; a script call through callBy, which does the same.
+// on MOVED). Every call but the bucket script's goes through it: a reset,
+// a slot, a free, a lease's give-back pipeline; the bucket script's
+// through callBy, which does the same.
 func (s *Store) do(ctx context.Context, send func(context.Context, *clientSet) error) error {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
