@@ -27,8 +27,8 @@ import (
 //
 // A queued caller makes no context of its own: it waits on its call's
 // signal, its request's context and a timer from a pool, and the pipeline
-// runs under one deadline, its most patient caller's (bench/README.md,
-// "Issue 34: strict mode's Caddy-side cost").
+// runs under one deadline, its most patient caller's
+// (TestQueuedStrictTakesAllocateLittle, BenchmarkRedisTake's cpu-ns/op).
 type redisBatcher struct {
 	client     redis.UniversalClient
 	handshakes *handshakes

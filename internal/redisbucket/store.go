@@ -317,8 +317,8 @@ func (s *Store) call(ctx context.Context, key string, args []any, batched bool, 
 // batched, through the batcher if there is one. The script must answer
 // w0 or w1 values. It makes no context of its own unless it sends the
 // call alone (redisBatcher.takeBy): a timer and a context per decision
-// were a tenth of strict mode's cost in Caddy (bench/README.md, "Issue 34:
-// strict mode's Caddy-side cost").
+// were about a tenth of what a decision cost Caddy
+// (TestQueuedStrictTakesAllocateLittle).
 func (s *Store) callBy(ctx context.Context, args []any, batched bool, w0, w1 int) ([]int64, error) {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
