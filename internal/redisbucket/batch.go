@@ -56,8 +56,8 @@ type batchCall struct {
 
 var callPool = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
 
-// timerPool holds stopped timers, so that a queued caller's wait costs no
-// allocation (a Go 1.23 timer, stopped, delivers nothing stale).
+// timerPool holds stopped timers with nothing in their channels, so that
+// a queued caller's wait costs no allocation.
 var timerPool = sync.Pool{New: func() any {
 	t := time.NewTimer(time.Hour)
 	t.Stop()
@@ -106,7 +106,14 @@ func (b *redisBatcher) takeBy(ctx context.Context, deadline time.Time, args []an
 		t := timerPool.Get().(*time.Timer)
 		t.Reset(time.Until(deadline))
 		defer func() {
-			t.Stop()
+			if !t.Stop() {
+				// A fired timer's tick is gone with Go 1.23's timers;
+				// with GODEBUG=asynctimerchan=1 it waits in t.C.
+				select {
+				case <-t.C:
+				default:
+				}
+			}
 			timerPool.Put(t)
 		}()
 		expired = t.C
