@@ -662,18 +662,18 @@ func TestRedisDenyCacheProbeWhoseClientHangsUpAnswersNoWaiter503(t *testing.T) {
 	// the batcher, where a client that hangs up stops waiting at once.
 	other := make(chan waitOutcome, 1)
 	go func() { other <- s.send(bg, "another") }()
-	waitFor(t, 5*time.Second, "the other client's call", func() bool { return goroutinesIn("IO wait", "redisbucket.(*Store).call(") == 1 })
+	waitFor(t, 5*time.Second, "the other client's call", func() bool { return goroutinesIn("IO wait", "redisbucket.(*Store).callBy(") == 1 })
 	probeCtx, hangUp := context.WithCancel(bg)
 	probe := make(chan waitOutcome, 1)
 	go func() { probe <- s.send(probeCtx, "flood") }()
-	waitFor(t, 5*time.Second, "the probe's call", func() bool { return goroutinesIn("select", "redisbucket.(*redisBatcher).take(") == 1 })
+	waitFor(t, 5*time.Second, "the probe's call", func() bool { return goroutinesIn("select", "redisbucket.(*redisBatcher).takeBy(") == 1 })
 	const waiters = 3
 	waited := make(chan waitOutcome, waiters)
 	for range waiters {
 		go func() { waited <- s.send(bg, "flood") }()
 	}
 	waitFor(t, 5*time.Second, "the requests waiting for the probe", func() bool {
-		return goroutinesIn("select", "redisbucket.(*Store).decide(")-goroutinesIn("select", "redisbucket.(*Store).call(") == waiters
+		return goroutinesIn("select", "redisbucket.(*Store).decide(")-goroutinesIn("select", "redisbucket.(*Store).callBy(") == waiters
 	})
 	hangUp()
 	if o := <-probe; o.err == nil {

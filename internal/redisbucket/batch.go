@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -15,7 +16,7 @@ import (
 // pipeline of EVALSHA, so that n decisions cost Redis and Caddy one write
 // and one read instead of n. A decision still makes one round trip (two
 // when Redis has lost the script, as with Script.Run), and its caller
-// waits no longer than its own context allows.
+// waits no longer than its own deadline allows.
 //
 // batchLoops pipelines may be in flight at once: measured best of 1 to 8
 // on 2 CPUs (BenchmarkRedisBatch).
@@ -23,6 +24,11 @@ import (
 // A caller alone, with no other decision waiting or in flight, sends its
 // own EVALSHA at once: going through a loop would only add a hand-over to
 // its round trip (BenchmarkRedisTake, serial).
+//
+// A queued caller makes no context of its own: it waits on its call's
+// signal, its request's context and a timer from a pool, and the pipeline
+// runs under one deadline, its most patient caller's
+// (TestQueuedStrictTakesAllocateLittle, BenchmarkRedisTake's cpu-ns/op).
 type redisBatcher struct {
 	client     redis.UniversalClient
 	handshakes *handshakes
@@ -32,16 +38,31 @@ type redisBatcher struct {
 	callers    atomic.Int64 // decisions in take now
 }
 
+// batchCall is one queued decision. The caller that gets its answer puts
+// it back in callPool; one that stopped waiting leaves it to the loop,
+// which may still write to it, and to the garbage collector.
 type batchCall struct {
-	ctx  context.Context
-	keys []string
-	args []any
-	vals []int64
-	err  error
+	ctx context.Context
+	// deadline bounds the call besides ctx's own (zero: none).
+	deadline time.Time
+	args     []any // the whole EVALSHA (scriptArgs)
+	vals     []int64
+	err      error
 	// took is the pipeline's time from its write to its reply (µs).
 	took int64
+	// done gets one value when the call is answered.
 	done chan struct{}
 }
+
+var callPool = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
+
+// timerPool holds stopped timers with nothing in their channels, so that
+// a queued caller's wait costs no allocation.
+var timerPool = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
 
 const (
 	batchLoops = 4
@@ -59,10 +80,18 @@ func newRedisBatcher(client redis.UniversalClient, h *handshakes, loops, maxBatc
 func (b *redisBatcher) close() { close(b.stop) }
 
 // take runs the script on keys with args, batched with whatever other
-// decisions are waiting. It reports how long the call took from its write
-// to its reply (µs): a batched call's pipeline's, not its wait in the
-// queue; -1 when that was no round trip alone (callTimer).
+// decisions are waiting, within ctx (takeBy).
 func (b *redisBatcher) take(ctx context.Context, keys []string, args []any) ([]int64, int64, error) {
+	d, _ := ctx.Deadline()
+	return b.takeBy(ctx, d, scriptArgs(keys[0], args))
+}
+
+// takeBy runs the script call args (scriptArgs), batched with whatever
+// other decisions are waiting, until ctx ends or the deadline (zero:
+// none). It reports how long the call took from its write to its reply
+// (µs): a batched call's pipeline's, not its wait in the queue; -1 when
+// that was no round trip alone (callTimer).
+func (b *redisBatcher) takeBy(ctx context.Context, deadline time.Time, args []any) ([]int64, int64, error) {
 	defer b.callers.Add(-1)
 	if b.callers.Add(1) == 1 {
 		select {
@@ -70,30 +99,55 @@ func (b *redisBatcher) take(ctx context.Context, keys []string, args []any) ([]i
 			return nil, 0, redis.ErrClosed
 		default:
 		}
-		cmd, took := runTimed(ctx, bucketScript, b.client, b.handshakes, keys, args...)
-		vals, err := cmd.Int64Slice()
-		return vals, took, err
+		return runScriptBy(ctx, deadline, b.client, b.handshakes, args)
 	}
-	c := &batchCall{ctx: ctx, keys: keys, args: args, done: make(chan struct{})}
+	var expired <-chan time.Time
+	if !deadline.IsZero() {
+		t := timerPool.Get().(*time.Timer)
+		t.Reset(time.Until(deadline))
+		defer func() {
+			if !t.Stop() {
+				// A fired timer's tick is gone with Go 1.23's timers;
+				// with GODEBUG=asynctimerchan=1 it waits in t.C.
+				select {
+				case <-t.C:
+				default:
+				}
+			}
+			timerPool.Put(t)
+		}()
+		expired = t.C
+	}
+	c := callPool.Get().(*batchCall)
+	c.ctx, c.deadline, c.args = ctx, deadline, args
 	select {
 	case b.queue <- c:
 	case <-b.stop:
 		return nil, 0, redis.ErrClosed
 	case <-ctx.Done():
 		return nil, 0, ctx.Err()
+	case <-expired:
+		return nil, 0, context.DeadlineExceeded
 	}
 	select {
 	case <-c.done:
-		return c.vals, c.took, c.err
+		vals, took, err := c.vals, c.took, c.err
+		*c = batchCall{done: c.done}
+		callPool.Put(c)
+		return vals, took, err
 	case <-b.stop:
 		return nil, 0, redis.ErrClosed
 	case <-ctx.Done():
 		return nil, 0, ctx.Err()
+	case <-expired:
+		// A loop may still answer c: it is not put back.
+		return nil, 0, context.DeadlineExceeded
 	}
 }
 
 func (b *redisBatcher) loop() {
 	batch := make([]*batchCall, 0, b.maxBatch)
+	var s sender
 	for {
 		select {
 		case c := <-b.queue:
@@ -101,7 +155,7 @@ func (b *redisBatcher) loop() {
 		case <-b.stop:
 			return
 		}
-		b.send(drain(b.queue, batch, b.maxBatch))
+		s.send(b, drain(b.queue, batch, b.maxBatch))
 	}
 }
 
@@ -119,25 +173,45 @@ func drain[T any](ch <-chan T, batch []T, most int) []T {
 	return batch
 }
 
+// sender is one loop's buffers, reused from batch to batch.
+type sender struct {
+	live []*batchCall
+	cmds []*redis.IntSliceCmd
+}
+
+// answer gives c its answer; its caller may have stopped waiting.
+func (c *batchCall) answer(vals []int64, took int64, err error) {
+	c.vals, c.took, c.err = vals, took, err
+	c.done <- struct{}{}
+}
+
 // send runs one batch. The pipeline may take as long as the most patient
 // caller; the others stop waiting at their own deadlines.
-func (b *redisBatcher) send(batch []*batchCall) {
+func (s *sender) send(b *redisBatcher, batch []*batchCall) {
 	var deadline time.Time
 	patient := false // a caller without a deadline waits as long as it takes
-	live := batch[:0:0]
+	now := time.Now()
+	live := s.live[:0]
 	for _, c := range batch {
-		if c.ctx.Err() != nil {
-			c.err = c.ctx.Err()
-			close(c.done)
+		d, ok := c.ctx.Deadline()
+		if !c.deadline.IsZero() && (!ok || c.deadline.Before(d)) {
+			d, ok = c.deadline, true
+		}
+		switch {
+		case c.ctx.Err() != nil:
+			c.answer(nil, 0, c.ctx.Err())
+			continue
+		case ok && !now.Before(d):
+			c.answer(nil, 0, context.DeadlineExceeded)
 			continue
 		}
-		d, ok := c.ctx.Deadline()
 		patient = patient || !ok
 		if d.After(deadline) {
 			deadline = d
 		}
 		live = append(live, c)
 	}
+	s.live = live
 	if len(live) == 0 {
 		return
 	}
@@ -147,42 +221,122 @@ func (b *redisBatcher) send(batch []*batchCall) {
 	}
 	defer cancel()
 	call := b.handshakes.startCall()
-	cmds := b.run(ctx, live, bucketScript.EvalSha)
-	var lost []*batchCall
-	var lostAt []int
+	pipe := b.client.Pipeline()
+	cmds := s.cmds[:0]
+	for _, c := range live {
+		cmd := scriptCmd(ctx, c.args)
+		_ = pipe.Process(ctx, cmd)
+		cmds = append(cmds, cmd)
+	}
+	_, _ = pipe.Exec(ctx) // each command carries its own error
+	var lost []*redis.Cmd
 	for i, cmd := range cmds {
 		if isNoScript(cmd.Err()) {
-			lost = append(lost, live[i])
-			lostAt = append(lostAt, i)
+			// Redis lost the script (a restart, a failover, SCRIPT FLUSH):
+			// EVAL sends it again, and loads it.
+			if lost == nil {
+				lost = make([]*redis.Cmd, len(cmds))
+				pipe = b.client.Pipeline()
+			}
+			lost[i] = evalScript(ctx, pipe, live[i].args)
 		}
 	}
-	if len(lost) > 0 {
-		// Redis lost the script (a restart, a failover, SCRIPT FLUSH):
-		// EVAL sends it again, and loads it.
-		for j, cmd := range b.run(ctx, lost, bucketScript.Eval) {
-			cmds[lostAt[j]] = cmd
-		}
+	if lost != nil {
+		_, _ = pipe.Exec(ctx)
 	}
 	took := call.took()
-	if len(lost) > 0 {
+	if lost != nil {
 		// Two pipelines: no round trip alone (runTimed).
 		took = -1
 	}
 	for i, c := range live {
-		c.vals, c.err = cmds[i].Int64Slice()
-		c.took = took
-		close(c.done)
+		var vals []int64
+		var err error
+		if lost != nil && lost[i] != nil {
+			vals, err = lost[i].Int64Slice()
+		} else {
+			vals, err = cmds[i].Result()
+		}
+		c.answer(vals, took, err)
 	}
+	clear(cmds)
+	clear(live)
+	s.cmds = cmds
 }
 
-func (b *redisBatcher) run(ctx context.Context, calls []*batchCall, eval func(context.Context, redis.Scripter, []string, ...any) *redis.Cmd) []*redis.Cmd {
-	pipe := b.client.Pipeline()
-	cmds := make([]*redis.Cmd, len(calls))
-	for i, c := range calls {
-		cmds[i] = eval(ctx, pipe, c.keys, c.args...)
+// scriptArgs are the arguments of one call of the bucket script on key
+// with args: EVALSHA, the script's hash, one key, the key, then args.
+func scriptArgs(key string, args []any) []any {
+	head := scriptHead(key)
+	all := make([]any, 0, 4+len(args))
+	return append(append(all, head[:]...), args...)
+}
+
+// scriptHead is the start of scriptArgs, before the script's own
+// arguments.
+func scriptHead(key string) [4]any {
+	return [4]any{"evalsha", bucketHash(), 1, key}
+}
+
+// hashed is a script and its hash, boxed once: a call's arguments are
+// interfaces, and boxing a string allocates.
+type hashed struct {
+	script *redis.Script
+	hash   any
+}
+
+var lastHash atomic.Pointer[hashed]
+
+// bucketHash is bucketScript's hash, boxed. Tests swap bucketScript for
+// a broken copy: the hash follows it.
+func bucketHash() any {
+	script := bucketScript
+	if h := lastHash.Load(); h != nil && h.script == script {
+		return h.hash
 	}
-	_, _ = pipe.Exec(ctx) // each command carries its own error
-	return cmds
+	h := &hashed{script: script, hash: script.Hash()}
+	lastHash.Store(h)
+	return h.hash
+}
+
+// scriptCmd is the call args (scriptArgs) as a command whose reply is read
+// as integers, with no []any and no boxing per value as redis.Cmd reads
+// it. The key is the third argument, for a Cluster's routing.
+func scriptCmd(ctx context.Context, args []any) *redis.IntSliceCmd {
+	cmd := redis.NewIntSliceCmd(ctx, args...)
+	cmd.SetFirstKeyPos(3)
+	return cmd
+}
+
+// evalScript sends the call args (scriptArgs) again as EVAL of the
+// script's text, which loads it.
+func evalScript(ctx context.Context, c redis.Scripter, args []any) *redis.Cmd {
+	return bucketScript.Eval(ctx, c, []string{args[3].(string)}, args[4:]...)
+}
+
+// runScriptBy runs the call args (scriptArgs) alone, as runTimed does,
+// within ctx and the deadline (zero: none).
+func runScriptBy(ctx context.Context, deadline time.Time, c scripter, h *handshakes, args []any) ([]int64, int64, error) {
+	if !deadline.IsZero() {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	call := h.startCall()
+	cmd := scriptCmd(ctx, args)
+	_ = c.Process(ctx, cmd)
+	if isNoScript(cmd.Err()) {
+		vals, err := evalScript(ctx, c, args).Int64Slice()
+		return vals, -1, err
+	}
+	vals, err := cmd.Result()
+	return vals, call.took(), err
+}
+
+// scripter sends a command alone, or queues it in a pipeline.
+type scripter interface {
+	redis.Scripter
+	Process(context.Context, redis.Cmder) error
 }
 
 func isNoScript(err error) bool {

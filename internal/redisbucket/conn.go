@@ -187,14 +187,21 @@ func isRedirect(err error) bool {
 // send sends a call on the client in use. A MOVED or ASK reply on a
 // connection of one address makes it follow the Cluster that the node
 // belongs to, and send the call again, now where its keys live: the node
-// ran nothing. Every call to Redis goes through it, so that whichever
-// first hears the redirect, the connection follows.
+// ran nothing. Every call to Redis goes through it or, a script call,
+// through followed (Store.callBy), so that whichever first hears the
+// redirect, the connection follows.
 func (c *Conn) send(ctx context.Context, call func(context.Context, *clientSet) error) error {
 	err := call(ctx, c.cur.Load())
-	if isRedirect(err) && c.follow("a MOVED or ASK reply") {
+	if c.followed(err) {
 		err = call(ctx, c.cur.Load())
 	}
 	return err
+}
+
+// followed says whether err, a call's, made the connection follow a
+// Cluster (send), so that the call goes again.
+func (c *Conn) followed(err error) bool {
+	return isRedirect(err) && c.follow("a MOVED or ASK reply")
 }
 
 // follow makes a one-address connection follow the Cluster its node

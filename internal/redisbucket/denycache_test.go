@@ -209,7 +209,7 @@ func waitingForProbe() int {
 	n := 0
 	for _, g := range strings.Split(string(buf), "\n\n") {
 		if strings.Contains(g, " [select") && strings.Contains(g, "redisbucket.(*Store).decide(") &&
-			!strings.Contains(g, "redisbucket.(*Store).call(") {
+			!strings.Contains(g, "redisbucket.(*Store).callBy(") {
 			n++
 		}
 	}

@@ -268,14 +268,8 @@ func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bu
 func (s *Store) callAside(key string, args []any, want int) ([]int64, error) {
 	var vals []int64
 	err := s.doAside(func(ctx context.Context, set *clientSet) (err error) {
-		var took int64
-		vals, took, err = set.runScript(ctx, key, args, false)
-		if err == nil && len(vals) != want {
-			err = fmt.Errorf("script answered %d values, want %d", len(vals), want)
-		}
-		if err == nil {
-			s.sample(took)
-		}
+		deadline, _ := ctx.Deadline()
+		vals, err = s.runChecked(ctx, set, deadline, scriptArgs(key, args), false, want, want)
 		return err
 	})
 	if err != nil {

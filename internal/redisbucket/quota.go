@@ -45,25 +45,49 @@ func (s *Store) args(op string, tr bucket.Tier, at, count int64, extra ...any) [
 
 // takeArgs are the script's short form of a take of cost on the tier tr
 // (script.go), which its fast path answers, or nil when the take is not of
-// its shape: one limit, no quota, no max_wait, a cost within the capacity.
-// The clock offset and the ban go only when set.
+// its shape (appendTakeArgs).
 func (s *Store) takeArgs(tr bucket.Tier, cost int64) []any {
-	if !tr.Lone() {
+	args, ok := s.appendTakeArgs(make([]any, 0, 6), tr, cost)
+	if !ok {
 		return nil
+	}
+	return args
+}
+
+// appendTakeArgs appends to args the script's short form of a take of
+// cost on the tier tr, and says whether the take has its shape: one
+// limit, no quota, no max_wait, a cost within the capacity. The clock
+// offset and the ban go only when set. The limit's numbers go boxed once
+// per limit (Store.boxed): boxing a number allocates.
+func (s *Store) appendTakeArgs(args []any, tr bucket.Tier, cost int64) ([]any, bool) {
+	if !tr.Lone() {
+		return args, false
 	}
 	l := tr.Limits[0]
 	if l.MaxWait != 0 || l.Instant || cost < 0 || cost > l.Capacity {
-		return nil
+		return args, false
 	}
-	args := make([]any, 4, 6)
-	args[0], args[1], args[2], args[3] = cost, l.Capacity, l.Rate.Tokens, l.Rate.Interval
+	b := s.boxed.Load()
+	if b == nil || b.capacity != l.Capacity || b.rate != l.Rate {
+		b = &boxedLimit{capacity: l.Capacity, rate: l.Rate, args: [3]any{l.Capacity, l.Rate.Tokens, l.Rate.Interval}}
+		s.boxed.Store(b)
+	}
+	args = append(args, cost)
+	args = append(args, b.args[:]...)
 	if s.clockOffset != 0 || l.Ban != 0 {
 		args = append(args, s.clockOffset)
 	}
 	if l.Ban != 0 {
 		args = append(args, l.Ban)
 	}
-	return args
+	return args, true
+}
+
+// boxedLimit is a limit's capacity and rate, boxed as a call's arguments.
+type boxedLimit struct {
+	capacity int64
+	rate     bucket.Rate
+	args     [3]any
 }
 
 // leaseShort says whether a lease call on the tier tr, and the give-back

@@ -42,6 +42,10 @@ type Store struct {
 	sharedRTT atomic.Pointer[rttMeter]
 	watch     atomic.Pointer[rttWatch]
 
+	// boxed is the last lone limit a take sent, its numbers boxed
+	// (appendTakeArgs).
+	boxed atomic.Pointer[boxedLimit]
+
 	// clockOffset is added to the Redis server's TIME. Only tests set it,
 	// to replay traces faster than real time; it is always 0 otherwise.
 	clockOffset int64
@@ -309,35 +313,55 @@ func (s *Store) Reset(ctx context.Context, key []byte) error {
 	})
 }
 
-// call runs the bucket script on one key (do); batched, through the
-// batcher if there is one. The script must answer want values: one of
-// two counts when two are given (a take's short form or long).
+// call runs the bucket script on one key with args (callBy). The script
+// must answer want values: one of two counts when two are given (a take's
+// short form or long).
 func (s *Store) call(ctx context.Context, key string, args []any, batched bool, want ...int) ([]int64, error) {
-	// The counts, not the slice, go into the closure, which escapes: the
-	// slice stays on the stack.
-	w0, w1 := want[0], want[len(want)-1]
-	var vals []int64
-	err := s.do(ctx, func(ctx context.Context, set *clientSet) (err error) {
-		var took int64
-		vals, took, err = set.runScript(ctx, key, args, batched)
-		if err == nil && len(vals) != w0 && len(vals) != w1 {
-			err = fmt.Errorf("script answered %d values, want %d or %d", len(vals), w0, w1)
-		}
-		if err == nil {
-			s.sample(took)
-		}
-		return err
-	})
+	return s.callBy(ctx, scriptArgs(key, args), batched, want[0], want[len(want)-1])
+}
+
+// callBy makes the script call args (scriptArgs) as do makes a call:
+// within the timeout, through the breaker, following a Cluster on MOVED;
+// batched, through the batcher if there is one. The script must answer
+// w0 or w1 values. It makes no context of its own unless it sends the
+// call alone (redisBatcher.takeBy): a timer and a context per decision
+// were about a tenth of what a decision cost Caddy
+// (TestQueuedStrictTakesAllocateLittle).
+func (s *Store) callBy(ctx context.Context, args []any, batched bool, w0, w1 int) ([]int64, error) {
+	ok, probe := s.conn.breaker.allow(s.conn.now())
+	if !ok {
+		return nil, s.conn.breaker.openError()
+	}
+	deadline := time.Now().Add(s.timeout)
+	vals, err := s.runChecked(ctx, s.conn.cur.Load(), deadline, args, batched, w0, w1)
+	if s.conn.followed(err) {
+		vals, err = s.runChecked(ctx, s.conn.cur.Load(), deadline, args, batched, w0, w1)
+	}
+	s.record(ctx, probe, err)
 	if err != nil {
-		return nil, err
+		return nil, s.wrap(err)
 	}
 	return vals, nil
 }
 
+// runChecked runs the script call args on set by deadline. The script
+// must answer w0 or w1 values; an answer is a round-trip sample.
+func (s *Store) runChecked(ctx context.Context, set *clientSet, deadline time.Time, args []any, batched bool, w0, w1 int) ([]int64, error) {
+	vals, took, err := set.runScript(ctx, deadline, args, batched)
+	if err == nil && len(vals) != w0 && len(vals) != w1 {
+		err = fmt.Errorf("script answered %d values, want %d or %d", len(vals), w0, w1)
+	}
+	if err == nil {
+		s.sample(took)
+	}
+	return vals, err
+}
+
 // do makes one call to Redis, within the timeout and through the breaker:
 // send sends it on the client in use (Conn.send, which follows a Cluster
-// on MOVED). Every call a decision, a give-back, a reset, a slot or a free
-// makes goes through it.
+// on MOVED). Every call but the bucket script's goes through it: a reset,
+// a slot, a free, a lease's give-back pipeline; the bucket script's
+// through callBy, which does the same.
 func (s *Store) do(ctx context.Context, send func(context.Context, *clientSet) error) error {
 	ok, probe := s.conn.breaker.allow(s.conn.now())
 	if !ok {
@@ -353,17 +377,16 @@ func (s *Store) do(ctx context.Context, send func(context.Context, *clientSet) e
 	return nil
 }
 
-// runScript runs the bucket script on one key, through the batcher when
-// batched and there is one. It reports how long the call took from its
-// write to its reply (µs), not counting its wait in the batcher's queue;
-// -1 when that was no round trip alone (callTimer).
-func (set *clientSet) runScript(ctx context.Context, key string, args []any, batched bool) ([]int64, int64, error) {
+// runScript makes the script call args (scriptArgs), through the batcher
+// when batched and there is one, until ctx ends or the deadline. It
+// reports how long the call took from its write to its reply (µs), not
+// counting its wait in the batcher's queue; -1 when that was no round trip
+// alone (callTimer).
+func (set *clientSet) runScript(ctx context.Context, deadline time.Time, args []any, batched bool) ([]int64, int64, error) {
 	if batched && set.batcher != nil {
-		return set.batcher.take(ctx, []string{key}, args)
+		return set.batcher.takeBy(ctx, deadline, args)
 	}
-	cmd, took := runTimed(ctx, bucketScript, set.client, set.handshakes, []string{key}, args...)
-	vals, err := cmd.Int64Slice()
-	return vals, took, err
+	return runScriptBy(ctx, deadline, set.client, set.handshakes, args)
 }
 
 // wrap says what went wrong with a call to Redis.

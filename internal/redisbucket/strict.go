@@ -110,16 +110,20 @@ type verdict struct {
 // batcher when batched: out gets each limit's and quota's result, limits
 // first.
 func (s *Store) decideBy(ctx context.Context, op, key string, tr bucket.Tier, cost int64, out []bucket.Result, batched bool) (verdict, error) {
-	var args []any
-	if op == "take" {
-		args = s.takeArgs(tr, cost)
-	}
 	// Only the short form's fast path answers in four values.
 	long, short := 4+4*tr.Parts(), 4
-	if args == nil {
-		args, short = s.args(op, tr, 0, cost), long
+	var args []any
+	if op == "take" {
+		head := scriptHead(key)
+		var ok bool
+		if args, ok = s.appendTakeArgs(append(make([]any, 0, 10), head[:]...), tr, cost); !ok {
+			args = nil
+		}
 	}
-	vals, err := s.call(ctx, key, args, batched, short, long)
+	if args == nil {
+		args, short = scriptArgs(key, s.args(op, tr, 0, cost)), long
+	}
+	vals, err := s.callBy(ctx, args, batched, short, long)
 	if err != nil {
 		return verdict{}, err
 	}
