@@ -118,3 +118,24 @@ func (s *Store) decideAt(ctx context.Context, op, key string, tr bucket.Tier, co
 	v, err := s.decideBy(ctx, op, key, tr, cost, out, batched)
 	return v.allowed, v.now, err
 }
+
+// takeSynced is one request of cost 1 for key on the lone limit l, after
+// which the node's background calls have settled (tableSync); an error
+// fails the test.
+func takeSynced(t testing.TB, node *leaseTable, key []byte, l bucket.Limit) bucket.Result {
+	t.Helper()
+	res, err := node.take(bg, key, oneLimit(l), 1, nil)
+	tableSync(node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
+}
+
+// allowSynced is takeSynced of a request that must be allowed.
+func allowSynced(t testing.TB, node *leaseTable, key []byte, l bucket.Limit) {
+	t.Helper()
+	if res := takeSynced(t, node, key, l); !res.Allowed {
+		t.Fatalf("a request under the limit refused: %+v", res)
+	}
+}

@@ -310,14 +310,7 @@ func retryAtRetryAfter(t *testing.T, refill string) {
 	timers.install(node)
 	defer node.close()
 	key := []byte("k")
-	take := func() bucket.Result {
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res
-	}
+	take := func() bucket.Result { return takeSynced(t, node, key, l) }
 	var res bucket.Result
 	for i := 0; ; i++ {
 		if res = take(); !res.Allowed {
@@ -941,27 +934,8 @@ func TestKeysInSteadyUseRenewTheirLeasesSpreadOut(t *testing.T) {
 // Regression test for issue 34 (renewals retried on every request).
 func TestAFailedRenewalIsNotRetriedInTheBackground(t *testing.T) {
 	t.Parallel()
-	clock, m := newModelStore()
-	remote := &askLog{sharedModel: m}
-	ttl := time.Second
-	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 1000}, ttl, 100*time.Millisecond, 1000, nopLogger)
-	defer node.close()
-	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
-	key := []byte("k")
-	take := func() bucket.Result {
-		t.Helper()
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res
-	}
-	// 100 requests a second until the lease is large enough to last.
-	for node.snapshot(key).size < 64 {
-		take()
-		clock.advance(10 * time.Millisecond)
-	}
+	clock, m, remote, node, l, key := steadyLease(t)
+	take := func() bucket.Result { return takeSynced(t, node, key, l) }
 	e := node.snapshot(key)
 	m.mu.Lock()
 	m.down = true
@@ -992,25 +966,8 @@ func TestAFailedRenewalIsNotRetriedInTheBackground(t *testing.T) {
 // Regression test for issue 34 (a failed renewal's quiet outlived its lease).
 func TestANewLeaseAfterAFailedRenewalPrefetchesAgain(t *testing.T) {
 	t.Parallel()
-	clock, m := newModelStore()
-	remote := &askLog{sharedModel: m}
-	ttl := time.Second
-	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 1000}, ttl, 100*time.Millisecond, 1000, nopLogger)
-	defer node.close()
-	l := bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
-	key := []byte("k")
-	take := func() {
-		t.Helper()
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil || !res.Allowed {
-			t.Fatalf("a request under the limit: %+v, %v", res, err)
-		}
-	}
-	for node.snapshot(key).size < 64 {
-		take()
-		clock.advance(10 * time.Millisecond)
-	}
+	clock, m, remote, node, l, key := steadyLease(t)
+	take := func() { allowSynced(t, node, key, l) }
 	e := node.snapshot(key)
 	setDown := func(down bool) {
 		m.mu.Lock()
@@ -1030,8 +987,8 @@ func TestANewLeaseAfterAFailedRenewalPrefetchesAgain(t *testing.T) {
 		take()
 		clock.advance(100 * time.Microsecond)
 	}
-	if now := clock.now(); now >= e.leasedAt+ttl.Microseconds() {
-		t.Fatalf("the requests went on past the lease's end (%d ≥ %d)", now, e.leasedAt+ttl.Microseconds())
+	if now := clock.now(); now >= e.leasedAt+time.Second.Microseconds() {
+		t.Fatalf("the requests went on past the lease's end (%d ≥ %d)", now, e.leasedAt+time.Second.Microseconds())
 	}
 	remote.mu.Lock()
 	sent := remote.asks[before:]
@@ -1047,4 +1004,23 @@ func TestANewLeaseAfterAFailedRenewalPrefetchesAgain(t *testing.T) {
 	if forRequests != 1 || prefetches == 0 {
 		t.Errorf("once Redis answered again: %d lease calls for requests, %d prefetches; want one request's call (the failed renewal's lease ran out), then prefetches", forRequests, prefetches)
 	}
+}
+
+// steadyLease is a node whose key k, on a limit of 10,000 at 1,000/s with
+// a lease of up to 1,000 and lease_ttl 1s, has been asked 100 times a
+// second until its lease is large enough to last (64 tokens); remote logs
+// the node's lease calls.
+func steadyLease(t *testing.T) (clock *fakeClock, m *sharedModel, remote *askLog, node *leaseTable, l bucket.Limit, key []byte) {
+	t.Helper()
+	clock, m = newModelStore()
+	remote = &askLog{sharedModel: m}
+	node = newLeaseTable(remote, m.now, LeaseSize{tokens: 1000}, time.Second, 100*time.Millisecond, 1000, nopLogger)
+	t.Cleanup(node.close)
+	l = bucket.Limit{Capacity: 10_000, Rate: bucket.Rate{Tokens: 1000, Interval: 1_000_000}}
+	key = []byte("k")
+	for node.snapshot(key).size < 64 {
+		allowSynced(t, node, key, l)
+		clock.advance(10 * time.Millisecond)
+	}
+	return clock, m, remote, node, l, key
 }

@@ -809,14 +809,7 @@ func TestANodeFetchesItsNextLeaseWhenItsLeaseEndsWithinTwoRoundTrips(t *testing.
 	defer node.close()
 	l := bucket.Limit{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	key := []byte("k")
-	take := func() {
-		t.Helper()
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil || !res.Allowed {
-			t.Fatalf("%+v, %v", res, err)
-		}
-	}
+	take := func() { allowSynced(t, node, key, l) }
 	// Requests 10 ms apart until the node holds a lease of 10 tokens.
 	for node.snapshot(key).size < 10 {
 		take()
@@ -1151,15 +1144,7 @@ func TestAFailedBackgroundCallBesideAnEmptyLevelIsNotRetriedAtEveryRequest(t *te
 	node.jitter = func(int64) int64 { return 0 }
 	defer node.close()
 	key := []byte("k")
-	take := func() bucket.Result {
-		t.Helper()
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		tableSync(node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res
-	}
+	take := func() bucket.Result { return takeSynced(t, node, key, l) }
 	for i := 0; take().Allowed; i++ {
 		if i > 2*int(l.Capacity) {
 			t.Fatalf("%d requests on a bucket of %d all allowed", i, l.Capacity)
