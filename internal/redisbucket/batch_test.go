@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"context"
 	"errors"
+	"fmt"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/redistest"
 	"runtime"
@@ -304,5 +305,128 @@ func TestBatchedAnswersGoToTheirOwnCallers(t *testing.T) {
 	}
 	if n := bad.Load(); n != 0 {
 		t.Fatalf("%d callers got no answer or another caller's", n)
+	}
+}
+
+// takeOwn takes 1 from caller i's own bucket named by name, whose capacity
+// 1e6*(i+1) tells from the remaining whose answer the caller got.
+func takeOwn(s *Store, ctx context.Context, name string, i int) error {
+	l := bucket.Limit{Capacity: 1_000_000 * int64(i+1), Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	res, err := s.takeLimit(ctx, bucketFor(name+"-"+strconv.Itoa(i)), l, 1)
+	if err == nil && res.Remaining/1_000_000 != int64(i) {
+		err = fmt.Errorf("caller %d got remaining %d: another caller's answer", i, res.Remaining)
+	}
+	return err
+}
+
+// Strict takes through Store, with no deadline of their own and some whose
+// requests go away, end within the store's timeout while redis-server is
+// stopped (SIGSTOP), whether sent alone or queued; once it runs again each
+// caller gets its own answer, and no goroutine is left behind.
+func TestStrictTakesEndWithinTheTimeoutWhileRedisIsStopped(t *testing.T) {
+	skipUnderShort(t, "stops Redis")
+	srv := redistest.Start(t)
+	const timeout = 250 * time.Millisecond
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: timeout, BreakerFailures: 1000})
+	for i := range 8 {
+		if err := takeOwn(s, bg, "warm", i); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := runtime.NumGoroutine()
+	for r := range 3 {
+		srv.Pause()
+		var wg sync.WaitGroup
+		var slowest atomic.Int64
+		for i := range 48 {
+			wg.Go(func() {
+				ctx := bg
+				if i%4 == 0 {
+					gone, cancel := context.WithCancel(bg)
+					defer cancel()
+					time.AfterFunc(time.Duration(i)*time.Millisecond, cancel)
+					ctx = gone
+				}
+				start := time.Now()
+				if err := takeOwn(s, ctx, "stopped-"+strconv.Itoa(r), i); err == nil {
+					t.Errorf("round %d: caller %d answered while Redis was stopped", r, i)
+				}
+				took := int64(time.Since(start))
+				for {
+					old := slowest.Load()
+					if took <= old || slowest.CompareAndSwap(old, took) {
+						break
+					}
+				}
+			})
+		}
+		wg.Wait()
+		srv.Resume()
+		// The race detector and a loaded machine get a second of slack.
+		if took := time.Duration(slowest.Load()); took > timeout+time.Second {
+			t.Errorf("round %d: the slowest take took %s with a %s timeout", r, took, timeout)
+		}
+		for i := range 48 {
+			wg.Go(func() {
+				if err := takeOwn(s, bg, "after-"+strconv.Itoa(r), i); err != nil {
+					t.Errorf("round %d, Redis running again: %v", r, err)
+				}
+			})
+		}
+		wg.Wait()
+	}
+	redistest.WaitFor(t, 5*time.Second, "the goroutines of the stopped takes to end", func() bool {
+		return runtime.NumGoroutine() <= before
+	})
+}
+
+// Queued takes on a Cluster given by one address follow it on MOVED, each
+// with its own answer, and reload the script after SCRIPT FLUSH on every
+// master, queued and alone.
+func TestBatchedTakesFollowAClusterAndReloadTheScript(t *testing.T) {
+	skipUnderShort(t, "Redis Cluster of three")
+	nodes := redistest.StartCluster(t, 3)
+	// The node is out of reach while the store connects, so that the
+	// queued takes are the first to hear MOVED.
+	proxy := redistest.StartProxy(t, nodes[0].Addr(), 0)
+	proxy.Cut()
+	s := newTestStore(t, testConfig{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: 2 * time.Second, BreakerFailures: 1000})
+	time.Sleep(300 * time.Millisecond)
+	proxy.Restore()
+	if _, ok := s.conn.client().(*redis.ClusterClient); ok {
+		t.Fatal("the store followed the Cluster while its node was down")
+	}
+	first := s.conn.batcher()
+	first.callers.Add(1) // every take queues
+	defer first.callers.Add(-1)
+	run := func(name string) {
+		var wg sync.WaitGroup
+		for i := range 40 {
+			wg.Go(func() {
+				if err := takeOwn(s, bg, name, i); err != nil {
+					t.Errorf("%s: %v", name, err)
+				}
+			})
+		}
+		wg.Wait()
+	}
+	run("moved")
+	if _, ok := s.conn.client().(*redis.ClusterClient); !ok {
+		t.Fatal("the store did not follow the Cluster")
+	}
+	b := s.conn.batcher()
+	b.callers.Add(1)
+	for _, n := range nodes {
+		n.Do("SCRIPT", "FLUSH")
+	}
+	run("flushed")
+	b.callers.Add(-1)
+	for _, n := range nodes {
+		n.Do("SCRIPT", "FLUSH")
+	}
+	for i := range 3 {
+		if err := takeOwn(s, bg, "flushed-alone", i); err != nil {
+			t.Errorf("alone after SCRIPT FLUSH: %v", err)
+		}
 	}
 }
