@@ -57,7 +57,7 @@ type batchCall struct {
 var callPool = sync.Pool{New: func() any { return &batchCall{done: make(chan struct{}, 1)} }}
 
 // timerPool holds stopped timers with nothing in their channels, so that
-// a queued caller's wait costs no allocation.
+// a queued caller's wait costs no allocation (one that timed out may).
 var timerPool = sync.Pool{New: func() any {
 	t := time.NewTimer(time.Hour)
 	t.Stop()
@@ -102,19 +102,19 @@ func (b *redisBatcher) takeBy(ctx context.Context, deadline time.Time, args []an
 		return runScriptBy(ctx, deadline, b.client, b.handshakes, args)
 	}
 	var expired <-chan time.Time
+	var fired bool // the tick was received
 	if !deadline.IsZero() {
 		t := timerPool.Get().(*time.Timer)
 		t.Reset(time.Until(deadline))
 		defer func() {
-			if !t.Stop() {
-				// A fired timer's tick is gone with Go 1.23's timers;
-				// with GODEBUG=asynctimerchan=1 it waits in t.C.
-				select {
-				case <-t.C:
-				default:
-				}
+			// A timer goes back only with nothing to come in t.C: stopped
+			// before it fired, or its tick received. One that fired
+			// unreceived is dropped: with GODEBUG=asynctimerchan=1 its tick
+			// may land after Stop and a drain, and would end the next
+			// caller's wait at once.
+			if t.Stop() || fired {
+				timerPool.Put(t)
 			}
-			timerPool.Put(t)
 		}()
 		expired = t.C
 	}
@@ -127,6 +127,7 @@ func (b *redisBatcher) takeBy(ctx context.Context, deadline time.Time, args []an
 	case <-ctx.Done():
 		return nil, 0, ctx.Err()
 	case <-expired:
+		fired = true
 		return nil, 0, context.DeadlineExceeded
 	}
 	select {
@@ -141,6 +142,7 @@ func (b *redisBatcher) takeBy(ctx context.Context, deadline time.Time, args []an
 		return nil, 0, ctx.Err()
 	case <-expired:
 		// A loop may still answer c: it is not put back.
+		fired = true
 		return nil, 0, context.DeadlineExceeded
 	}
 }
@@ -155,7 +157,12 @@ func (b *redisBatcher) loop() {
 		case <-b.stop:
 			return
 		}
-		s.send(b, drain(b.queue, batch, b.maxBatch))
+		batch = drain(b.queue, batch, b.maxBatch)
+		s.send(b, batch)
+		// No call outlives its batch here: one whose caller gave up would
+		// keep its request's context until the slot is reused.
+		clear(batch)
+		clear(s.live)
 	}
 }
 
