@@ -212,6 +212,9 @@ type leaseCall struct {
 	// held is the tokens the call names (LeaseAsk.Held): its answer keeps
 	// no more of what the node holds (apply).
 	held int64
+	// reset: an admin reset of the bucket came while the call was out
+	// (leaseTable.reset), so its answer may be the deleted bucket's.
+	reset bool
 }
 
 // shortFor says whether c's answer showed the shared level unable to

@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
@@ -63,6 +64,16 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
 		e.rtt = t.now() - now
+		if err == nil && c.reset {
+			// An admin reset came while the call was out: the answer may
+			// be the deleted bucket's. It puts no tokens in the table and
+			// holds no request off: the request that made the call keeps
+			// its cost if it was granted, and the others ask the fresh
+			// bucket. Tokens the fresh bucket granted beyond that stay out
+			// until their lease ends (admits less, never more).
+			lr = bucket.LeaseResult{Granted: min(lr.Granted, ask.Spend), Remaining: math.MaxInt64}
+			each = each[:0]
+		}
 		if err == nil {
 			// Redis answered: a failed background call's quiet ends with
 			// it (TestANewLeaseAfterAFailedRenewalPrefetchesAgain).

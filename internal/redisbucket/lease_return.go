@@ -102,6 +102,8 @@ func (t *leaseTable) reset(key []byte) {
 		delete(sh.m, e.key)
 	} else if e != nil {
 		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil, e.quotaUntil = 0, 0, 0, 0, 0, 0
+		e.emptyUntil, e.quietUntil = 0, 0
+		e.call.reset = true
 	}
 	sh.mu.Unlock()
 }

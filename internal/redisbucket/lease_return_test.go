@@ -696,3 +696,80 @@ func TestAGiveBackWhileARenewalIsOutLosesNoToken(t *testing.T) {
 			granted, held, after, left, held+granted+1)
 	}
 }
+
+// answeredThenHeld is the shared model whose lease answers, once gate is
+// set, are computed at once, as Redis would on the call's arrival, and
+// then held until gate closes, as a slow link back would hold them: a call
+// answered by a bucket that a reset deleted before the answer came back.
+type answeredThenHeld struct {
+	*sharedModel
+	answered chan struct{}
+	gate     atomic.Pointer[chan struct{}]
+}
+
+func (r *answeredThenHeld) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	lr, err := r.sharedModel.lease(key, tr, a, each)
+	if gate := r.gate.Load(); gate != nil {
+		r.answered <- struct{}{}
+		<-*gate
+	}
+	return lr, err
+}
+
+// An admin reset while a lease call is out: the call's answer came from
+// the bucket the reset deleted, and refused. It must not hold the node's
+// next requests off: the fresh bucket admits them, as one bucket would
+// after a reset.
+// Regression test for issue 34's review (a reset during a lease call).
+func TestAResetWhileALeaseCallIsOutLetsTheNextRequestsThrough(t *testing.T) {
+	t.Parallel()
+	clock, m := newModelStore()
+	remote := &answeredThenHeld{sharedModel: m, answered: make(chan struct{}, 1)}
+	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 2}, time.Minute, time.Second, 1000, nopLogger)
+	defer node.close()
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	key := []byte("k")
+	for i := 0; takeSynced(t, node, key, l).Allowed; i++ {
+		if i > 8 {
+			t.Fatalf("%d requests on a bucket of 4 all allowed", i+1)
+		}
+	}
+	// Emptied and held off. Let the hold-off pass with the bucket still
+	// empty, so that the next request calls again and is refused; hold
+	// that answer back.
+	clock.advance(time.Hour)
+	m.mu.Lock()
+	m.states[string(key)].Levels[0] = bucket.State{FullAt: clock.now() + 4*3_600_000_000}
+	m.mu.Unlock()
+	gate := make(chan struct{})
+	remote.gate.Store(&gate)
+	done := make(chan bucket.Result, 1)
+	go func() {
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- res
+	}()
+	<-remote.answered
+	// The admin reset: this node's entry, then the shared bucket (DEL).
+	node.reset(key)
+	m.mu.Lock()
+	delete(m.states, string(key))
+	m.mu.Unlock()
+	remote.gate.Store(nil)
+	close(gate)
+	admitted := 0
+	if (<-done).Allowed {
+		admitted++
+	}
+	tableSync(node)
+	for range 5 {
+		if takeSynced(t, node, key, l).Allowed {
+			admitted++
+		}
+	}
+	if admitted != 4 {
+		t.Fatalf("the request whose call was out at the reset and 5 after it: %d allowed; want 4, the fresh bucket's", admitted)
+	}
+}
