@@ -139,3 +139,17 @@ func allowSynced(t testing.TB, node *leaseTable, key []byte, l bucket.Limit) {
 		t.Fatalf("a request under the limit refused: %+v", res)
 	}
 }
+
+// takeLater sends one request of cost 1 for key on tier tr to node in a
+// goroutine, and gives its result on the channel it returns.
+func takeLater(t testing.TB, node *leaseTable, key []byte, tr bucket.Tier) <-chan bucket.Result {
+	done := make(chan bucket.Result, 1)
+	go func() {
+		res, err := node.take(bg, key, tr, 1, nil)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- res
+	}()
+	return done
+}

@@ -336,14 +336,7 @@ func retryAtRetryAfter(t *testing.T, refill string) {
 	m.gate = make(chan struct{})
 	fired := timers.fire(clock.now())
 	level := m.level("k", l)
-	answer := make(chan bucket.Result, 1)
-	go func() {
-		retry, err := node.take(bg, key, oneLimit(l), 1, nil)
-		if err != nil {
-			t.Error(err)
-		}
-		answer <- retry
-	}()
+	answer := takeLater(t, node, key, oneLimit(l))
 	// The retry either is answered at once or waits on the timer's call.
 	redistest.WaitFor(t, 5*time.Second, "the retry to be answered or to join the call", func() bool {
 		if len(answer) > 0 {

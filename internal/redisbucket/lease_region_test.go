@@ -768,14 +768,7 @@ func TestAfterAHoldOffARequestThatFindsNoTokensIsRefusedAtOnce(t *testing.T) {
 	clock.micros.Store(e.holdUntil)
 	gate := make(chan struct{})
 	m.gate = gate
-	answer := make(chan bucket.Result, 1)
-	go func() {
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		if err != nil {
-			t.Error(err)
-		}
-		answer <- res
-	}()
+	answer := takeLater(t, node, key, oneLimit(l))
 	var res bucket.Result
 	select {
 	case res = <-answer:

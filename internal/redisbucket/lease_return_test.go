@@ -743,14 +743,7 @@ func TestAResetWhileALeaseCallIsOutLetsTheNextRequestsThrough(t *testing.T) {
 	m.mu.Unlock()
 	gate := make(chan struct{})
 	remote.gate.Store(&gate)
-	done := make(chan bucket.Result, 1)
-	go func() {
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		if err != nil {
-			t.Error(err)
-		}
-		done <- res
-	}()
+	done := takeLater(t, node, key, oneLimit(l))
 	<-remote.answered
 	// The admin reset: this node's entry, then the shared bucket (DEL).
 	node.reset(key)
