@@ -37,21 +37,22 @@ func (d *decision) provide(r *http.Request) {
 	if !ok {
 		return
 	}
-	var first any
-	vars, ok := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if ok {
-		first, ok = vars[decisionVar]
-		if !ok {
-			vars[decisionVar] = d
-		}
-	} else {
-		first, ok = repl.Get(placeholderPrefix + decisionRef)
+	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
+	// A vars directive may name the variable with a client's value (a
+	// query's, whose %00 decodes): what it holds then is no decision, and
+	// the replacer still knows the first handler's.
+	last, ok := vars[decisionVar].(*decision)
+	if !ok {
+		first, _ := repl.Get(placeholderPrefix + decisionRef)
+		last, ok = first.(*decision)
 	}
 	if !ok {
+		if vars != nil {
+			vars[decisionVar] = d
+		}
 		repl.Map(d.placeholder)
 		return
 	}
-	last := first.(*decision)
 	for last.later != nil {
 		last = last.later
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -123,5 +124,31 @@ func TestAFailedSlotStoreLeavesTheLimitAndRetryPlaceholdersEmpty(t *testing.T) {
 	}
 	if want := "limit=[] retry_after=[]"; r.body != want {
 		t.Errorf("503 with Retry-After %q: the placeholders read %q; docs/caddyfile.md says a failed store leaves them empty (%q)", r.header.Get("Retry-After"), r.body, want)
+	}
+}
+
+// A vars directive whose name is the client's (a query value) cannot take
+// the request variable the stacked handlers share: a client who names it
+// neither breaks the request nor turns the placeholders to the first
+// handler's.
+func TestAClientNamedVarNeitherBreaksNorRedirectsStackedPlaceholders(t *testing.T) {
+	useFakeClock(t)
+	s := serve(t, `
+	route /stacked {
+		vars {query.a} x
+		rate_limit 10 1/h {
+			name first
+		}
+		vars {query.b} y
+		rate_limit 5 1/h {
+			name second
+		}
+		respond "{http.rate_limit.policy} {http.rate_limit.limit} {http.rate_limit.remaining}"
+	}`)
+	const name = "%00rate_limit.decision"
+	for _, q := range []string{"a=" + name, "b=" + name, "a=" + name + "&b=" + name, "a=z"} {
+		if r := s.get("/stacked?" + q); r.status != 200 || !strings.HasPrefix(r.body, "second 5 ") {
+			t.Errorf("?%s: %d %q, want 200 from the second handler's placeholders", q, r.status, r.body)
+		}
 	}
 }

@@ -71,7 +71,9 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 			// its cost if it was granted, and the others ask the fresh
 			// bucket. Tokens the fresh bucket granted beyond that stay out
 			// until their lease ends (admits less, never more).
-			lr = bucket.LeaseResult{Granted: min(lr.Granted, ask.Spend), Remaining: math.MaxInt64}
+			// The level it reports is a fresh bucket's after that cost.
+			granted := min(lr.Granted, ask.Spend)
+			lr = bucket.LeaseResult{Granted: granted, Remaining: freshLevel(tr) - granted}
 			each = each[:0]
 		}
 		if err == nil {
@@ -114,6 +116,19 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 		close(c.done)
 	}(e.key, e.tier)
 	return c
+}
+
+// freshLevel is what a fresh bucket of tr holds: its smallest limit's
+// capacity or quota's count.
+func freshLevel(tr bucket.Tier) int64 {
+	level := int64(math.MaxInt64)
+	for _, l := range tr.Limits {
+		level = min(level, l.Capacity)
+	}
+	for _, q := range tr.Quotas {
+		level = min(level, q.N)
+	}
+	return level
 }
 
 // apply records in e the answer to the lease call ask, sent at sent, for a

@@ -766,3 +766,37 @@ func TestAResetWhileALeaseCallIsOutLetsTheNextRequestsThrough(t *testing.T) {
 		t.Fatalf("the request whose call was out at the reset and 5 after it: %d allowed; want 4, the fresh bucket's", admitted)
 	}
 }
+
+// A request whose lease call was granted while an admin reset came is
+// admitted with a remaining count a bucket of its capacity can report,
+// not the void answer's unbounded level.
+func TestARequestGrantedAcrossAResetReportsNoMoreThanTheCapacity(t *testing.T) {
+	t.Parallel()
+	_, m := newModelStore()
+	remote := &answeredThenHeld{sharedModel: m, answered: make(chan struct{}, 1)}
+	node := newLeaseTable(remote, m.now, LeaseSize{tokens: 2}, time.Minute, time.Second, 1000, nopLogger)
+	defer node.close()
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	key := []byte("k")
+	gate := make(chan struct{})
+	remote.gate.Store(&gate)
+	done := make(chan bucket.Result, 1)
+	go func() {
+		res, err := node.take(bg, key, oneLimit(l), 1, nil)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- res
+	}()
+	<-remote.answered
+	node.reset(key)
+	m.mu.Lock()
+	delete(m.states, string(key))
+	m.mu.Unlock()
+	remote.gate.Store(nil)
+	close(gate)
+	res := <-done
+	if !res.Allowed || res.Remaining < 0 || res.Remaining > l.Capacity-1 {
+		t.Fatalf("granted across the reset: allowed %v, remaining %d; want allowed with 0 to %d remaining", res.Allowed, res.Remaining, l.Capacity-1)
+	}
+}
