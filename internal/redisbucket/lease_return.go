@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"context"
 	"errors"
 	"time"
 
@@ -122,6 +123,25 @@ func (t *leaseTable) held() int {
 		sh.mu.Unlock()
 	}
 	return n
+}
+
+// settle waits, within ctx, for this node's lease call on the bucket at
+// key, if one is out: until its answer is in, the shared level counts its
+// grant as leased out and the table does not hold it yet.
+func (t *leaseTable) settle(ctx context.Context, key []byte) {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	var done chan struct{}
+	if e := sh.m[string(key)]; e != nil && e.call != nil {
+		done = e.call.done
+	}
+	sh.mu.Unlock()
+	if done != nil {
+		select {
+		case <-done:
+		case <-ctx.Done():
+		}
+	}
 }
 
 // heldNow is the tokens this node holds on lease for the bucket at key

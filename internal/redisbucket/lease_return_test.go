@@ -800,3 +800,31 @@ func TestARequestGrantedAcrossAResetReportsNoMoreThanTheCapacity(t *testing.T) {
 		t.Fatalf("granted across the reset: allowed %v, remaining %d; want allowed with 0 to %d remaining", res.Allowed, res.Remaining, l.Capacity-1)
 	}
 }
+
+// A peek (the admin API's read) while this node's lease call is out would
+// see the shared level after the call's grant and the node's tokens
+// before it: it waits for the call, so that what it reports after each
+// request of one client is the bucket's, exactly. The link is 20 ms each
+// way, so that a prefetch is out right after most requests.
+// Regression test for TestAdminRetryAfterSaysWhetherTheNextRequestPassesInEveryStoreMode
+// reading 0 remaining while the node's prefetch was out.
+func TestAPeekDuringALeaseCallCountsItsGrant(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t, srv.Addr(), 20*time.Millisecond)
+	s := newTestStore(t, testConfig{Addresses: []string{"redis://" + proxy.Addr()}, Timeout: 2 * time.Second, Lease: "50%"})
+	tr := oneLimit(slowLimit(10))
+	key := bucketFor("peeked")
+	for n := int64(1); n <= 10; n++ {
+		out := make([]bucket.Result, 1)
+		if ok, err := s.Take(bg, key, tr, 1, out); err != nil || !ok {
+			t.Fatalf("request %d: %v, %v", n, ok, err)
+		}
+		if err := s.Peek(bg, key, tr, out); err != nil {
+			t.Fatal(err)
+		}
+		if out[0].Remaining != 10-n {
+			t.Fatalf("after request %d: the peek read %d remaining; want %d", n, out[0].Remaining, 10-n)
+		}
+	}
+}

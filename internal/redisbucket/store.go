@@ -204,6 +204,10 @@ func (s *Store) Take(ctx context.Context, key []byte, tr bucket.Tier, cost int64
 // the quotas count them as used, but this node may still spend them.
 func (s *Store) Peek(ctx context.Context, key []byte, tr bucket.Tier, out []bucket.Result) error {
 	out = out[:tr.Parts()]
+	if s.leases != nil {
+		// A lease call out would be counted in neither (settle).
+		s.leases.settle(ctx, key)
+	}
 	if _, err := s.decideBy(ctx, "peek", string(key), tr, 0, out, false); err != nil {
 		return err
 	}
