@@ -741,19 +741,8 @@ func TestAResetWhileALeaseCallIsOutLetsTheNextRequestsThrough(t *testing.T) {
 	m.mu.Lock()
 	m.states[string(key)].Levels[0] = bucket.State{FullAt: clock.now() + 4*3_600_000_000}
 	m.mu.Unlock()
-	gate := make(chan struct{})
-	remote.gate.Store(&gate)
-	done := takeLater(t, node, key, oneLimit(l))
-	<-remote.answered
-	// The admin reset: this node's entry, then the shared bucket (DEL).
-	node.reset(key)
-	m.mu.Lock()
-	delete(m.states, string(key))
-	m.mu.Unlock()
-	remote.gate.Store(nil)
-	close(gate)
 	admitted := 0
-	if (<-done).Allowed {
+	if resetDuringCall(t, remote, node, key, l).Allowed {
 		admitted++
 	}
 	tableSync(node)
@@ -778,24 +767,7 @@ func TestARequestGrantedAcrossAResetReportsNoMoreThanTheCapacity(t *testing.T) {
 	defer node.close()
 	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
 	key := []byte("k")
-	gate := make(chan struct{})
-	remote.gate.Store(&gate)
-	done := make(chan bucket.Result, 1)
-	go func() {
-		res, err := node.take(bg, key, oneLimit(l), 1, nil)
-		if err != nil {
-			t.Error(err)
-		}
-		done <- res
-	}()
-	<-remote.answered
-	node.reset(key)
-	m.mu.Lock()
-	delete(m.states, string(key))
-	m.mu.Unlock()
-	remote.gate.Store(nil)
-	close(gate)
-	res := <-done
+	res := resetDuringCall(t, remote, node, key, l)
 	if !res.Allowed || res.Remaining < 0 || res.Remaining > l.Capacity-1 {
 		t.Fatalf("granted across the reset: allowed %v, remaining %d; want allowed with 0 to %d remaining", res.Allowed, res.Remaining, l.Capacity-1)
 	}
@@ -827,4 +799,23 @@ func TestAPeekDuringALeaseCallCountsItsGrant(t *testing.T) {
 			t.Fatalf("after request %d: the peek read %d remaining; want %d", n, out[0].Remaining, 10-n)
 		}
 	}
+}
+
+// resetDuringCall sends a request for key on the lone limit l to node,
+// whose lease call remote answers at once and holds back; meanwhile an
+// admin reset empties node's entry, then deletes the shared bucket (the
+// DEL). It returns the request's result once the answer came back.
+func resetDuringCall(t *testing.T, remote *answeredThenHeld, node *leaseTable, key []byte, l bucket.Limit) bucket.Result {
+	t.Helper()
+	gate := make(chan struct{})
+	remote.gate.Store(&gate)
+	done := takeLater(t, node, key, oneLimit(l))
+	<-remote.answered
+	node.reset(key)
+	remote.mu.Lock()
+	delete(remote.states, string(key))
+	remote.mu.Unlock()
+	remote.gate.Store(nil)
+	close(gate)
+	return <-done
 }
