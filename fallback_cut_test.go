@@ -37,7 +37,8 @@ type fleetStore struct {
 
 func (s *fleetStore) name(b *Bucket) *Bucket {
 	nb := *b
-	nb.Policy = "fleet"
+	// Renamed, the bucket's local id is hashed afresh (Bucket.prefix).
+	nb.Policy, nb.prefix = "fleet", 0
 	return &nb
 }
 

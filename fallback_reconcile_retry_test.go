@@ -59,7 +59,7 @@ func settleDuringAFailedCharge(t *testing.T, name string, settle func(h *Handler
 	const client, prober = "192.0.2.80", "192.0.2.81"
 	r := benchRequest(client)
 	d := h.newDecision(r)
-	if err := h.chooseTier(r, d, h.nameClient(r, d)); err != nil {
+	if err := nameAndChoose(h, r, d); err != nil {
 		t.Fatal(err)
 	}
 	b := d.bucket

@@ -22,7 +22,7 @@ func sharedRemaining(t *testing.T, h *Handler, ip string) int64 {
 	t.Helper()
 	r := benchRequest(ip)
 	d := h.newDecision(r)
-	if err := h.chooseTier(r, d, h.nameClient(r, d)); err != nil {
+	if err := nameAndChoose(h, r, d); err != nil {
 		t.Fatal(err)
 	}
 	out := make([]bucket.Result, d.tier.shape().Parts())
@@ -210,7 +210,7 @@ func TestAnAdminResetForgetsWhatTheFallbackOwes(t *testing.T) {
 		serveOne(h, r, nopHandler)
 	}
 	d := h.newDecision(r)
-	if err := h.chooseTier(r, d, h.nameClient(r, d)); err != nil {
+	if err := nameAndChoose(h, r, d); err != nil {
 		t.Fatal(err)
 	}
 	resetBucket(context.Background(), h, &d.bucket)
@@ -239,7 +239,7 @@ func TestReconcileChargesNoTokenALeaseCovered(t *testing.T) {
 	const client, prober = "192.0.2.60", "192.0.2.61"
 	r := benchRequest(client)
 	d := h.newDecision(r)
-	if err := h.chooseTier(r, d, h.nameClient(r, d)); err != nil {
+	if err := nameAndChoose(h, r, d); err != nil {
 		t.Fatal(err)
 	}
 	b := d.bucket

@@ -125,8 +125,8 @@ func (d *decision) parts() []bucket.Result {
 // rejects it.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	d := h.newDecision(r)
-	keyer := h.nameClient(r, d)
-	if err := h.chooseTier(r, d, keyer); err != nil {
+	keyer, place := h.nameClient(r, d)
+	if err := h.chooseTier(r, d, keyer, place); err != nil {
 		return err
 	}
 	switch {
@@ -173,29 +173,32 @@ func (h *Handler) newDecision(r *http.Request) *decision {
 }
 
 // nameClient asks the keyers in order: the first that yields a value names
-// the client, and is returned; when none does, the client IP does, through
-// h.fallback.
-func (h *Handler) nameClient(r *http.Request, d *decision) Keyer {
+// the client, and is returned with its place among them; when none does,
+// the client IP does, through h.fallback, whose place is after them.
+func (h *Handler) nameClient(r *http.Request, d *decision) (Keyer, int) {
 	value := d.value[:0]
-	for _, k := range h.keyers {
+	for i, k := range h.keyers {
 		if v, ok := keyWith(k, r, value, &d.claims); ok && len(v) > 0 {
 			d.bucket.Value = v
-			return k
+			return k, i
 		}
 	}
 	d.bucket.Value = h.fallback.fallbackKey(r, value)
-	return h.fallback
+	return h.fallback, len(h.keyers)
 }
 
-// chooseTier picks the request's tier, for a client keyer named, and names
-// its bucket.
-func (h *Handler) chooseTier(r *http.Request, d *decision, keyer Keyer) error {
+// chooseTier picks the request's tier, for a client keyer named, at place
+// among the handler's keyers (nameClient), and names its bucket.
+func (h *Handler) chooseTier(r *http.Request, d *decision, keyer Keyer, place int) error {
 	tier, err := h.tierFor(r, keyer.Kind(), &d.claims)
 	if err != nil {
 		return err
 	}
 	d.tier = tier
 	d.bucket = Bucket{Policy: h.Name, Tier: tier.Name, Keyer: keyer.ID(), Value: d.bucket.Value, secret: h.keySecret}
+	if place < len(tier.prefixes) {
+		d.bucket.prefix = tier.prefixes[place]
+	}
 	return nil
 }
 

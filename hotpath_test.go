@@ -54,3 +54,52 @@ func TestTheRequestsMomentIsOnTheMonotonicClock(t *testing.T) {
 		}
 	}
 }
+
+// nameAndChoose names r's client and picks its tier, as ServeHTTP does.
+func nameAndChoose(h *Handler, r *http.Request, d *decision) error {
+	keyer, place := h.nameClient(r, d)
+	return h.chooseTier(r, d, keyer, place)
+}
+
+// A request's bucket carries the prefix its handler hashed for the tier
+// and keyer that named it (Tier.prefixes), and has the id of the same
+// bucket named afresh, as the admin endpoint and a renamed copy name it:
+// for each keyer, the fallback IP keyer and each tier, and every one
+// apart from the others.
+func TestARequestsBucketHasTheIDOfItsNameHashedAfresh(t *testing.T) {
+	h, done := provisionedHandler(t, `{"name":"hot-prefix","keys":[{"keyer":"header","field":"X-Key"},{"keyer":"header","field":"X-Other"}],
+		"tiers":[{"name":"gold","capacity":10,"refill":"1/s","match":[{"header":{"X-Plan":["gold"]}}]},{"name":"default","capacity":10,"refill":"1/s"}]}`)
+	defer done()
+	seen := map[uint64]string{}
+	for _, header := range []string{"X-Key", "X-Other", ""} {
+		for _, plan := range []string{"gold", ""} {
+			r := benchRequest("127.0.0.1")
+			if header != "" {
+				r.Header.Set(header, "client")
+			}
+			if plan != "" {
+				r.Header.Set("X-Plan", plan)
+			}
+			d := &decision{handler: h}
+			if err := nameAndChoose(h, r, d); err != nil {
+				t.Fatal(err)
+			}
+			b := d.bucket
+			name := b.Tier + " " + b.Keyer
+			if b.prefix == 0 {
+				t.Errorf("%s: the request's bucket has no prefix", name)
+			}
+			fresh := Bucket{Policy: b.Policy, Tier: b.Tier, Keyer: b.Keyer, Value: b.Value}
+			if got, want := localID(&b), localID(&fresh); got != want {
+				t.Errorf("%s: id %x from the handler's prefix, %x hashed afresh", name, got, want)
+			}
+			if other, ok := seen[localID(&b)]; ok {
+				t.Errorf("%s and %s share a bucket", name, other)
+			}
+			seen[localID(&b)] = name
+		}
+	}
+	if len(seen) != 6 {
+		t.Errorf("%d buckets; want 6 (3 keyers, 2 tiers)", len(seen))
+	}
+}

@@ -179,7 +179,7 @@ type Handler struct {
 	owed  *reconciler
 	// owedMax bounds owed's buckets; 0 is the fallback's max keys. Tests set it.
 	owedMax     int
-	keySecret   []byte
+	keySecret   string
 	xHeaders    bool
 	ietfHeaders bool
 	logger      *zap.Logger
@@ -261,6 +261,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return err
 		}
 		t.counters = newOutcomeCounters(h.Name, t.Name)
+		t.prefixes = h.keyerPrefixes(t)
 		if len(t.Claims) > 0 && h.JWT == nil {
 			return fmt.Errorf("tier %q: a claim condition needs a jwt block to verify tokens", t.Name)
 		}
@@ -319,6 +320,17 @@ func (h *Handler) provisionKeyers(ctx caddy.Context) error {
 	}
 	h.fallback = fallback
 	return h.checkListeners(ctx)
+}
+
+// keyerPrefixes are the local store's hashes of t's bucket names for each
+// of the handler's keyers and then its fallback (Tier.prefixes), so that a
+// request hashes only its client's value.
+func (h *Handler) keyerPrefixes(t *Tier) []uint64 {
+	ps := make([]uint64, 0, len(h.keyers)+1)
+	for _, k := range h.keyers {
+		ps = append(ps, bucketIDs.Prefix(h.Name, t.Name, k.ID()))
+	}
+	return append(ps, bucketIDs.Prefix(h.Name, t.Name, h.fallback.ID()))
 }
 
 // provisionStore loads the store (local by default), binds it to the
@@ -382,7 +394,7 @@ func (h *Handler) provisionKeySecret() error {
 		}
 		return fmt.Errorf("key_secret: %s is %d bytes long; want at least %d", shown, len(secret), minKeySecret)
 	}
-	h.keySecret = []byte(secret)
+	h.keySecret = secret
 	return nil
 }
 

@@ -40,9 +40,13 @@ func (d *decision) provide(r *http.Request) {
 	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
 	// A vars directive may name the variable with a client's value (a
 	// query's, whose %00 decodes): what it holds then is no decision, and
-	// the replacer still knows the first handler's.
-	last, ok := vars[decisionVar].(*decision)
-	if !ok {
+	// the replacer still knows the first handler's. A request whose vars
+	// lack the variable has met no rate_limit handler yet: the first one
+	// would have set it, in the same map. Only then is the replacer not
+	// asked, which would ask each of Caddy's providers first.
+	held, set := vars[decisionVar]
+	last, ok := held.(*decision)
+	if !ok && (vars == nil || set) {
 		first, _ := repl.Get(placeholderPrefix + decisionRef)
 		last, ok = first.(*decision)
 	}

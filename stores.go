@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"hash"
-	"hash/maphash"
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
@@ -29,7 +28,12 @@ type Bucket struct {
 	Keyer  string
 	Value  []byte
 	// secret keys the digest of Keyer and Value (key_secret), when set.
-	secret []byte
+	secret string
+	// prefix is the local store's hash of Policy, Tier and Keyer
+	// (bucketIDs.Prefix), which the handler keeps for each tier and
+	// keyer; 0 when not at hand, and then hashed afresh (localID). A copy
+	// renamed (another Policy, Tier or Keyer) must set it to 0.
+	prefix uint64
 }
 
 // Digest hashes the client part of a bucket's name: the keyer and the
@@ -47,7 +51,7 @@ func (b *Bucket) Digest() [sha256.Size]byte {
 	}
 	var h hash.Hash
 	if len(b.secret) > 0 {
-		h = hmac.New(sha256.New, b.secret)
+		h = hmac.New(sha256.New, []byte(b.secret))
 	} else {
 		h = sha256.New()
 	}
@@ -371,12 +375,18 @@ func localOptions(maxKeys int, c clocks) localbucket.Options {
 	return localbucket.Options{MaxKeys: maxKeys, Now: c.now, Wall: c.wall, CallersClocks: c.system, Evictions: &evictionsTotal}
 }
 
-// hashSeed keys the local hash, so clients cannot aim for collisions.
-var hashSeed = maphash.MakeSeed()
+// bucketIDs hashes buckets' names for the local stores, under seeds of
+// this process, so clients cannot aim for collisions.
+var bucketIDs = localbucket.NewHasher()
 
-// localID is the engine's id of a bucket: a keyed hash of its whole name.
+// localID is the engine's id of a bucket: a keyed hash of its whole name,
+// from the prefix the handler keeps when b has it.
 func localID(b *Bucket) uint64 {
-	return localbucket.ID(hashSeed, b.Policy, b.Tier, b.Keyer, b.Value)
+	p := b.prefix
+	if p == 0 {
+		p = bucketIDs.Prefix(b.Policy, b.Tier, b.Keyer)
+	}
+	return bucketIDs.ID(p, b.Value)
 }
 
 // localFallback is the local store that decides a policy's requests on

@@ -126,6 +126,10 @@ type Tier struct {
 	// written, which the shared store enforces; nil on the tier itself.
 	fallback *Tier
 	written  *Tier
+	// prefixes are the local store's hashes of the tier's bucket names
+	// (Bucket.prefix) for each of the handler's keyers, in order, then
+	// for its fallback IP keyer (Handler.keyerPrefixes).
+	prefixes []uint64
 }
 
 // TierLimit is one limit of a tier: a bucket's capacity and refill.

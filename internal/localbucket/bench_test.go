@@ -2,6 +2,7 @@ package localbucket
 
 import (
 	"encoding/binary"
+	"hash/maphash"
 	"runtime"
 	"strconv"
 	"sync/atomic"
@@ -16,8 +17,8 @@ import (
 // commands that produced them are in bench/README.md.
 
 // benchID is the id of the bucket of value, as the root's LocalStore
-// hashes it (ID).
-func benchID(value []byte) uint64 { return ID(idSeed, "p", "default", "ip/32/64", value) }
+// hashes a request's: the value, beside its handler's prefix.
+func benchID(value []byte) uint64 { return ids.ID(benchPrefix, value) }
 
 // BenchmarkLocalTake is a take that reads the store's clock, as Take
 // does: the hash, the clock read and the take.
@@ -53,7 +54,10 @@ func BenchmarkLocalTakeAt(b *testing.B) {
 }
 
 // BenchmarkBucketID is the hash of a bucket's name alone, which every
-// request's take pays: ID, beside the piecewise maphash.Hash it replaced.
+// request's take pays: ID, the value's hash beside its handler's prefix;
+// beside it, the whole name hashed afresh (Prefix and ID, as an admin
+// call does), and the whole name hashed in one piece from the stack, as
+// ID did before prefixes (wholeNameID).
 func BenchmarkBucketID(b *testing.B) {
 	value := []byte("127.0.0.1")
 	var sink uint64
@@ -62,15 +66,32 @@ func BenchmarkBucketID(b *testing.B) {
 			sink += benchID(value)
 		}
 	})
-	b.Run("piecewise", func(b *testing.B) {
+	b.Run("prefix-and-ID", func(b *testing.B) {
 		for b.Loop() {
-			sink += bucketID(value)
+			sink += ids.ID(ids.Prefix("p", "default", "ip/32/64"), value)
 		}
 	})
-	if benchID(value) != bucketID(value) {
-		b.Fatal("ID and the piecewise hash differ")
+	b.Run("whole-name", func(b *testing.B) {
+		for b.Loop() {
+			sink += wholeNameID(value)
+		}
+	})
+	if benchID(value) != ids.ID(ids.Prefix("p", "default", "ip/32/64"), value) {
+		b.Fatal("the cached prefix and a fresh one give different ids")
 	}
 }
+
+// wholeNameID is how ID hashed a bucket's name before prefixes: the
+// policy, tier and keyer, each followed by a 0, and the value, copied
+// into a stack buffer and hashed in one call.
+func wholeNameID(value []byte) uint64 {
+	var buf [128]byte
+	i := copy(buf[:], "p\x00default\x00ip/32/64\x00")
+	n := i + copy(buf[i:], value)
+	return maphash.Bytes(wholeSeed, buf[:n])
+}
+
+var wholeSeed = maphash.MakeSeed()
 
 func BenchmarkLocalTakeParallel(b *testing.B) {
 	s := newStore(defaultMaxKeys, monotonicMicros)

@@ -1,7 +1,6 @@
 package localbucket
 
 import (
-	"hash/maphash"
 	"sync/atomic"
 	"time"
 
@@ -27,25 +26,19 @@ func newStore(maxKeys int, now func() int64) *Store {
 	return New(Options{MaxKeys: maxKeys, Now: now, Wall: wallMicros})
 }
 
-var idSeed = maphash.MakeSeed()
+// ids hashes the tests' bucket names, as the root's hasher does.
+var ids = NewHasher()
+
+// benchPrefix is the prefix of the tests' buckets: policy p, tier
+// default, the client IP keyer.
+var benchPrefix = ids.Prefix("p", "default", "ip/32/64")
 
 // idFor is the id of the bucket of a client of value.
 func idFor(value string) uint64 { return bucketID([]byte(value)) }
 
 // bucketID is the id of the bucket of value, hashed as the root hashes a
-// bucket's name: the policy, the tier, the keyer and the value.
-func bucketID(value []byte) uint64 {
-	var h maphash.Hash
-	h.SetSeed(idSeed)
-	h.WriteString("p")
-	h.WriteByte(0)
-	h.WriteString("default")
-	h.WriteByte(0)
-	h.WriteString("ip/32/64")
-	h.WriteByte(0)
-	h.Write(value)
-	return h.Sum64()
-}
+// request's bucket: the prefix its handler hashed, and the value.
+func bucketID(value []byte) uint64 { return ids.ID(benchPrefix, value) }
 
 // lone is the tier of the one limit l.
 func lone(l bucket.Limit) bucket.Tier { return bucket.Tier{Limits: []bucket.Limit{l}} }

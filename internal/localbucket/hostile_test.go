@@ -1,7 +1,6 @@
 package localbucket
 
 import (
-	"hash/maphash"
 	"runtime"
 	"strconv"
 	"testing"
@@ -43,7 +42,7 @@ func TestFloodOfDistinctKeysStaysWithinMaxKeys(t *testing.T) {
 	peak := 0
 	for i := range floodKeys {
 		buf = strconv.AppendInt(append(buf[:0], "key-"...), int64(i), 10)
-		if res := take(lb, maphash.Bytes(idSeed, buf), l, 1); !res.Allowed {
+		if res := take(lb, bucketID(buf), l, 1); !res.Allowed {
 			t.Fatalf("key %d: a new key was denied", i)
 		}
 		if i%1024 == 0 {

@@ -3,6 +3,7 @@ package localbucket
 import (
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"math/rand/v2"
+	"strings"
 	"testing"
 )
 
@@ -78,17 +79,43 @@ func TestHashZeroIsStored(t *testing.T) {
 	}
 }
 
-// ID hashes a bucket's name as a maphash.Hash written piece by piece does,
-// whether the name fits its stack buffer or not: a bucket keeps its id,
-// and its state, whichever way it was hashed.
-func TestIDIsThePiecewiseHashOfTheName(t *testing.T) {
-	for _, n := range []int{0, 1, 9, 200, 109, 110, 300, 5000} {
-		value := make([]byte, n)
-		for i := range value {
-			value[i] = byte(i*7 + n)
+// Buckets whose names differ get ids apart: in the value, in any part of
+// the prefix, or where a value spells another policy's prefix. With one
+// seed for prefixes and values, the last pair (a value that spells B's
+// prefix under A, and one that spells A's under B) would share an id.
+// A prefix hashed afresh gives the id a handler's cached one gives.
+func TestBucketsNamedApartHaveIDsApart(t *testing.T) {
+	type name struct{ policy, tier, keyer, value string }
+	names := []name{
+		{"p", "default", "ip/32/64", "127.0.0.1"},
+		{"p", "default", "ip/32/64", "127.0.0.2"},
+		{"p", "default", "ip/32/64", ""},
+		{"q", "default", "ip/32/64", "127.0.0.1"},
+		{"p", "gold", "ip/32/64", "127.0.0.1"},
+		{"p", "default", "header/X-Key", "127.0.0.1"},
+		{"pd", "efault", "ip/32/64", "127.0.0.1"},
+		{"a", "t", "k", "b\x00t\x00k\x00"},
+		{"b", "t", "k", "a\x00t\x00k\x00"},
+		{"p", "default", "ip/32/64", strings.Repeat("v", 5000)},
+	}
+	seen := map[uint64]name{}
+	for _, n := range names {
+		id := ids.ID(ids.Prefix(n.policy, n.tier, n.keyer), []byte(n.value))
+		if other, ok := seen[id]; ok {
+			t.Errorf("%q and %q share id %x", n, other, id)
 		}
-		if got, want := ID(idSeed, "p", "default", "ip/32/64", value), bucketID(value); got != want {
-			t.Errorf("value of %d bytes: ID %x, want %x", n, got, want)
-		}
+		seen[id] = n
+	}
+	// One seed for both parts, as a mutation: the crossed pair collides,
+	// which is what the two seeds are for.
+	one := NewHasher()
+	one.value = one.prefix
+	a := one.ID(one.Prefix("a", "t", "k"), []byte("b\x00t\x00k\x00"))
+	b := one.ID(one.Prefix("b", "t", "k"), []byte("a\x00t\x00k\x00"))
+	if a != b {
+		t.Errorf("with one seed the crossed names have ids %x and %x; the test no longer shows why two seeds are needed", a, b)
+	}
+	if got, want := bucketID([]byte("127.0.0.1")), ids.ID(ids.Prefix("p", "default", "ip/32/64"), []byte("127.0.0.1")); got != want {
+		t.Errorf("the cached prefix gives %x, a fresh one %x", got, want)
 	}
 }
