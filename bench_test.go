@@ -3,8 +3,10 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
@@ -92,10 +94,27 @@ func BenchmarkServeHTTPMaxWait(b *testing.B) {
 // benchServe runs b.N requests of one client through h, with a next
 // handler that counts the requests let through: all of them must be, so
 // that a refusal or a store failure is never measured as an admission.
-func benchServe(b *testing.B, h *Handler) {
+func benchServe(b *testing.B, h *Handler) { benchServeKeys(b, h, nil, 0) }
+
+// benchServeKeys is benchServe with the clients keys in turn (header
+// X-Key; none when keys is nil), after warm passes over them untimed.
+func benchServeKeys(b *testing.B, h *Handler, keys []string, warm int) {
 	passed := 0
 	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { passed++; return nil })
 	w := &headerSink{h: make(http.Header)}
+	request := func(i int) *http.Request {
+		r := benchRequest("127.0.0.1")
+		if keys != nil {
+			r.Header["X-Key"] = []string{keys[i%len(keys)]}
+		}
+		return r
+	}
+	for i := range warm * len(keys) {
+		if err := h.ServeHTTP(w, request(i), next); err != nil {
+			b.Fatal(err)
+		}
+	}
+	passed = 0
 	// Each request has its own replacer, as in Caddy; making them is Caddy's
 	// cost, not the handler's, so they are made with the timer stopped, a
 	// batch at a time.
@@ -106,7 +125,7 @@ func benchServe(b *testing.B, h *Handler) {
 		if i%len(batch) == 0 {
 			b.StopTimer()
 			for j := range batch {
-				batch[j] = benchRequest("127.0.0.1")
+				batch[j] = request(i + j)
 			}
 			b.StartTimer()
 		}
@@ -164,5 +183,33 @@ func BenchmarkServeHTTPLimits(b *testing.B) {
 			defer done()
 			benchServe(b, h)
 		})
+	}
+}
+
+// BenchmarkServeHTTPStores is ServeHTTP on the local store beside the
+// Redis store with leases of 1,000 tokens (decided from the tokens this
+// node holds), for one client and for 1,000 clients in turn,
+// in one run: what a decision from leased tokens costs beyond a local one
+// (bench/README.md, "Leases at local speed").
+func BenchmarkServeHTTPStores(b *testing.B) {
+	srv := startRedis(b)
+	for _, tt := range []struct{ name, store string }{
+		{"local", `{"store":"local"}`},
+		{"lease", `{"store":"redis","addresses":["` + srv.url() + `"],"lease":"1000","timeout":"5s"}`},
+	} {
+		for _, clients := range []int{1, 1000} {
+			b.Run(fmt.Sprintf("%s/%d-clients", tt.name, clients), func(b *testing.B) {
+				h, done := provisionedHandler(b, `{"name":"bench-stores-`+tt.name+`","on_store_error":"deny","keys":[{"keyer":"header","field":"X-Key"}],
+					"store":`+tt.store+`,"tiers":[{"name":"default","capacity":1000000000,"refill":"1000/s"}]}`)
+				defer done()
+				keys := make([]string, clients)
+				for i := range keys {
+					keys[i] = "client-" + strconv.Itoa(i)
+				}
+				// The warm passes take each client's leases to their size
+				// (doubling from one token) before the timer starts.
+				benchServeKeys(b, h, keys, 64)
+			})
+		}
 	}
 }

@@ -97,6 +97,11 @@ type leaseTable struct {
 	// config on this connection keep apart from credit (debtBook).
 	debts *debtBook
 
+	// hints find an entry by its id (lease.id) without its key
+	// (takeByID), a slot per id modulo hintSlots; a stale one (the entry
+	// dropped, or another id's) only sends the request the long way.
+	hints *[hintSlots]atomic.Pointer[lease]
+
 	stop    chan struct{}
 	closed  atomic.Bool
 	calls   sync.WaitGroup // fetches and give-backs in flight
@@ -115,6 +120,13 @@ type leaseShard struct {
 type lease struct {
 	key  string
 	tier bucket.Tier
+	// id is the caller's 64-bit id of the bucket's name (takeByID), set
+	// once, by the first request that gave one; 0 before. shard holds the
+	// entry, and gone says it was dropped from it, so that a hint to it
+	// no longer stands.
+	id    uint64
+	shard *leaseShard
+	gone  bool
 	// tokens are the leased tokens not yet spent, and recorded what the
 	// shared store's record of them says at least: tokens never exceed it.
 	tokens, recorded int64
@@ -243,6 +255,7 @@ func newLeaseTable(remote leaseRemote, now func() int64, size LeaseSize, ttl, ti
 		logger:   logger,
 		jitter:   mathrand.Int64N,
 		stop:     make(chan struct{}),
+		hints:    new([hintSlots]atomic.Pointer[lease]),
 	}
 	for i := range t.shards {
 		t.shards[i].m = make(map[string]*lease)
@@ -285,7 +298,7 @@ func (t *leaseTable) insert(sh *leaseShard, key string, tr bucket.Tier, now int6
 	if len(sh.m) >= t.perShard {
 		t.evict(sh, now)
 	}
-	e := &lease{key: key, tier: tr, credit: t.creditFor(len(sh.m))}
+	e := &lease{key: key, tier: tr, shard: sh, credit: t.creditFor(len(sh.m))}
 	if e.credit > 0 && t.debts != nil {
 		e.credit, e.debtUntil = t.debts.creditFor(key, e.credit, now)
 	}
@@ -324,6 +337,7 @@ func (t *leaseTable) evict(sh *leaseShard, now int64) {
 // by key, for the first call of the next entry to wait for.
 func (sh *leaseShard) forget(e *lease, bound int) {
 	delete(sh.m, e.key)
+	e.gone = true
 	if e.stopTimer != nil {
 		e.stopTimer()
 	}

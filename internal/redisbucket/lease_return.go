@@ -101,6 +101,7 @@ func (t *leaseTable) reset(key []byte) {
 	sh.mu.Lock()
 	if e := sh.m[string(key)]; e != nil && e.call == nil {
 		delete(sh.m, e.key)
+		e.gone = true
 	} else if e != nil {
 		e.tokens, e.recorded, e.holdUntil, e.retryAt, e.banUntil, e.quotaUntil = 0, 0, 0, 0, 0, 0
 		e.emptyUntil, e.quietUntil = 0, 0

@@ -19,7 +19,14 @@ import (
 // is refused by it. It writes each limit's and quota's result into out
 // (room for tr.Parts()), and returns the binding one.
 func (t *leaseTable) take(ctx context.Context, key []byte, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
-	res, err := t.takeHeld(ctx, key, tr, cost, out)
+	return t.takeNamed(ctx, key, 0, tr, cost, out)
+}
+
+// takeNamed is take for a request that also gives the bucket's id, the
+// caller's 64-bit hash of its name, one to one with key: the entry is
+// found by it next time (takeByID). 0 gives none.
+func (t *leaseTable) takeNamed(ctx context.Context, key []byte, id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
+	res, err := t.takeHeld(ctx, key, id, tr, cost, out)
 	if err != nil || res.Allowed || tr.First().MaxWait == 0 || res.Banned {
 		return res, err
 	}
@@ -51,7 +58,7 @@ func (t *leaseTable) reserved(key []byte, cost int64) {
 }
 
 // takeHeld is take without max_wait: from the tokens held, or refused.
-func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
+func (t *leaseTable) takeHeld(ctx context.Context, key []byte, id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, error) {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	if t.closed.Load() {
@@ -62,6 +69,9 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 	}
 	now := t.now()
 	e := t.entry(sh, key, tr, now)
+	if id != 0 {
+		t.hint(e, id)
+	}
 	if res, ok := t.credited(e, cost, now, out); ok {
 		sh.mu.Unlock()
 		return res, nil
@@ -131,6 +141,51 @@ func (t *leaseTable) takeHeld(ctx context.Context, key []byte, tr bucket.Tier, c
 			e, waited = next, false
 		}
 	}
+}
+
+// hintSlots is how many entries the hints find by id: a table of a few
+// thousand keys in use finds most of them, at 64 KiB a table.
+const hintSlots = 1 << 13
+
+// hint lets the next request for e, of id, find it by id (takeByID). An
+// entry keeps the first id given: two ids for one key (which a 64-bit
+// collision of two names would take) leave the later one the long way.
+func (t *leaseTable) hint(e *lease, id uint64) {
+	if e.id == 0 {
+		// Before the entry is published: takeByID reads it unlocked.
+		e.id = id
+	}
+	if e.id == id && t.hints[id%hintSlots].Load() != e {
+		t.hints[id%hintSlots].Store(e)
+	}
+}
+
+// takeByID decides a request from the tokens this node holds on the
+// bucket of id (takeNamed), without its key: what take does for a request
+// that finds its lease live and its cost covered, as most do. Anything
+// else (no entry found by id, one dropped since, tokens short or lapsed,
+// credit, a closed table) reports false, and the request takes the long
+// way, with its key: a request's answer never depends on which way it
+// went (TestALeasedRequestFoundByIDIsDecidedAsByKey).
+func (t *leaseTable) takeByID(id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (bucket.Result, bool) {
+	e := t.hints[id%hintSlots].Load()
+	if e == nil || e.id != id {
+		return bucket.Result{}, false
+	}
+	sh := e.shard
+	sh.mu.Lock()
+	now := t.now()
+	if e.gone || t.closed.Load() || e.credit > 0 || e.tokens < cost || t.lapsed(e, now) {
+		sh.mu.Unlock()
+		return bucket.Result{}, false
+	}
+	// As entry does; its expire has nothing to give back while the lease
+	// has not lapsed.
+	e.tier, e.lastUsed = tr, now
+	res := t.spend(e, cost, now)
+	e.fill(out, res, now, cost)
+	sh.mu.Unlock()
+	return res, true
 }
 
 // spend takes cost from the tokens e holds, and fetches the next lease in

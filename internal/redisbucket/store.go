@@ -187,14 +187,39 @@ func (s *Store) SplitKey(key string) (policy, tier string, ok bool) {
 // A denial is remembered until the retry time of the limit or quota that
 // makes the client wait longest: until then, no call.
 func (s *Store) Take(ctx context.Context, key []byte, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
+	return s.TakeNamed(ctx, key, 0, tr, cost, out)
+}
+
+// TakeNamed is Take for a caller that also names the bucket by id, its
+// own 64-bit hash of the bucket's name, one to one with key (0: none):
+// with leases, the next request for it may be decided by TakeHeld.
+func (s *Store) TakeNamed(ctx context.Context, key []byte, id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
 	out = out[:tr.Parts()]
-	if s.leases != nil && cost > 0 && s.leases.size.ofTier(tr) > cost {
-		res, err := s.leases.take(ctx, key, tr, cost, out)
+	if s.leasing(tr, cost) {
+		res, err := s.leases.takeNamed(ctx, key, id, tr, cost, out)
 		if !errors.Is(err, errLeasesClosed) {
 			return res.Allowed, err
 		}
 	}
 	return s.decide(ctx, string(key), tr, cost, out)
+}
+
+// TakeHeld decides a request from the tokens this node holds on the
+// bucket of id, as Take would, without the bucket's key (which a caller
+// hashes from the client's value): for a bucket a request named by
+// TakeNamed before, whose lease covers the cost. ok is false otherwise,
+// and the caller calls TakeNamed.
+func (s *Store) TakeHeld(id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (allowed, ok bool) {
+	if !s.leasing(tr, cost) {
+		return false, false
+	}
+	res, ok := s.leases.takeByID(id, tr, cost, out[:tr.Parts()])
+	return res.Allowed, ok
+}
+
+// leasing says whether a request of cost on tr is decided from leases.
+func (s *Store) leasing(tr bucket.Tier, cost int64) bool {
+	return s.leases != nil && cost > 0 && s.leases.size.ofTier(tr) > cost
 }
 
 // Peek reports every limit and quota of the tier tr of the bucket at key
