@@ -1,11 +1,13 @@
 package ratelimit
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
+	"github.com/golang-jwt/jwt/v5"
 )
 
 // adminView is GET /rate_limit/buckets's answer, with each limit's and
@@ -377,6 +380,240 @@ func TestAnAdminReadOfSeveralLimitsStartsNoBan(t *testing.T) {
 			}
 			if r := s.get("/", "X-Key: read"); r.status != 200 {
 				t.Errorf("the client the admin API read, after its debt: %d, Retry-After %s; want 200 as the unread client got: the admin read started a ban", r.status, r.header.Get("Retry-After"))
+			}
+		})
+	}
+}
+
+// A request's bucket, whichever keyer names the client (each kind, and
+// the client IP when none does) and whichever tier a matcher or the
+// keyer's kind picks for it, is the one the admin endpoint names by
+// tier, keyer and value: GET shows what the requests spent, and after
+// DELETE the bucket is full and the client's next request is its first.
+func TestTheAdminEndpointNamesTheBucketOfEveryKeyerAndTier(t *testing.T) {
+	useFakeClock(t)
+	useJWTClock(t)
+	const secret = "a jwt secret of thirty-two bytes!"
+	s, admin := serveWithAdmin(t, `
+	route {
+		rate_limit 100 1/h {
+			name admin_every_keyer_outer
+			key header X-Key
+		}
+		rate_limit {
+			name admin_every_keyer
+			key jwt sub
+			key header X-Key
+			key cookie sid
+			key json user.name
+			key form username
+			key placeholder {query.k}
+			jwt {
+				secret "`+secret+`"
+				issuer https://issuer.test
+				audience api
+			}
+			tier gold 9 1/h {
+				match {
+					header X-Plan gold
+				}
+			}
+			tier crumbs 8 1/h {
+				keyer cookie
+			}
+			tier default 7 1/h
+		}
+		respond "{http.rate_limit.policy} {http.rate_limit.tier} {http.rate_limit.key_id} {http.rate_limit.remaining}"
+	}`)
+	capacity := map[string]int64{"gold": 9, "crumbs": 8, "default": 7}
+	for _, c := range []struct {
+		keyer string
+		// send makes one request of the client named by value.
+		send func(value string, headers ...string) response
+	}{
+		{"jwt", func(v string, hs ...string) response {
+			tok := sign(t, jwt.SigningMethodHS256, []byte(secret), "", claimsAt(v, "gold"))
+			return s.do(http.MethodGet, "/", "", append(hs, bearer(tok))...)
+		}},
+		{"header", func(v string, hs ...string) response {
+			return s.do(http.MethodGet, "/", "", append(hs, "X-Key: "+v)...)
+		}},
+		{"cookie", func(v string, hs ...string) response {
+			return s.do(http.MethodGet, "/", "", append(hs, "Cookie: sid="+v)...)
+		}},
+		{"json", func(v string, hs ...string) response {
+			return s.do(http.MethodPost, "/", `{"user":{"name":"`+v+`"}}`, append(hs, "Content-Type: application/json")...)
+		}},
+		{"form", func(v string, hs ...string) response {
+			return s.do(http.MethodPost, "/", "username="+v, append(hs, "Content-Type: application/x-www-form-urlencoded")...)
+		}},
+		{"placeholder", func(v string, hs ...string) response {
+			return s.do(http.MethodGet, "/?k="+v, "", hs...)
+		}},
+		{"ip", func(v string, hs ...string) response {
+			return s.do(http.MethodGet, "/", "", append(hs, "X-Forwarded-For: "+v)...)
+		}},
+	} {
+		for pi, plan := range []string{"gold", ""} {
+			t.Run(c.keyer+"/"+cmp.Or(plan, "no plan"), func(t *testing.T) {
+				value := c.keyer + strconv.Itoa(pi)
+				if c.keyer == "ip" {
+					value = "127.0.4." + strconv.Itoa(pi+1)
+				}
+				var headers []string
+				if plan != "" {
+					headers = append(headers, "X-Plan: "+plan)
+				}
+				tier := "default"
+				switch {
+				case plan == "gold":
+					tier = "gold"
+				case c.keyer == "cookie":
+					tier = "crumbs"
+				}
+				var last []string
+				for range 3 {
+					r := c.send(value, headers...)
+					last = strings.Fields(r.body)
+					if r.status != 200 || len(last) != 4 || last[0] != "admin_every_keyer" || last[1] != tier {
+						t.Fatalf("request: %d %q; want 200 on tier %s", r.status, r.body, tier)
+					}
+				}
+				url := admin + "/rate_limit/buckets?policy=admin_every_keyer&tier=" + tier + "&keyer=" + c.keyer + "&value=" + value
+				var got bucketState
+				if status := getJSON(t, url, &got); status != 200 || got.Remaining != capacity[tier]-3 || got.KeyID != last[2] {
+					t.Fatalf("GET after 3 requests: %d, remaining %d, key_id %s; want 200, %d, the requests' key_id %s",
+						status, got.Remaining, got.KeyID, capacity[tier]-3, last[2])
+				}
+				if status, body := adminDo(t, http.MethodDelete, url); status != 200 {
+					t.Fatalf("DELETE: %d %s", status, body)
+				}
+				if status := getJSON(t, url, &got); status != 200 || got.Remaining != capacity[tier] {
+					t.Errorf("GET after DELETE: %d, remaining %d; want the bucket full, %d", status, got.Remaining, capacity[tier])
+				}
+				r := c.send(value, headers...)
+				if want := strconv.FormatInt(capacity[tier]-1, 10); r.status != 200 || !strings.HasSuffix(r.body, " "+want) {
+					t.Errorf("the request after DELETE: %d %q; want 200 and %s remaining, the bucket's first request", r.status, r.body, want)
+				}
+			})
+		}
+	}
+}
+
+// A reload that reorders the keyers and tiers, and adds one of each,
+// keeps every client in its bucket: one named by a keyer that moved, one
+// on a tier that moved, one named by the client IP, which comes after
+// one more keyer. The admin endpoint names the bucket as the new config
+// does.
+func TestAReloadThatReordersKeyersAndTiersKeepsEachClientsBucket(t *testing.T) {
+	useFakeClock(t)
+	port := freePort(t)
+	globals := fmt.Sprintf("admin 127.0.0.1:%d", freePort(t))
+	admin := "http://" + strings.TrimPrefix(globals, "admin ")
+	const body = `
+	rate_limit {
+		name reload_order
+		%s
+		%s
+		tier default 2 1/h
+	}
+	respond "{http.rate_limit.tier} {http.rate_limit.remaining}"`
+	const gold = `tier gold 3 1/h {
+			match {
+				header X-Plan gold
+			}
+		}`
+	clients := []struct {
+		name    string
+		headers []string
+		tier    string
+		query   string
+	}{
+		{"named by X-B, on gold", []string{"X-B: bee", "X-Plan: gold", "X-Forwarded-For: 127.0.5.1"}, "gold", "tier=gold&keyer=header/X-B&value=bee"},
+		{"named by X-A", []string{"X-A: ay", "X-Forwarded-For: 127.0.5.2"}, "default", "tier=default&keyer=header/X-A&value=ay"},
+		{"named by its IP", []string{"X-Forwarded-For: 127.0.5.3"}, "default", "tier=default&keyer=ip&value=127.0.5.3"},
+	}
+	s := serveCaddyfile(t, port, siteCaddyfile(globals, port, fmt.Sprintf(body, "key header X-A\n\t\tkey header X-B", gold)))
+	for _, c := range clients {
+		for i := 0; ; i++ {
+			r := s.get("/", c.headers...)
+			if r.status == 429 {
+				break
+			}
+			if r.status != 200 || !strings.HasPrefix(r.body, c.tier+" ") || i > 5 {
+				t.Fatalf("%s, request %d: %d %q; want 200 on %s until it is refused", c.name, i+1, r.status, r.body, c.tier)
+			}
+		}
+	}
+	s = serveCaddyfile(t, port, siteCaddyfile(globals, port, fmt.Sprintf(body,
+		"key header X-B\n\t\tkey header X-A\n\t\tkey header X-C",
+		"tier silver 5 1/h {\n\t\t\tmatch {\n\t\t\t\theader X-Plan silver\n\t\t\t}\n\t\t}\n\t\t"+gold)))
+	for _, c := range clients {
+		if r := s.get("/", c.headers...); r.status != 429 {
+			t.Errorf("%s, after the reload: %d %q; want 429, its bucket still empty", c.name, r.status, r.body)
+		}
+		url := admin + "/rate_limit/buckets?policy=reload_order&" + c.query
+		var got bucketState
+		if status := getJSON(t, url, &got); status != 200 || got.Remaining != 0 {
+			t.Errorf("%s, GET after the reload: %d, remaining %d; want its empty bucket", c.name, status, got.Remaining)
+		}
+		if status, body := adminDo(t, http.MethodDelete, url); status != 200 {
+			t.Fatalf("%s: DELETE: %d %s", c.name, status, body)
+		}
+		if r := s.get("/", c.headers...); r.status != 200 {
+			t.Errorf("%s, after DELETE: %d %q; want 200", c.name, r.status, r.body)
+		}
+	}
+}
+
+// With Redis down, the on_store_error local fallback decides, on the tier
+// itself or on its scaled copy for a share: DELETE, which answers 502 for
+// Redis, resets the fallback's bucket of the client, named by a keyer or
+// by its IP, and the client's next request passes.
+func TestAnAdminDeleteDuringARedisOutageEmptiesTheFallbacksBucket(t *testing.T) {
+	for i, share := range []string{"", "1/2"} {
+		t.Run(cmp.Or(share, "whole"), func(t *testing.T) {
+			useFakeClock(t)
+			name := fmt.Sprint("outage_delete_", i)
+			s, admin := serveWithAdmin(t, fmt.Sprintf(`
+	rate_limit 4 1/h {
+		name %s
+		key header X-Key
+		store redis {
+			address redis://127.0.0.1:%d
+		}
+		on_store_error local %s
+	}
+	respond "ok"`, name, freePort(t), share)) // nothing listens there
+			for _, c := range []struct {
+				who     string
+				headers []string
+				query   string
+			}{
+				{"named by X-Key", []string{"X-Key: kay", "X-Forwarded-For: 127.0.6.1"}, "keyer=header&value=kay"},
+				{"named by its IP", []string{"X-Forwarded-For: 127.0.6.2"}, "keyer=ip&value=127.0.6.2"},
+			} {
+				allowed := 0
+				for s.get("/", c.headers...).status == 200 {
+					if allowed++; allowed > 4 {
+						t.Fatalf("%s: more than the tier's 4 allowed", c.who)
+					}
+				}
+				if allowed == 0 {
+					t.Fatalf("%s: the fallback allowed nothing", c.who)
+				}
+				status, body := adminDo(t, http.MethodDelete, admin+"/rate_limit/buckets?policy="+name+"&"+c.query)
+				var reply resetReport
+				if err := json.Unmarshal([]byte(body), &reply); err != nil || status != http.StatusBadGateway || !slices.Contains(reply.LayersReset, "local_fallback") {
+					t.Fatalf("%s: DELETE: %d %s; want 502 with local_fallback reset", c.who, status, body)
+				}
+				again := 0
+				for s.get("/", c.headers...).status == 200 && again <= 4 {
+					again++
+				}
+				if again != allowed {
+					t.Errorf("%s: %d allowed after DELETE, %d before; want the fallback's bucket full again", c.who, again, allowed)
+				}
 			}
 		})
 	}

@@ -490,3 +490,52 @@ func TestAReloadThatChangesTheRedisTimeoutKeepsTheSlotsOfRunningRequests(t *test
 		t.Errorf("a second request of the client was let through while its first is still in flight (concurrency 1): Redis holds %v", srv.do("KEYS", "*:c"))
 	}
 }
+
+// The in-flight slot a request holds is in the bucket the admin endpoint
+// names: GET shows it while the origin holds the request, for a client
+// named by a keyer after the first, and none once it is answered.
+func TestTheAdminEndpointSeesTheSlotARequestHolds(t *testing.T) {
+	useFakeClock(t)
+	arrived, release := make(chan struct{}), make(chan struct{})
+	origin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		arrived <- struct{}{}
+		<-release
+		w.Write([]byte("ok"))
+	}))
+	t.Cleanup(origin.Close)
+	s, admin := serveWithAdmin(t, fmt.Sprintf(`rate_limit {
+		name admin_inflight
+		key header X-First
+		key header X-Key
+		tier all {
+			concurrency 2
+		}
+	}
+	reverse_proxy %s`, origin.Listener.Addr()))
+	inFlight := func() int64 {
+		t.Helper()
+		var got bucketState
+		url := admin + "/rate_limit/buckets?policy=admin_inflight&keyer=header/X-Key&value=kay"
+		if status := getJSON(t, url, &got); status != 200 || got.InFlight == nil {
+			t.Fatalf("GET: %d, in_flight %v; want 200 and in_flight", status, got.InFlight)
+		}
+		return *got.InFlight
+	}
+	done := make(chan response)
+	go func() { done <- s.get("/", "X-Key: kay") }()
+	select {
+	case <-arrived:
+	case r := <-done:
+		t.Fatalf("the request: %d %q before it reached the origin", r.status, r.body)
+	}
+	if got := inFlight(); got != 1 {
+		t.Errorf("while the origin holds the request: in_flight %d, want 1", got)
+	}
+	close(release)
+	if r := <-done; r.status != 200 {
+		t.Fatalf("the request: %d %q", r.status, r.body)
+	}
+	if got := inFlight(); got != 0 {
+		t.Errorf("after the answer: in_flight %d, want 0", got)
+	}
+}

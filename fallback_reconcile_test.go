@@ -296,3 +296,31 @@ func TestReconcileChargesNoTokenALeaseCovered(t *testing.T) {
 		t.Fatalf("the shared bucket has %d left after %d admitted (%d from a lease while cut off); want %d", got, admitted, heldAtCut, 40-admitted)
 	}
 }
+
+// What the fallback owes for a client named by a keyer after the first is
+// forgiven by a reset of the bucket as the admin endpoint names it, from
+// the policy, tier, keyer and value alone.
+func TestAResetOfTheBucketAsTheAdminNamesItForgetsWhatTheFallbackOwes(t *testing.T) {
+	t.Parallel()
+	h, done := provisionedHandlerOn(t, newFakeClock().clocks(), fmt.Sprintf(`{
+		"name": "reconcile-reset-named",
+		"keys": [{"keyer": "header", "field": "X-First"}, {"keyer": "header", "field": "X-Key"}],
+		"store": {"store": "redis", "addresses": ["redis://127.0.0.1:%d"], "timeout": "50ms"},
+		"on_store_error": "local", "on_store_error_reconcile": true,
+		"tiers": [{"name": "t", "capacity": 10, "refill": "1/h"}]
+	}`, freePort(t)))
+	lost := reconcileLostTokens.WithLabelValues("reconcile-reset-named")
+	before := counterValue(t, lost)
+	r := benchRequest("192.0.2.52")
+	r.Header.Set("X-Key", "kay")
+	for range 2 {
+		if w, _ := serveOne(h, r, nopHandler); w.Code != http.StatusOK {
+			t.Fatalf("a request the fallback decides: %d", w.Code)
+		}
+	}
+	resetBucket(context.Background(), h, &Bucket{Policy: h.Name, Tier: "t", Keyer: "header/X-Key", Value: []byte("kay")})
+	done() // the store is still down: whatever is owed is lost, and counted
+	if got := counterValue(t, lost) - before; got != 0 {
+		t.Fatalf("tokens still owed after a reset of the bucket as the admin names it: %v; want 0", got)
+	}
+}

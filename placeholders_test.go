@@ -1,11 +1,16 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The {http.rate_limit.*} placeholders (placeholders.go).
@@ -149,6 +154,117 @@ func TestAClientNamedVarNeitherBreaksNorRedirectsStackedPlaceholders(t *testing.
 	for _, q := range []string{"a=" + name, "b=" + name, "a=" + name + "&b=" + name, "a=z"} {
 		if r := s.get("/stacked?" + q); r.status != 200 || !strings.HasPrefix(r.body, "second 5 ") {
 			t.Errorf("?%s: %d %q, want 200 from the second handler's placeholders", q, r.status, r.body)
+		}
+	}
+}
+
+// Stacked handlers in nested routes and a handle block, with a vars
+// handler that sets the handlers' shared variable to a string before the
+// first and between the second and third (a config can name it in JSON;
+// a client through a query): the placeholders answer the last handler,
+// the one that refused once one does, and the response never fails.
+func TestNestedStackedHandlersAnswerTheLastWhateverTheVarsHold(t *testing.T) {
+	useFakeClock(t)
+	port := freePort(t)
+	caddyfile := siteCaddyfile("admin off", port, `
+	route /nested {
+		vars RLDECISION before
+		vars {query.a} x
+		rate_limit 10 1/h {
+			name nested_first
+		}
+		route {
+			rate_limit 5 1/h {
+				name nested_second
+			}
+			vars RLDECISION between
+			vars {query.b} y
+			handle /nested {
+				rate_limit 3 1/h {
+					name nested_third
+				}
+			}
+		}
+		respond "{http.rate_limit.policy} {http.rate_limit.limit} {http.rate_limit.remaining} {vars.RLDECISION}"
+	}
+	handle_errors 429 {
+		respond "{http.rate_limit.policy} {http.rate_limit.limit} {http.rate_limit.decision}" 429
+	}`)
+	cfg, err := adaptCaddyfile(caddyfile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	quoted, _ := json.Marshal(decisionVar)
+	named := strings.ReplaceAll(string(cfg), `"RLDECISION"`, string(quoted))
+	if named == string(cfg) {
+		t.Fatalf("the adapted config names no RLDECISION variable:\n%s", cfg)
+	}
+	for _, c := range []struct {
+		name string
+		cfg  string
+	}{
+		{"vars naming another variable", string(cfg)},
+		{"vars naming the handlers' variable", named},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := serveConfig(t, port, []byte(c.cfg))
+			const q = "%00rate_limit.decision"
+			queries := []string{"", "a=" + q, "b=" + q, "a=" + q + "&b=" + q}
+			for i, query := range queries {
+				r := s.get("/nested?" + query)
+				want := fmt.Sprintf("nested_third 3 %d ", 2-i)
+				if i >= 3 {
+					if r.status != 429 || r.body != "nested_third 3 denied" {
+						t.Errorf("?%s: %d %q, want the third's refusal", query, r.status, r.body)
+					}
+					continue
+				}
+				if r.status != 200 || !strings.HasPrefix(r.body, want) {
+					t.Errorf("?%s: %d %q, want 200 from the third handler: %q", query, r.status, r.body, want)
+				}
+			}
+		})
+	}
+}
+
+// Two handlers stacked on a request that came through no Caddy server,
+// with a replacer and no vars map, answer from the second; a request with
+// neither is limited and answers nothing, without a panic.
+func TestStackedHandlersWithoutVarsAnswerTheLast(t *testing.T) {
+	t.Parallel()
+	first, done1 := provisionedHandler(t, `{"name":"novars_first","tiers":[{"name":"default","capacity":10,"refill":"1/h"}]}`)
+	defer done1()
+	second, done2 := provisionedHandler(t, `{"name":"novars_second","tiers":[{"name":"default","capacity":4,"refill":"1/h"}]}`)
+	defer done2()
+	for i, withReplacer := range []bool{true, true, false} {
+		ctx := context.Background()
+		if withReplacer {
+			ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer())
+		}
+		r, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1/", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.RemoteAddr = "192.0.2.90:1234"
+		var answered string
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+				answered = repl.ReplaceAll("{http.rate_limit.policy} {http.rate_limit.remaining}", "-")
+			}
+			return nil
+		})
+		w, err := serveOne(first, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			return second.ServeHTTP(w, r, next)
+		}))
+		if err != nil || w.Code != 200 {
+			t.Fatalf("request %d: %d, %v", i+1, w.Code, err)
+		}
+		want := ""
+		if withReplacer {
+			want = fmt.Sprintf("novars_second %d", 3-i)
+		}
+		if answered != want {
+			t.Errorf("request %d: placeholders %q, want %q", i+1, answered, want)
 		}
 	}
 }

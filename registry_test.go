@@ -336,3 +336,40 @@ func TestTheRunningHandlersAReaderHoldsDoNotChange(t *testing.T) {
 	}
 	a.register() // for the deferred unregister
 }
+
+// Two handlers of one policy on two ports that list their keyers in
+// another order, the second with one keyer fewer, share the bucket of a
+// client that the same keyer names in both, and of one named by its IP.
+func TestHandlersOfOnePolicyThatOrderTheirKeyersApartShareBuckets(t *testing.T) {
+	a, b := freePort(t), freePort(t)
+	cfg, err := adaptCaddyfile(fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	rate_limit 2 1/h {
+		name keyer_order
+		key header X-A
+		key header X-B
+	}
+	respond "a"
+}
+http://127.0.0.1:%d {
+	rate_limit 2 1/h {
+		name keyer_order
+		key header X-B
+	}
+	respond "b"
+}`, a, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := serveConfig(t, a, cfg)
+	other := *s
+	other.base = fmt.Sprintf("http://127.0.0.1:%d", b)
+	for _, client := range [][]string{{"X-B: bee"}, {}} {
+		codes := fmt.Sprint(s.get("/", client...).status, s.get("/", client...).status, other.get("/", client...).status)
+		if codes != "200 200 429" {
+			t.Errorf("client %q: two to a, then one to b: %s; want 200 200 429, one bucket", client, codes)
+		}
+	}
+}
