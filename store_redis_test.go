@@ -912,3 +912,62 @@ func TestATierFollowsAClusterGivenByOneAddressThatWasDownAtStart(t *testing.T) {
 		})
 	}
 }
+
+// A request on the Redis store with leases is decided by its bucket's id
+// only from a lease this node still holds: not from one an admin reset
+// dropped (RedisStore.reset, and forgetHere on another copy of the
+// policy), after which the next request reports the refilled bucket as a
+// first request does; and never for a cost the lease size does not
+// exceed, which strict mode decides in the shared bucket.
+func TestALeasedRequestIsDecidedByIDOnlyFromALeaseStillHeld(t *testing.T) {
+	t.Parallel()
+	srv := startRedis(t)
+	s := newRedisStoreFor(t, &RedisStore{Addresses: []string{srv.url()}, Timeout: caddy.Duration(5 * time.Second), Lease: "4"})
+	l := slowLimit(20)
+	tr := bucket.Tier{Limits: []bucket.Limit{l}}
+	b := bucketFor("decided-by-id")
+	id := localID(b)
+	out := make([]bucket.Result, 1)
+	// heldByID takes requests until the lease holds 2 tokens (its
+	// prefetches land in the background), then one is decided by id.
+	heldByID := func() {
+		t.Helper()
+		waitFor(t, 5*time.Second, "a lease of 2 tokens or more", func() bool {
+			if s.engine.Held(s.key(nil, b)) >= 2 {
+				return true
+			}
+			if res, err := takeLimit(bg, s, b, l, 1); err != nil || !res.Allowed {
+				t.Fatalf("take: %+v, %v", res, err)
+			}
+			return false
+		})
+		if _, ok := s.engine.TakeHeld(id, tr, 1, out); !ok {
+			t.Fatal("a request the lease covers was not decided by id")
+		}
+	}
+	for _, drop := range []struct {
+		name string
+		do   func() error
+	}{
+		{"reset", func() error { return s.reset(bg, b) }},
+		{"forgetHere", func() error { s.forgetHere(b); return nil }},
+	} {
+		heldByID()
+		held := s.engine.Held(s.key(nil, b))
+		if _, ok := s.engine.TakeHeld(id, tr, 4, out); ok {
+			t.Fatalf("%s: a request of cost 4, the lease size, was decided by id from %d tokens held", drop.name, held)
+		}
+		if err := drop.do(); err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := s.engine.TakeHeld(id, tr, 1, out); ok {
+			t.Fatalf("after %s: a request was decided by id from the lease it dropped", drop.name)
+		}
+		if drop.name == "reset" {
+			res, err := takeLimit(bg, s, b, l, 1)
+			if err != nil || !res.Allowed || res.Remaining != l.Capacity-1 {
+				t.Fatalf("after reset: %+v, %v; want allowed with %d left, as a first request", res, err, l.Capacity-1)
+			}
+		}
+	}
+}

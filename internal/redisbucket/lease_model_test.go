@@ -83,6 +83,63 @@ type fleetRound struct {
 	// mutateCharge, when set, breaks the shared bucket after a charge of
 	// n (cost_from_response).
 	mutateCharge func(sh *buckettest.Shared, n int64)
+	// byID, when set, has the nodes decide each request as the root does:
+	// by the bucket's id first (takeByID), by key when that reports false.
+	byID *idWay
+}
+
+// idWay counts the requests of a fleet round that the id way decided, and
+// those allowed by key, with how many of them the tokens held covered.
+type idWay struct {
+	decided, allowed, fromHeld int
+	// spendLapsed is a mutation: the id way spends tokens whose lease
+	// lapsed, as if just leased.
+	spendLapsed bool
+}
+
+// takeConcurrently decides a request by id first, counting under mu
+// those the id way decided.
+func (w *idWay) takeConcurrently(mu *sync.Mutex, tb *leaseTable, key []byte, id uint64, tr bucket.Tier, cost int64) (bucket.Result, error) {
+	if res, ok := tb.takeByID(id, tr, cost, nil); ok {
+		mu.Lock()
+		w.decided++
+		mu.Unlock()
+		return res, nil
+	}
+	return tb.takeNamed(bg, key, id, tr, cost, nil)
+}
+
+// fleetID is the id the nodes of a fleet round name their bucket by.
+const fleetID = 0x9e3779b97f4a7c15
+
+// take decides a request of node tb as r has it: by key, or by id first.
+func (r fleetRound) take(ctx context.Context, tb *leaseTable, key string, tr bucket.Tier, cost int64) (bucket.Result, error) {
+	out := make([]bucket.Result, tr.Parts())
+	if r.byID == nil {
+		return tb.take(ctx, []byte(key), tr, cost, out)
+	}
+	if r.byID.spendLapsed {
+		if e := tb.hints[fleetID%hintSlots].Load(); e != nil {
+			e.shard.mu.Lock()
+			if !e.gone && e.tokens >= cost && tb.lapsed(e, tb.now()) {
+				e.leasedAt, e.spendBy = tb.now(), 0
+			}
+			e.shard.mu.Unlock()
+		}
+	}
+	if res, ok := tb.takeByID(fleetID, tr, cost, out); ok {
+		r.byID.decided++
+		return res, nil
+	}
+	held := tb.heldNow([]byte(key))
+	res, err := tb.takeNamed(ctx, []byte(key), fleetID, tr, cost, out)
+	if err == nil && res.Allowed {
+		r.byID.allowed++
+		if held >= cost {
+			r.byID.fromHeld++
+		}
+	}
+	return res, err
 }
 
 // lastCall is what a node's last lease call found, for the liveness check:
@@ -285,7 +342,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			i := rng.IntN(len(tables))
 			cost := 1 + rng.Int64N(min(3, minCap))
 			before := len(bans)
-			res, err := tables[i].take(bg, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
+			res, err := r.take(bg, tables[i], key, tr, cost)
 			tableSync(tables[i])
 			if err := lease(i, tables[i].node, cost, res, err); err != nil {
 				return err
@@ -363,7 +420,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			m.gate = gate
 			ctx, cancel := context.WithCancel(bg)
 			cancel()
-			res, err := tables[i].take(ctx, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
+			res, err := r.take(ctx, tables[i], key, tr, cost)
 			close(gate)
 			tableSync(tables[i])
 			m.gate = nil
@@ -386,7 +443,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			done := make(chan answer, 1)
 			old := tables[i]
 			go func() {
-				res, err := old.take(bg, []byte(key), tr, cost, make([]bucket.Result, tr.Parts()))
+				res, err := r.take(bg, old, key, tr, cost)
 				done <- answer{res, err}
 			}()
 			closed := make(chan struct{})
@@ -940,11 +997,24 @@ func runConcurrentFleet(rng *rand.Rand, r fleetRound, instants int, tiny bool) e
 				// Another client: in a table of one entry a shard, one
 				// in 64 of these evicts the bucket's entry.
 				other := []byte{'o', byte(rng.IntN(256))}
-				wg.Go(func() { tb.take(bg, other, oneLimit(l), 1, nil) })
+				wg.Go(func() {
+					if r.byID != nil {
+						// Its id shares the bucket's hint slot.
+						r.byID.takeConcurrently(&mu, tb, other, fleetID+(uint64(other[1])+1)*hintSlots, oneLimit(l), 1)
+						return
+					}
+					tb.take(bg, other, oneLimit(l), 1, nil)
+				})
 				continue
 			}
 			wg.Go(func() {
-				res, err := tb.take(bg, []byte(key), oneLimit(l), cost, nil)
+				var res bucket.Result
+				var err error
+				if r.byID != nil {
+					res, err = r.byID.takeConcurrently(&mu, tb, []byte(key), fleetID, oneLimit(l), cost)
+				} else {
+					res, err = tb.take(bg, []byte(key), oneLimit(l), cost, nil)
+				}
 				if err == nil && res.Allowed {
 					mu.Lock()
 					adm = append(adm, admission{at: at, due: at + res.Wait, cost: cost, node: i})
