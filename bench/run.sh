@@ -38,6 +38,11 @@
 # Environment (defaults in brackets):
 #   ROUNDS [3]          rounds of all setups
 #   DURATION [10s]      each wrk run
+#   WARMUP [0s]         an unmeasured wrk run of each setup just before its
+#                       measured one, in every round (e.g. 3s): the figures
+#                       of a warm Caddy, whose leases have grown (a round
+#                       comes back to a setup after the others' runs, long
+#                       enough for its leases to lapse and be forgotten)
 #   THREADS [1]         wrk threads
 #   CONNECTIONS [32]    wrk connections
 #   SETUPS [a b c d e f g h i j]  which setups, in this order within a round
@@ -57,6 +62,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10s}
+WARMUP=${WARMUP:-0s}
 THREADS=${THREADS:-1}
 CONNECTIONS=${CONNECTIONS:-32}
 SETUPS=${SETUPS:-a b c d e f g h i j}
@@ -224,6 +230,9 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 declare -A redis_calls redis_reqs redis_errors
 for r in $(seq "$ROUNDS"); do
 	for s in $SETUPS; do
+		if [[ $WARMUP != 0s && $WARMUP != 0 ]]; then
+			wrk_run "$s" "$out/warmup-$s-$r.txt" "$WARMUP"
+		fi
 		before=$(redis_script_calls)
 		errors=$(store_errors "$s")
 		wrk_run "$s" "$out/wrk-$s-$r.txt"
@@ -270,7 +279,7 @@ done
 
 echo
 echo "Caddy $caddy_version, $(nproc) CPUs, load average before the runs: $load_before"
-echo "wrk -t$THREADS -c$CONNECTIONS -d$DURATION --latency, $ROUNDS alternating rounds; medians over rounds." \
+echo "wrk -t$THREADS -c$CONNECTIONS -d$DURATION --latency (after $WARMUP unmeasured), $ROUNDS alternating rounds; medians over rounds." \
 	"Pinning: caddy=${CADDY_CPUS:-none} wrk=${WRK_CPUS:-none} redis=${REDIS_CPUS:-none}."
 echo
 echo "| setup | | req/s | ratio to (a) | p50 | p99 | non-2xx | Redis script calls per request |"
