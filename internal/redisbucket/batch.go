@@ -324,7 +324,9 @@ func evalScript(ctx context.Context, c redis.Scripter, args []any) *redis.Cmd {
 // runScriptBy runs the call args (scriptArgs) alone, as runTimed does,
 // within ctx and the deadline (zero: none).
 func runScriptBy(ctx context.Context, deadline time.Time, c scripter, h *handshakes, args []any) ([]int64, int64, error) {
-	if !deadline.IsZero() {
+	if d, ok := ctx.Deadline(); !deadline.IsZero() && (!ok || d.After(deadline)) {
+		// A context that ends by the deadline already (doAside's, do's)
+		// needs no second one: a context, a timer and a channel a call.
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()

@@ -430,3 +430,24 @@ func TestBatchedTakesFollowAClusterAndReloadTheScript(t *testing.T) {
 		}
 	}
 }
+
+// A call no request waits on (a lease's renewal or prefetch, callAside)
+// runs within its own context's deadline, which doAside sets: it makes no
+// second context, timer and channel for the same deadline.
+func TestABackgroundCallMakesNoSecondContext(t *testing.T) {
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: time.Second})
+	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1_000_000, Interval: 1_000_000}}
+	key := string(bucketFor("background-call"))
+	call := func() {
+		if _, err := s.callAside(key, s.takeArgs(oneLimit(l), 1), 4); err != nil {
+			t.Fatal(err)
+		}
+	}
+	call() // the connection dialled, the script loaded
+	perCall := testing.AllocsPerRun(200, call)
+	t.Logf("%.1f allocations a background call", perCall)
+	if perCall > 15 {
+		t.Fatalf("a background call made %.1f allocations, want at most 15", perCall)
+	}
+}
