@@ -60,6 +60,8 @@ func (s *Store) takeQuotas(id uint64, tr bucket.Tier, cost int64, out []bucket.R
 	for i := range ls {
 		states[i], _ = sh.states.get(limitID(id, i))
 	}
+	off := wall - now
+	wall = racedPast(sh, id, qs, wall)
 	for i, q := range qs {
 		st, _ := sh.states.get(quotaID(id, q.Period))
 		start, _ := q.Bounds(wall)
@@ -74,10 +76,44 @@ func (s *Store) takeQuotas(id uint64, tr bucket.Tier, cost int64, out []bucket.R
 	}
 	for i, q := range qs {
 		if qstates[i] != qolds[i] {
-			s.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, wall-now), now)
+			s.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, off), now)
 		}
 	}
 	return allowed
+}
+
+// quotaRace is how close to its period's end a take's wall clock may be
+// read and still find the next period counted by a take that read the
+// clock after it but took the lock first (racedPast): the two reads of
+// requests in flight together, far below any step of the clock.
+const quotaRace = 1_000_000 // µs
+
+// racedPast is the moment a take that read wall counts at: wall, or, when
+// a quota's count is already the next period's and wall is within
+// quotaRace of its own period's end, that end. Such a take raced one that
+// read the clock after the boundary and locked first; counted in the
+// period that ended, it would have found no count there (the next
+// period's replaced it), admitted past a used-up quota, and replaced the
+// next period's count with its own. Counted at the boundary, it is
+// counted with the other
+// (TestATakeThatReadTheClockBeforeAPeriodsEndIsCountedInTheNextOneWhenThatCountedFirst).
+// A step of the clock back across a boundary, longer than quotaRace,
+// counts in the earlier period as before
+// (TestALocalQuotaCountAfterAStepBackAcrossABoundary).
+func racedPast(sh *shard, id uint64, qs []bucket.Quota, wall int64) int64 {
+	at := wall
+	for _, q := range qs {
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		if st.FullAt == 0 {
+			continue
+		}
+		start, end := q.Bounds(wall)
+		name := st.FullAt & (1<<periodBits - 1)
+		if name != periodName(start) && name == periodName(end) && end-wall <= quotaRace {
+			at = max(at, end)
+		}
+	}
+	return at
 }
 
 // updateQuotas applies f to each limit's state and g to each quota's

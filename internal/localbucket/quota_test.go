@@ -232,3 +232,51 @@ func TestALocalQuotaCountSurvivesAMicrosecondOfWallDrift(t *testing.T) {
 		t.Errorf("after 2 requests at noon: %d left of 10/day, want 8", out[1].Remaining)
 	}
 }
+
+// Two requests in flight together at midnight: one read the clocks just
+// before it, the other just after, and the later one took the lock first
+// and counted the new day. The earlier one is counted with it, at the
+// boundary: neither day admits more than its quota, and the new day's
+// count is not replaced by the old day's. (Counted in the day that ended,
+// it found that day's count gone, was admitted past a used-up quota, and
+// replaced the new day's count, which then admitted its quota again.)
+func TestATakeThatReadTheClockBeforeAPeriodsEndIsCountedInTheNextOneWhenThatCountedFirst(t *testing.T) {
+	t.Parallel()
+	midnight := time.Date(2026, 5, 5, 0, 0, 0, 0, time.UTC).UnixMicro()
+	mono := int64(1_000_000)
+	lb := New(Options{MaxKeys: 1000, Now: func() int64 { return mono }, Wall: func() int64 { return midnight }, CallersClocks: true})
+	q := bucket.Quota{N: 2, Period: bucket.Day, Loc: time.UTC}
+	// A limit that never refuses, even a request whose monotonic moment
+	// is before the last one's.
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	b := idFor("127.0.0.7")
+	// Each request: its moment on the monotonic clock and the wall's.
+	type request struct {
+		name       string
+		mono, wall int64
+	}
+	trace := []request{
+		{"the 4th's first", 1_000_000, midnight - 60_000_000},
+		{"the 4th's second", 2_000_000, midnight - 50_000_000},
+		// Read at 23:59:59.9998, it locks after the next one.
+		{"the 5th's first", 61_000_300, midnight + 100},
+		{"the racer, read before midnight", 61_000_000, midnight - 200},
+		{"the 5th's second", 62_000_000, midnight + 1_000_000},
+		{"the 5th's third", 63_000_000, midnight + 2_000_000},
+	}
+	admitted := 0
+	var out [2]bucket.Result
+	for _, r := range trace {
+		if lb.TakeAt(b, tr, 1, out[:], r.mono, r.wall) {
+			admitted++
+		}
+		t.Logf("%s: allowed %v, %d left", r.name, out[1].Allowed, out[1].Remaining)
+	}
+	if admitted > 4 {
+		t.Errorf("%d of the 6 requests admitted; want at most 4, the quota of 2 on each day", admitted)
+	}
+	if admitted < 4 {
+		t.Errorf("%d of the 6 requests admitted; want 4: two on each day", admitted)
+	}
+}

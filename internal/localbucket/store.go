@@ -126,7 +126,8 @@ func (s *Store) Take(id uint64, tr bucket.Tier, cost int64, out []bucket.Result)
 // wall, by its wall clock, which the caller read, when the store reads
 // its callers' clocks (Options.CallersClocks); otherwise it reads its own,
 // as Take does. A moment read before the call only makes the buckets look
-// emptier, as take's early read does.
+// emptier, as take's early read does; a quota's count that another take
+// has moved into the next period counts this one there too (racedPast).
 func (s *Store) TakeAt(id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool {
 	if !s.callersClocks {
 		return s.Take(id, tr, cost, out)
