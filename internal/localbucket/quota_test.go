@@ -280,3 +280,46 @@ func TestATakeThatReadTheClockBeforeAPeriodsEndIsCountedInTheNextOneWhenThatCoun
 		t.Errorf("%d of the 6 requests admitted; want 4: two on each day", admitted)
 	}
 }
+
+// A request given back at the start of a day, its count back to 0, while
+// a take that read the clock before midnight has yet to lock: that take
+// is counted in the new day, with the count given back, and the day that
+// ended, whose count the new day's replaced, admits no more than its
+// quota.
+func TestATakeThatReadTheClockBeforeMidnightIsCountedInTheNewDayAfterItsCountWasGivenBackToZero(t *testing.T) {
+	t.Parallel()
+	midnight := time.Date(2026, 5, 5, 0, 0, 0, 0, time.UTC).UnixMicro()
+	mono, wall := new(fakeClock), new(fakeClock)
+	const off = 1_000_000_000_000 // the wall's lead on the monotonic clock
+	at := func(w int64) (int64, int64) { mono.micros.Store(w - off); wall.micros.Store(w); return w - off, w }
+	lb := New(Options{MaxKeys: 1000, Now: mono.now, Wall: wall.now, CallersClocks: true})
+	q := bucket.Quota{N: 1, Period: bucket.Day, Loc: time.UTC}
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	b := idFor("127.0.0.7")
+	var out [2]bucket.Result
+	admittedOnThe4th := 0
+	// The 4th's only request.
+	if m, w := at(midnight - 500); lb.TakeAt(b, tr, 1, out[:], m, w) {
+		admittedOnThe4th++
+	}
+	// Read at 23:59:59.9997, it locks after the next request and its give-back.
+	racerMono, racerWall := midnight-300-off, midnight-300
+	m, w := at(midnight + 100)
+	if !lb.TakeAt(b, tr, 1, out[:], m, w) {
+		t.Fatalf("the 5th's first request refused: %+v", out[1])
+	}
+	at(midnight + 200)
+	lb.GiveBack(b, tr, 1, 1, bucket.CountedAt(w, out[1:]))
+	at(midnight + 300)
+	racer := lb.TakeAt(b, tr, 1, out[:], racerMono, racerWall)
+	if racer && out[1].ResetAfter < time.Hour.Microseconds() {
+		admittedOnThe4th++
+	}
+	if admittedOnThe4th > 1 {
+		t.Errorf("%d requests admitted and counted on the 4th, want at most its quota of 1", admittedOnThe4th)
+	}
+	if day := (24 * time.Hour).Microseconds(); !racer || out[1].ResetAfter != day {
+		t.Errorf("the racer: allowed %v, %d µs to its period's end; want allowed, in the 5th, whose count was given back", racer, out[1].ResetAfter)
+	}
+}
