@@ -33,9 +33,12 @@ func quotaState(st bucket.State, start int64) bucket.QuotaState {
 }
 
 // tableQuota is the table's State for qs, off being what to add to the
-// table's clock for the wall's.
+// table's clock for the wall's. A count that a give-back took back to 0
+// keeps its period's name: a take that read the clock before that period
+// began, and locks now, is counted in it (racedPast), not from 0 in the
+// period before, whose count this one replaced.
 func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
-	if qs.Used == 0 {
+	if qs == (bucket.QuotaState{}) {
 		return bucket.State{}
 	}
 	_, end := q.Bounds(qs.Start)
@@ -135,7 +138,7 @@ func (s *Store) updateQuotas(id uint64, ls []bucket.Limit, qs []bucket.Quota, f 
 		start, _ := q.Bounds(wall)
 		qst := quotaState(st, start)
 		next := g(qst, wall, q)
-		if qst.Used == 0 && st.FullAt > now {
+		if qst == (bucket.QuotaState{}) && st.FullAt > now {
 			// The count of another period that has not ended: one counted
 			// in another time zone, before a reload changed it. A
 			// give-back or a charge of a request of the old config does

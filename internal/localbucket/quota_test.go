@@ -1,7 +1,10 @@
 package localbucket
 
 import (
+	"fmt"
 	"math"
+	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -279,4 +282,273 @@ func TestATakeThatReadTheClockBeforeAPeriodsEndIsCountedInTheNextOneWhenThatCoun
 	if admitted < 4 {
 		t.Errorf("%d of the 6 requests admitted; want 4: two on each day", admitted)
 	}
+}
+
+// A request given back at the start of a day, its count back to 0, while
+// a take that read the clock before midnight has yet to lock: that take
+// is counted in the new day, with the count given back, and the day that
+// ended, whose count the new day's replaced, admits no more than its
+// quota.
+func TestATakeThatReadTheClockBeforeMidnightIsCountedInTheNewDayAfterItsCountWasGivenBackToZero(t *testing.T) {
+	t.Parallel()
+	midnight := time.Date(2026, 5, 5, 0, 0, 0, 0, time.UTC).UnixMicro()
+	mono, wall := new(fakeClock), new(fakeClock)
+	const off = 1_000_000_000_000 // the wall's lead on the monotonic clock
+	at := func(w int64) (int64, int64) { mono.micros.Store(w - off); wall.micros.Store(w); return w - off, w }
+	lb := New(Options{MaxKeys: 1000, Now: mono.now, Wall: wall.now, CallersClocks: true})
+	q := bucket.Quota{N: 1, Period: bucket.Day, Loc: time.UTC}
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: []bucket.Quota{q}}
+	b := idFor("127.0.0.7")
+	var out [2]bucket.Result
+	admittedOnThe4th := 0
+	// The 4th's only request.
+	if m, w := at(midnight - 500); lb.TakeAt(b, tr, 1, out[:], m, w) {
+		admittedOnThe4th++
+	}
+	// Read at 23:59:59.9997, it locks after the next request and its give-back.
+	racerMono, racerWall := midnight-300-off, midnight-300
+	m, w := at(midnight + 100)
+	if !lb.TakeAt(b, tr, 1, out[:], m, w) {
+		t.Fatalf("the 5th's first request refused: %+v", out[1])
+	}
+	at(midnight + 200)
+	lb.GiveBack(b, tr, 1, 1, bucket.CountedAt(w, out[1:]))
+	at(midnight + 300)
+	racer := lb.TakeAt(b, tr, 1, out[:], racerMono, racerWall)
+	if racer && out[1].ResetAfter < time.Hour.Microseconds() {
+		admittedOnThe4th++
+	}
+	if admittedOnThe4th > 1 {
+		t.Errorf("%d requests admitted and counted on the 4th, want at most its quota of 1", admittedOnThe4th)
+	}
+	if day := (24 * time.Hour).Microseconds(); !racer || out[1].ResetAfter != day {
+		t.Errorf("the racer: allowed %v, %d µs to its period's end; want allowed, in the 5th, whose count was given back", racer, out[1].ResetAfter)
+	}
+}
+
+// Requests whose clocks are read in time order around a period's end, but
+// that take the lock in another order within a few ms (as requests in
+// flight together do), each counted in the period it was counted in: no
+// period admits more than a quota's N, less what was given back in it; a
+// take is counted at the moment it read, or at its period's end once the
+// next period is counted; and, with no give-backs to blur the counts, a
+// request is refused only when a period it is counted in has no room.
+// Random traces over day and month quotas in several zones, with fixed
+// seeds; the old take (counted where it read, whatever the count) is
+// caught.
+func TestRacingTakesAroundAQuotasPeriodEndNeverAdmitPastTheQuotaNorRefuseWithRoom(t *testing.T) {
+	t.Parallel()
+	var zones []*time.Location
+	for _, name := range []string{"UTC", "Europe/Berlin", "Europe/London", "Africa/Abidjan", "Asia/Tokyo", "Asia/Kolkata", "America/St_Johns", "America/Havana", "Pacific/Chatham"} {
+		loc, err := time.LoadLocation(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		zones = append(zones, loc)
+	}
+	takeAt := func(s *Store, id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool {
+		return s.TakeAt(id, tr, cost, out, now, wall)
+	}
+	for seed := range uint64(4) {
+		if err := checkRacingQuotaTraces(seed, 1500, zones, takeAt); err != nil {
+			t.Errorf("seed %d: %v", seed, err)
+		}
+	}
+	// The mutation: the take before racedPast, counted where it read.
+	caught := false
+	for seed := range uint64(4) {
+		if err := checkRacingQuotaTraces(seed, 1500, zones, takeQuotasWhereRead); err != nil {
+			t.Logf("the take counted where it read is caught: seed %d: %v", seed, err)
+			caught = true
+			break
+		}
+	}
+	if !caught {
+		t.Error("the take counted where it read, whatever the count, was never caught")
+	}
+}
+
+// takeQuotasWhereRead is takeQuotas as it was before racedPast: a take
+// counts at the wall clock it read, from 0 when the count is another
+// period's.
+func takeQuotasWhereRead(s *Store, id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool {
+	ls, qs := tr.Limits, tr.Quotas
+	out, qout := out[:len(ls)], out[len(ls):len(ls)+len(qs)]
+	sh := s.shard(id)
+	var states, olds [bucket.MaxLimits]bucket.State
+	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	for i := range ls {
+		states[i], _ = sh.states.get(limitID(id, i))
+	}
+	for i, q := range qs {
+		st, _ := sh.states.get(quotaID(id, q.Period))
+		start, _ := q.Bounds(wall)
+		qstates[i] = quotaState(st, start)
+	}
+	olds, qolds = states, qstates
+	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, wall, ls, qs, cost, out, qout)
+	for i := range ls {
+		if states[i] != olds[i] {
+			s.putLocked(sh, limitID(id, i), states[i], now)
+		}
+	}
+	for i, q := range qs {
+		if qstates[i] != qolds[i] {
+			s.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, wall-now), now)
+		}
+	}
+	return allowed
+}
+
+// checkRacingQuotaTraces runs traces random traces of seed through take,
+// and returns the first break of the property of
+// TestRacingTakesAroundAQuotasPeriodEndNeverAdmitPastTheQuotaNorRefuseWithRoom.
+func checkRacingQuotaTraces(seed uint64, traces int, zones []*time.Location, take func(s *Store, id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool) error {
+	rng := rand.New(rand.NewPCG(seed, 40))
+	// A limit that never refuses, even a request whose monotonic moment
+	// is before the last one's.
+	l := bucket.Limit{Capacity: 1 << 40, Rate: bucket.Rate{Tokens: 1, Interval: 1}}
+	for trace := range traces {
+		var qs []bucket.Quota
+		day := bucket.Quota{N: 1 + rng.Int64N(4), Period: bucket.Day, Loc: zones[rng.IntN(len(zones))]}
+		month := bucket.Quota{N: 1 + rng.Int64N(8), Period: bucket.Month, Loc: day.Loc}
+		if rng.IntN(2) == 0 {
+			month.Loc = zones[rng.IntN(len(zones))]
+		}
+		switch rng.IntN(3) {
+		case 0:
+			qs = []bucket.Quota{day}
+		case 1:
+			qs = []bucket.Quota{month}
+		default:
+			qs = []bucket.Quota{day, month}
+		}
+		// The end of a period of one of the quotas, in 2025 to 2027.
+		base := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC).UnixMicro() + rng.Int64N(3*365*24*3600)*1_000_000
+		_, end := qs[rng.IntN(len(qs))].Bounds(base)
+		giveBacks := rng.IntN(2) == 0
+		off := 1_000_000_000 + rng.Int64N(1<<40) // the wall's lead on the monotonic clock
+		mono, wall := new(fakeClock), new(fakeClock)
+		lb := New(Options{MaxKeys: 1000, Now: mono.now, Wall: wall.now, CallersClocks: true})
+		tr := bucket.Tier{Limits: []bucket.Limit{l}, Quotas: qs}
+		b := idFor("127.0.0.7")
+
+		// Each request reads the wall clock at read, and locks at lock;
+		// a give-back comes after its take, at the store's clocks.
+		type event struct {
+			at, read   int64 // when it happens; when its take read the clocks
+			cost       int64
+			giveBack   bool
+			countedAt  int64 // a give-back's: the moment the take was counted at
+			giveBackAt int64 // a give-back's: the moment it names
+		}
+		var events []event
+		add := func(read, cost int64) {
+			events = append(events, event{at: read + rng.Int64N(3001), read: read, cost: cost})
+		}
+		for range rng.IntN(6) {
+			add(end-1_000_000-rng.Int64N(120_000_000), 1+rng.Int64N(2))
+		}
+		for range 2 + rng.IntN(8) {
+			add(end-3000+rng.Int64N(6001), 1+rng.Int64N(2))
+		}
+		for range rng.IntN(4) {
+			add(end+1_000_000+rng.Int64N(60_000_000), 1+rng.Int64N(2))
+		}
+		// net is each quota's count in each period (by its start), less
+		// what was given back; counted the periods an admitted take was
+		// counted in.
+		net := make([]map[int64]int64, len(qs))
+		counted := make([]map[int64]bool, len(qs))
+		for i := range qs {
+			net[i], counted[i] = map[int64]int64{}, map[int64]bool{}
+		}
+		var out [1 + bucket.MaxQuotas]bucket.Result
+		qout := out[1 : 1+len(qs)]
+		for len(events) > 0 {
+			next := 0
+			for i, e := range events {
+				if e.at < events[next].at {
+					next = i
+				}
+			}
+			e := events[next]
+			events = slices.Delete(events, next, next+1)
+			mono.micros.Store(e.at - off)
+			wall.micros.Store(e.at)
+			if e.giveBack {
+				lb.GiveBack(b, tr, e.cost, e.cost, e.giveBackAt)
+				for i, q := range qs {
+					p, _ := q.Bounds(e.countedAt)
+					now, _ := q.Bounds(e.at)
+					taken, _ := q.Bounds(e.giveBackAt)
+					if now == p && taken == p {
+						net[i][p] -= e.cost
+					}
+				}
+				continue
+			}
+			allowed := take(lb, b, tr, e.cost, out[:1+len(qs)], e.read-off, e.read)
+			// The moment it was counted at: where it read, or, within
+			// quotaRace of it, the end of a quota's period.
+			c, found := int64(0), false
+			candidates := []int64{e.read}
+			for _, q := range qs {
+				if _, qend := q.Bounds(e.read); qend-e.read <= quotaRace {
+					candidates = append(candidates, qend)
+				}
+			}
+			for _, m := range candidates {
+				fits := true
+				for i, q := range qs {
+					_, qend := q.Bounds(m)
+					fits = fits && qout[i].ResetAfter == qend-m
+				}
+				if fits {
+					c, found = m, true
+					break
+				}
+			}
+			if !found {
+				return fmt.Errorf("trace %d (%v, end %s): a request read at %s: counted at none of its read moment and its periods' ends: %+v", trace, qs, time.UnixMicro(end).UTC(), time.UnixMicro(e.read).UTC(), qout)
+			}
+			if c != e.read {
+				raced := false
+				for i, q := range qs {
+					if _, qend := q.Bounds(e.read); qend == c && counted[i][c] {
+						raced = true
+					}
+				}
+				if !raced {
+					return fmt.Errorf("trace %d (%v): a request read at %s is counted at %s, though no take counted the next period first", trace, qs, time.UnixMicro(e.read).UTC(), time.UnixMicro(c).UTC())
+				}
+			}
+			room := true
+			for i, q := range qs {
+				p, _ := q.Bounds(c)
+				room = room && net[i][p]+e.cost <= q.N
+			}
+			if !allowed {
+				if !room || giveBacks {
+					continue
+				}
+				return fmt.Errorf("trace %d (%v): a request of cost %d read at %s, counted at %s, refused though each quota's period has room: %v", trace, qs, e.cost, time.UnixMicro(e.read).UTC(), time.UnixMicro(c).UTC(), net)
+			}
+			for i, q := range qs {
+				p, _ := q.Bounds(c)
+				net[i][p] += e.cost
+				counted[i][p] = true
+				if net[i][p] > q.N {
+					return fmt.Errorf("trace %d (%v, end %s): a request of cost %d read at %s, counted at %s: the %s from %s admitted %d, over %d", trace, qs, time.UnixMicro(end).UTC(), e.cost, time.UnixMicro(e.read).UTC(), time.UnixMicro(c).UTC(), q.Period, time.UnixMicro(p).In(q.Loc), net[i][p], q.N)
+				}
+			}
+			if giveBacks && rng.IntN(3) == 0 {
+				events = append(events, event{at: e.at + rng.Int64N(2001), read: e.read, cost: e.cost, giveBack: true, countedAt: c, giveBackAt: bucket.CountedAt(e.read, qout)})
+			}
+		}
+	}
+	return nil
 }
