@@ -426,11 +426,14 @@ func (s *RedisStore) chargeDigest(ctx context.Context, policy, tier string, sum 
 // (BenchmarkServeHTTPStores). The ids of two names differ but by a 64-bit
 // chance, as the local store's do.
 func (s *RedisStore) take(ctx context.Context, b *Bucket, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
+	var buf [192]byte
+	if !s.engine.Leasing(tr, cost) {
+		return s.engine.Take(ctx, s.key(buf[:0], b), tr, cost, out)
+	}
 	id := localID(b)
 	if allowed, ok := s.engine.TakeHeld(id, tr, cost, out); ok {
 		return allowed, nil
 	}
-	var buf [192]byte
 	return s.engine.TakeNamed(ctx, s.key(buf[:0], b), id, tr, cost, out)
 }
 

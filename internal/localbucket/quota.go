@@ -53,18 +53,23 @@ func periodName(start int64) int64 { return start / 1_000_000 & (1<<periodBits -
 // the limits' states, under the same shard lock, each until its period
 // ends.
 func (s *Store) takeQuotas(id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool {
-	ls, qs := tr.Limits, tr.Quotas
-	out, qout := out[:len(ls)], out[len(ls):len(ls)+len(qs)]
 	sh := s.shard(id)
-	var states, olds [bucket.MaxLimits]bucket.State
-	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
+	return s.takeQuotasLocked(sh, id, tr, cost, out, now, racedPast(sh, id, tr.Quotas, wall), wall-now)
+}
+
+// takeQuotasLocked is takeQuotas under sh's lock, counting the quotas at
+// wall, off being what to add to the table's clock for the wall clock the
+// take read.
+func (s *Store) takeQuotasLocked(sh *shard, id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall, off int64) bool {
+	ls, qs := tr.Limits, tr.Quotas
+	out, qout := out[:len(ls)], out[len(ls):len(ls)+len(qs)]
+	var states, olds [bucket.MaxLimits]bucket.State
+	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
 	for i := range ls {
 		states[i], _ = sh.states.get(limitID(id, i))
 	}
-	off := wall - now
-	wall = racedPast(sh, id, qs, wall)
 	for i, q := range qs {
 		st, _ := sh.states.get(quotaID(id, q.Period))
 		start, _ := q.Bounds(wall)

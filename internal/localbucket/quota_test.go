@@ -369,38 +369,14 @@ func TestRacingTakesAroundAQuotasPeriodEndNeverAdmitPastTheQuotaNorRefuseWithRoo
 	}
 }
 
-// takeQuotasWhereRead is takeQuotas as it was before racedPast: a take
+// takeQuotasWhereRead is takeQuotas without racedPast, as it was: a take
 // counts at the wall clock it read, from 0 when the count is another
 // period's.
 func takeQuotasWhereRead(s *Store, id uint64, tr bucket.Tier, cost int64, out []bucket.Result, now, wall int64) bool {
-	ls, qs := tr.Limits, tr.Quotas
-	out, qout := out[:len(ls)], out[len(ls):len(ls)+len(qs)]
 	sh := s.shard(id)
-	var states, olds [bucket.MaxLimits]bucket.State
-	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	for i := range ls {
-		states[i], _ = sh.states.get(limitID(id, i))
-	}
-	for i, q := range qs {
-		st, _ := sh.states.get(quotaID(id, q.Period))
-		start, _ := q.Bounds(wall)
-		qstates[i] = quotaState(st, start)
-	}
-	olds, qolds = states, qstates
-	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, wall, ls, qs, cost, out, qout)
-	for i := range ls {
-		if states[i] != olds[i] {
-			s.putLocked(sh, limitID(id, i), states[i], now)
-		}
-	}
-	for i, q := range qs {
-		if qstates[i] != qolds[i] {
-			s.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, wall-now), now)
-		}
-	}
-	return allowed
+	return s.takeQuotasLocked(sh, id, tr, cost, out, now, wall, wall-now)
 }
 
 // checkRacingQuotaTraces runs traces random traces of seed through take,

@@ -195,7 +195,7 @@ func (s *Store) Take(ctx context.Context, key []byte, tr bucket.Tier, cost int64
 // with leases, the next request for it may be decided by TakeHeld.
 func (s *Store) TakeNamed(ctx context.Context, key []byte, id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (bool, error) {
 	out = out[:tr.Parts()]
-	if s.leasing(tr, cost) {
+	if s.Leasing(tr, cost) {
 		res, err := s.leases.takeNamed(ctx, key, id, tr, cost, out)
 		if !errors.Is(err, errLeasesClosed) {
 			return res.Allowed, err
@@ -210,15 +210,15 @@ func (s *Store) TakeNamed(ctx context.Context, key []byte, id uint64, tr bucket.
 // TakeNamed before, whose lease covers the cost. ok is false otherwise,
 // and the caller calls TakeNamed.
 func (s *Store) TakeHeld(id uint64, tr bucket.Tier, cost int64, out []bucket.Result) (allowed, ok bool) {
-	if !s.leasing(tr, cost) {
+	if !s.Leasing(tr, cost) {
 		return false, false
 	}
 	res, ok := s.leases.takeByID(id, tr, cost, out[:tr.Parts()])
 	return res.Allowed, ok
 }
 
-// leasing says whether a request of cost on tr is decided from leases.
-func (s *Store) leasing(tr bucket.Tier, cost int64) bool {
+// Leasing says whether a request of cost on tr is decided from leases.
+func (s *Store) Leasing(tr bucket.Tier, cost int64) bool {
 	return s.leases != nil && cost > 0 && s.leases.size.ofTier(tr) > cost
 }
 
