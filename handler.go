@@ -146,7 +146,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// and the start of the store's time.
 	d.start = time.Now()
 	res, err := d.take(r.Context(), h.store, d.start)
-	h.storeTime.Observe(time.Since(d.start).Seconds())
+	if h.storeTime != nil {
+		h.storeTime.Observe(time.Since(d.start).Seconds())
+	}
 	if err != nil {
 		return h.fallBack(w, r, next, d, err)
 	}

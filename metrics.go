@@ -23,7 +23,7 @@ var (
 
 	storeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: "caddy", Subsystem: "http_rate_limit", Name: "store_duration_seconds",
-		Help:    "Time one decision took in the store.",
+		Help:    "Time one decision took in the Redis store (the local store is not timed).",
 		Buckets: []float64{0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25},
 	}, []string{"store"})
 

@@ -48,6 +48,15 @@ func metricValue(t *testing.T, metrics, name, labels string) float64 {
 	return v
 }
 
+// metricOr0 is metricValue, or 0 when metrics holds no such sample.
+func metricOr0(t *testing.T, metrics, name, labels string) float64 {
+	t.Helper()
+	if !strings.Contains(metrics, name+"{"+labels+"} ") {
+		return 0
+	}
+	return metricValue(t, metrics, name, labels)
+}
+
 func grepLines(s, substr string) string {
 	var out []string
 	for _, line := range strings.Split(s, "\n") {
@@ -85,8 +94,10 @@ func TestMetricsCountDecisionsAcrossAReload(t *testing.T) {
 	if got := metricValue(t, m, "caddy_http_rate_limit_keys", `policy="`+policy+`"`); got != 1 {
 		t.Errorf("keys %v, want 1", got)
 	}
-	if got := metricValue(t, m, "caddy_http_rate_limit_store_duration_seconds_count", `store="local"`); got < 5 {
-		t.Errorf("store durations observed %v, want at least the 5 decisions", got)
+	// The local store decides in memory, far below the histogram's lowest
+	// bucket: its decisions are not timed (a clock read each).
+	if line := grepLines(m, `store_duration_seconds_count{store="local"}`); line != "" {
+		t.Errorf("the local store's decisions timed: %s", line)
 	}
 
 	// Reload: the same admin address, a changed site.

@@ -74,12 +74,23 @@ func TestStoreRoundTripIsShownInMetricsAndPolicies(t *testing.T) {
 	if line := grepLines(scrape(t, admin), `store_rtt_seconds{policy="rtt_shown"`); line != "" {
 		t.Errorf("a round trip before any request: %s", line)
 	}
+	before := scrape(t, admin)
 	for i := range 15 {
 		if r := s.from("127.0.0."+strconv.Itoa(10+i), "/"); r.status != 200 {
 			t.Fatalf("request %d: %d %s", i, r.status, r.body)
 		}
 	}
-	checkRTTSeconds(t, "the gauge", metricValue(t, scrape(t, admin), "caddy_http_rate_limit_store_rtt_seconds", `policy="rtt_shown",store="redis"`))
+	after := scrape(t, admin)
+	checkRTTSeconds(t, "the gauge", metricValue(t, after, "caddy_http_rate_limit_store_rtt_seconds", `policy="rtt_shown",store="redis"`))
+	// Each decision waited a round trip in the store, and the store
+	// duration histogram timed it (other tests' Redis stores may add theirs).
+	const duration = "caddy_http_rate_limit_store_duration_seconds"
+	if n := metricOr0(t, after, duration+"_count", `store="redis"`) - metricOr0(t, before, duration+"_count", `store="redis"`); n < 15 {
+		t.Errorf("%v Redis decisions timed, want at least the 15 sent", n)
+	}
+	if sum := metricOr0(t, after, duration+"_sum", `store="redis"`) - metricOr0(t, before, duration+"_sum", `store="redis"`); sum < 15*2*rttOneWay.Seconds()*0.9 {
+		t.Errorf("the Redis decisions took %.3f s in all by the histogram, want at least 15 round trips of %v", sum, 2*rttOneWay)
+	}
 	rtt, shown := storeRTTOf(t, admin, "rtt_shown")
 	if !shown {
 		t.Fatal("no store_rtt_seconds after 15 requests")

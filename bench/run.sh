@@ -29,6 +29,8 @@
 #   (m) the Redis store with `lease 10%` by IP, under plain wrk as (a):
 #       one client, never limited, decided from leased tokens; (i)'s
 #       figure without bench/keys.lua
+#   (n) (i) on the local store: the same limit and clients, every
+#       decision in memory; (i)/(n) is what leases cost
 #
 # Every route is `respond "ok"`. Everything it starts is stopped on exit.
 # It prints a markdown table for bench/README.md. Redis CPU per decision
@@ -47,7 +49,7 @@
 #   CONNECTIONS [32]    wrk connections
 #   SETUPS [a b c d e f g h i j]  which setups, in this order within a round
 #   KEYS [1000000]      distinct clients in (c) and (h)
-#   LEASE_KEYS [1000]   distinct clients in (i) and (j)
+#   LEASE_KEYS [1000]   distinct clients in (i), (j) and (n)
 #   PREFILL [1]         send every (c) key once before the rounds, so the
 #                       store holds them all from the first round
 #   CADDY_CPUS, WRK_CPUS, REDIS_CPUS  taskset CPU lists; empty: no pinning
@@ -189,8 +191,8 @@ log "redis on $redis_port; caddy: $(for s in $SETUPS; do printf '%s=%s ' "$s" "$
 wrk_run() { # wrk_run <setup> <output file> [duration]
 	local s=$1 file=$2 d=${3:-$DURATION}
 	local script=() keys=$KEYS
-	[[ $s == c || $s == h || $s == i || $s == j ]] && script=(-s "$repo/bench/keys.lua")
-	[[ $s == i || $s == j ]] && keys=$LEASE_KEYS
+	[[ $s == c || $s == h || $s == i || $s == j || $s == n ]] && script=(-s "$repo/bench/keys.lua")
+	[[ $s == i || $s == j || $s == n ]] && keys=$LEASE_KEYS
 	BENCH_KEYS=$keys "${pin_wrk[@]}" wrk -t"$THREADS" -c"$CONNECTIONS" -d"$d" --latency "${script[@]}" \
 		"http://127.0.0.1:${port[$s]}/" >"$file"
 }
@@ -271,6 +273,7 @@ declare -A what=(
 	[i]="Redis store, \`lease 10%\`, $LEASE_KEYS returning X-Key clients, never limited"
 	[j]="Redis store, strict (no \`lease\`), $LEASE_KEYS returning X-Key clients, never limited"
 	[m]="Redis store, \`lease 10%\`, by IP, never limited, plain wrk as (a)"
+	[n]="local store, (i)'s limit and $LEASE_KEYS returning X-Key clients, never limited"
 )
 declare -A rps
 for s in $SETUPS; do
@@ -313,7 +316,7 @@ done
 # but for the setups between them: the median of those ratios drifts less
 # than the ratio of the medians.
 echo "Paired ratios, the median over rounds of each round's ratio:"
-for pair in b/a c/h c/b d/a e/a e/f d/g i/a i/h i/d i/j m/a j/h; do
+for pair in b/a c/h c/b d/a e/a e/f d/g i/a i/h i/d i/j i/n n/h m/a j/h; do
 	x=${pair%/*} y=${pair#*/}
 	[[ -n ${rps[$x]:-} && -n ${rps[$y]:-} ]] || continue
 	ratio=$(for r in $(seq "$ROUNDS"); do
