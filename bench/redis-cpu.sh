@@ -22,10 +22,16 @@
 # network included) per decision is given beside. Then bench/redisrate
 # runs redis_rate's script and ours alone on the same server.
 #
+# Commandstats' usec is wall time inside a command: when the CPUs are
+# shared, a command the scheduler preempts counts the time it lost. Pin
+# redis-server to a CPU of its own (REDIS_CPUS=1 CADDY_CPUS=0 WRK_CPUS=0)
+# for figures of the commands' own work; every setup is pinned alike.
+#
 # Usage: bench/redis-cpu.sh
 # Environment (defaults in brackets): ROUNDS [3], DURATION [10s],
 # THREADS [1], CONNECTIONS [32], KEYS [100000], BEFORE [], SETUPS [a r k l,
-# with K L when BEFORE is set; r needs a]
+# with K L when BEFORE is set; r needs a]; REDIS_CPUS, CADDY_CPUS (Caddy
+# and bench/redisrate), WRK_CPUS: taskset CPU lists [none: no pinning]
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,6 +45,10 @@ default_setups="a r k l"
 [[ -n $BEFORE ]] && default_setups="a r k K l L"
 SETUPS=${SETUPS:-$default_setups}
 BUILD_DIR=${BUILD_DIR:-${TMPDIR:-/tmp}/caddy-ratelimit-bench}
+pin_redis=() pin_caddy=() pin_wrk=()
+[[ -n ${REDIS_CPUS:-} ]] && pin_redis=(taskset -c "$REDIS_CPUS")
+[[ -n ${CADDY_CPUS:-} ]] && pin_caddy=(taskset -c "$CADDY_CPUS")
+[[ -n ${WRK_CPUS:-} ]] && pin_wrk=(taskset -c "$WRK_CPUS")
 
 work=$(mktemp -d)
 mkdir -p "$BUILD_DIR"
@@ -81,7 +91,7 @@ fi
 # ---- servers ---------------------------------------------------------------
 
 redis_port=$(free_port)
-redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
+"${pin_redis[@]}" redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
 	--dir "$work" --logfile "$work/redis.log" >/dev/null 2>&1 &
 pids+=($!)
 until redis-cli -h 127.0.0.1 -p "$redis_port" ping >/dev/null 2>&1; do sleep 0.1; done
@@ -98,7 +108,7 @@ for s in $SETUPS; do
 	mkdir -p "$work/home-$s"
 	BENCH_PORT=${port[$s]} BENCH_ADMIN_PORT=$(free_port) BENCH_REDIS_PORT=$redis_port \
 		HOME=$work/home-$s XDG_DATA_HOME=$work/home-$s XDG_CONFIG_HOME=$work/home-$s \
-		"$(binary "$s")" run --adapter caddyfile --config "$(caddyfile "$s")" >"$work/caddy-$s.log" 2>&1 &
+		"${pin_caddy[@]}" "$(binary "$s")" run --adapter caddyfile --config "$(caddyfile "$s")" >"$work/caddy-$s.log" 2>&1 &
 	pids+=($!)
 done
 port[r]=${port[a]:-}
@@ -131,12 +141,12 @@ for r in $(seq "$ROUNDS"); do
 		c0=$(cpu)
 		script=(-s "$repo/bench/keys.lua")
 		if [[ $s == r ]]; then
-			"$work/redisrate" -addr "127.0.0.1:$redis_port" -setups redis_rate -alongside "$DURATION" -keys "$KEYS" \
+			"${pin_caddy[@]}" "$work/redisrate" -addr "127.0.0.1:$redis_port" -setups redis_rate -alongside "$DURATION" -keys "$KEYS" \
 				-limit "10000 1000/s" >"$work/rr-$r.txt" &
 			rr_pid=$!
 			pids+=("$rr_pid")
 		fi
-		BENCH_KEYS=$KEYS wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" "${script[@]}" "http://127.0.0.1:${port[$s]}/" >"$work/wrk-$s-$r.txt"
+		BENCH_KEYS=$KEYS "${pin_wrk[@]}" wrk -t"$THREADS" -c"$CONNECTIONS" -d"$DURATION" "${script[@]}" "http://127.0.0.1:${port[$s]}/" >"$work/wrk-$s-$r.txt"
 		n=$(awk '/requests in/ { print $1 }' "$work/wrk-$s-$r.txt")
 		if [[ $s == r ]]; then
 			wait "$rr_pid"
@@ -158,7 +168,7 @@ for r in $(seq "$ROUNDS"); do
 	done
 done
 log "redis_rate on the same redis-server"
-rr=$("$work/redisrate" -addr "127.0.0.1:$redis_port" -setups redis_rate,ours,tier -n 100000 -rounds "$ROUNDS" -keys "$KEYS" -limit "10000 1000/s")
+rr=$("${pin_caddy[@]}" "$work/redisrate" -addr "127.0.0.1:$redis_port" -setups redis_rate,ours,tier -n 100000 -rounds "$ROUNDS" -keys "$KEYS" -limit "10000 1000/s")
 echo "$rr" >&2
 g=$(echo "${per[r]:-}" | median)
 [[ -n $g ]] || g=$(echo "$rr" | awk '$1 == "redis_rate" && NF >= 3 && $2 ~ /^[0-9.]+$/ { print $2 }')
@@ -175,7 +185,7 @@ declare -A what=(
 echo
 echo "Caddy $caddy_version, redis-server $(rcli INFO server | tr -d '\r' | awk -F: '$1 == "redis_version" { print $2 }'), $(nproc) CPUs;" \
 	"load average $load_before before, $load_after after"
-echo "wrk -t$THREADS -c$CONNECTIONS -d$DURATION, bench/keys.lua with $KEYS X-Key clients, $ROUNDS alternating rounds; medians."
+echo "wrk -t$THREADS -c$CONNECTIONS -d$DURATION, bench/keys.lua with $KEYS X-Key clients, $ROUNDS alternating rounds; medians. Pinning: redis=${REDIS_CPUS:-none} caddy=${CADDY_CPUS:-none} wrk=${WRK_CPUS:-none}."
 echo "redis_rate's GCRA, same server, same run: ${g:-?} µs per call (r)"
 echo
 echo "| setup | | req/s | / plain | Redis µs per script call (commandstats) | / (r) | script calls per decision | Redis CPU µs per decision (INFO cpu) |"
