@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -249,5 +250,126 @@ func TestPlaceholdersInAccessLogsAndHeaders(t *testing.T) {
 	}
 	if lines[0]["rl_remaining"] != float64(0) && lines[0]["rl_remaining"] != "0" {
 		t.Errorf("remaining %v, want 0", lines[0]["rl_remaining"])
+	}
+}
+
+// storeTimed is how many decisions store_duration_seconds has timed for
+// store in the metrics m: 0 when it shows none.
+func storeTimed(t *testing.T, m, store string) float64 {
+	t.Helper()
+	return metricOr0(t, m, "caddy_http_rate_limit_store_duration_seconds_count", `store="`+store+`"`)
+}
+
+// Every decision of a Redis store is timed by store_duration_seconds, one
+// sample each: strict (allowed, refused by Redis, refused by the deny
+// cache), leased (from memory and by a call), and decided by
+// on_store_error once Redis is gone; no decision of a local store is, in
+// the same config beside them or after a reload moves a policy from Redis
+// to the local store.
+func TestEveryRedisDecisionIsTimedAndNoLocalOne(t *testing.T) {
+	srv := startRedis(t)
+	run := metricsRuns.Add(1)
+	site := func(strictStore string) string {
+		return fmt.Sprintf(`
+	route /strict {
+		rate_limit 2 1/h {
+			name timed_strict%[1]d
+			%[2]s
+		}
+		respond "ok"
+	}
+	route /leased {
+		rate_limit 100 1/h {
+			name timed_leased%[1]d
+			store redis {
+				address %[3]s
+				timeout 500ms
+				lease 10
+			}
+			on_store_error allow
+		}
+		respond "ok"
+	}
+	route /local {
+		rate_limit 2 1/h {
+			name timed_local%[1]d
+		}
+		respond "ok"
+	}`, run, strictStore, srv.url())
+	}
+	strictOnRedis := fmt.Sprintf("store redis {\n address %s\n timeout 500ms\n }\n on_store_error local", srv.url())
+	s, admin := serveWithAdmin(t, site(strictOnRedis))
+	waitForScript(t, srv)
+	send := func(path string, n int, ip ...string) (statuses []int) {
+		client := append(ip, "127.0.0.9")[0]
+		for range n {
+			statuses = append(statuses, s.from(client, path).status)
+		}
+		return statuses
+	}
+	scripts := func() int64 {
+		calls := srv.info("commandstats", "cmdstat_evalsha")
+		n, _ := strconv.ParseInt(strings.TrimPrefix(strings.Split(calls, ",")[0], "calls="), 10, 64)
+		return n
+	}
+
+	before, calls := scrape(t, admin), scripts()
+	strict, leased, local := send("/strict", 6), send("/leased", 14), send("/local", 5)
+	after := scrape(t, admin)
+	t.Logf("strict %v, leased %v, local %v; %d script calls", strict, leased, local, scripts()-calls)
+	if !slices.Equal(strict, []int{200, 200, 429, 429, 429, 429}) || slices.ContainsFunc(leased, func(c int) bool { return c != 200 }) {
+		t.Fatalf("strict %v, leased %v: not the decisions the test counts on", strict, leased)
+	}
+	if n := scripts() - calls; n >= 6+14 {
+		t.Fatalf("%d script calls for 20 Redis decisions: neither the deny cache nor the lease answered any", n)
+	}
+	if got := storeTimed(t, after, "redis") - storeTimed(t, before, "redis"); got != 6+14 {
+		t.Errorf("%v Redis decisions timed, want the 20 made (6 strict, 14 leased)", got)
+	}
+	if got := storeTimed(t, after, "local"); got != 0 {
+		t.Errorf("%v local decisions timed, want none", got)
+	}
+
+	// Redis gone: on_store_error decides, after the failed call, which
+	// is timed; the client refused before is refused by the deny cache.
+	srv.kill()
+	before = after
+	strict, leased, local = send("/strict", 4, "127.0.0.10"), send("/leased", 20), send("/local", 2)
+	denied := send("/strict", 2)
+	after = scrape(t, admin)
+	t.Logf("Redis down: strict %v (a client denied before: %v), leased %v, local %v", strict, denied, leased, local)
+	if !slices.Equal(strict, []int{200, 200, 429, 429}) || !slices.Equal(denied, []int{429, 429}) {
+		t.Fatalf("strict %v, denied %v: not the fallback's decisions the test counts on", strict, denied)
+	}
+	if got := storeTimed(t, after, "redis") - storeTimed(t, before, "redis"); got != 4+2+20 {
+		t.Errorf("%v Redis decisions timed with Redis down, want the 26 made", got)
+	}
+	if got := metricValue(t, after, "caddy_http_rate_limit_store_errors_total", `store="redis"`) - metricOr0(t, before, "caddy_http_rate_limit_store_errors_total", `store="redis"`); got < 4 {
+		t.Errorf("%v store errors with Redis down, want on_store_error to decide the strict ones at least", got)
+	}
+	if got := storeTimed(t, after, "local"); got != 0 {
+		t.Errorf("%v local decisions timed with Redis down, want none (the fallback's included)", got)
+	}
+
+	// A reload moves the strict policy to the local store: its decisions
+	// are no longer timed.
+	cfg, err := adaptCaddyfile(siteCaddyfile("admin "+strings.TrimPrefix(admin, "http://"), s.port, site("store local")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	before = scrape(t, admin)
+	strict, local = send("/strict", 3), send("/local", 1)
+	after = scrape(t, admin)
+	if !slices.Equal(strict, []int{200, 200, 429}) || !slices.Equal(local, []int{429}) {
+		t.Errorf("after the reload: strict %v, want a fresh local bucket of 2; local %v, want its spent bucket kept", strict, local)
+	}
+	if got := storeTimed(t, after, "redis") - storeTimed(t, before, "redis"); got != 0 {
+		t.Errorf("%v Redis decisions timed after the reload, with only local ones made", got)
+	}
+	if got := storeTimed(t, after, "local"); got != 0 {
+		t.Errorf("%v local decisions timed after the reload, want none", got)
 	}
 }
