@@ -36,14 +36,17 @@ func quotaState(st bucket.State, start int64) bucket.QuotaState {
 // table's clock for the wall's. A count that a give-back took back to 0
 // keeps its period's name: a take that read the clock before that period
 // began, and locks now, is counted in it (racedPast), not from 0 in the
-// period before, whose count this one replaced.
+// period before, whose count this one replaced. A count used up is marked
+// as a ban is (bannedBit), so that eviction spares it while it can
+// (Store.makeRoom): a client it refuses cannot start over by flooding the
+// table with new keys.
 func tableQuota(qs bucket.QuotaState, q bucket.Quota, off int64) bucket.State {
 	if qs == (bucket.QuotaState{}) {
 		return bucket.State{}
 	}
 	_, end := q.Bounds(qs.Start)
 	const unit = 1 << periodBits
-	return bucket.State{FullAt: (end-off+unit-1)&^(unit-1) | periodName(qs.Start), Slack: qs.Used}
+	return bucket.State{FullAt: (end-off+unit-1)&^(unit-1) | periodName(qs.Start), Slack: qs.Used, Banned: qs.Used >= q.N}
 }
 
 // periodName is the low bits of a period's start in seconds.

@@ -528,3 +528,33 @@ func checkRacingQuotaTraces(seed uint64, traces int, zones []*time.Location, tak
 	}
 	return nil
 }
+
+// A used-up quota's count is spared by eviction as a ban is: the client it
+// refuses cannot flood the table with new keys to start over.
+// Regression test: a flood of distinct keys could reset a used-up quota.
+func TestAUsedUpQuotaOutlivesAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
+	const maxKeys = 100
+	s := New(Options{MaxKeys: maxKeys, Now: clock.now, Wall: clock.now})
+	tr := bucket.Tier{
+		Limits: []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}},
+		Quotas: []bucket.Quota{{N: 3, Period: bucket.Day, Loc: time.UTC}, {N: 1000, Period: bucket.Month, Loc: time.UTC}},
+	}
+	all := make([]bucket.Result, 3)
+	bob := idFor("bob")
+	for i := range 3 {
+		if !s.Take(bob, tr, 1, all) {
+			t.Fatalf("take %d: %+v, want allowed", i+1, all)
+		}
+	}
+	flood(t, s, clock, 10*maxKeys, maxKeys)
+	if s.Take(bob, tr, 1, all) || all[1].Allowed {
+		t.Fatalf("bob after the flood: %+v, want refused by the used-up daily quota", all)
+	}
+	clock.micros.Store(time.Date(2026, 12, 6, 0, 0, 1, 0, time.UTC).UnixMicro())
+	if !s.Take(bob, tr, 1, all) {
+		t.Fatalf("the next day: %+v, want allowed", all)
+	}
+}

@@ -58,6 +58,11 @@ type Store struct {
 	evictions atomic.Uint64 // live states dropped to respect MaxKeys
 	// allEvictions is Options.Evictions, or nil.
 	allEvictions *atomic.Uint64
+	// spare is the bits of a slot's slack that keep its live state from
+	// eviction while the shard holds live ones without (makeRoom):
+	// bannedBit, but in the mutation check of
+	// TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive.
+	spare uint32
 
 	// load is the config load that last started the table (StartLoad).
 	loadMu sync.Mutex
@@ -80,7 +85,7 @@ func New(o Options) *Store {
 	for n < 64 && n*2*256 <= o.MaxKeys {
 		n *= 2
 	}
-	s := &Store{now: o.Now, wall: o.Wall, callersClocks: o.CallersClocks, allEvictions: o.Evictions, shards: make([]shard, n), shift: uint(64 - bits.TrailingZeros(uint(n)))}
+	s := &Store{now: o.Now, wall: o.Wall, callersClocks: o.CallersClocks, allEvictions: o.Evictions, shards: make([]shard, n), shift: uint(64 - bits.TrailingZeros(uint(n))), spare: bannedBit}
 	s.SetMaxKeys(o.MaxKeys)
 	return s
 }
@@ -296,14 +301,19 @@ func (s *Store) putLocked(sh *shard, id uint64, st bucket.State, now int64) {
 // makeRoom frees at least a 32nd of the shard, so that the sweep's cost is
 // spread over many inserts. Full buckets go first: dropping one changes no
 // decision. Only then are live buckets dropped, from a place in the table
-// that the incoming hash picks, which is as good as random.
+// that the incoming hash picks, which is as good as random; banned ones,
+// and quota counts used up (tableQuota), only when no other live one is
+// left: otherwise a flood of new keys would lift a ban (docs/logins.md).
 func (s *Store) makeRoom(sh *shard, now int64, seed uint64) {
 	want := max(1, sh.states.n/32)
-	full := sh.states.sweep(0, sh.states.n, func(fullAt int64) bool { return fullAt <= now })
+	full := sh.states.sweep(0, sh.states.n, func(fullAt int64, _ uint32) bool { return fullAt <= now })
 	s.fullDrops.Add(uint64(full))
 	live := 0
 	if full < want {
-		live = sh.states.sweep(int(seed), want-full, func(int64) bool { return true })
+		live = sh.states.sweep(int(seed), want-full, func(_ int64, slack uint32) bool { return slack&s.spare == 0 })
+		if full+live < want {
+			live += sh.states.sweep(int(seed), want-full-live, func(int64, uint32) bool { return true })
+		}
 		s.evictions.Add(uint64(live))
 		if s.allEvictions != nil {
 			s.allEvictions.Add(uint64(live))

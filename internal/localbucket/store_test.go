@@ -1,6 +1,7 @@
 package localbucket
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -121,4 +122,212 @@ func TestLocalTakeDoesNotAllocate(t *testing.T) {
 	if allocs := testing.AllocsPerRun(1000, func() { take(lb, b, l, 1) }); allocs != 0 {
 		t.Errorf("take on an existing bucket: %v allocations, want 0", allocs)
 	}
+}
+
+// banLimit is a login's limit: 3 attempts an hour, then a ban of 15
+// minutes.
+var banLimit = bucket.Limit{Capacity: 3, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}, Ban: 15 * 60_000_000}
+
+// banned takes from id on l until a denial starts a ban, and returns that
+// denial.
+func banned(t *testing.T, s *Store, id uint64, l bucket.Limit) bucket.Result {
+	t.Helper()
+	for range l.Capacity + 1 {
+		if res := take(s, id, l, 1); res.Banned {
+			return res
+		}
+	}
+	t.Fatalf("no ban after %d takes", l.Capacity+1)
+	return bucket.Result{}
+}
+
+// Regression test: a flood of distinct keys could evict a banned state and
+// lift its ban (docs/logins.md).
+func TestABannedStateOutlivesAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	const maxKeys = 100
+	lb := newStore(maxKeys, clock.now)
+	alice := idFor("alice")
+	for i := range maxKeys - 1 {
+		take(lb, idFor("user-"+strconv.Itoa(i)), banLimit, 1)
+	}
+	banned(t, lb, alice, banLimit)
+	banEnd := clock.now() + banLimit.Ban
+	// Each attempt on a new username is live (an hour's refill) and
+	// harmless to the attacker: ten times the table over, in 10 s.
+	for i := range 10 * maxKeys {
+		clock.advance(10 * time.Millisecond)
+		take(lb, idFor("flood-"+strconv.Itoa(i)), banLimit, 1)
+		if n := lb.Len(); n > maxKeys {
+			t.Fatalf("after %d flood keys: %d states held, want at most %d", i+1, n, maxKeys)
+		}
+	}
+	if lb.Evictions() < 10*maxKeys-maxKeys {
+		t.Errorf("evictions %d, want the flood's %d at least", lb.Evictions(), 9*maxKeys)
+	}
+	if res := take(lb, alice, banLimit, 1); res.Allowed {
+		t.Fatalf("alice after the flood, %v into her ban: allowed, want refused", time.Duration(clock.now()-(banEnd-banLimit.Ban))*time.Microsecond)
+	}
+	if st, ok := lb.shard(alice).states.get(alice); !ok || !st.Banned {
+		t.Fatalf("after the flood alice's state is %+v (held %v), want her banned state", st, ok)
+	}
+	clock.micros.Store(banEnd - 1)
+	if res := take(lb, alice, banLimit, 1); res.Allowed || res.RetryAfter <= banLimit.Rate.Interval {
+		t.Fatalf("a microsecond before the ban ends: %+v, want refused until the ban and a token's refill", res)
+	}
+	clock.micros.Store(banEnd + banLimit.Rate.Interval)
+	if res := take(lb, alice, banLimit, 1); !res.Allowed {
+		t.Fatalf("after the ban and a token's refill: %+v, want allowed", res)
+	}
+}
+
+// flood takes once from n new distinct buckets of banLimit, 10 ms apart,
+// each live for an hour.
+func flood(t *testing.T, s *Store, clock *fakeClock, n int, maxKeys int) {
+	t.Helper()
+	for i := range n {
+		clock.advance(10 * time.Millisecond)
+		take(s, idFor("flood-"+strconv.Itoa(i)), banLimit, 1)
+		if got := s.Len(); got > maxKeys {
+			t.Fatalf("after %d flood keys: %d states held, want at most %d", i+1, got, maxKeys)
+		}
+	}
+}
+
+// A tier of several limits is banned in each of them (bucket.Refuse), and
+// each limit's state outlives a flood, not only the first's.
+// Regression test: a flood of distinct keys could lift a ban.
+func TestEveryLimitOfABannedTierOutlivesAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	const maxKeys = 100
+	lb := newStore(maxKeys, clock.now)
+	minute := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 30_000_000}, Ban: banLimit.Ban}
+	tr := bucket.Tier{Limits: []bucket.Limit{banLimit, minute}}
+	out := make([]bucket.Result, 2)
+	alice := idFor("alice")
+	lb.Take(alice, tr, 1, out)
+	lb.Take(alice, tr, 1, out)
+	if lb.Take(alice, tr, 1, out) || !out[0].Banned {
+		t.Fatalf("the third attempt, past the second limit: %+v, want refused, starting a ban", out)
+	}
+	banEnd := clock.now() + banLimit.Ban
+	flood(t, lb, clock, 10*maxKeys, maxKeys)
+	for i := range tr.Limits {
+		if st, ok := lb.shard(alice).states.get(limitID(alice, i)); !ok || !st.Banned {
+			t.Errorf("after the flood, limit %d's state is %+v (held %v), want banned", i, st, ok)
+		}
+	}
+	if lb.Take(alice, tr, 1, out) {
+		t.Fatalf("alice after the flood: allowed %+v, want refused", out)
+	}
+	clock.micros.Store(banEnd + banLimit.Rate.Interval)
+	if !lb.Take(alice, tr, 1, out) {
+		t.Fatalf("after the ban and a token's refill: %+v, want allowed", out)
+	}
+}
+
+// TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive runs random
+// traces of takes over a pool of clients on a store of a small max_keys:
+// single takes, runs of takes that start bans, steps of the clock. After
+// every step no ban started has been lifted (its state dropped, so that the
+// client is admitted) before it ends, unless the step's eviction left no
+// live state of its shard that was not banned, and the store holds at most
+// max_keys states. The old eviction order, which picked live states
+// regardless of bans, is caught.
+func TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
+	t.Parallel()
+	for seed := range uint64(20) {
+		if err := banTrace(seed, bannedBit); err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+	}
+	t.Logf("20 traces held, seeds 0 to 19")
+	caught := 0
+	for seed := range uint64(20) {
+		if err := banTrace(seed, 0); err != nil {
+			caught++
+			if caught == 1 {
+				t.Logf("the old eviction order, seed %d: %v", seed, err)
+			}
+		}
+	}
+	if caught == 0 {
+		t.Errorf("the old eviction order (no state spared) passed every trace")
+	}
+}
+
+// banTrace runs the trace of seed on a store that spares from eviction the
+// live states whose slack has a bit of spare set, and returns the first
+// broken promise.
+func banTrace(seed uint64, spare uint32) error {
+	rng := rand.New(rand.NewPCG(seed, 41))
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	maxKeys := 16 + rng.IntN(48)
+	s := newStore(maxKeys, clock.now)
+	s.spare = spare
+	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 20_000_000}, Ban: 60_000_000}
+	tr := lone(l)
+	pool := make([]uint64, 4*maxKeys)
+	for i := range pool {
+		pool[i] = idFor(strconv.FormatUint(seed, 10) + "/" + strconv.Itoa(i))
+	}
+	banEnds := make(map[uint64]int64) // ban started, by client: when it ends
+	var out [1]bucket.Result
+	for step := range 4000 {
+		if rng.IntN(8) == 0 {
+			clock.micros.Add(rng.Int64N(10_000_000))
+			continue
+		}
+		id := pool[rng.IntN(len(pool))]
+		takes := 1
+		if rng.IntN(6) == 0 {
+			takes = int(l.Capacity) + 1
+		}
+		for range takes {
+			sh := s.shard(id)
+			now := clock.now()
+			// The shard's other live states that no ban wrote, before the
+			// take.
+			var others []uint64
+			for i, key := range sh.states.keys {
+				if st := sh.states.at(i); key != 0 && key != tableKey(id) && st.FullAt > now && !st.Banned {
+					others = append(others, key)
+				}
+			}
+			if res := take(s, id, l, 1); res.Banned {
+				banEnds[id] = now + l.Ban
+			}
+			if n := s.Len(); n > maxKeys {
+				return fmt.Errorf("step %d: %d states held, want at most max_keys %d", step, n, maxKeys)
+			}
+			for b, end := range banEnds {
+				if end <= now {
+					delete(banEnds, b)
+					continue
+				}
+				if s.shard(b) != sh {
+					continue
+				}
+				if st, ok := sh.states.get(b); ok && st.Banned {
+					s.Peek(b, tr, out[:])
+					if out[0].Allowed {
+						return fmt.Errorf("step %d: a banned state admits: %+v", step, out[0])
+					}
+					continue
+				}
+				for _, key := range others {
+					if _, ok := sh.states.get(key); ok {
+						return fmt.Errorf("step %d: a ban %v from its end was dropped while the shard kept a live state no ban wrote (max_keys %d)", step, time.Duration(end-now)*time.Microsecond, maxKeys)
+					}
+				}
+				delete(banEnds, b) // lifted with nothing else live to drop
+			}
+		}
+	}
+	return nil
 }

@@ -67,9 +67,10 @@ func (t *stateTable) set(i int, st bucket.State) {
 	}
 }
 
-// bannedBit marks, in a slot's slack, a state that a ban wrote. Slack is
-// below Rate.Tokens, which Limit.Validate bounds to 31 bits, so the top bit
-// is free.
+// bannedBit marks, in a slot's slack, a state that a ban wrote, or a quota
+// count used up (tableQuota): eviction spares both while it can
+// (Store.makeRoom). Slack is below Rate.Tokens, which Limit.Validate
+// bounds to 31 bits, and a count is below 2^31, so the top bit is free.
 const bannedBit = 1 << 31
 
 // put stores the state for id.
@@ -124,10 +125,10 @@ func (t *stateTable) grow() {
 	}
 }
 
-// sweep removes entries for which drop says so, looking at every slot once,
-// from slot start on and round, until it has removed limit entries. It
-// returns how many it removed.
-func (t *stateTable) sweep(start, limit int, drop func(fullAt int64) bool) int {
+// sweep removes entries for which drop says so, given their fullAt and
+// slack, looking at every slot once, from slot start on and round, until
+// it has removed limit entries. It returns how many it removed.
+func (t *stateTable) sweep(start, limit int, drop func(fullAt int64, slack uint32) bool) int {
 	size := len(t.keys)
 	if size == 0 {
 		return 0
@@ -135,7 +136,7 @@ func (t *stateTable) sweep(start, limit int, drop func(fullAt int64) bool) int {
 	removed := 0
 	// Each removal may bring one entry back to the slot just looked at.
 	for steps, i := 0, start&(size-1); steps < size+removed && removed < limit; steps++ {
-		if t.keys[i] != 0 && drop(t.fullAt[i]) {
+		if t.keys[i] != 0 && drop(t.fullAt[i], t.slack[i]) {
 			t.removeAt(i)
 			removed++
 			continue // slot i may hold a shifted entry now

@@ -30,7 +30,7 @@ func TestStateTableMatchesAMap(t *testing.T) {
 				delete(ref, tableKey(key))
 			default:
 				cut := rng.Int64N(1000)
-				removed := tab.sweep(rng.Int(), len(ref), func(fullAt int64) bool { return fullAt < cut })
+				removed := tab.sweep(rng.Int(), len(ref), func(fullAt int64, _ uint32) bool { return fullAt < cut })
 				want := 0
 				for k, st := range ref {
 					if st.FullAt < cut {
@@ -65,7 +65,7 @@ func TestStateTableSweepStopsAtItsLimit(t *testing.T) {
 	for i := range uint64(100) {
 		tab.put(i+1, bucket.State{FullAt: 5})
 	}
-	if got := tab.sweep(17, 10, func(int64) bool { return true }); got != 10 || tab.n != 90 {
+	if got := tab.sweep(17, 10, func(int64, uint32) bool { return true }); got != 10 || tab.n != 90 {
 		t.Fatalf("sweep with limit 10 removed %d, left %d; want 10 and 90", got, tab.n)
 	}
 }
