@@ -366,3 +366,48 @@ func TestZeroCostGivesNothingBack(t *testing.T) {
 		t.Errorf("give-backs by tokens: %v, want one of 2 and none of 0", givebacks.byTokens)
 	}
 }
+
+// The login recipe's ban on a username holds through a flood of wrong
+// attempts on other usernames, ten times the local store's max_keys.
+// Regression test: a flood of distinct keys could lift a ban.
+func TestABanOnAUsernameHoldsThroughAFloodOfOtherUsernames(t *testing.T) {
+	clock := useFakeClock(t)
+	const maxKeys = 50
+	s := serve(t, fmt.Sprintf(`
+	rate_limit 3 1/h {
+		key form username normalize
+		no_key deny
+		count_status 401
+		ban 15m
+		store local {
+			max_keys %d
+		}
+	}
+	@wrong header X-Password wrong
+	respond @wrong "wrong password" 401
+	respond "welcome"`, maxKeys))
+	attempt := func(user, password string) int {
+		return s.do(http.MethodPost, "/", "username="+user, "Content-Type: application/x-www-form-urlencoded", "X-Password: "+password).status
+	}
+	for i := range 3 {
+		if got := attempt("alice", "wrong"); got != 401 {
+			t.Fatalf("wrong password %d for alice: %d, want 401", i+1, got)
+		}
+	}
+	if got := attempt("alice", "wrong"); got != 429 {
+		t.Fatalf("the fourth wrong password for alice: %d, want 429, starting the ban", got)
+	}
+	for i := range 10 * maxKeys {
+		if got := attempt("decoy"+strconv.Itoa(i), "wrong"); got != 401 {
+			t.Fatalf("a wrong password for decoy %d: %d, want 401", i, got)
+		}
+	}
+	clock.advance(time.Minute)
+	if got := attempt("alice", "right"); got != 429 {
+		t.Fatalf("alice's right password after a flood of %d other usernames: %d, want 429: the ban holds", 10*maxKeys, got)
+	}
+	clock.advance(14*time.Minute + time.Hour)
+	if got := attempt("alice", "right"); got != 200 {
+		t.Fatalf("alice's right password after the ban and an hour's refill: %d, want 200", got)
+	}
+}
