@@ -240,21 +240,28 @@ func TestEveryLimitOfABannedTierOutlivesAFloodOfDistinctKeys(t *testing.T) {
 // regardless of bans, is caught.
 func TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
 	t.Parallel()
+	lifted := 0
 	for seed := range uint64(20) {
-		if err := banTrace(seed, bannedBit); err != nil {
+		n, err := banTrace(seed, bannedBit)
+		if err != nil {
 			t.Fatalf("seed %d: %v", seed, err)
 		}
+		lifted += n
 	}
-	t.Logf("20 traces held, seeds 0 to 19")
+	t.Logf("20 traces held, seeds 0 to 19; %d bans dropped from shards with nothing else live", lifted)
+	if lifted == 0 {
+		t.Errorf("no trace filled a shard with bans: the bound's last resort went untried")
+	}
 	caught := 0
 	for seed := range uint64(20) {
-		if err := banTrace(seed, 0); err != nil {
+		if _, err := banTrace(seed, 0); err != nil {
 			caught++
 			if caught == 1 {
 				t.Logf("the old eviction order, seed %d: %v", seed, err)
 			}
 		}
 	}
+	t.Logf("the old eviction order is caught in %d of 20 traces", caught)
 	if caught == 0 {
 		t.Errorf("the old eviction order (no state spared) passed every trace")
 	}
@@ -262,8 +269,9 @@ func TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
 
 // banTrace runs the trace of seed on a store that spares from eviction the
 // live states whose slack has a bit of spare set, and returns the first
-// broken promise.
-func banTrace(seed uint64, spare uint32) error {
+// broken promise, or how many bans it saw dropped from a shard with nothing
+// else live.
+func banTrace(seed uint64, spare uint32) (int, error) {
 	rng := rand.New(rand.NewPCG(seed, 41))
 	clock := new(fakeClock)
 	clock.micros.Store(1)
@@ -272,11 +280,16 @@ func banTrace(seed uint64, spare uint32) error {
 	s.spare = spare
 	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 20_000_000}, Ban: 60_000_000}
 	tr := lone(l)
+	// Ids from the trace's seed, not the process's hasher, so that the
+	// trace is the same every run.
 	pool := make([]uint64, 4*maxKeys)
 	for i := range pool {
-		pool[i] = idFor(strconv.FormatUint(seed, 10) + "/" + strconv.Itoa(i))
+		pool[i] = rng.Uint64()
 	}
 	banEnds := make(map[uint64]int64) // ban started, by client: when it ends
+	// Some traces ban at most takes, so that whole shards are banned.
+	banOdds := []int{1, 2, 6}[seed%3]
+	lifted := 0
 	var out [1]bucket.Result
 	for step := range 4000 {
 		if rng.IntN(8) == 0 {
@@ -285,7 +298,7 @@ func banTrace(seed uint64, spare uint32) error {
 		}
 		id := pool[rng.IntN(len(pool))]
 		takes := 1
-		if rng.IntN(6) == 0 {
+		if rng.IntN(banOdds) == 0 {
 			takes = int(l.Capacity) + 1
 		}
 		for range takes {
@@ -303,7 +316,7 @@ func banTrace(seed uint64, spare uint32) error {
 				banEnds[id] = now + l.Ban
 			}
 			if n := s.Len(); n > maxKeys {
-				return fmt.Errorf("step %d: %d states held, want at most max_keys %d", step, n, maxKeys)
+				return 0, fmt.Errorf("step %d: %d states held, want at most max_keys %d", step, n, maxKeys)
 			}
 			for b, end := range banEnds {
 				if end <= now {
@@ -316,18 +329,19 @@ func banTrace(seed uint64, spare uint32) error {
 				if st, ok := sh.states.get(b); ok && st.Banned {
 					s.Peek(b, tr, out[:])
 					if out[0].Allowed {
-						return fmt.Errorf("step %d: a banned state admits: %+v", step, out[0])
+						return 0, fmt.Errorf("step %d: a banned state admits: %+v", step, out[0])
 					}
 					continue
 				}
 				for _, key := range others {
 					if _, ok := sh.states.get(key); ok {
-						return fmt.Errorf("step %d: a ban %v from its end was dropped while the shard kept a live state no ban wrote (max_keys %d)", step, time.Duration(end-now)*time.Microsecond, maxKeys)
+						return 0, fmt.Errorf("step %d: a ban %v from its end was dropped while the shard kept a live state no ban wrote (max_keys %d)", step, time.Duration(end-now)*time.Microsecond, maxKeys)
 					}
 				}
 				delete(banEnds, b) // lifted with nothing else live to drop
+				lifted++
 			}
 		}
 	}
-	return nil
+	return lifted, nil
 }
