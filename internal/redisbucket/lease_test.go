@@ -926,6 +926,59 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 	}
 }
 
+// With leases, a ban and max_wait, the refusal that starts the ban says
+// retry when the request fits within max_wait once the ban is over, as
+// strict mode does (docs/max-wait.md), not when the shared bucket holds
+// its cost, a whole cost's refill later: a retry then is admitted,
+// waiting, and one a microsecond earlier is refused.
+func TestALeasedRefusalThatStartsABanWithMaxWaitSaysWhenTheRetryFits(t *testing.T) {
+	t.Parallel()
+	// Capacity 1, one token every 10 s, ban 60 s, max_wait 30 s.
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 60 * second, MaxWait: 30 * second}
+	for _, size := range []LeaseSize{{tokens: 1}, {tokens: 4}} {
+		clock, m := newModelStore()
+		node := newModelTable(m, size, time.Minute)
+		strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+		key := []byte("k")
+		take := func() (bucket.Result, bucket.Result) {
+			t.Helper()
+			res, err := node.take(bg, key, oneLimit(l), 1, nil)
+			tableSync(node)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out [1]bucket.Result
+			strict.Take(clock.now(), []bucket.Limit{l}, 1, out[:])
+			return res, out[0]
+		}
+		// The token, then 3 that wait (10, 20, 30 s); the 5th would wait
+		// 40 s: refused, and the ban starts.
+		for i := range 4 {
+			if res, _ := take(); !res.Allowed {
+				t.Fatalf("lease %+v: request %d refused: %+v", size, i, res)
+			}
+		}
+		res, want := take()
+		if res.Allowed || !res.Banned || !want.Banned {
+			t.Fatalf("lease %+v: the 5th: %+v (strict %+v), want refused, starting a ban", size, res, want)
+		}
+		if res.RetryAfter != want.RetryAfter {
+			t.Errorf("lease %+v: the refusal that starts the ban says retry after %d µs, strict mode %d µs", size, res.RetryAfter, want.RetryAfter)
+		}
+		// A retry a microsecond before strict mode's retry time is
+		// refused; one at it is admitted, waiting for its token.
+		clock.advance(time.Duration(want.RetryAfter-1) * time.Microsecond)
+		if early, _ := take(); early.Allowed {
+			t.Fatalf("lease %+v: a retry a microsecond early: %+v, want refused", size, early)
+		}
+		clock.advance(time.Microsecond)
+		if again, _ := take(); !again.Allowed || again.Wait == 0 {
+			t.Fatalf("lease %+v: a retry at strict mode's retry time: %+v, want allowed, waiting", size, again)
+		}
+		node.close()
+	}
+}
+
 // A lease table under eviction pressure never refuses a request that the
 // shared bucket covers: a request whose entry was evicted while it waited
 // on a call starts again on a new one. It used to be refused, with
