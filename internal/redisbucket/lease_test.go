@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -976,6 +977,59 @@ func TestALeasedRefusalThatStartsABanWithMaxWaitSaysWhenTheRetryFits(t *testing.
 			t.Fatalf("lease %+v: a retry at strict mode's retry time: %+v, want allowed, waiting", size, again)
 		}
 		node.close()
+	}
+}
+
+// On random limits with a ban and max_wait, and leases of random sizes, a
+// leasing node's refusals during a ban, the one that starts it first, say
+// retry when strict mode would on the shared bucket as it then stands: when
+// the request would go on within max_wait once the ban is over.
+func TestLeasedRefusalsUnderABanWithMaxWaitSayStrictModesRetry(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(41, 0x1ea5e))
+	bans := 0
+	for c := range 300 {
+		rate, err := bucket.ParseRate(buckettest.TraceRates[rng.IntN(len(buckettest.TraceRates))])
+		if err != nil {
+			t.Fatal(err)
+		}
+		l := bucket.Limit{Capacity: 1 + rng.Int64N(20), Rate: rate}
+		full := bucket.CeilDiv(l.Units(), rate.Tokens)
+		l.Ban, l.MaxWait = 1+rng.Int64N(5*full+1), 1+rng.Int64N(2*full+1)
+		if err := l.Validate(1); err != nil {
+			t.Fatal(err)
+		}
+		clock, m := newModelStore()
+		node := newModelTable(m, LeaseSize{tokens: 1 + rng.Int64N(l.Capacity)}, time.Minute)
+		key := []byte("k")
+		banned := false
+		for step := 0; step < 4*int(l.Capacity)+40; step++ {
+			res, err := node.take(bg, key, oneLimit(l), 1, nil)
+			tableSync(node)
+			if err != nil {
+				t.Fatal(err)
+			}
+			banned = banned || res.Banned
+			if !res.Allowed && banned {
+				m.mu.Lock()
+				sh := m.bucket(string(key), 1)
+				strict := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+				var out [1]bucket.Result
+				strict.Take(clock.now(), []bucket.Limit{l}, 1, out[:])
+				m.mu.Unlock()
+				if res.RetryAfter != out[0].RetryAfter {
+					t.Fatalf("case %d step %d, %+v: leased refusal %+v, strict mode's on the shared bucket %+v", c, step, l, res, out[0])
+				}
+				if res.Banned {
+					bans++
+				}
+			}
+			clock.advance(time.Duration(rng.Int64N(full/4+1)) * time.Microsecond)
+		}
+		node.close()
+	}
+	if bans < 100 {
+		t.Fatalf("only %d bans started of 300 cases", bans)
 	}
 }
 
