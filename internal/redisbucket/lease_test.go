@@ -1033,6 +1033,44 @@ func TestLeasedRefusalsUnderABanWithMaxWaitSayStrictModesRetry(t *testing.T) {
 	}
 }
 
+// Against a real redis-server: the refusal that starts a ban on a tier with
+// max_wait says the same Retry-After with leases as in strict mode: the
+// ban's length here (the request fits within max_wait as the ban ends,
+// long before the cost is back), counted from the ban's start in Redis;
+// a leasing node counts from when its call was sent, so its figure may be
+// short by the call's round trip.
+func TestARedisBanWithMaxWaitSaysTheSameRetryWithLeasesAsStrict(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	// Capacity 4, one token every 10 s, ban 60 s, max_wait 30 s: after
+	// the ban, the bucket is full 40 s later, and a request's token is
+	// due 30 s after the ban, within max_wait.
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 60 * second, MaxWait: 30 * second}
+	for _, lease := range []string{"", "2"} {
+		s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: lease})
+		if leased := s.Leasing(oneLimit(l), 1); leased != (lease != "") {
+			t.Fatalf("lease %q: decided from leases: %v", lease, leased)
+		}
+		key := bucketFor("ban with max_wait, lease " + lease)
+		var res bucket.Result
+		for range 20 {
+			var err error
+			if res, err = s.takeLimit(bg, key, l, 1); err != nil {
+				t.Fatal(err)
+			}
+			if !res.Allowed {
+				break
+			}
+		}
+		if res.Allowed || !res.Banned {
+			t.Fatalf("lease %q: 20 requests at once: the last %+v; want one refused, starting a ban", lease, res)
+		}
+		if res.RetryAfter > l.Ban || res.RetryAfter < l.Ban-second/10 {
+			t.Errorf("lease %q: the refusal that starts the ban says retry after %d µs, want the ban's %d µs", lease, res.RetryAfter, l.Ban)
+		}
+	}
+}
+
 // A lease table under eviction pressure never refuses a request that the
 // shared bucket covers: a request whose entry was evicted while it waited
 // on a call starts again on a new one. It used to be refused, with
