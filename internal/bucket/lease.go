@@ -36,7 +36,9 @@ type LeaseResult struct {
 	// of its limits).
 	Remaining int64
 	// RetryAfter is the microseconds until the shared bucket holds the
-	// cost; 0 when it does.
+	// cost; 0 when it does. While a ban holds a tier with max_wait, it is
+	// until a request of the cost would go on within max_wait, as strict
+	// mode answers it.
 	RetryAfter int64
 	// HoldOff is, when nothing was granted, or fewer tokens than asked for
 	// and the shared bucket's limits cannot cover a request's cost, the

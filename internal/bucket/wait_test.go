@@ -482,3 +482,161 @@ func TestAWaitingTakesRemainingIsItsLevelWhenItGoesOnAtHighRates(t *testing.T) {
 		t.Errorf("answers %d remaining, more than the %d there when it goes on", r.Remaining, p.Remaining)
 	}
 }
+
+// banWaitingTier draws a tier of one to three limits that all carry a ban
+// and a max_wait (one each, as tiers.go gives them), from common figures
+// and from the edges Validate accepts: huge capacities, rates and bans.
+func banWaitingTier(rng *rand.Rand) []bucket.Limit {
+	for {
+		if ls := drawBanWaitingTier(rng); ls != nil {
+			return ls
+		}
+	}
+}
+
+// drawBanWaitingTier is one draw of banWaitingTier: nil when its limits
+// leave no room for a max_wait (a capacity of all maxUnits).
+func drawBanWaitingTier(rng *rand.Rand) []bucket.Limit {
+	var ls []bucket.Limit
+	for range 1 + rng.IntN(3) {
+		if rng.IntN(3) == 0 {
+			ls = append(ls, randomExtremeLimit(rng))
+		} else {
+			ls = append(ls, randomLimit(rng, false, false))
+		}
+	}
+	full := bucket.CeilDiv(ls[0].Units(), ls[0].Rate.Tokens)
+	mw := []int64{1, 1 + rng.Int64N(2*full+1), 1 + rng.Int64N(1<<40)}[rng.IntN(3)]
+	ban := []int64{1, 1 + rng.Int64N(5*full+1), 1 + rng.Int64N(1<<50)}[rng.IntN(3)]
+	for i := range ls {
+		mw = min(mw, (ls[i].MaxDeficit()-ls[i].Units())/ls[i].Rate.Tokens)
+	}
+	if mw < 1 {
+		return nil
+	}
+	for i := range ls {
+		ls[i].Ban, ls[i].MaxWait = ban, mw
+		if err := ls[i].Validate(1); err != nil {
+			panic(err)
+		}
+	}
+	return ls
+}
+
+// takeTier is Take for one limit and TakeAll for several; it returns
+// whether the request was allowed and the tier's RetryAfter (the binding
+// limit's) and whether a ban started.
+func takeTier(states []bucket.State, now int64, ls []bucket.Limit, cost int64) (allowed bool, retry int64, banned bool) {
+	out := make([]bucket.Result, len(ls))
+	if len(ls) == 1 {
+		states[0], out[0] = bucket.Take(states[0], now, ls[0], cost)
+		allowed = out[0].Allowed
+	} else {
+		allowed = bucket.TakeAll(states, now, ls, cost, out)
+	}
+	return allowed, out[bucket.Binding(out, allowed)].RetryAfter, out[0].Banned
+}
+
+// refusalMisfit says what is wrong, if anything, with a refusal at now that
+// left states and answered retry: the same request retried at now+retry
+// must be admitted, one retried a microsecond earlier refused (so the
+// answer is the first moment a retry is admitted: docs/logins.md, "the
+// earliest moment a retry can pass", docs/max-wait.md), and a refusal that
+// started a ban may not send the client back before the ban ends.
+func refusalMisfit(states []bucket.State, now int64, ls []bucket.Limit, cost, retry int64, banned bool) string {
+	if retry < 1 {
+		return fmt.Sprintf("retry after %d µs, want at least 1", retry)
+	}
+	if banned && retry < ls[0].Ban {
+		return fmt.Sprintf("the refusal started a ban of %d µs but says retry after %d µs", ls[0].Ban, retry)
+	}
+	at := slices.Clone(states)
+	if ok, again, _ := takeTier(at, now+retry, ls, cost); !ok {
+		return fmt.Sprintf("retried at now+%d (its RetryAfter): refused again, retry after %d more", retry, again)
+	}
+	before := slices.Clone(states)
+	if ok, _, _ := takeTier(before, now+retry-1, ls, cost); ok {
+		return fmt.Sprintf("retried at now+%d, a microsecond before its RetryAfter %d: admitted, so the answer was late", retry-1, retry)
+	}
+	return ""
+}
+
+// banRetryMisfit plays n random traces on tiers with a ban and a
+// max_wait (banWaitingTier): histories of takes (waiters queued past
+// empty), charges and give-backs, with bans, huge figures included, and
+// checks each refusal's RetryAfter, as mutate reports it, with
+// refusalMisfit. It returns the first misfit, and how many refusals it
+// checked and how many of them started a ban.
+func banRetryMisfit(rng *rand.Rand, n int, mutate func(int64) int64) (misfit string, checked, started int) {
+	for c := range n {
+		ls := banWaitingTier(rng)
+		states := make([]bucket.State, len(ls))
+		now := rng.Int64N(1 << 50)
+		for step := range 1 + rng.IntN(12) {
+			cost := 1 + rng.Int64N(minCapacity(ls))
+			if rng.IntN(3) == 0 {
+				cost = minCapacity(ls)
+			}
+			switch op := rng.IntN(10); {
+			case op < 6:
+				before := slices.Clone(states)
+				ok, retry, banned := takeTier(states, now, ls, cost)
+				if !ok {
+					checked++
+					if banned {
+						started++
+					}
+					if w := refusalMisfit(states, now, ls, cost, mutate(retry), banned); w != "" {
+						return fmt.Sprintf("trace %d step %d: limits %+v, states %+v, cost %d at %d: %s", c, step, ls, before, cost, now, w), checked, started
+					}
+				}
+			case op < 8:
+				n := []int64{1, minCapacity(ls), rng.Int64N(1 << 50)}[rng.IntN(3)]
+				for i, l := range ls {
+					states[i] = bucket.Charge(states[i], now, l, n)
+				}
+			default:
+				for i, l := range ls {
+					states[i] = bucket.GiveBack(states[i], now, l, cost)
+				}
+			}
+			full := bucket.CeilDiv(ls[0].Units(), ls[0].Rate.Tokens)
+			now += []int64{0, 1, rng.Int64N(full + 1), rng.Int64N(ls[0].MaxWait + 1), rng.Int64N(ls[0].Ban + 1)}[rng.IntN(5)]
+		}
+	}
+	return "", checked, started
+}
+
+// With ban and max_wait, a refusal's RetryAfter is exactly the first
+// moment the same request, retried, is admitted: never later (a client
+// that obeys would wait for nothing) and never earlier (a retry before it
+// is refused, and may start another ban), and never before a ban it
+// started ends. Random tiers of one to three limits, huge figures
+// included, from random histories; one limit through Take, several
+// through TakeAll.
+func TestABanWithMaxWaitsRetryAfterIsTheFirstMomentARetryIsAdmitted(t *testing.T) {
+	t.Parallel()
+	n := 20_000
+	if testing.Short() {
+		n = 4_000
+	}
+	misfit, checked, started := banRetryMisfit(rand.New(rand.NewPCG(41, 0x8)), n, func(r int64) int64 { return r })
+	if misfit != "" {
+		t.Fatal(misfit)
+	}
+	if checked < n/4 || started < n/20 {
+		t.Fatalf("only %d refusals checked, %d starting a ban, of %d traces: the traces reach too few", checked, started, n)
+	}
+	t.Logf("%d refusals checked, %d of them starting a ban", checked, started)
+}
+
+// The property catches a RetryAfter a microsecond late, and one a
+// microsecond early.
+func TestTheBanRetryPropertyCatchesAnAnswerOffByOne(t *testing.T) {
+	t.Parallel()
+	for _, off := range []int64{1, -1} {
+		if misfit, _, _ := banRetryMisfit(rand.New(rand.NewPCG(41, 0x8)), 4_000, func(r int64) int64 { return r + off }); misfit == "" {
+			t.Errorf("RetryAfter off by %d µs passed the property", off)
+		}
+	}
+}

@@ -165,7 +165,8 @@ type lease struct {
 	// round trip on a call (refuses).
 	emptyUntil int64
 	// banUntil is when a ban the last call found ends (and the cost is
-	// back): until then every request is refused here, with no call.
+	// back, or with max_wait due within it): until then every request is
+	// refused here, with no call.
 	banUntil int64
 	// quotaUntil: the last call found a quota used up; no call for this
 	// bucket before then, ban setting or not (a quota starts no ban).

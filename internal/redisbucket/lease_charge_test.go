@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
+	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
 )
 
 // cost_from_response with leases (issue 25): every allowed request is
@@ -76,5 +77,118 @@ func TestLeasingNodesConserveEveryTokenOfATier(t *testing.T) {
 	}
 	if allowed, charged := conserveTier(t, tr, 5); allowed != 320 || charged == 0 {
 		t.Errorf("%d allowed of 320 under every limit, %d charged; want all, and some charged", allowed, charged)
+	}
+}
+
+// leaseBeside runs one key on a leasing node and, beside it, the same
+// requests and charges on a strict bucket (the shared model with no lease
+// out), on one clock.
+type leaseBeside struct {
+	t      *testing.T
+	clock  *fakeClock
+	m      *sharedModel
+	node   *leaseTable
+	strict *buckettest.Shared
+	l      bucket.Limit
+	key    []byte
+}
+
+func newLeaseBeside(t *testing.T, l bucket.Limit, size int64) *leaseBeside {
+	clock, m := newModelStore()
+	return &leaseBeside{t: t, clock: clock, m: m, node: newModelTable(m, LeaseSize{tokens: size}, time.Hour),
+		strict: &buckettest.Shared{Levels: make([]bucket.State, 1)}, l: l, key: []byte("charged")}
+}
+
+// take is one request of cost 1 on both: the node's answer, and strict
+// mode's ResetAfter.
+func (b *leaseBeside) take() (bucket.Result, int64) {
+	b.t.Helper()
+	res := takeSynced(b.t, b.node, b.key, b.l)
+	var out [1]bucket.Result
+	if ok := b.strict.Take(b.clock.now(), []bucket.Limit{b.l}, 1, out[:]); ok != res.Allowed {
+		b.t.Fatalf("leased %+v, strict %+v: they disagree", res, out[0])
+	}
+	return res, out[0].ResetAfter
+}
+
+// charge is a cost_from_response charge of n on both, as Store.Charge
+// makes it: from the node's lease when it covers it, the rest to the
+// shared bucket.
+func (b *leaseBeside) charge(n int64) {
+	if rest := b.node.chargeHeld(b.key, n); rest > 0 {
+		b.m.mu.Lock()
+		b.m.bucket(string(b.key), 1).Charge(b.clock.now(), []bucket.Limit{b.l}, rest)
+		b.m.mu.Unlock()
+	}
+	b.strict.Charge(b.clock.now(), []bucket.Limit{b.l}, n)
+}
+
+// held is what the node holds on lease.
+func (b *leaseBeside) held() int64 {
+	sh := b.node.shard(b.key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	return sh.m[string(b.key)].tokens
+}
+
+// modelReset is when the shared bucket, as the lease model keeps it, is
+// full again: what the script answers a lease call.
+func (b *leaseBeside) modelReset() int64 {
+	b.m.mu.Lock()
+	defer b.m.mu.Unlock()
+	var out [1]bucket.Result
+	b.m.bucket(string(b.key), 1).Peek(b.clock.now(), []bucket.Limit{b.l}, out[:])
+	return out[0].ResetAfter
+}
+
+// After a cost_from_response charge, a leased request's ResetAfter is the
+// shared bucket's as its lease call left it, to the microsecond: the
+// lease model's (buckettest.Shared, which the script matches). With
+// leases of one token, which leave nothing held, it is strict mode's. A
+// lease of more is later than strict mode's by the refill of the tokens
+// the node holds, which the shared bucket counts as taken (one interval
+// when the call after a charge doubles the lease from 1 to 2), and of held
+// tokens a charge spent since the last call: the shared bucket does not
+// refill over tokens out on lease until a call says they are spent, which
+// keeps the fleet within one bucket (docs/fleet.md).
+func TestALeasedResetAfterAChargeIsTheSharedBucketsAsTheLeaseCallLeftIt(t *testing.T) {
+	t.Parallel()
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
+	interval := l.Rate.Interval / l.Rate.Tokens
+	for _, size := range []int64{1, 10} {
+		b := newLeaseBeside(t, l, size)
+		if res, strict := b.take(); res.ResetAfter != strict || b.held() != 0 {
+			t.Fatalf("lease %d: first request: leased %+v, strict reset %d, %d held; want strict's, none held", size, res, strict, b.held())
+		}
+		// Nothing held: the charge goes to the shared bucket whole. With
+		// leases of 10, the next request's call doubles the lease: it
+		// takes 2 and holds 1.
+		b.charge(3)
+		res, strict := b.take()
+		if model := b.modelReset(); res.ResetAfter != model {
+			t.Fatalf("lease %d: after a charge to the shared bucket: leased reset %d, the lease model's %d", size, res.ResetAfter, model)
+		}
+		h := b.held()
+		if h != min(size-1, 1) || res.ResetAfter != strict+h*interval {
+			t.Fatalf("lease %d: after a charge to the shared bucket: leased reset %d, strict %d, %d held; want strict's plus the held tokens' refill", size, res.ResetAfter, strict, h)
+		}
+		if size == 1 {
+			continue
+		}
+		// A charge spends the held token, with no call.
+		calls := b.m.calls
+		b.charge(1)
+		if b.held() != 0 || b.m.calls != calls {
+			t.Fatalf("a charge of the held token: %d held, %d calls; want 0 and none", b.held(), b.m.calls-calls)
+		}
+		// Long enough for a strict bucket to be full again.
+		b.clock.advance(20 * time.Second)
+		res, strict = b.take()
+		if model := b.modelReset(); res.ResetAfter != model {
+			t.Fatalf("the call after the charge spent the lease: leased reset %d, the lease model's %d", res.ResetAfter, model)
+		}
+		if h, want := b.held(), strict+(b.held()+1)*interval; res.ResetAfter != want {
+			t.Fatalf("the call after the charge spent the lease: leased reset %d, strict %d, %d held; want strict's plus the refill of the held tokens and of the one the charge spent, %d", res.ResetAfter, strict, h, want)
+		}
 	}
 }

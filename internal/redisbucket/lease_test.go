@@ -3,6 +3,7 @@ package redisbucket
 import (
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -923,6 +924,150 @@ func TestLeaseRetryAfterIsTheRequestsWait(t *testing.T) {
 		}
 		tableSync(node)
 		node.close()
+	}
+}
+
+// With leases, a ban and max_wait, the refusal that starts the ban says
+// retry when the request fits within max_wait once the ban is over, as
+// strict mode does (docs/max-wait.md), not when the shared bucket holds
+// its cost, a whole cost's refill later: a retry then is admitted,
+// waiting, and one a microsecond earlier is refused.
+func TestALeasedRefusalThatStartsABanWithMaxWaitSaysWhenTheRetryFits(t *testing.T) {
+	t.Parallel()
+	// Capacity 1, one token every 10 s, ban 60 s, max_wait 30 s.
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 60 * second, MaxWait: 30 * second}
+	for _, size := range []LeaseSize{{tokens: 1}, {tokens: 4}} {
+		clock, m := newModelStore()
+		node := newModelTable(m, size, time.Minute)
+		strict := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+		key := []byte("k")
+		take := func() (bucket.Result, bucket.Result) {
+			t.Helper()
+			res, err := node.take(bg, key, oneLimit(l), 1, nil)
+			tableSync(node)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out [1]bucket.Result
+			strict.Take(clock.now(), []bucket.Limit{l}, 1, out[:])
+			return res, out[0]
+		}
+		// The token, then 3 that wait (10, 20, 30 s); the 5th would wait
+		// 40 s: refused, and the ban starts.
+		for i := range 4 {
+			if res, _ := take(); !res.Allowed {
+				t.Fatalf("lease %+v: request %d refused: %+v", size, i, res)
+			}
+		}
+		res, want := take()
+		if res.Allowed || !res.Banned || !want.Banned {
+			t.Fatalf("lease %+v: the 5th: %+v (strict %+v), want refused, starting a ban", size, res, want)
+		}
+		if res.RetryAfter != want.RetryAfter {
+			t.Errorf("lease %+v: the refusal that starts the ban says retry after %d µs, strict mode %d µs", size, res.RetryAfter, want.RetryAfter)
+		}
+		// A retry a microsecond before strict mode's retry time is
+		// refused; one at it is admitted, waiting for its token.
+		clock.advance(time.Duration(want.RetryAfter-1) * time.Microsecond)
+		if early, _ := take(); early.Allowed {
+			t.Fatalf("lease %+v: a retry a microsecond early: %+v, want refused", size, early)
+		}
+		clock.advance(time.Microsecond)
+		if again, _ := take(); !again.Allowed || again.Wait == 0 {
+			t.Fatalf("lease %+v: a retry at strict mode's retry time: %+v, want allowed, waiting", size, again)
+		}
+		node.close()
+	}
+}
+
+// On random limits with a ban and max_wait, and leases of random sizes, a
+// leasing node's refusals during a ban, the one that starts it first, say
+// retry when strict mode would on the shared bucket as it then stands: when
+// the request would go on within max_wait once the ban is over.
+func TestLeasedRefusalsUnderABanWithMaxWaitSayStrictModesRetry(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(41, 0x1ea5e))
+	bans := 0
+	for c := range 300 {
+		rate, err := bucket.ParseRate(buckettest.TraceRates[rng.IntN(len(buckettest.TraceRates))])
+		if err != nil {
+			t.Fatal(err)
+		}
+		l := bucket.Limit{Capacity: 1 + rng.Int64N(20), Rate: rate}
+		full := bucket.CeilDiv(l.Units(), rate.Tokens)
+		l.Ban, l.MaxWait = 1+rng.Int64N(5*full+1), 1+rng.Int64N(2*full+1)
+		if err := l.Validate(1); err != nil {
+			t.Fatal(err)
+		}
+		clock, m := newModelStore()
+		node := newModelTable(m, LeaseSize{tokens: 1 + rng.Int64N(l.Capacity)}, time.Minute)
+		key := []byte("k")
+		banned := false
+		for step := 0; step < 4*int(l.Capacity)+40; step++ {
+			res, err := node.take(bg, key, oneLimit(l), 1, nil)
+			tableSync(node)
+			if err != nil {
+				t.Fatal(err)
+			}
+			banned = banned || res.Banned
+			if !res.Allowed && banned {
+				m.mu.Lock()
+				sh := m.bucket(string(key), 1)
+				strict := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+				var out [1]bucket.Result
+				strict.Take(clock.now(), []bucket.Limit{l}, 1, out[:])
+				m.mu.Unlock()
+				if res.RetryAfter != out[0].RetryAfter {
+					t.Fatalf("case %d step %d, %+v: leased refusal %+v, strict mode's on the shared bucket %+v", c, step, l, res, out[0])
+				}
+				if res.Banned {
+					bans++
+				}
+			}
+			clock.advance(time.Duration(rng.Int64N(full/4+1)) * time.Microsecond)
+		}
+		node.close()
+	}
+	if bans < 100 {
+		t.Fatalf("only %d bans started of 300 cases", bans)
+	}
+}
+
+// Against a real redis-server: the refusal that starts a ban on a tier with
+// max_wait says the same Retry-After with leases as in strict mode: the
+// ban's length here (the request fits within max_wait as the ban ends,
+// long before the cost is back), counted from the ban's start in Redis;
+// a leasing node counts from when its call was sent, so its figure may be
+// short by the call's round trip.
+func TestARedisBanWithMaxWaitSaysTheSameRetryWithLeasesAsStrict(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	// Capacity 4, one token every 10 s, ban 60 s, max_wait 30 s: after
+	// the ban, the bucket is full 40 s later, and a request's token is
+	// due 30 s after the ban, within max_wait.
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 60 * second, MaxWait: 30 * second}
+	for _, lease := range []string{"", "2"} {
+		s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second, Lease: lease})
+		if leased := s.Leasing(oneLimit(l), 1); leased != (lease != "") {
+			t.Fatalf("lease %q: decided from leases: %v", lease, leased)
+		}
+		key := bucketFor("ban with max_wait, lease " + lease)
+		var res bucket.Result
+		for range 20 {
+			var err error
+			if res, err = s.takeLimit(bg, key, l, 1); err != nil {
+				t.Fatal(err)
+			}
+			if !res.Allowed {
+				break
+			}
+		}
+		if res.Allowed || !res.Banned {
+			t.Fatalf("lease %q: 20 requests at once: the last %+v; want one refused, starting a ban", lease, res)
+		}
+		if res.RetryAfter > l.Ban || res.RetryAfter < l.Ban-second/10 {
+			t.Errorf("lease %q: the refusal that starts the ban says retry after %d µs, want the ban's %d µs", lease, res.RetryAfter, l.Ban)
+		}
 	}
 }
 

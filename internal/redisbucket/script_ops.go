@@ -32,6 +32,17 @@ local function wait_all(k)
   for i = 1, n do w = math.max(w, wait(i, k * L[i].iv)) end
   return w
 end
+-- retry_waiting: on a tier with max_wait that a ban holds, when a
+-- request of k may come back: when every limit lets it go on within
+-- max_wait (shared.go's retryWaiting), not when each holds k.
+local function retry_waiting(k)
+  local w = 0
+  for i = 1, n do
+    local r = take_one(i, k, false)
+    if not r.ok then w = math.max(w, r.retry) end
+  end
+  return w
+end
 -- quota_wait: the microseconds until every quota has k tokens left, 0
 -- when they do.
 -- Tokens out on lease that a quota counted come back to it by the time
@@ -233,6 +244,7 @@ if op == 'lease' then
       H[mine].seq = seq -- the node's next give-back names this call
     end
     local lwait = wait_all(count)
+    if maxwait > 0 and ban_holds() == 1 then lwait = retry_waiting(count) end
     local retry = math.max(lwait, qwait)
     local hold_off = math.max(lwait, wait_all(w))
     local rem, reset = report()

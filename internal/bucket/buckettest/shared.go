@@ -253,6 +253,9 @@ func (sh *Shared) LeaseQuotas(now int64, ls []bucket.Limit, qs []bucket.Quota, a
 			sh.Held[mine].Seq = a.Seq
 		}
 		limitWait := sh.wait(now, ls, a.Cost)
+		if ls[0].MaxWait > 0 && sh.banHolds(now, ls) {
+			limitWait = sh.retryWaiting(now, ls, a.Cost)
+		}
 		res.LimitRetry = limitWait
 		res.RetryAfter = max(limitWait, quotaWait)
 		res.HoldOff = max(limitWait, sh.wait(now, ls, want))
@@ -328,6 +331,20 @@ func (sh *Shared) wait(now int64, ls []bucket.Limit, x int64) int64 {
 	var w int64
 	for i, l := range ls {
 		w = max(w, untilHolds(sh.Levels[i], now, l, x*l.Rate.Interval))
+	}
+	return w
+}
+
+// retryWaiting is, on a tier with max_wait that a ban holds, when a
+// request of cost may come back: when every limit lets it go on within
+// max_wait once the ban is over (take's RetryAfter, which strict mode
+// answers), not when each holds the cost, up to max_wait later.
+func (sh *Shared) retryWaiting(now int64, ls []bucket.Limit, cost int64) int64 {
+	var w int64
+	for i, l := range ls {
+		if _, r := take(sh.Levels[i], now, l, cost, sh.Held); !r.Allowed {
+			w = max(w, r.RetryAfter)
+		}
 	}
 	return w
 }
