@@ -196,13 +196,20 @@ func (s *Store) takeAll(id uint64, ls []bucket.Limit, cost int64, out []bucket.R
 	}
 	olds = states
 	allowed := bucket.TakeAll(states[:len(ls)], now, ls, cost, out)
+	swept := false
 	for i := range ls {
 		if states[i] == olds[i] {
 			continue
 		}
+		if swept {
+			// The sweep may have dropped this limit's state (a full one
+			// goes first): writing it back is a new state to count.
+			_, found[i] = sh.states.get(limitID(id, i))
+		}
 		if !found[i] {
 			if s.count.Load() >= s.maxKeys.Load() {
 				s.makeRoom(sh, now, limitID(id, i))
+				swept = true
 			}
 			s.count.Add(1)
 		}

@@ -345,3 +345,64 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 	}
 	return lifted, nil
 }
+
+// held counts the states the store's tables hold, whatever its count says.
+func held(s *Store) int {
+	n := 0
+	for i := range s.shards {
+		n += s.shards[i].states.n
+	}
+	return n
+}
+
+// A take on a tier of several limits whose first limit's state is gone
+// and whose second's is full makes room for the first; that sweep drops
+// the second's full state, which the take then writes back: a new state,
+// counted as one.
+// Regression test: such takes were not counted, and the store outgrew
+// max_keys by one each.
+func TestAMultiLimitTakeThatEvictsItsOwnFullStateStaysWithinMaxKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	const maxKeys = 64
+	s := newStore(maxKeys, clock.now)
+	second := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
+	hour := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	tr := bucket.Tier{Limits: []bucket.Limit{second, hour}}
+	out := make([]bucket.Result, 2)
+	next := 0
+	fill := func() { // new lone buckets of an hour, until a take must make room
+		for s.Len() < maxKeys {
+			take(s, idFor("fill-"+strconv.Itoa(next)), hour, 1)
+			next++
+		}
+	}
+	for round := range 20 {
+		alice := idFor("alice-" + strconv.Itoa(round))
+		fill()
+		s.Take(alice, tr, 1, out)
+		// Her first limit is full in a second, and the sweep of the next
+		// take that makes room drops it; her second stays live an hour.
+		clock.advance(2 * time.Second)
+		fill()
+		take(s, idFor("fill-"+strconv.Itoa(next)), hour, 1)
+		next++
+		if _, ok := s.shard(alice).states.get(alice); ok {
+			t.Fatalf("round %d: her first limit's full state outlived a sweep", round)
+		}
+		// An hour on, her second limit's state is full, and still held.
+		clock.advance(time.Hour)
+		fill()
+		if _, ok := s.shard(alice).states.get(limitID(alice, 1)); !ok {
+			t.Fatalf("round %d: her second limit's state is gone before her take", round)
+		}
+		if !s.Take(alice, tr, 1, out) {
+			t.Fatalf("round %d: alice refused %+v, want allowed", round, out)
+		}
+		fill()
+		if got := held(s); got != s.Len() || got > maxKeys {
+			t.Fatalf("round %d: the tables hold %d states, the store counts %d, max_keys %d", round, got, s.Len(), maxKeys)
+		}
+	}
+}
