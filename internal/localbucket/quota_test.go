@@ -558,3 +558,43 @@ func TestAUsedUpQuotaOutlivesAFloodOfDistinctKeys(t *testing.T) {
 		t.Fatalf("the next day: %+v, want allowed", all)
 	}
 }
+
+// A reload that lowers a quota's N below what its period used leaves the
+// count used up, refusing the client: it outlives a flood of distinct keys
+// as a count used up under one config does, though no take has written it
+// since.
+// Regression test: such a count was dropped by a flood, and the client
+// started over.
+func TestAQuotaUsedUpByAReloadThatLowersItOutlivesAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
+	const maxKeys = 100
+	s := New(Options{MaxKeys: maxKeys, Now: clock.now, Wall: clock.now})
+	limits := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
+	before := bucket.Tier{Limits: limits, Quotas: []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}}
+	after := bucket.Tier{Limits: limits, Quotas: []bucket.Quota{{N: 5, Period: bucket.Day, Loc: time.UTC}}}
+	all := make([]bucket.Result, 2)
+	bob := idFor("bob")
+	for i := range 6 {
+		if !s.Take(bob, before, 1, all) {
+			t.Fatalf("take %d: %+v, want allowed", i+1, all)
+		}
+	}
+	if s.Take(bob, after, 1, all) || all[1].Allowed || all[1].Remaining != 0 {
+		t.Fatalf("after the reload to 5 a day: %+v, want refused by the quota, none left", all)
+	}
+	flood(t, s, clock, 10*maxKeys, maxKeys)
+	if s.Take(bob, after, 1, all) || all[1].Allowed {
+		t.Fatalf("bob after the flood: %+v, want refused by the quota the reload used up", all)
+	}
+	clock.micros.Store(time.Date(2026, 12, 6, 0, 0, 1, 0, time.UTC).UnixMicro())
+	for i := range 5 {
+		if !s.Take(bob, after, 1, all) {
+			t.Fatalf("the next day, take %d: %+v, want allowed", i+1, all)
+		}
+	}
+	if s.Take(bob, after, 1, all) {
+		t.Fatalf("the next day's sixth take: %+v, want refused", all)
+	}
+}
