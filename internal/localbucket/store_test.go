@@ -315,8 +315,8 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 			if res := take(s, id, l, 1); res.Banned {
 				banEnds[id] = now + l.Ban
 			}
-			if n := s.Len(); n > maxKeys {
-				return 0, fmt.Errorf("step %d: %d states held, want at most max_keys %d", step, n, maxKeys)
+			if n := s.Len(); n > maxKeys || n != held(s) {
+				return 0, fmt.Errorf("step %d: %d states counted, %d held, want as many, at most max_keys %d", step, n, held(s), maxKeys)
 			}
 			for b, end := range banEnds {
 				if end <= now {
@@ -405,4 +405,48 @@ func TestAMultiLimitTakeThatEvictsItsOwnFullStateStaysWithinMaxKeys(t *testing.T
 			t.Fatalf("round %d: the tables hold %d states, the store counts %d, max_keys %d", round, got, s.Len(), maxKeys)
 		}
 	}
+}
+
+// A flood in which every client gets itself banned, on a table full of
+// bans, sweeps the table (a few passes over its slots, Store.makeRoom) at
+// most once per a 64th of max_keys new clients: each sweep still frees a
+// 32nd of the shard, bans included, so a client's cost stays flat however
+// large the table (BenchmarkFloodOfBannedKeys).
+func TestAFloodOfBannedKeysSweepsOnceInManyInserts(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	const maxKeys = 500 // one shard
+	s := newStore(maxKeys, clock.now)
+	if len(s.shards) != 1 {
+		t.Fatalf("%d shards, want 1", len(s.shards))
+	}
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}, Ban: 3_600_000_000}
+	rng := rand.New(rand.NewPCG(7, 41))
+	ban := func() {
+		id := rng.Uint64()
+		take(s, id, l, 1)
+		if res := take(s, id, l, 1); !res.Banned {
+			t.Fatalf("the second take: %+v, want a ban started", res)
+		}
+	}
+	for range maxKeys {
+		ban()
+	}
+	const clients = 20 * maxKeys
+	sweeps := 0
+	for range clients {
+		before := s.Len()
+		ban()
+		if s.Len() <= before {
+			sweeps++ // the insert made room
+		}
+		if s.Len() > maxKeys {
+			t.Fatalf("%d states held, want at most %d", s.Len(), maxKeys)
+		}
+	}
+	if most := clients / (maxKeys / 64); sweeps > most {
+		t.Fatalf("%d new banned clients swept the table %d times, want at most %d: a sweep per %d clients", clients, sweeps, most, maxKeys/64)
+	}
+	t.Logf("%d new banned clients, %d sweeps", clients, sweeps)
 }
