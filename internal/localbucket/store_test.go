@@ -502,3 +502,32 @@ func TestEvictionLiftsABanOfATierOfTwoLimitsOnlyWhenItsShardHoldsNothingElseLive
 		t.Errorf("%d bans dropped as a last resort, the old eviction order caught in %d traces: want some of each", lifted, caught)
 	}
 }
+
+// A reload that lowers max_keys far below the states held (SetMaxKeys)
+// shrinks the table to the new bound as new clients arrive, by one a
+// client at least, though each shard holds too few states for a 32nd of
+// them to be more than one: within the bound, but for a shard with
+// nothing to drop, which holds the one state a new client there adds.
+// Regression test: each new client dropped one state, and the table kept
+// ten times its new bound for good.
+func TestLoweringMaxKeysShrinksTheTableToTheNewBound(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	s := newStore(100_000, clock.now)
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	rng := rand.New(rand.NewPCG(5, 41))
+	for range 2000 {
+		take(s, rng.Uint64(), l, 1)
+	}
+	const lowered = 200
+	s.SetMaxKeys(lowered)
+	most := lowered + len(s.shards)
+	// The excess, 1800, goes at one a client at least.
+	for i := range 4000 {
+		take(s, rng.Uint64(), l, 1)
+		if i >= 2000 && (s.Len() > most || held(s) != s.Len()) {
+			t.Fatalf("%d clients after max_keys was lowered to %d: %d states counted, %d held, want at most %d (one a shard over)", i+1, lowered, s.Len(), held(s), most)
+		}
+	}
+}
