@@ -15,6 +15,7 @@ import (
 
 	"github.com/bramsley/caddy-ratelimit/internal/bucket"
 	"github.com/bramsley/caddy-ratelimit/internal/bucket/buckettest"
+	"github.com/caddyserver/caddy/v2"
 	"github.com/golang-jwt/jwt/v5"
 )
 
@@ -616,5 +617,100 @@ func TestAnAdminDeleteDuringARedisOutageEmptiesTheFallbacksBucket(t *testing.T) 
 				}
 			}
 		})
+	}
+}
+
+// A quota count used up, given back (count_status), used up again, kept
+// through a flood of other clients ten times max_keys, and reloaded to a
+// higher and then a lower N: each request passes as the count and the
+// running N say, and GET shows the count as it stands (used, left,
+// retry_after), whatever mark eviction keeps beside it.
+func TestAdminShowsAUsedUpQuotaCountThroughGiveBacksFloodsAndReloads(t *testing.T) {
+	clock := useFakeClock(t)
+	// Near the real clock: a give-back names its period from the moment
+	// the handler read it (decision.countedAt).
+	now := time.Now().UTC()
+	clock.micros.Store(now.UnixMicro())
+	tomorrow := time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, time.UTC)
+	resetAfter := bucket.CeilDiv(tomorrow.UnixMicro()-now.UnixMicro(), 1_000_000)
+	const maxKeys = 20
+	admin := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	port := freePort(t)
+	site := func(n int) string {
+		return siteCaddyfile("admin "+admin, port, fmt.Sprintf(`
+	rate_limit {
+		name quota_marks
+		key header X-Key
+		quota %d/day
+		count_status 401
+		store local {
+			max_keys %d
+		}
+	}
+	@wrong header X-Password wrong
+	respond @wrong 401
+	respond "ok"`, n, maxKeys))
+	}
+	s := serveCaddyfile(t, port, site(3))
+	reload := func(n int) {
+		t.Helper()
+		cfg, err := adaptCaddyfile(site(n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := caddy.Load(cfg, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	attempt := func(key, password string) int {
+		return s.get("/", "X-Key: "+key, "X-Password: "+password).status
+	}
+	check := func(when string, status, want, used, left int) {
+		t.Helper()
+		if status != want {
+			t.Fatalf("%s: %d, want %d", when, status, want)
+		}
+		var got struct {
+			Quotas []quotaView `json:"quotas"`
+		}
+		if code := getJSON(t, "http://"+admin+"/rate_limit/buckets?policy=quota_marks&keyer=header&value=bob", &got); code != 200 || len(got.Quotas) != 1 {
+			t.Fatalf("%s: GET %d, quotas %+v", when, code, got.Quotas)
+		}
+		q := got.Quotas[0]
+		wantRetry := int64(0)
+		if left == 0 {
+			wantRetry = q.ResetAfter
+		}
+		if q.Used != int64(used) || q.Left != int64(left) || q.RetryAfter != wantRetry || q.ResetAfter != resetAfter {
+			t.Fatalf("%s: GET shows %+v, want used %d, left %d, retry_after %d, reset_after %d", when, q, used, left, wantRetry, resetAfter)
+		}
+	}
+	flood := func() {
+		t.Helper()
+		for i := range 10 * maxKeys {
+			if got := attempt("flood-"+strconv.Itoa(i), "wrong"); got != 401 {
+				t.Fatalf("flood key %d: %d, want 401", i, got)
+			}
+		}
+	}
+	check("the first wrong password", attempt("bob", "wrong"), 401, 1, 2)
+	check("the second", attempt("bob", "wrong"), 401, 2, 1)
+	// Counted to 3, used up, then given back: the response is not a 401.
+	check("the right password", attempt("bob", "right"), 200, 2, 1)
+	check("the third wrong password", attempt("bob", "wrong"), 401, 3, 0)
+	check("the fourth", attempt("bob", "wrong"), 429, 3, 0)
+	flood()
+	check("after a flood", attempt("bob", "right"), 429, 3, 0)
+	reload(5)
+	check("after a reload to 5 a day", attempt("bob", "wrong"), 401, 4, 1)
+	// A count of 4 that a reload to 3 uses up. GET shows a count past N as
+	// N used (N less what is left).
+	reload(3)
+	check("after a reload to 3 a day", attempt("bob", "right"), 429, 3, 0)
+	flood()
+	check("after another flood", attempt("bob", "right"), 429, 3, 0)
+	clock.micros.Store(tomorrow.UnixMicro())
+	if got := attempt("bob", "right"); got != 200 {
+		t.Fatalf("the next day: %d, want 200", got)
 	}
 }

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/bramsley/caddy-ratelimit/internal/localbucket"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -210,5 +212,51 @@ http://127.0.0.1:%d {
 	}
 	if got := s.from("127.0.5.1", "/b").status; got != 429 {
 		t.Fatalf("after a reload, the next request: %d, want 429: the reload emptied the policy's buckets", got)
+	}
+}
+
+// The on_store_error local fallback of a Redis store that nothing answers
+// keeps a ban through a flood of distinct clients ten times its table's
+// bound, as the local store does (docs/logins.md), and the bound holds.
+func TestABanInTheLocalFallbackHoldsThroughAFloodOfDistinctClients(t *testing.T) {
+	t.Parallel()
+	clock := newFakeClock()
+	h := deadRedisHandler(t, clock, "fallback-ban-flood", `"on_store_error": "local", "ban": "15m"`,
+		`[{"name": "t", "capacity": 3, "refill": "1/h"}]`)
+	// The fallback's table has the default bound; one of a small bound,
+	// on the handler's clocks, makes the flood short.
+	const maxKeys = 50
+	h.local.buckets = localbucket.New(localOptions(maxKeys, clock.clocks()))
+	status := func(ip string) int {
+		w, _ := serveOne(h, benchRequest(ip), nopHandler)
+		return w.Code
+	}
+	for i := range 3 {
+		if got := status("192.0.2.7"); got != http.StatusOK {
+			t.Fatalf("request %d with Redis down: %d, want 200 from the fallback", i+1, got)
+		}
+	}
+	if got := status("192.0.2.7"); got != http.StatusTooManyRequests {
+		t.Fatalf("the fourth request: %d, want 429, starting the ban", got)
+	}
+	for i := range 10 * maxKeys {
+		ip := fmt.Sprintf("10.0.%d.%d", i/250, 1+i%250)
+		if got := status(ip); got != http.StatusOK {
+			t.Fatalf("flood client %s: %d, want 200", ip, got)
+		}
+		if n := h.local.buckets.Len(); n > maxKeys {
+			t.Fatalf("after %d flood clients the fallback holds %d buckets, want at most %d", i+1, n, maxKeys)
+		}
+	}
+	if h.local.buckets.Evictions() == 0 {
+		t.Fatalf("the flood evicted nothing: it did not fill the fallback's table")
+	}
+	clock.advance(time.Minute)
+	if got := status("192.0.2.7"); got != http.StatusTooManyRequests {
+		t.Fatalf("the banned client after a flood of %d others: %d, want 429: the ban holds", 10*maxKeys, got)
+	}
+	clock.advance(14*time.Minute + time.Hour)
+	if got := status("192.0.2.7"); got != http.StatusOK {
+		t.Fatalf("after the ban and an hour's refill: %d, want 200", got)
 	}
 }

@@ -144,3 +144,42 @@ func BenchmarkLocalStoreMemoryPerKey(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkFloodOfBannedKeys is one new client of a flood in which each
+// client gets itself banned (two takes on a limit of 1 with a ban), on a
+// table of max_keys full of bans: every eviction finds no live state that
+// is not banned before it drops bans, the eviction's worst case. The cost
+// of a client stays flat as max_keys grows: each sweep of the table frees
+// a 32nd of its shard (Store.makeRoom).
+func BenchmarkFloodOfBannedKeys(b *testing.B) {
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}, Ban: 3_600_000_000}
+	tr := lone(l)
+	for _, maxKeys := range []int{1 << 10, 1 << 14, 1 << 18} {
+		b.Run("max_keys="+strconv.Itoa(maxKeys), func(b *testing.B) {
+			var clock atomic.Int64
+			clock.Store(1)
+			s := newStore(maxKeys, clock.Load)
+			var out [1]bucket.Result
+			var key [8]byte
+			next := uint64(0)
+			ban := func() {
+				next++
+				binary.LittleEndian.PutUint64(key[:], next)
+				id := benchID(key[:])
+				s.Take(id, tr, 1, out[:])
+				s.Take(id, tr, 1, out[:])
+			}
+			for range maxKeys {
+				ban()
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				ban()
+			}
+			b.StopTimer()
+			if out[0].Allowed || !out[0].Banned || s.Len() > maxKeys {
+				b.Fatalf("last take %+v, %d states held: want a ban started, at most %d", out[0], s.Len(), maxKeys)
+			}
+		})
+	}
+}

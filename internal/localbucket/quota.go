@@ -70,13 +70,14 @@ func (s *Store) takeQuotasLocked(sh *shard, id uint64, tr bucket.Tier, cost int6
 	out, qout := out[:len(ls)], out[len(ls):len(ls)+len(qs)]
 	var states, olds [bucket.MaxLimits]bucket.State
 	var qstates, qolds [bucket.MaxQuotas]bucket.QuotaState
+	var stored [bucket.MaxQuotas]bucket.State
 	for i := range ls {
 		states[i], _ = sh.states.get(limitID(id, i))
 	}
 	for i, q := range qs {
-		st, _ := sh.states.get(quotaID(id, q.Period))
+		stored[i], _ = sh.states.get(quotaID(id, q.Period))
 		start, _ := q.Bounds(wall)
-		qstates[i] = quotaState(st, start)
+		qstates[i] = quotaState(stored[i], start)
 	}
 	olds, qolds = states, qstates
 	allowed := bucket.TakeAllQuotas(states[:len(ls)], qstates[:len(qs)], now, wall, ls, qs, cost, out, qout)
@@ -86,8 +87,15 @@ func (s *Store) takeQuotasLocked(sh *shard, id uint64, tr bucket.Tier, cost int6
 		}
 	}
 	for i, q := range qs {
-		if qstates[i] != qolds[i] {
+		switch {
+		case qstates[i] != qolds[i]:
 			s.putLocked(sh, quotaID(id, q.Period), tableQuota(qstates[i], q, off), now)
+		case qstates[i] != (bucket.QuotaState{}) && stored[i].Banned != (qstates[i].Used >= q.N):
+			// A reload changed N since the count was written: its mark
+			// follows, so that a count the reload used up is spared by
+			// eviction as one a take used up.
+			stored[i].Banned = !stored[i].Banned
+			sh.states.put(quotaID(id, q.Period), stored[i])
 		}
 	}
 	return allowed

@@ -558,3 +558,144 @@ func TestAUsedUpQuotaOutlivesAFloodOfDistinctKeys(t *testing.T) {
 		t.Fatalf("the next day: %+v, want allowed", all)
 	}
 }
+
+// A reload that lowers a quota's N below what its period used leaves the
+// count used up, refusing the client: it outlives a flood of distinct keys
+// as a count used up under one config does, though no take has written it
+// since.
+// Regression test: such a count was dropped by a flood, and the client
+// started over.
+func TestAQuotaUsedUpByAReloadThatLowersItOutlivesAFloodOfDistinctKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
+	const maxKeys = 100
+	s := New(Options{MaxKeys: maxKeys, Now: clock.now, Wall: clock.now})
+	limits := []bucket.Limit{{Capacity: 100, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
+	before := bucket.Tier{Limits: limits, Quotas: []bucket.Quota{{N: 10, Period: bucket.Day, Loc: time.UTC}}}
+	after := bucket.Tier{Limits: limits, Quotas: []bucket.Quota{{N: 5, Period: bucket.Day, Loc: time.UTC}}}
+	all := make([]bucket.Result, 2)
+	bob := idFor("bob")
+	for i := range 6 {
+		if !s.Take(bob, before, 1, all) {
+			t.Fatalf("take %d: %+v, want allowed", i+1, all)
+		}
+	}
+	if s.Take(bob, after, 1, all) || all[1].Allowed || all[1].Remaining != 0 {
+		t.Fatalf("after the reload to 5 a day: %+v, want refused by the quota, none left", all)
+	}
+	flood(t, s, clock, 10*maxKeys, maxKeys)
+	if s.Take(bob, after, 1, all) || all[1].Allowed {
+		t.Fatalf("bob after the flood: %+v, want refused by the quota the reload used up", all)
+	}
+	clock.micros.Store(time.Date(2026, 12, 6, 0, 0, 1, 0, time.UTC).UnixMicro())
+	for i := range 5 {
+		if !s.Take(bob, after, 1, all) {
+			t.Fatalf("the next day, take %d: %+v, want allowed", i+1, all)
+		}
+	}
+	if s.Take(bob, after, 1, all) {
+		t.Fatalf("the next day's sixth take: %+v, want refused", all)
+	}
+}
+
+// TestQuotaDecisionsIgnoreTheEvictionMark runs random traces of takes,
+// give-backs (count_status), charges, peeks and reloads that lower or
+// raise a quota's N, across days, on a store with room for every count,
+// and checks each answer against the model (bucket.TakeAllQuotas and the
+// rest on plain counts): the mark of a used-up count (bannedBit) changes
+// what eviction drops, never what a take, a give-back or a peek decides,
+// whether the count was used up under another N or given back since.
+func TestQuotaDecisionsIgnoreTheEvictionMark(t *testing.T) {
+	t.Parallel()
+	marked, stale := 0, 0
+	for seed := range uint64(30) {
+		m, st, err := quotaMarkTrace(seed)
+		if err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+		marked, stale = marked+m, stale+st
+	}
+	t.Logf("30 traces, seeds 0 to 29: %d steps on a marked count, %d on a count marked under another N", marked, stale)
+	if marked == 0 || stale == 0 {
+		t.Errorf("the traces met %d marked counts, %d marked under another N: want some of each", marked, stale)
+	}
+}
+
+// quotaMarkTrace runs the trace of seed, and returns how many of its steps
+// met a count marked used up, and how many one whose mark a reload had
+// made wrong, or the first answer the model disagrees with.
+func quotaMarkTrace(seed uint64) (marked, stale int, err error) {
+	rng := rand.New(rand.NewPCG(seed, 42))
+	clock := new(fakeClock)
+	clock.micros.Store(time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC).UnixMicro())
+	s := New(Options{MaxKeys: 1000, Now: clock.now, Wall: clock.now})
+	ls := []bucket.Limit{{Capacity: 1000, Rate: bucket.Rate{Tokens: 1, Interval: 1}}}
+	tier := func(day, month int64) bucket.Tier {
+		return bucket.Tier{Limits: ls, Quotas: []bucket.Quota{{N: day, Period: bucket.Day, Loc: time.UTC}, {N: month, Period: bucket.Month, Loc: time.UTC}}}
+	}
+	tr := tier(3, 20)
+	ids := []uint64{rng.Uint64(), rng.Uint64(), rng.Uint64()}
+	type model struct {
+		states  [1]bucket.State
+		qstates [2]bucket.QuotaState
+	}
+	models := make([]model, len(ids))
+	got, want := make([]bucket.Result, 3), make([]bucket.Result, 3)
+	for step := range 400 {
+		b := rng.IntN(len(ids))
+		id, m := ids[b], &models[b]
+		now := clock.now()
+		for _, q := range tr.Quotas {
+			st, _ := s.shard(id).states.get(quotaID(id, q.Period))
+			start, _ := q.Bounds(now)
+			if qs := quotaState(st, start); qs != (bucket.QuotaState{}) && st.Banned {
+				marked++
+				if qs.Used < q.N {
+					stale++
+				}
+			}
+		}
+		switch op := rng.IntN(10); {
+		case op < 5:
+			cost := 1 + rng.Int64N(3)
+			allowed := s.Take(id, tr, cost, got)
+			wantAllowed := bucket.TakeAllQuotas(m.states[:], m.qstates[:], now, now, tr.Limits, tr.Quotas, cost, want[:1], want[1:])
+			if allowed != wantAllowed || !slices.Equal(got, want) {
+				return 0, 0, fmt.Errorf("step %d: take %d under %v: %v %+v, want %v %+v", step, cost, tr.Quotas, allowed, got, wantAllowed, want)
+			}
+		case op == 5:
+			n := 1 + rng.Int64N(3)
+			s.GiveBack(id, tr, n, n, now)
+			m.states[0] = bucket.GiveBack(m.states[0], now, ls[0], n)
+			for i, q := range tr.Quotas {
+				m.qstates[i] = bucket.GiveBackQuota(m.qstates[i], now, now, q, n)
+			}
+		case op == 6:
+			n := 1 + rng.Int64N(3)
+			s.Charge(id, tr, n)
+			m.states[0] = bucket.Charge(m.states[0], now, ls[0], n)
+			for i, q := range tr.Quotas {
+				m.qstates[i] = bucket.ChargeQuota(m.qstates[i], now, q, n)
+			}
+		case op == 7:
+			// A reload: each quota's N lowered or raised.
+			tr = tier(1+rng.Int64N(6), 5+rng.Int64N(30))
+		case op == 8:
+			s.Peek(id, tr, got)
+			want[0] = bucket.Peek(m.states[0], now, ls[0])
+			for i, q := range tr.Quotas {
+				want[1+i] = bucket.PeekQuota(m.qstates[i], now, q)
+			}
+			if !slices.Equal(got, want) {
+				return 0, 0, fmt.Errorf("step %d: peek under %v: %+v, want %+v", step, tr.Quotas, got, want)
+			}
+		default:
+			clock.advance(time.Duration(rng.Int64N(int64(6 * time.Hour))))
+		}
+	}
+	if s.Evictions() != 0 {
+		return 0, 0, fmt.Errorf("%d evictions: the model holds every count", s.Evictions())
+	}
+	return marked, stale, nil
+}

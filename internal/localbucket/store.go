@@ -196,13 +196,20 @@ func (s *Store) takeAll(id uint64, ls []bucket.Limit, cost int64, out []bucket.R
 	}
 	olds = states
 	allowed := bucket.TakeAll(states[:len(ls)], now, ls, cost, out)
+	swept := false
 	for i := range ls {
 		if states[i] == olds[i] {
 			continue
 		}
+		if swept {
+			// The sweep may have dropped this limit's state (a full one
+			// goes first): writing it back is a new state to count.
+			_, found[i] = sh.states.get(limitID(id, i))
+		}
 		if !found[i] {
 			if s.count.Load() >= s.maxKeys.Load() {
 				s.makeRoom(sh, now, limitID(id, i))
+				swept = true
 			}
 			s.count.Add(1)
 		}
@@ -306,6 +313,12 @@ func (s *Store) putLocked(sh *shard, id uint64, st bucket.State, now int64) {
 // left: otherwise a flood of new keys would lift a ban (docs/logins.md).
 func (s *Store) makeRoom(sh *shard, now int64, seed uint64) {
 	want := max(1, sh.states.n/32)
+	if s.count.Load() > s.maxKeys.Load() {
+		// Over the bound (a lower max_keys, SetMaxKeys): two, so that the
+		// table shrinks by one a new client even where a 32nd of a shard
+		// is one state.
+		want = max(want, 2)
+	}
 	full := sh.states.sweep(0, sh.states.n, func(fullAt int64, _ uint32) bool { return fullAt <= now })
 	s.fullDrops.Add(uint64(full))
 	live := 0

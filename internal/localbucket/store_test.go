@@ -242,7 +242,7 @@ func TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
 	t.Parallel()
 	lifted := 0
 	for seed := range uint64(20) {
-		n, err := banTrace(seed, bannedBit)
+		n, err := banTrace(seed, bannedBit, 1)
 		if err != nil {
 			t.Fatalf("seed %d: %v", seed, err)
 		}
@@ -254,7 +254,7 @@ func TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
 	}
 	caught := 0
 	for seed := range uint64(20) {
-		if _, err := banTrace(seed, 0); err != nil {
+		if _, err := banTrace(seed, 0, 1); err != nil {
 			caught++
 			if caught == 1 {
 				t.Logf("the old eviction order, seed %d: %v", seed, err)
@@ -268,10 +268,10 @@ func TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
 }
 
 // banTrace runs the trace of seed on a store that spares from eviction the
-// live states whose slack has a bit of spare set, and returns the first
-// broken promise, or how many bans it saw dropped from a shard with nothing
-// else live.
-func banTrace(seed uint64, spare uint32) (int, error) {
+// live states whose slack has a bit of spare set, on a tier of one limit
+// or of two (limits), and returns the first broken promise, or how many
+// bans it saw dropped from a shard with nothing else live.
+func banTrace(seed uint64, spare uint32, limits int) (int, error) {
 	rng := rand.New(rand.NewPCG(seed, 41))
 	clock := new(fakeClock)
 	clock.micros.Store(1)
@@ -280,6 +280,11 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 	s.spare = spare
 	l := bucket.Limit{Capacity: 2, Rate: bucket.Rate{Tokens: 1, Interval: 20_000_000}, Ban: 60_000_000}
 	tr := lone(l)
+	if limits == 2 {
+		// A first limit full long before the second, so that a take
+		// finds the first's state dropped and the second's full.
+		tr = bucket.Tier{Limits: []bucket.Limit{{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}, Ban: l.Ban}, l}}
+	}
 	// Ids from the trace's seed, not the process's hasher, so that the
 	// trace is the same every run.
 	pool := make([]uint64, 4*maxKeys)
@@ -290,7 +295,7 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 	// Some traces ban at most takes, so that whole shards are banned.
 	banOdds := []int{1, 2, 6}[seed%3]
 	lifted := 0
-	var out [1]bucket.Result
+	out := make([]bucket.Result, limits)
 	for step := range 4000 {
 		if rng.IntN(8) == 0 {
 			clock.micros.Add(rng.Int64N(10_000_000))
@@ -299,24 +304,46 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 		id := pool[rng.IntN(len(pool))]
 		takes := 1
 		if rng.IntN(banOdds) == 0 {
-			takes = int(l.Capacity) + 1
+			takes = int(tr.Limits[0].Capacity) + 1
 		}
 		for range takes {
 			sh := s.shard(id)
 			now := clock.now()
 			// The shard's other live states that no ban wrote, before the
 			// take.
-			var others []uint64
+			var others, bans []uint64
 			for i, key := range sh.states.keys {
-				if st := sh.states.at(i); key != 0 && key != tableKey(id) && st.FullAt > now && !st.Banned {
+				st := sh.states.at(i)
+				if key == 0 || key == tableKey(id) || key == tableKey(limitID(id, 1)) || st.FullAt <= now {
+					continue
+				}
+				if st.Banned {
+					bans = append(bans, key)
+				} else {
 					others = append(others, key)
 				}
 			}
-			if res := take(s, id, l, 1); res.Banned {
+			if s.Take(id, tr, 1, out); out[0].Banned {
 				banEnds[id] = now + l.Ban
 			}
-			if n := s.Len(); n > maxKeys {
-				return 0, fmt.Errorf("step %d: %d states held, want at most max_keys %d", step, n, maxKeys)
+			if n := s.Len(); n > maxKeys || n != held(s) {
+				return 0, fmt.Errorf("step %d: %d states counted, %d held, want as many, at most max_keys %d", step, n, held(s), maxKeys)
+			}
+			if limits > 1 {
+				// Each limit's banned state, live before the take, is
+				// dropped only when no live state no ban wrote is left.
+				for _, key := range bans {
+					if _, ok := sh.states.get(key); ok {
+						continue
+					}
+					for _, other := range others {
+						if _, ok := sh.states.get(other); ok {
+							return 0, fmt.Errorf("step %d: a limit's banned state was dropped while the shard kept a live state no ban wrote (max_keys %d)", step, maxKeys)
+						}
+					}
+					lifted++
+				}
+				continue
 			}
 			for b, end := range banEnds {
 				if end <= now {
@@ -327,7 +354,7 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 					continue
 				}
 				if st, ok := sh.states.get(b); ok && st.Banned {
-					s.Peek(b, tr, out[:])
+					s.Peek(b, tr, out)
 					if out[0].Allowed {
 						return 0, fmt.Errorf("step %d: a banned state admits: %+v", step, out[0])
 					}
@@ -344,4 +371,163 @@ func banTrace(seed uint64, spare uint32) (int, error) {
 		}
 	}
 	return lifted, nil
+}
+
+// held counts the states the store's tables hold, whatever its count says.
+func held(s *Store) int {
+	n := 0
+	for i := range s.shards {
+		n += s.shards[i].states.n
+	}
+	return n
+}
+
+// A take on a tier of several limits whose first limit's state is gone
+// and whose second's is full makes room for the first; that sweep drops
+// the second's full state, which the take then writes back: a new state,
+// counted as one.
+// Regression test: such takes were not counted, and the store outgrew
+// max_keys by one each.
+func TestAMultiLimitTakeThatEvictsItsOwnFullStateStaysWithinMaxKeys(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	const maxKeys = 64
+	s := newStore(maxKeys, clock.now)
+	second := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 1_000_000}}
+	hour := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	tr := bucket.Tier{Limits: []bucket.Limit{second, hour}}
+	out := make([]bucket.Result, 2)
+	next := 0
+	fill := func() { // new lone buckets of an hour, until a take must make room
+		for s.Len() < maxKeys {
+			take(s, idFor("fill-"+strconv.Itoa(next)), hour, 1)
+			next++
+		}
+	}
+	for round := range 20 {
+		alice := idFor("alice-" + strconv.Itoa(round))
+		fill()
+		s.Take(alice, tr, 1, out)
+		// Her first limit is full in a second, and the sweep of the next
+		// take that makes room drops it; her second stays live an hour.
+		clock.advance(2 * time.Second)
+		fill()
+		take(s, idFor("fill-"+strconv.Itoa(next)), hour, 1)
+		next++
+		if _, ok := s.shard(alice).states.get(alice); ok {
+			t.Fatalf("round %d: her first limit's full state outlived a sweep", round)
+		}
+		// An hour on, her second limit's state is full, and still held.
+		clock.advance(time.Hour)
+		fill()
+		if _, ok := s.shard(alice).states.get(limitID(alice, 1)); !ok {
+			t.Fatalf("round %d: her second limit's state is gone before her take", round)
+		}
+		if !s.Take(alice, tr, 1, out) {
+			t.Fatalf("round %d: alice refused %+v, want allowed", round, out)
+		}
+		fill()
+		if got := held(s); got != s.Len() || got > maxKeys {
+			t.Fatalf("round %d: the tables hold %d states, the store counts %d, max_keys %d", round, got, s.Len(), maxKeys)
+		}
+	}
+}
+
+// A flood in which every client gets itself banned, on a table full of
+// bans, sweeps the table (a few passes over its slots, Store.makeRoom) at
+// most once per a 64th of max_keys new clients: each sweep still frees a
+// 32nd of the shard, bans included, so a client's cost stays flat however
+// large the table (BenchmarkFloodOfBannedKeys).
+func TestAFloodOfBannedKeysSweepsOnceInManyInserts(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	const maxKeys = 500 // one shard
+	s := newStore(maxKeys, clock.now)
+	if len(s.shards) != 1 {
+		t.Fatalf("%d shards, want 1", len(s.shards))
+	}
+	l := bucket.Limit{Capacity: 1, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}, Ban: 3_600_000_000}
+	rng := rand.New(rand.NewPCG(7, 41))
+	ban := func() {
+		id := rng.Uint64()
+		take(s, id, l, 1)
+		if res := take(s, id, l, 1); !res.Banned {
+			t.Fatalf("the second take: %+v, want a ban started", res)
+		}
+	}
+	for range maxKeys {
+		ban()
+	}
+	const clients = 20 * maxKeys
+	sweeps := 0
+	for range clients {
+		before := s.Len()
+		ban()
+		if s.Len() <= before {
+			sweeps++ // the insert made room
+		}
+		if s.Len() > maxKeys {
+			t.Fatalf("%d states held, want at most %d", s.Len(), maxKeys)
+		}
+	}
+	if most := clients / (maxKeys / 64); sweeps > most {
+		t.Fatalf("%d new banned clients swept the table %d times, want at most %d: a sweep per %d clients", clients, sweeps, most, maxKeys/64)
+	}
+	t.Logf("%d new banned clients, %d sweeps", clients, sweeps)
+}
+
+// TestEvictionLiftsABanOfATierOfTwoLimitsOnlyWhenItsShardHoldsNothingElseLive
+// is TestEvictionLiftsABanOnlyWhenItsShardHoldsNothingElseLive on a tier
+// of two limits, a fast one first, whose takes often find the first
+// limit's state dropped and the second's full: the states held stay
+// counted exactly, within max_keys, and no ban is dropped while its shard
+// keeps a live state no ban wrote. The old eviction order is caught.
+func TestEvictionLiftsABanOfATierOfTwoLimitsOnlyWhenItsShardHoldsNothingElseLive(t *testing.T) {
+	t.Parallel()
+	lifted, caught := 0, 0
+	for seed := range uint64(20) {
+		n, err := banTrace(seed, bannedBit, 2)
+		if err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+		lifted += n
+		if _, err := banTrace(seed, 0, 2); err != nil {
+			caught++
+		}
+	}
+	t.Logf("20 traces held, seeds 0 to 19; %d bans dropped from shards with nothing else live; the old eviction order caught in %d", lifted, caught)
+	if lifted == 0 || caught == 0 {
+		t.Errorf("%d bans dropped as a last resort, the old eviction order caught in %d traces: want some of each", lifted, caught)
+	}
+}
+
+// A reload that lowers max_keys far below the states held (SetMaxKeys)
+// shrinks the table to the new bound as new clients arrive, by one a
+// client at least, though each shard holds too few states for a 32nd of
+// them to be more than one: within the bound, but for a shard with
+// nothing to drop, which holds the one state a new client there adds.
+// Regression test: each new client dropped one state, and the table kept
+// ten times its new bound for good.
+func TestLoweringMaxKeysShrinksTheTableToTheNewBound(t *testing.T) {
+	t.Parallel()
+	clock := new(fakeClock)
+	clock.micros.Store(1)
+	s := newStore(100_000, clock.now)
+	l := bucket.Limit{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}
+	rng := rand.New(rand.NewPCG(5, 41))
+	for range 2000 {
+		take(s, rng.Uint64(), l, 1)
+	}
+	const lowered = 200
+	s.SetMaxKeys(lowered)
+	most := lowered + len(s.shards)
+	// The excess, 1800, goes at one a client at least.
+	for i := range 4000 {
+		take(s, rng.Uint64(), l, 1)
+		if i >= 2000 && (s.Len() > most || held(s) != s.Len()) {
+			t.Fatalf("%d clients after max_keys was lowered to %d: %d states counted, %d held, want at most %d (one a shard over)", i+1, lowered, s.Len(), held(s), most)
+		}
+	}
 }
