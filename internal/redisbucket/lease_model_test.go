@@ -44,7 +44,11 @@ import (
 // for, plus the hold-off's jitter; or, after a call that found a quota
 // used up, the deny cache's cap (quotaDenyFor). The traces also cancel
 // requests while their call is out, reload a node mid-call, and charge
-// huge figures after the fact (cost_from_response).
+// huge figures after the fact (cost_from_response). Those of chargeRound
+// charge a part of the tokens a node holds on lease, all of them, or more
+// (the rest to the shared bucket), give back a node's recent requests,
+// which may go into a lease a charge spent, and drain a small bucket that
+// refills within lease_ttl in bursts of requests at one instant.
 
 // admission is one request the fleet allowed. returned marks, in the
 // events of a trace, the give-back of an earlier one's cost.
@@ -83,6 +87,13 @@ type fleetRound struct {
 	// mutateCharge, when set, breaks the shared bucket after a charge of
 	// n (cost_from_response).
 	mutateCharge func(sh *buckettest.Shared, n int64)
+	// mutateChargeHeld, when set, breaks the shared bucket after a charge
+	// spent n of the tokens node held on lease, before the node's next
+	// call says so.
+	mutateChargeHeld func(sh *buckettest.Shared, now int64, ls []bucket.Limit, node string, n int64)
+	// charges mixes into the trace charges of what nodes hold on lease
+	// and beyond, and give-backs of their recent requests.
+	charges bool
 	// byID, when set, has the nodes decide each request as the root does:
 	// by the bucket's id first (takeByID), by key when that reports false.
 	byID *idWay
@@ -196,6 +207,28 @@ func randomFleetRound(rng *rand.Rand, steps int) fleetRound {
 	}
 	if rng.IntN(3) == 0 {
 		r.limit.MaxWait = 1 + rng.Int64N(2*r.limit.Units()/r.limit.Rate.Tokens)
+	}
+	return r
+}
+
+// chargeRound is a round of randomFleetRound whose trace mixes in charges
+// (cost_from_response) of the tokens nodes hold on lease and beyond, and
+// give-backs of their requests. In three rounds of four the bucket is
+// small (4 to 15 tokens) and refills within a part of lease_ttl, so that
+// leases outlive a refill and a burst of requests drains it.
+func chargeRound(rng *rand.Rand, steps int) fleetRound {
+	r := randomFleetRound(rng, steps)
+	r.charges = true
+	if rng.IntN(4) > 0 {
+		r.limit.Capacity = 4 + rng.Int64N(12)
+		full := r.ttl.Microseconds() / (1 + rng.Int64N(10))
+		r.limit.Rate = bucket.Rate{Tokens: r.limit.Capacity, Interval: max(1000, full)}
+		if r.size.tokens > 0 {
+			r.size.tokens = 2 + rng.Int64N(r.limit.Capacity)
+		}
+		if r.limit.MaxWait > 0 {
+			r.limit.MaxWait = 1 + rng.Int64N(2*r.limit.Units()/r.limit.Rate.Tokens)
+		}
 	}
 	return r
 }
@@ -336,23 +369,143 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 		}
 		return nil
 	}
+	// request sends a request of cost to node i.
+	request := func(i int, cost int64) error {
+		before := len(bans)
+		res, err := r.take(bg, tables[i], key, tr, cost)
+		tableSync(tables[i])
+		if err := lease(i, tables[i].node, cost, res, err); err != nil {
+			return err
+		}
+		if err == nil && res.Allowed {
+			// Allowed from the tokens held, before the prefetch it
+			// started, which may have started a ban.
+			for k := before; k < len(bans); k++ {
+				bans[k].after = len(adm)
+			}
+		}
+		return nil
+	}
+	// giveBack gives back the tokens of the k-th admission, as count_status
+	// does (RedisStore.GiveBack): to its node's lease when it holds one,
+	// else to the shared bucket.
+	giveBack := func(k int) {
+		a := adm[k]
+		if a.returned {
+			return
+		}
+		adm[k].returned = true
+		backs = append(backs, admission{at: clock.now(), cost: a.cost})
+		if clock.now() < a.due {
+			// A waiter that hung up: it never went on.
+			adm[k].cost = 0
+		} else {
+			adm = append(adm, admission{at: clock.now(), from: a.at, due: clock.now(), cost: -a.cost, node: a.node, returned: true})
+		}
+		rest := a.cost
+		if a.node >= 0 {
+			rest = tables[a.node].giveBackHeldSince([]byte(key), a.cost, a.at)
+		}
+		if rest > 0 {
+			m.mu.Lock()
+			if !m.down {
+				sh := m.bucket(key, len(ls))
+				sh.GiveBack(clock.now(), ls, rest)
+				sh.GiveBackQuotas(clock.now(), a.at, qs, rest)
+			}
+			m.mu.Unlock()
+		}
+	}
+	// giveBackRecent gives back up to n of node i's last requests, among
+	// the trace's last 20.
+	giveBackRecent := func(i, n int) {
+		for k := len(adm) - 1; k >= max(0, len(adm)-20) && n > 0; k-- {
+			if adm[k].node == i && !adm[k].returned && adm[k].cost > 0 {
+				giveBack(k)
+				n--
+			}
+		}
+	}
+	// charge is cost_from_response's charge of n on node i, as
+	// Store.Charge makes it: from the node's lease when it holds tokens,
+	// the rest to the shared bucket.
+	charge := func(i int, n int64) {
+		rest := tables[i].chargeHeld([]byte(key), n)
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		if m.down {
+			return
+		}
+		sh := m.bucket(key, len(ls))
+		if rest > 0 {
+			sh.Charge(clock.now(), ls, rest)
+			sh.ChargeQuotas(clock.now(), qs, rest)
+			if r.mutateCharge != nil {
+				r.mutateCharge(sh, rest)
+			}
+		}
+		if r.mutateChargeHeld != nil && n > rest {
+			r.mutateChargeHeld(sh, clock.now(), ls, tables[i].node, n-rest)
+		}
+	}
 	for range r.steps {
+		if r.charges && rng.IntN(4) == 0 {
+			// A charge of what a response reported, of a part of what
+			// the node holds on lease, all of it, or more, the rest to
+			// the shared bucket; the give-back of one of its recent
+			// requests, which may go into a lease that a charge spent;
+			// or a burst of requests at one instant, which drains the
+			// bucket.
+			i := rng.IntN(len(tables))
+			held := tables[i].heldNow([]byte(key))
+			if held == 0 {
+				// Rather a node that holds tokens.
+				i = rng.IntN(len(tables))
+				held = tables[i].heldNow([]byte(key))
+			}
+			switch rng.IntN(6) {
+			case 0:
+				charge(i, 1+rng.Int64N(max(held, 1)))
+			case 1:
+				charge(i, max(held, 1))
+			case 2:
+				charge(i, held+1+rng.Int64N(3))
+			case 3:
+				// An episode: node i's responses settle at one instant, a
+				// charge of what it holds and give-backs of its recent
+				// requests; the bucket refills; a burst.
+				if rng.IntN(2) == 0 {
+					charge(i, max(held, 1))
+				} else {
+					charge(i, 1+rng.Int64N(max(held, 1)))
+				}
+				giveBackRecent(i, 1+rng.IntN(4))
+				clock.advance(time.Duration(rng.Int64N(int64(r.ttl))))
+				for range 2 + rng.IntN(2*int(min(minCap, 20))) {
+					j := i
+					if rng.IntN(2) == 0 {
+						j = rng.IntN(len(tables))
+					}
+					if err := request(j, 1+rng.Int64N(min(3, minCap))); err != nil {
+						return err
+					}
+				}
+			case 4:
+				giveBackRecent(i, 1+rng.IntN(4))
+			default:
+				for range 2 + rng.IntN(10) {
+					if err := request(rng.IntN(len(tables)), 1+rng.Int64N(min(3, minCap))); err != nil {
+						return err
+					}
+				}
+			}
+			continue
+		}
 		switch op := rng.IntN(104); {
 		case op < 60:
 			i := rng.IntN(len(tables))
-			cost := 1 + rng.Int64N(min(3, minCap))
-			before := len(bans)
-			res, err := r.take(bg, tables[i], key, tr, cost)
-			tableSync(tables[i])
-			if err := lease(i, tables[i].node, cost, res, err); err != nil {
+			if err := request(i, 1+rng.Int64N(min(3, minCap))); err != nil {
 				return err
-			}
-			if err == nil && res.Allowed {
-				// Allowed from the tokens held, before the prefetch it
-				// started, which may have started a ban.
-				for k := before; k < len(bans); k++ {
-					bans[k].after = len(adm)
-				}
 			}
 		case op < 65:
 			strict(1 + rng.Int64N(minCap))
@@ -377,32 +530,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			if len(adm) == 0 {
 				continue
 			}
-			k := len(adm) - 1 - rng.IntN(min(len(adm), 20))
-			a := adm[k]
-			if a.returned {
-				continue
-			}
-			adm[k].returned = true
-			backs = append(backs, admission{at: clock.now(), cost: a.cost})
-			if clock.now() < a.due {
-				// A waiter that hung up: it never went on.
-				adm[k].cost = 0
-			} else {
-				adm = append(adm, admission{at: clock.now(), from: a.at, due: clock.now(), cost: -a.cost, node: a.node, returned: true})
-			}
-			rest := a.cost
-			if a.node >= 0 {
-				rest = tables[a.node].giveBackHeldSince([]byte(key), a.cost, a.at)
-			}
-			if rest > 0 {
-				m.mu.Lock()
-				if !m.down {
-					sh := m.bucket(key, len(ls))
-					sh.GiveBack(clock.now(), ls, rest)
-					sh.GiveBackQuotas(clock.now(), a.at, qs, rest)
-				}
-				m.mu.Unlock()
-			}
+			giveBack(len(adm) - 1 - rng.IntN(min(len(adm), 20)))
 		case op < 96:
 			i := rng.IntN(len(tables))
 			tables[i].close()
@@ -464,19 +592,7 @@ func runFleet(rng *rand.Rand, r fleetRound) error {
 			// relay from a client: charged to the node's lease when it
 			// covers it, else to the shared bucket.
 			i := rng.IntN(len(tables))
-			n := []int64{math.MaxInt64, math.MaxInt64 - rng.Int64N(1000), 1 << (40 + rng.IntN(23)), rng.Int64N(3 * minCap)}[rng.IntN(4)]
-			if rest := tables[i].chargeHeld([]byte(key), n); rest > 0 {
-				m.mu.Lock()
-				if !m.down {
-					sh := m.bucket(key, len(ls))
-					sh.Charge(clock.now(), ls, rest)
-					sh.ChargeQuotas(clock.now(), qs, rest)
-					if r.mutateCharge != nil {
-						r.mutateCharge(sh, rest)
-					}
-				}
-				m.mu.Unlock()
-			}
+			charge(i, []int64{math.MaxInt64, math.MaxInt64 - rng.Int64N(1000), 1 << (40 + rng.IntN(23)), rng.Int64N(3 * minCap)}[rng.IntN(4)])
 		}
 	}
 	for _, x := range ls {
@@ -595,6 +711,9 @@ func checkFleet(adm, backs []admission, bans []banStart, l bucket.Limit, ttl tim
 func TestLeasesNeverAdmitMoreThanOneBucketOverAnyWindow(t *testing.T) {
 	t.Parallel()
 	playRounds(t, rand.New(rand.NewPCG(20, 3)), 300, func(rng *rand.Rand, steps int) fleetRound { return randomFleetRound(rng, steps) })
+	// And traces with charges of held tokens and give-backs into the
+	// leases they spent (TestTheLeasePropertyCatchesABrokenStore).
+	playRounds(t, rand.New(rand.NewPCG(20, 4)), 300, chargeRound)
 }
 
 // playRounds plays random traces, as many as rounds (a fifth under
@@ -610,7 +729,7 @@ func playRounds(t *testing.T, rng *rand.Rand, rounds int, round func(rng *rand.R
 	for i := range rounds {
 		r := round(rng, steps)
 		if err := runFleet(rng, r); err != nil {
-			t.Fatalf("round %d (limits %+v %+v, quotas %v, lease %+v, ttl %s, %d nodes): %v", i, r.limit, r.more, r.quotas, r.size, r.ttl, r.nodes, err)
+			t.Fatalf("round %d (limits %+v %+v, quotas %v, lease %+v, ttl %s, %d nodes, charges %v): %v", i, r.limit, r.more, r.quotas, r.size, r.ttl, r.nodes, r.charges, err)
 		}
 		played = append(played, r)
 	}
@@ -618,28 +737,46 @@ func playRounds(t *testing.T, rng *rand.Rand, rounds int, round func(rng *rand.R
 }
 
 // The property test fails on a store that breaks the guarantee: one that
-// grants a node one token more than it records, and one that forgets what
-// is out on lease, as the store did before it counted leases.
+// grants a node one token more than it records, one that forgets what is
+// out on lease, as the store did before it counted leases, and, in the
+// traces with charges, one that stops counting the held tokens a charge
+// spent before the node's next call says so (the level then refills over
+// tokens that a give-back puts back into the lease).
 func TestTheLeasePropertyCatchesABrokenStore(t *testing.T) {
 	t.Parallel()
 	for _, tt := range []struct {
-		name   string
-		mutate func(sh *buckettest.Shared, res *bucket.LeaseResult)
+		name       string
+		mutate     func(sh *buckettest.Shared, res *bucket.LeaseResult)
+		chargeHeld func(sh *buckettest.Shared, now int64, ls []bucket.Limit, node string, n int64)
 	}{
 		{"one token more", func(_ *buckettest.Shared, res *bucket.LeaseResult) {
 			if res.Granted > 0 {
 				res.Granted++
 			}
+		}, nil},
+		{"leases not counted", func(sh *buckettest.Shared, _ *bucket.LeaseResult) { sh.Held = nil }, nil},
+		{"a waiter goes 1 ms early", nil, nil},
+		{"a charge of held tokens releases them at once", nil, func(sh *buckettest.Shared, now int64, ls []bucket.Limit, node string, n int64) {
+			sh.GiveBack(now, ls, 0) // a give-back of nothing: the levels brought to now
+			for i := range sh.Held {
+				if sh.Held[i].Node == node {
+					sh.Held[i].Tokens -= min(n, sh.Held[i].Tokens)
+				}
+			}
 		}},
-		{"leases not counted", func(sh *buckettest.Shared, _ *bucket.LeaseResult) { sh.Held = nil }},
-		{"a waiter goes 1 ms early", nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(20, 3))
 			for round := range 300 {
-				r := randomFleetRound(rng, 800)
+				var r fleetRound
+				if tt.chargeHeld != nil {
+					r = chargeRound(rng, 800)
+					r.mutateChargeHeld = tt.chargeHeld
+				} else {
+					r = randomFleetRound(rng, 800)
+				}
 				r.mutate = tt.mutate
-				if tt.mutate == nil {
+				if tt.mutate == nil && tt.chargeHeld == nil {
 					r.mutateWait = func(_ *buckettest.Shared, res *bucket.Result) {
 						res.Wait = max(0, res.Wait-1000)
 					}
