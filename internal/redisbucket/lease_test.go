@@ -1169,3 +1169,149 @@ func TestARequestRefusedWithLeasesBindsWhatRefusedIt(t *testing.T) {
 		}
 	}
 }
+
+// With leases, a ban and max_wait, a refusal during the ban says retry when
+// a request of its cost goes on within max_wait on the shared bucket, even
+// while another node's record, which the ban voided, still holds its
+// tokens out: the level refills no higher than the capacity less them
+// until the record goes (buckettest.Shared's settle), so a request whose
+// cost needs them waits for that too. A retry at the answer is admitted,
+// one a microsecond earlier is not, in strict mode and with leases.
+func TestABanRetryWithMaxWaitCountsTheTokensOutOnLease(t *testing.T) {
+	t.Parallel()
+	// Capacity 4, one token every 10 s, ban 20 s, max_wait 30 s; records
+	// live 10 min.
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 20 * second, MaxWait: 30 * second}
+	ls := []bucket.Limit{l}
+	hold := 600 * second
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	// Node a holds 2 tokens (half the capacity); node b's response is
+	// charged 20 more; its request of cost 3 is refused and bans.
+	if g := sh.Lease(0, ls, bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
+		t.Fatalf("node a's lease: %+v, want 2 tokens", g)
+	}
+	sh.Charge(0, ls, 20)
+	const cost = 3
+	refused := sh.Lease(0, ls, bucket.LeaseAsk{Node: "b", Seq: 1, Cost: cost, Want: cost, Spend: cost, Hold: hold})
+	if refused.Granted != 0 || !refused.Banned || sh.Out() != 2 {
+		t.Fatalf("node b's lease of %d: %+v, %d out; want refused, starting a ban, 2 tokens still out", cost, refused, sh.Out())
+	}
+	var out [1]bucket.Result
+	strict := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+	strict.Take(0, ls, cost, out[:])
+	if refused.RetryAfter != out[0].RetryAfter {
+		t.Errorf("the leased refusal says retry after %d µs, strict mode %d µs", refused.RetryAfter, out[0].RetryAfter)
+	}
+	for _, retry := range []int64{refused.RetryAfter, out[0].RetryAfter} {
+		at := func(when int64) bucket.Result {
+			c := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+			var r [1]bucket.Result
+			c.Take(when, ls, cost, r[:])
+			return r[0]
+		}
+		if r := at(retry); !r.Allowed {
+			t.Errorf("a retry at the answer, %d µs: %+v, want admitted", retry, r)
+		}
+		if r := at(retry - 1); r.Allowed {
+			t.Errorf("a retry a microsecond before the answer, %d µs: %+v, want refused", retry, r)
+		}
+	}
+}
+
+// On random tiers of 1 to 3 limits with a ban and max_wait (huge figures
+// too), with nodes holding tokens on lease, charges, strict takes and
+// give-backs: every refusal while a ban holds, by a lease call or a strict
+// take, says retry at the first moment a strict take on the shared bucket
+// is admitted, as it then stands (records out included): one then is,
+// one a microsecond earlier is not, and never before the ban ends. A lease
+// call says strict mode's retry.
+func TestEveryRefusalUnderABanWithMaxWaitSaysTheFirstMomentARetryIsAdmitted(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(41, 0xba9))
+	nodes := []string{"a", "b", "c"}
+	checked, held := 0, 0
+	for c := range 600 {
+		ls := make([]bucket.Limit, 1+rng.IntN(3))
+		for i := range ls {
+			ls[i] = modelLimit(rng)
+		}
+		full := refillOf(ls[0])
+		ls = modelValid(ls, 1+rng.Int64N(3*full+1), 1+rng.Int64N(2*full+1))
+		if ls[0].MaxWait == 0 {
+			continue // a capacity of 2^52 units leaves max_wait no room
+		}
+		minCap := ls[0].Capacity
+		for _, l := range ls {
+			minCap = min(minCap, l.Capacity)
+		}
+		sh := &buckettest.Shared{Levels: make([]bucket.State, len(ls))}
+		var now int64
+		seq := map[string]int64{}
+		// check holds a refusal at now, retry after retry, to the property.
+		check := func(what string, cost, retry int64) {
+			t.Helper()
+			if !sh.Banned(now) {
+				return
+			}
+			at := func(when int64) bool {
+				cl := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+				out := make([]bucket.Result, len(ls))
+				return cl.Take(when, ls, cost, out)
+			}
+			var end int64
+			for i, l := range ls {
+				if s := sh.Levels[i]; s.Banned && s.Overdrawn(now, l) {
+					end = max(end, s.FullAt-(l.Units()+s.Slack)/l.Rate.Tokens)
+				}
+			}
+			if !at(now+retry) || at(now+retry-1) || now+retry < end {
+				t.Fatalf("case %d, %s of %d at %d, limits %+v, %d out on lease: retry after %d µs (the ban ends at %d); a take then admitted %v, a µs before %v",
+					c, what, cost, now, ls, sh.Out(), retry, end, at(now+retry), at(now+retry-1))
+			}
+			checked++
+			if sh.Out() > 0 {
+				held++
+			}
+		}
+		for range 30 {
+			now += rng.Int64N(full/2 + 1)
+			cost := 1 + rng.Int64N(minCap)
+			if rng.IntN(2) == 0 {
+				cost = 1 + rng.Int64N(min(minCap, 3))
+			}
+			switch rng.IntN(6) {
+			case 0, 1:
+				node := nodes[rng.IntN(len(nodes))]
+				seq[node]++
+				a := bucket.LeaseAsk{Node: node, Seq: seq[node], Cost: cost, Want: cost + rng.Int64N(minCap), Hold: 1 + rng.Int64N(4*full+1)}
+				if rng.IntN(2) == 0 {
+					a.Spend = cost
+				}
+				lr := sh.Lease(now, ls, a)
+				if lr.Granted == 0 && lr.BanHolds {
+					cl := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+					out := make([]bucket.Result, len(ls))
+					cl.Take(now, ls, cost, out)
+					if r := out[bucket.Binding(out, false)]; r.RetryAfter != lr.RetryAfter {
+						t.Fatalf("case %d: a refused lease of %d at %d, limits %+v: retry after %d µs, strict mode %+v", c, cost, now, ls, lr.RetryAfter, out)
+					}
+					check("a lease", cost, lr.RetryAfter)
+				}
+			case 2, 3:
+				out := make([]bucket.Result, len(ls))
+				if !sh.Take(now, ls, cost, out) {
+					check("a take", cost, out[bucket.Binding(out, false)].RetryAfter)
+				}
+			case 4:
+				sh.Charge(now, ls, rng.Int64N(3*minCap+1))
+			case 5:
+				node := nodes[rng.IntN(len(nodes))]
+				sh.Return(now, ls, node, seq[node], 1+rng.Int64N(minCap))
+			}
+		}
+	}
+	if checked < 300 || held < 100 {
+		t.Fatalf("only %d refusals under a ban checked, %d with tokens out on lease", checked, held)
+	}
+	t.Logf("%d refusals under a ban checked, %d with tokens out on lease", checked, held)
+}

@@ -163,12 +163,24 @@ local function take_waiting(i, cost)
   if #H > 0 then st = state_at(now + w, settled(i, now + w) + need, l) end
   return {ok = true, rem = idiv(math.max(0, l.units - raw - need), l.iv), retry = w, reset = st.full - now, state = st}
 end
+-- ban_retry: held.go's banRetry. Under a ban with max_wait, a request of
+-- need goes on within max_wait once the ban is over on the level as the
+-- leases out cap it, which retry_banned reckons without.
+local function ban_retry(i, need)
+  local u = retry_banned(i, need)
+  if maxwait > 0 and #H > 0 and S[i].banned and banned(i) then
+    u = math.max(u, wait_settled(i, need, until_level(i, need)) - maxwait)
+  end
+  return u
+end
 local function take_one(i, cost, nowait)
   local l = L[i]
   local need = cost * l.iv
   if maxwait > 0 and not nowait and not (S[i].banned and banned(i)) then return take_waiting(i, cost) end
   if banned(i) then
-    return {ok = false, rem = 0, retry = retry_banned(i, need), reset = S[i].full - now}
+    local retry = retry_banned(i, need)
+    if not nowait then retry = ban_retry(i, need) end
+    return {ok = false, rem = 0, retry = retry, reset = S[i].full - now}
   end
   local d = deficit(i, now)
   local level = l.units - d
@@ -201,7 +213,7 @@ local function ban_one(i, need)
     if S[i].full > b.full then b = {full = S[i].full, slack = S[i].slack, banned = true} end
     S[i] = b
   end
-  return {ok = false, rem = 0, retry = retry_banned(i, need), reset = S[i].full - now, started = started}
+  return {ok = false, rem = 0, retry = ban_retry(i, need), reset = S[i].full - now, started = started}
 end
 -- short: some limit lacks cost tokens even with the tokens out on lease,
 -- so one bucket would refuse too; only then does a denial ban.

@@ -158,3 +158,76 @@ func BenchmarkRedisLeaseCalls(b *testing.B) {
 		})
 	}
 }
+
+// Against a real redis-server, the script answers a request that a ban
+// with max_wait refuses, while another node's record still holds tokens
+// out, as the shared model does: retry when the request goes on within
+// max_wait on the level those tokens cap, in a strict take and a lease
+// call alike. A take then is admitted, waiting; one a second earlier is
+// refused.
+func TestTheScriptsBanRetryWithMaxWaitCountsTheTokensOutOnLease(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	// Capacity 4, one token every 10 s, ban 20 s, max_wait 30 s; records
+	// live 10 min.
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 20 * second, MaxWait: 30 * second}
+	ls, tr := []bucket.Limit{l}, oneLimit(l)
+	hold := 600 * second
+	key := string(bucketFor("ban retry beside a lease"))
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	lease := func(a bucket.LeaseAsk) bucket.LeaseResult {
+		t.Helper()
+		got, now, err := s.leaseAt(key, tr, a, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := sh.Lease(now, ls, a); got != want {
+			t.Fatalf("lease %+v at %d: Redis %+v, model %+v", a, now, got, want)
+		}
+		return got
+	}
+	take := func(cost int64) bucket.Result {
+		t.Helper()
+		var out [1]bucket.Result
+		_, now, err := s.decideAt(bg, "take", key, tr, cost, out[:], false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var want [1]bucket.Result
+		sh.Take(now, ls, cost, want[:])
+		if out != want {
+			t.Fatalf("take %d at %d: Redis %+v, model %+v", cost, now, out[0], want[0])
+		}
+		return out[0]
+	}
+	// Node a holds 2 tokens; node b's response is charged 20 more; its
+	// request of cost 3 is refused and bans.
+	if g := lease(bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
+		t.Fatalf("node a's lease: %+v, want 2 tokens", g)
+	}
+	v, err := s.call(bg, key, s.args("charge", tr, 0, 20), false, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Charge(v[1], ls, 20)
+	const cost = 3
+	refused := lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: cost, Want: cost, Spend: cost, Hold: hold})
+	if refused.Granted != 0 || !refused.Banned {
+		t.Fatalf("node b's lease of %d: %+v, want refused, starting a ban", cost, refused)
+	}
+	r := take(cost)
+	if r.Allowed || r.RetryAfter < refused.RetryAfter-second || r.RetryAfter > refused.RetryAfter {
+		t.Fatalf("a strict take of %d under the ban: %+v; the leased refusal said retry after %d µs", cost, r, refused.RetryAfter)
+	}
+	// Jump the script's clock to a second before the retry time, then to
+	// it (a few milliseconds pass between calls: 0.1% of a token).
+	s.clockOffset += r.RetryAfter - second
+	if early := take(cost); early.Allowed {
+		t.Fatalf("a take a second before the retry time: %+v, want refused", early)
+	}
+	s.clockOffset += second
+	if again := take(cost); !again.Allowed || again.Wait == 0 {
+		t.Fatalf("a take at the retry time: %+v, want admitted, waiting", again)
+	}
+}

@@ -21,7 +21,23 @@ func take(s bucket.State, now int64, l bucket.Limit, cost int64, held []Held) (b
 		return takeWaiting(s, now, l, cost, held)
 	}
 	l.Ban = 0 // the caller bans, when the tokens out leave the bucket short
-	return bucket.Take(s, now, l, cost)
+	next, r := bucket.Take(s, now, l, cost)
+	banRetry(s, now, l, cost, held, &r)
+	return next, r
+}
+
+// banRetry sets the retry of a request of cost that a ban refuses, on a
+// limit with MaxWait, to when it goes on within MaxWait once the ban is
+// over on the level as the tokens out on lease cap it (waitSettled):
+// bucket's retryBanned reckons with no cap, and a request whose cost needs
+// tokens a record still holds out waits for it to go as well.
+func banRetry(s bucket.State, now int64, l bucket.Limit, cost int64, held []Held, r *bucket.Result) {
+	if r.Allowed || l.MaxWait == 0 || len(held) == 0 || !(s.Banned && s.Overdrawn(now, l)) {
+		return
+	}
+	need := cost * l.Rate.Interval
+	w := waitSettled(s, now, l, need, held, untilHolds(s, now, l, need))
+	r.RetryAfter = max(r.RetryAfter, w-l.MaxWait)
 }
 
 // takeAll is bucket.TakeAll for a shared bucket of which nodes hold
@@ -40,6 +56,9 @@ func takeAll(states []bucket.State, now int64, ls []bucket.Limit, cost int64, ou
 		// One bucket would refuse too, and ban, only when a limit lacks
 		// the cost even with the tokens out counted.
 		bucket.Refuse(states, now, ls, cost, out, ls[0].Ban > 0 && short(states, now, ls, cost, outOf(held)))
+		for i, l := range ls {
+			banRetry(states[i], now, l, cost, held, &out[i])
+		}
 		return false
 	}
 	goTogether(states, next[:len(ls)], now, ls, cost, out, held)
