@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
@@ -229,5 +230,51 @@ func TestTheScriptsBanRetryWithMaxWaitCountsTheTokensOutOnLease(t *testing.T) {
 	s.clockOffset += second
 	if again := take(cost); !again.Allowed || again.Wait == 0 {
 		t.Fatalf("a take at the retry time: %+v, want admitted, waiting", again)
+	}
+}
+
+// On a tier with max_wait and no ban holding it (ban 0, or a ban setting
+// that this refusal does not start: the request fits within max_wait), a
+// refused lease says retry when the shared bucket holds the cost, as
+// without max_wait, in the script and the model: strict mode's wait
+// within max_wait answers only refusals under a ban (LeaseResult's
+// RetryAfter). The node calls again by then (lease_call.go's holdUntil).
+func TestARefusedLeaseWithMaxWaitAndNoBanSaysWhenTheCostIsBack(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	for _, ban := range []int64{0, 60 * second} {
+		// Capacity 4, one token every 10 s, max_wait 30 s.
+		l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: ban, MaxWait: 30 * second}
+		ls, tr := []bucket.Limit{l}, oneLimit(l)
+		key := string(bucketFor(fmt.Sprint("refused lease with max_wait, ban ", ban)))
+		sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+		lease := func(a bucket.LeaseAsk) (bucket.LeaseResult, int64) {
+			t.Helper()
+			got, now, err := s.leaseAt(key, tr, a, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := sh.Lease(now, ls, a); got != want {
+				t.Fatalf("ban %d: lease %+v at %d: Redis %+v, model %+v", ban, a, now, got, want)
+			}
+			return got, now
+		}
+		// Node a spends the whole bucket at once; node b's request of 1
+		// finds it empty, its token due in 10 s, within max_wait.
+		if g, _ := lease(bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 4, Want: 4, Spend: 4, Hold: 60 * second}); g.Granted != 4 {
+			t.Fatalf("ban %d: node a's lease: %+v, want the 4 tokens", ban, g)
+		}
+		a, at := lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: 1, Want: 1, Spend: 1, Hold: 60 * second})
+		if a.Granted != 0 || a.Banned || a.BanHolds {
+			t.Fatalf("ban %d: node b's lease: %+v, want refused, no ban", ban, a)
+		}
+		var peek [1]bucket.Result
+		sh.Peek(at, ls, peek[:])
+		// The bucket is full 40 s after a's lease, so it holds a token 30 s
+		// before it is full.
+		if want := peek[0].ResetAfter - 30*second; a.RetryAfter != want || a.LimitRetry != want {
+			t.Errorf("ban %d: the refused lease says retry after %d µs (limits' %d), want %d: when the token is back", ban, a.RetryAfter, a.LimitRetry, want)
+		}
 	}
 }
