@@ -1315,3 +1315,110 @@ func TestEveryRefusalUnderABanWithMaxWaitSaysTheFirstMomentARetryIsAdmitted(t *t
 	}
 	t.Logf("%d refusals under a ban checked, %d with tokens out on lease", checked, held)
 }
+
+// Three leasing nodes on one bucket, with a ban and max_wait (longer than
+// the ban, or shorter), a tier of one or two limits, random lease sizes
+// and costs: whichever node's refusal started the ban, every request a
+// node refuses while the ban holds, the first on each node and those its
+// table refuses after it, says retry when a strict take on the shared
+// bucket, as it then stands, is admitted (one a microsecond earlier is
+// not), and no node's hold-off (banUntil) ends before the ban does.
+func TestEveryNodesRefusalsUnderAnotherNodesBanWithMaxWaitSayWhenARetryIsAdmitted(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(41, 0x3e0de5))
+	checked, others := 0, 0
+	for c := range 200 {
+		rate, err := bucket.ParseRate(buckettest.TraceRates[rng.IntN(len(buckettest.TraceRates))])
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := bucket.Limit{Capacity: 2 + rng.Int64N(12), Rate: rate}
+		full := bucket.CeilDiv(first.Units(), rate.Tokens)
+		ls := []bucket.Limit{first}
+		if rng.IntN(2) == 0 {
+			// A second limit, which refills faster or slower.
+			ls = append(ls, bucket.Limit{Capacity: 1 + rng.Int64N(2*first.Capacity), Rate: bucket.Rate{Tokens: rate.Tokens * (1 + rng.Int64N(3)), Interval: rate.Interval * (1 + rng.Int64N(3))}})
+		}
+		ls = modelValid(ls, 1+rng.Int64N(3*full+1), 1+rng.Int64N(3*full+1))
+		tr := bucket.Tier{Limits: ls}
+		minCap := min(ls[0].Capacity, ls[len(ls)-1].Capacity)
+		clock, m := newModelStore()
+		var nodes []*leaseTable
+		for range 3 {
+			nodes = append(nodes, newModelTable(m, LeaseSize{tokens: 1 + rng.Int64N(minCap)}, time.Duration(1+rng.Int64N(2*full))*time.Microsecond))
+		}
+		key := []byte("k")
+		starter := -1
+		for step := 0; step < 12*int(minCap)+40; step++ {
+			i := rng.IntN(len(nodes))
+			cost := int64(1)
+			if rng.IntN(3) == 0 {
+				cost = 1 + rng.Int64N(minCap)
+			}
+			before := banUntilOf(nodes, key)
+			res, err := nodes[i].take(bg, key, tr, cost, make([]bucket.Result, len(ls)))
+			for _, n := range nodes {
+				tableSync(n)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Banned {
+				starter = i
+			}
+			now := clock.now()
+			m.mu.Lock()
+			sh := m.bucket(string(key), len(ls))
+			var end int64
+			for j, l := range ls {
+				if s := sh.Levels[j]; s.Banned && s.Overdrawn(now, l) {
+					end = max(end, s.FullAt-(l.Units()+s.Slack)/l.Rate.Tokens)
+				}
+			}
+			at := func(when int64) bool {
+				cl := buckettest.Shared{Levels: slices.Clone(sh.Levels), Held: slices.Clone(sh.Held)}
+				return cl.Take(when, ls, cost, make([]bucket.Result, len(ls)))
+			}
+			if !res.Allowed && end > now {
+				if !at(now+res.RetryAfter) || at(now+res.RetryAfter-1) || now+res.RetryAfter < end {
+					t.Fatalf("case %d step %d: node %d (the ban's starter: node %d) refused %d at %d, limits %+v, %d out: %+v (the ban ends at %d); a take then admitted %v, a µs before %v",
+						c, step, i, starter, cost, now, ls, sh.Out(), res, end, at(now+res.RetryAfter), at(now+res.RetryAfter-1))
+				}
+				checked++
+				if i != starter {
+					others++
+				}
+			}
+			m.mu.Unlock()
+			// A call that found the ban holds its node off until it ends
+			// at least.
+			for j, u := range banUntilOf(nodes, key) {
+				if u != before[j] && u > 0 && u < end {
+					t.Fatalf("case %d step %d: node %d's call found a ban ending at %d; it holds off until %d", c, step, j, end, u)
+				}
+			}
+			clock.advance(time.Duration(rng.Int64N(full/3+1)) * time.Microsecond)
+		}
+		for _, n := range nodes {
+			n.close()
+		}
+	}
+	if checked < 500 || others < 200 {
+		t.Fatalf("only %d refusals under a ban checked, %d on a node that did not start it", checked, others)
+	}
+	t.Logf("%d refusals under a ban checked, %d on a node that did not start it", checked, others)
+}
+
+// banUntilOf is each node's banUntil for key, 0 for none.
+func banUntilOf(nodes []*leaseTable, key []byte) []int64 {
+	out := make([]int64, len(nodes))
+	for j, n := range nodes {
+		sh := n.shard(key)
+		sh.mu.Lock()
+		if e := sh.m[string(key)]; e != nil {
+			out[j] = e.banUntil
+		}
+		sh.mu.Unlock()
+	}
+	return out
+}

@@ -34,13 +34,20 @@ local function wait_all(k)
 end
 -- retry_waiting: on a tier with max_wait that a ban holds, when a
 -- request of k may come back: when every limit lets it go on within
--- max_wait (shared.go's retryWaiting), not when each holds k.
-local function retry_waiting(k)
+-- max_wait (shared.go's retryWaiting), not when each holds k. The
+-- leases out cap the level meanwhile, save skip's, which its node drops.
+local function retry_waiting(k, skip)
+  local all = H
+  if skip then
+    H = {}
+    for _, h in ipairs(all) do if h.node ~= skip then H[#H + 1] = h end end
+  end
   local w = 0
   for i = 1, n do
     local r = take_one(i, k, false)
     if not r.ok then w = math.max(w, r.retry) end
   end
+  H = all
   return w
 end
 -- quota_wait: the microseconds until every quota has k tokens left, 0
@@ -244,7 +251,11 @@ if op == 'lease' then
       H[mine].seq = seq -- the node's next give-back names this call
     end
     local lwait = wait_all(count)
-    if maxwait > 0 and ban_holds() == 1 then lwait = retry_waiting(count) end
+    if maxwait > 0 and ban_holds() == 1 then
+      local skip = nil
+      if drop then skip = node end
+      lwait = retry_waiting(count, skip)
+    end
     local retry = math.max(lwait, qwait)
     local hold_off = math.max(lwait, wait_all(w))
     local rem, reset = report()

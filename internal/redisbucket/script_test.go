@@ -278,3 +278,57 @@ func TestARefusedLeaseWithMaxWaitAndNoBanSaysWhenTheCostIsBack(t *testing.T) {
 		}
 	}
 }
+
+// Against a real redis-server: the lease call whose refusal starts a ban
+// with max_wait, from a node that holds tokens, says retry without
+// reckoning with that node's own tokens, which it drops at the answer (it
+// gives back what it did not spend): as strict mode answers once they are
+// back, in the script and the model. A retry then is admitted.
+func TestALeaseThatStartsABanWithMaxWaitRetriesWithoutTheTokensItsNodeDrops(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
+	// Capacity 4, one token every 10 s, ban 20 s, max_wait 30 s; records
+	// live 10 min.
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 20 * second, MaxWait: 30 * second}
+	ls, tr := []bucket.Limit{l}, oneLimit(l)
+	hold := 600 * second
+	key := string(bucketFor("ban started by a node that holds tokens"))
+	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
+	lease := func(a bucket.LeaseAsk) (bucket.LeaseResult, int64) {
+		t.Helper()
+		got, now, err := s.leaseAt(key, tr, a, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := sh.Lease(now, ls, a); got != want {
+			t.Fatalf("lease %+v at %d: Redis %+v, model %+v", a, now, got, want)
+		}
+		return got, now
+	}
+	// Node b holds 2 tokens; its response is charged 20 more; its next
+	// request, of cost 3, is refused and bans.
+	if g, _ := lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
+		t.Fatalf("node b's lease: %+v, want 2 tokens", g)
+	}
+	v, err := s.call(bg, key, s.args("charge", tr, 0, 20), false, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh.Charge(v[1], ls, 20)
+	const cost = 3
+	refused, now := lease(bucket.LeaseAsk{Node: "b", Seq: 2, Held: 2, Cost: cost, Want: cost, Spend: cost, Hold: hold})
+	if refused.Granted != 0 || !refused.Banned || !refused.Drop || !refused.Void {
+		t.Fatalf("node b's lease of %d: %+v, want refused, starting a ban, its tokens dropped and given back", cost, refused)
+	}
+	// The node gives its 2 tokens back (the ban voided them: nothing goes
+	// back to the level); strict mode then says when a retry is admitted.
+	sh.Return(now, ls, "b", 2, 2)
+	var out [1]bucket.Result
+	if sh.Take(now, ls, cost, out[:]); refused.RetryAfter != out[0].RetryAfter {
+		t.Errorf("the refusal that started the ban says retry after %d µs; strict mode, with the node's tokens back, %d µs", refused.RetryAfter, out[0].RetryAfter)
+	}
+	if admitted := sh.Take(now+refused.RetryAfter, ls, cost, out[:]); !admitted {
+		t.Errorf("a retry at %d µs: %+v, want admitted", refused.RetryAfter, out[0])
+	}
+}

@@ -254,7 +254,11 @@ func (sh *Shared) LeaseQuotas(now int64, ls []bucket.Limit, qs []bucket.Quota, a
 		}
 		limitWait := sh.wait(now, ls, a.Cost)
 		if ls[0].MaxWait > 0 && sh.banHolds(now, ls) {
-			limitWait = sh.retryWaiting(now, ls, a.Cost)
+			skip := ""
+			if res.Drop {
+				skip = a.Node // its tokens go: it drops them, giving back what it did not spend
+			}
+			limitWait = sh.retryWaiting(now, ls, a.Cost, skip)
 		}
 		res.LimitRetry = limitWait
 		res.RetryAfter = max(limitWait, quotaWait)
@@ -338,11 +342,17 @@ func (sh *Shared) wait(now int64, ls []bucket.Limit, x int64) int64 {
 // retryWaiting is, on a tier with max_wait that a ban holds, when a
 // request of cost may come back: when every limit lets it go on within
 // max_wait once the ban is over (take's RetryAfter, which strict mode
-// answers), not when each holds the cost, up to max_wait later.
-func (sh *Shared) retryWaiting(now int64, ls []bucket.Limit, cost int64) int64 {
+// answers), not when each holds the cost, up to max_wait later. The
+// tokens out on lease cap the level meanwhile, save skip's, which its
+// node drops.
+func (sh *Shared) retryWaiting(now int64, ls []bucket.Limit, cost int64, skip string) int64 {
+	held := sh.Held
+	if skip != "" {
+		held = slices.DeleteFunc(slices.Clone(held), func(h Held) bool { return h.Node == skip })
+	}
 	var w int64
 	for i, l := range ls {
-		if _, r := take(sh.Levels[i], now, l, cost, sh.Held); !r.Allowed {
+		if _, r := take(sh.Levels[i], now, l, cost, held); !r.Allowed {
 			w = max(w, r.RetryAfter)
 		}
 	}
