@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -258,5 +260,63 @@ func TestABanInTheLocalFallbackHoldsThroughAFloodOfDistinctClients(t *testing.T)
 	clock.advance(14*time.Minute + time.Hour)
 	if got := status("192.0.2.7"); got != http.StatusOK {
 		t.Fatalf("after the ban and an hour's refill: %d, want 200", got)
+	}
+}
+
+// Through a real Caddy config on a real redis-server, with a ban and
+// max_wait: the refusal that starts the ban, and those after it, which a
+// leasing node's table refuses without a lease call, send the same
+// Retry-After and reset headers as strict mode (to the second): the ban's
+// retry, when a request would go on within max_wait once it is over, not
+// when the bucket holds the cost again.
+func TestALeasedBanWithMaxWaitSendsStrictModesHeaders(t *testing.T) {
+	srv := startRedis(t)
+	headers := func(lease string) [][]string {
+		t.Helper()
+		s := serveOnRedisWith(t, srv, fmt.Sprintf(`
+	rate_limit 4 1/10s {
+		name ban_wait_%s
+		ban 60s
+		max_wait 1s
+		headers both
+		store redis {
+			address %s
+			%s
+		}
+	}
+	respond "ok"`, strings.ReplaceAll(strings.TrimSpace(lease+" strict"), " ", "_"), srv.url(), lease))
+		var got [][]string
+		for i := range 7 {
+			r := s.from("127.0.5.1", "/")
+			if want := i < 4; (r.status == 200) != want {
+				t.Fatalf("%q: request %d: %d, want admitted %v", lease, i, r.status, want)
+			}
+			// X-RateLimit-Reset is a Unix time: kept as from this
+			// request's second, which the two runs may not share.
+			reset, err := strconv.ParseInt(r.header.Get("X-RateLimit-Reset"), 10, 64)
+			if err != nil {
+				t.Fatalf("%q: request %d: X-RateLimit-Reset %q", lease, i, r.header.Get("X-RateLimit-Reset"))
+			}
+			got = append(got, []string{strconv.Itoa(r.status), r.header.Get("Retry-After"), strconv.FormatInt(reset-time.Now().Unix(), 10), r.header.Get("RateLimit")})
+		}
+		return got
+	}
+	strict, leased := headers(""), headers("lease 50%")
+	t.Logf("strict mode: %q", strict)
+	// Capacity 4, a token every 10 s (leases of 2): the fifth request's
+	// token is due in 10 s, past max_wait; it is refused and bans for
+	// 60 s, after which a request's token is due within max_wait at 69 s.
+	if strict[4][1] != "69" {
+		t.Fatalf("strict mode: the refusal that starts the ban says Retry-After %q, want 69", strict[4][1])
+	}
+	// The admitted requests' headers differ: a lease takes several tokens
+	// at once (docs/fleet.md).
+	near := func(a, b []string) bool {
+		x, _ := strconv.Atoi(a[2])
+		y, _ := strconv.Atoi(b[2])
+		return a[0] == b[0] && a[1] == b[1] && a[3] == b[3] && x-y <= 1 && y-x <= 1
+	}
+	if !slices.EqualFunc(strict[4:], leased[4:], near) {
+		t.Errorf("the refusals with leases, status, Retry-After, X-RateLimit-Reset (from now), RateLimit:\n%q\nin strict mode:\n%q", leased[4:], strict[4:])
 	}
 }
