@@ -33,6 +33,12 @@ func (t *leaseTable) takeNamed(ctx context.Context, key []byte, id uint64, tr bu
 	// The refusal may be this node's hold-off, which spaces its calls,
 	// not the shared bucket's level: ask the shared bucket, as strict
 	// mode does; the deny cache keeps a flood of refusals off Redis.
+	// A give-back of tokens a ban voided, which the call that found the
+	// ban sent, lands first: until it does, their record caps the level,
+	// and the refusal would say retry when it expires.
+	if err := t.awaitReturning(ctx, key); err != nil {
+		return bucket.Result{}, err
+	}
 	res, each, err := t.store.reserve(ctx, string(key), tr, cost)
 	if len(out) == 1 {
 		out[0] = res
@@ -43,6 +49,27 @@ func (t *leaseTable) takeNamed(ctx context.Context, key []byte, id uint64, tr bu
 		t.reserved(key, cost)
 	}
 	return res, err
+}
+
+// awaitReturning waits for the give-back of the bucket at key that this
+// node has in flight, if any.
+func (t *leaseTable) awaitReturning(ctx context.Context, key []byte) error {
+	sh := t.shard(key)
+	sh.mu.Lock()
+	var done chan struct{}
+	if e := sh.m[string(key)]; e != nil {
+		done = e.returning
+	}
+	sh.mu.Unlock()
+	if done == nil {
+		return nil
+	}
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("redis store: lease: %w", ctx.Err())
+	}
 }
 
 // reserved notes that a request took cost tokens of the bucket at key in

@@ -1325,7 +1325,7 @@ func TestEveryRefusalUnderABanWithMaxWaitSaysTheFirstMomentARetryIsAdmitted(t *t
 // not), and no node's hold-off (banUntil) ends before the ban does.
 func TestEveryNodesRefusalsUnderAnotherNodesBanWithMaxWaitSayWhenARetryIsAdmitted(t *testing.T) {
 	t.Parallel()
-	rng := rand.New(rand.NewPCG(41, 0x3e0de5))
+	rng := rand.New(rand.NewPCG(41, 0x3e0de53))
 	checked, others := 0, 0
 	for c := range 200 {
 		rate, err := bucket.ParseRate(buckettest.TraceRates[rng.IntN(len(buckettest.TraceRates))])
