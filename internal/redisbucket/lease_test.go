@@ -1219,8 +1219,8 @@ func TestABanRetryWithMaxWaitCountsTheTokensOutOnLease(t *testing.T) {
 }
 
 // On random tiers of 1 to 3 limits with a ban and max_wait (huge figures
-// too), with nodes holding tokens on lease, charges, strict takes and
-// give-backs: every refusal while a ban holds, by a lease call or a strict
+// too), with nodes holding tokens on lease, charges, strict takes,
+// give-backs and reloads of the ban and max_wait: every refusal while a ban holds, by a lease call or a strict
 // take, says retry at the first moment a strict take on the shared bucket
 // is admitted, as it then stands (records out included): one then is,
 // one a microsecond earlier is not, and never before the ban ends. A lease
@@ -1279,7 +1279,12 @@ func TestEveryRefusalUnderABanWithMaxWaitSaysTheFirstMomentARetryIsAdmitted(t *t
 			if rng.IntN(2) == 0 {
 				cost = 1 + rng.Int64N(min(minCap, 3))
 			}
-			switch rng.IntN(6) {
+			switch rng.IntN(7) {
+			case 6:
+				// A reload sets another ban and max_wait, mid-ban or not.
+				if next := modelValid(slices.Clone(ls), 1+rng.Int64N(3*full+1), 1+rng.Int64N(2*full+1)); next[0].MaxWait > 0 {
+					ls = next
+				}
 			case 0, 1:
 				node := nodes[rng.IntN(len(nodes))]
 				seq[node]++
