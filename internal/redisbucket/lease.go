@@ -66,7 +66,9 @@ type leaseTable struct {
 	// lease_ttl, one sweep period and the store's timeout, so that the
 	// give-back of what is left, sent by the next sweep, arrives first.
 	hold int64
-	now  func() int64
+	// timeout is the store's: how long one decision may wait on Redis.
+	timeout time.Duration
+	now     func() int64
 	// node names this table's leases in the shared store; seq numbers its
 	// calls.
 	node   string
@@ -249,6 +251,7 @@ func newLeaseTable(remote leaseRemote, now func() int64, size LeaseSize, ttl, ti
 		size:     size,
 		ttl:      ttl.Microseconds(),
 		hold:     (ttl + every + timeout).Microseconds(),
+		timeout:  timeout,
 		now:      now,
 		node:     newNodeID(),
 		seed:     maphash.MakeSeed(),

@@ -35,9 +35,18 @@ func (t *leaseTable) takeNamed(ctx context.Context, key []byte, id uint64, tr bu
 	// mode does; the deny cache keeps a flood of refusals off Redis.
 	// A give-back of tokens a ban voided, which the call that found the
 	// ban sent, lands first: until it does, their record caps the level,
-	// and the refusal would say retry when it expires.
-	if err := t.awaitReturning(ctx, key); err != nil {
-		return bucket.Result{}, err
+	// and the refusal would say retry when it expires. The wait and the
+	// call after it share one timeout, as a strict decision has
+	// (TestARefusedRequestWaitingOnAGiveBackEndsWhileRedisIsStopped).
+	if done := t.returningOf(key); done != nil {
+		if t.timeout > 0 {
+			within, cancel := context.WithTimeout(ctx, t.timeout)
+			defer cancel()
+			ctx = within
+		}
+		if err := awaitReturning(ctx, done); err != nil {
+			return bucket.Result{}, err
+		}
 	}
 	res, each, err := t.store.reserve(ctx, string(key), tr, cost)
 	if len(out) == 1 {
@@ -51,9 +60,9 @@ func (t *leaseTable) takeNamed(ctx context.Context, key []byte, id uint64, tr bu
 	return res, err
 }
 
-// awaitReturning waits for the give-back of the bucket at key that this
-// node has in flight, if any.
-func (t *leaseTable) awaitReturning(ctx context.Context, key []byte) error {
+// returningOf is the give-back of the bucket at key that this node has
+// in flight, if any: nil when none, or when it has been answered.
+func (t *leaseTable) returningOf(key []byte) chan struct{} {
 	sh := t.shard(key)
 	sh.mu.Lock()
 	var done chan struct{}
@@ -67,8 +76,18 @@ func (t *leaseTable) awaitReturning(ctx context.Context, key []byte) error {
 	select {
 	case <-done:
 		return nil
+	default:
+		return done
+	}
+}
+
+// awaitReturning waits for the give-back done, within ctx.
+func awaitReturning(ctx context.Context, done chan struct{}) error {
+	select {
+	case <-done:
+		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("redis store: lease: %w", ctx.Err())
+		return fmt.Errorf("redis store: lease: waiting for a give-back: %w", ctx.Err())
 	}
 }
 
