@@ -440,7 +440,7 @@ func TestABackgroundCallMakesNoSecondContext(t *testing.T) {
 	l := bucket.Limit{Capacity: 1_000_000_000, Rate: bucket.Rate{Tokens: 1_000_000, Interval: 1_000_000}}
 	key := string(bucketFor("background-call"))
 	call := func() {
-		if _, err := s.callAside(key, s.takeArgs(oneLimit(l), 1), 4); err != nil {
+		if _, err := s.callAside(bg, key, s.takeArgs(oneLimit(l), 1), 4); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -149,13 +149,14 @@ func (b *breaker) open() bool { return b.openUntil.Load() != 0 }
 // that is down still opens it: the leases lapse, and requests' calls fail
 // (TestBackgroundLeaseCallsThatTimeOutLeaveTheBreakerClosed). Its answer
 // counts as any call's. It is not sent while the breaker is open, and
-// never probes: a request's call does.
-func (s *Store) doAside(send func(context.Context, *clientSet) error) error {
+// never probes: a request's call does. parent is no request's context:
+// it may only end the call sooner (Store.lease).
+func (s *Store) doAside(parent context.Context, send func(context.Context, *clientSet) error) error {
 	b := &s.conn.breaker
 	if b.open() {
 		return b.openError()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	ctx, cancel := context.WithTimeout(parent, s.timeout)
 	defer cancel()
 	err := s.conn.send(ctx, send)
 	if err == nil || isRedirect(err) {

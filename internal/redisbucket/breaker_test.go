@@ -253,7 +253,7 @@ func TestBackgroundLeaseCallsThatTimeOutLeaveTheBreakerClosed(t *testing.T) {
 		if !prefetch {
 			a.Spend = 1
 		}
-		_, err := s.lease(key, tr, a, nil)
+		_, err := s.lease(bg, key, tr, a, nil)
 		return err
 	}
 	if err := ask(1, false); err != nil {

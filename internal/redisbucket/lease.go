@@ -44,7 +44,8 @@ const leaseShards = 64
 type leaseRemote interface {
 	// lease writes each limit's and quota's remaining and reset into
 	// each, when given.
-	lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error)
+	// ctx is no request's: it may end the call sooner than the timeout.
+	lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error)
 	giveBack(node string, back []leaseReturn) (int64, error)
 	// reserve decides a request in the shared bucket as strict mode
 	// does, waiting included: for max_wait, when leases do not cover it.

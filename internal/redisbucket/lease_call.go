@@ -51,16 +51,38 @@ func (t *leaseTable) fetch(e *lease, cost, now int64, prefetch bool) *leaseCall 
 	}
 	t.calls.Add(1)
 	returning := e.returning
+	var since time.Time
+	if returning != nil {
+		since = time.Now()
+	}
 	go func(key string, tr bucket.Tier) {
 		defer t.calls.Done()
+		// A give-back of the bucket still out lands first, and the wait
+		// for it and the call share one store timeout, counted from when
+		// the call was made (since), as a strict decision has
+		// (TestALeaseCallWaitingOnAGiveBackEndsWhileRedisIsStopped).
+		ctx := context.Background()
+		var err error
 		if returning != nil {
-			<-returning
+			select {
+			case <-returning:
+			default:
+				if t.timeout > 0 {
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithDeadline(ctx, since.Add(t.timeout))
+					defer cancel()
+				}
+				err = awaitReturning(ctx, returning)
+			}
 		}
 		var each []bucket.Result
 		if !tr.Lone() {
 			each = make([]bucket.Result, tr.Parts())
 		}
-		lr, err := t.store.lease(key, tr, ask, each)
+		var lr bucket.LeaseResult
+		if err == nil {
+			lr, err = t.store.lease(ctx, key, tr, ask, each)
+		}
 		sh := t.shard([]byte(key))
 		sh.mu.Lock()
 		e.rtt = t.now() - now
@@ -261,23 +283,24 @@ func leaseOutcome(granted, want int64) string {
 }
 
 // lease is a lease call on the bucket at key, within the timeout and
-// through the breaker.
+// ctx, and through the breaker. ctx is no request's: it ends the call
+// earlier than the timeout when a wait before it took part of it (fetch).
 // It writes each limit's and quota's remaining and reset into each, when
 // given.
-func (s *Store) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
-	lr, _, err := s.leaseAt(key, tr, a, each)
+func (s *Store) lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	lr, _, err := s.leaseAt(ctx, key, tr, a, each)
 	return lr, err
 }
 
 // leaseAt is lease, and also returns the server's time of the call. A
 // prefetch is a call no request waits on (doAside).
-func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
+func (s *Store) leaseAt(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, int64, error) {
 	var v []int64
 	var err error
 	if a.Prefetch {
-		v, err = s.callAside(key, s.leaseArgs(tr, a), leaseAnswer+2*tr.Parts())
+		v, err = s.callAside(ctx, key, s.leaseArgs(tr, a), leaseAnswer+2*tr.Parts())
 	} else {
-		v, err = s.call(context.Background(), key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
+		v, err = s.call(ctx, key, s.leaseArgs(tr, a), false, leaseAnswer+2*tr.Parts())
 	}
 	if err != nil {
 		return bucket.LeaseResult{}, 0, err
@@ -291,9 +314,9 @@ func (s *Store) leaseAt(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bu
 
 // callAside is Store.call, unbatched, for a call no request waits on: its
 // failure does not count toward the breaker (doAside).
-func (s *Store) callAside(key string, args []any, want int) ([]int64, error) {
+func (s *Store) callAside(ctx context.Context, key string, args []any, want int) ([]int64, error) {
 	var vals []int64
-	err := s.doAside(func(ctx context.Context, set *clientSet) (err error) {
+	err := s.doAside(ctx, func(ctx context.Context, set *clientSet) (err error) {
 		deadline, _ := ctx.Deadline()
 		vals, err = s.runChecked(ctx, set, deadline, scriptArgs(key, args), false, want, want)
 		return err
@@ -319,7 +342,7 @@ func (s *Store) giveBack(node string, back []leaseReturn) (int64, error) {
 	var returned int64
 	answered := make([]bool, len(back))
 	var failed error
-	err := s.doAside(func(ctx context.Context, set *clientSet) error {
+	err := s.doAside(context.Background(), func(ctx context.Context, set *clientSet) error {
 		cmds := make([]*redis.Cmd, len(back))
 		_, err := set.client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
 			for i, g := range back {

@@ -832,11 +832,11 @@ type askLog struct {
 	asks []askedAt
 }
 
-func (r *askLog) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+func (r *askLog) lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
 	r.mu.Lock()
 	r.asks = append(r.asks, askedAt{key, a, r.now()})
 	r.mu.Unlock()
-	return r.sharedModel.lease(key, tr, a, each)
+	return r.sharedModel.lease(ctx, key, tr, a, each)
 }
 
 // Keys in steady use renew their leases before they lapse, in the
@@ -1016,4 +1016,53 @@ func steadyLease(t *testing.T) (clock *fakeClock, m *sharedModel, remote *askLog
 		clock.advance(10 * time.Millisecond)
 	}
 	return clock, m, remote, node, l, key
+}
+
+// Through a real redis-server that stops answering (SIGSTOP) while a
+// give-back of the bucket is out, requests whose lease call waits for it
+// (fetch) end, with an error, within the store's timeout, as a strict
+// decision does (TestStrictTakesEndWithinTheTimeoutWhileRedisIsStopped):
+// the wait for the give-back and the call after it share it, for the
+// request that made the call and for one that joined it.
+func TestALeaseCallWaitingOnAGiveBackEndsWhileRedisIsStopped(t *testing.T) {
+	skipUnderShort(t, "stops Redis")
+	srv := redistest.Start(t)
+	const timeout = time.Second
+	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: timeout, Lease: "4", BreakerFailures: 1000})
+	node := s.leases
+	key, tr := bucketFor("stopped-call"), oneLimit(slowLimit(8))
+	// Redis stops once the node holds tokens, before their give-back;
+	// the bucket is not refused from memory after it: the next request
+	// makes a lease call.
+	holdTokens(t, node, key, tr, srv.Pause)
+	defer srv.Resume()
+	sh := node.shard(key)
+	sh.mu.Lock()
+	sh.m[string(key)].banUntil = 0
+	sh.mu.Unlock()
+
+	start := time.Now()
+	done := make(chan error, 2)
+	for range 2 {
+		go func() {
+			_, err := node.take(bg, key, tr, 1, nil)
+			done <- err
+		}()
+	}
+	// The race detector and a loaded machine get some slack, under a
+	// second timeout more.
+	bound := timeout + 700*time.Millisecond
+	for i := range 2 {
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Errorf("request %d answered while Redis was stopped", i+1)
+			}
+			if took := time.Since(start); took > bound {
+				t.Errorf("request %d took %s with a %s timeout", i+1, took, timeout)
+			}
+		case <-time.After(bound + 5*time.Second):
+			t.Fatalf("request %d still waits %s after it came, with a %s timeout", i+1, time.Since(start), timeout)
+		}
+	}
 }

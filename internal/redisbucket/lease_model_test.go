@@ -1348,7 +1348,7 @@ func (m *sharedModel) bucket(key string, n int) *buckettest.Shared {
 	return sh
 }
 
-func (m *sharedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+func (m *sharedModel) lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
 	if m.gate != nil {
 		<-m.gate
 	}

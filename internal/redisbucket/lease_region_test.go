@@ -334,7 +334,7 @@ func (r regionRemote) charge(string, bucket.Tier, int64) (int64, error) {
 	return 0, errors.New("regions model: a charge, with no credit given")
 }
 
-func (r regionRemote) lease(_ string, tr bucket.Tier, a bucket.LeaseAsk, _ []bucket.Result) (bucket.LeaseResult, error) {
+func (r regionRemote) lease(_ context.Context, _ string, tr bucket.Tier, a bucket.LeaseAsk, _ []bucket.Result) (bucket.LeaseResult, error) {
 	s := r.s
 	if s.cutOff(r.node) {
 		// The breaker open: no call goes out.
@@ -728,9 +728,9 @@ type slowRemote struct {
 	rtt   time.Duration
 }
 
-func (r slowRemote) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+func (r slowRemote) lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
 	r.clock.advance(r.rtt / 2)
-	res, err := r.sharedModel.lease(key, tr, a, each)
+	res, err := r.sharedModel.lease(ctx, key, tr, a, each)
 	r.clock.advance(r.rtt / 2)
 	return res, err
 }
@@ -866,9 +866,9 @@ type steppedModel struct {
 	step chan struct{}
 }
 
-func (m steppedModel) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+func (m steppedModel) lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
 	<-m.step
-	return m.sharedModel.lease(key, tr, a, each)
+	return m.sharedModel.lease(ctx, key, tr, a, each)
 }
 
 // TestTheRequestsACallLeftUncoveredShareOneCallThatCoversThem: far from

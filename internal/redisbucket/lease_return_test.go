@@ -1,6 +1,7 @@
 package redisbucket
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"runtime"
@@ -464,7 +465,7 @@ func TestALeaseRecordWithoutQuotaFieldsParses(t *testing.T) {
 	ls := []bucket.Limit{{Capacity: 10, Rate: bucket.Rate{Tokens: 1, Interval: 3_600_000_000}}}
 	qs := []bucket.Quota{{N: 100, Period: bucket.Day, Loc: time.UTC}}
 	// Build a record by the script, then strip its quota fields.
-	lr, now, err := s.leaseAt(key, bucket.Tier{Limits: ls, Quotas: qs}, bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 4, Hold: 60 * second}, nil)
+	lr, now, err := s.leaseAt(bg, key, bucket.Tier{Limits: ls, Quotas: qs}, bucket.LeaseAsk{Node: "n1", Seq: 1, Cost: 1, Want: 4, Hold: 60 * second}, nil)
 	if err != nil || lr.Granted != 4 {
 		t.Fatalf("lease: %+v %v", lr, err)
 	}
@@ -707,8 +708,8 @@ type answeredThenHeld struct {
 	gate     atomic.Pointer[chan struct{}]
 }
 
-func (r *answeredThenHeld) lease(key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
-	lr, err := r.sharedModel.lease(key, tr, a, each)
+func (r *answeredThenHeld) lease(ctx context.Context, key string, tr bucket.Tier, a bucket.LeaseAsk, each []bucket.Result) (bucket.LeaseResult, error) {
+	lr, err := r.sharedModel.lease(ctx, key, tr, a, each)
 	if gate := r.gate.Load(); gate != nil {
 		r.answered <- struct{}{}
 		<-*gate

@@ -480,7 +480,7 @@ func checkScriptModel(s *Store, rdb *redis.Client, rng *rand.Rand, traces, steps
 						a.Prefetch = true
 					}
 					each, wantEach := make([]bucket.Result, parts), make([]bucket.Result, parts)
-					got, at, err := s.leaseAt(key, tr, a, each)
+					got, at, err := s.leaseAt(bg, key, tr, a, each)
 					if err != nil {
 						return fmt.Errorf("%s: %w", what, err)
 					}

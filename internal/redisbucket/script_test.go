@@ -179,7 +179,7 @@ func TestTheScriptsBanRetryWithMaxWaitCountsTheTokensOutOnLease(t *testing.T) {
 	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	lease := func(a bucket.LeaseAsk) bucket.LeaseResult {
 		t.Helper()
-		got, now, err := s.leaseAt(key, tr, a, nil)
+		got, now, err := s.leaseAt(bg, key, tr, a, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -251,7 +251,7 @@ func TestARefusedLeaseWithMaxWaitAndNoBanSaysWhenTheCostIsBack(t *testing.T) {
 		sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 		lease := func(a bucket.LeaseAsk) (bucket.LeaseResult, int64) {
 			t.Helper()
-			got, now, err := s.leaseAt(key, tr, a, nil)
+			got, now, err := s.leaseAt(bg, key, tr, a, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -297,7 +297,7 @@ func TestALeaseThatStartsABanWithMaxWaitRetriesWithoutTheTokensItsNodeDrops(t *t
 	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
 	lease := func(a bucket.LeaseAsk) (bucket.LeaseResult, int64) {
 		t.Helper()
-		got, now, err := s.leaseAt(key, tr, a, nil)
+		got, now, err := s.leaseAt(bg, key, tr, a, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
