@@ -167,68 +167,31 @@ func BenchmarkRedisLeaseCalls(b *testing.B) {
 // call alike. A take then is admitted, waiting; one a second earlier is
 // refused.
 func TestTheScriptsBanRetryWithMaxWaitCountsTheTokensOutOnLease(t *testing.T) {
-	t.Parallel()
-	srv := redistest.Start(t)
-	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
-	// Capacity 4, one token every 10 s, ban 20 s, max_wait 30 s; records
-	// live 10 min.
-	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 20 * second, MaxWait: 30 * second}
-	ls, tr := []bucket.Limit{l}, oneLimit(l)
-	hold := 600 * second
-	key := string(bucketFor("ban retry beside a lease"))
-	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
-	lease := func(a bucket.LeaseAsk) bucket.LeaseResult {
-		t.Helper()
-		got, now, err := s.leaseAt(bg, key, tr, a, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if want := sh.Lease(now, ls, a); got != want {
-			t.Fatalf("lease %+v at %d: Redis %+v, model %+v", a, now, got, want)
-		}
-		return got
-	}
-	take := func(cost int64) bucket.Result {
-		t.Helper()
-		var out [1]bucket.Result
-		_, now, err := s.decideAt(bg, "take", key, tr, cost, out[:], false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var want [1]bucket.Result
-		sh.Take(now, ls, cost, want[:])
-		if out != want {
-			t.Fatalf("take %d at %d: Redis %+v, model %+v", cost, now, out[0], want[0])
-		}
-		return out[0]
-	}
+	f := newBanRetryFixture(t, "ban retry beside a lease")
+	hold, s := f.hold, f.s
 	// Node a holds 2 tokens; node b's response is charged 20 more; its
 	// request of cost 3 is refused and bans.
-	if g := lease(bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
+	if g, _ := f.lease(bucket.LeaseAsk{Node: "a", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
 		t.Fatalf("node a's lease: %+v, want 2 tokens", g)
 	}
-	v, err := s.call(bg, key, s.args("charge", tr, 0, 20), false, 3)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sh.Charge(v[1], ls, 20)
+	f.charge(20)
 	const cost = 3
-	refused := lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: cost, Want: cost, Spend: cost, Hold: hold})
+	refused, _ := f.lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: cost, Want: cost, Spend: cost, Hold: hold})
 	if refused.Granted != 0 || !refused.Banned {
 		t.Fatalf("node b's lease of %d: %+v, want refused, starting a ban", cost, refused)
 	}
-	r := take(cost)
+	r := f.take(cost)
 	if r.Allowed || r.RetryAfter < refused.RetryAfter-second || r.RetryAfter > refused.RetryAfter {
 		t.Fatalf("a strict take of %d under the ban: %+v; the leased refusal said retry after %d µs", cost, r, refused.RetryAfter)
 	}
 	// Jump the script's clock to a second before the retry time, then to
 	// it (a few milliseconds pass between calls: 0.1% of a token).
 	s.clockOffset += r.RetryAfter - second
-	if early := take(cost); early.Allowed {
+	if early := f.take(cost); early.Allowed {
 		t.Fatalf("a take a second before the retry time: %+v, want refused", early)
 	}
 	s.clockOffset += second
-	if again := take(cost); !again.Allowed || again.Wait == 0 {
+	if again := f.take(cost); !again.Allowed || again.Wait == 0 {
 		t.Fatalf("a take at the retry time: %+v, want admitted, waiting", again)
 	}
 }
@@ -285,39 +248,16 @@ func TestARefusedLeaseWithMaxWaitAndNoBanSaysWhenTheCostIsBack(t *testing.T) {
 // gives back what it did not spend): as strict mode answers once they are
 // back, in the script and the model. A retry then is admitted.
 func TestALeaseThatStartsABanWithMaxWaitRetriesWithoutTheTokensItsNodeDrops(t *testing.T) {
-	t.Parallel()
-	srv := redistest.Start(t)
-	s := newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second})
-	// Capacity 4, one token every 10 s, ban 20 s, max_wait 30 s; records
-	// live 10 min.
-	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 20 * second, MaxWait: 30 * second}
-	ls, tr := []bucket.Limit{l}, oneLimit(l)
-	hold := 600 * second
-	key := string(bucketFor("ban started by a node that holds tokens"))
-	sh := &buckettest.Shared{Levels: make([]bucket.State, 1)}
-	lease := func(a bucket.LeaseAsk) (bucket.LeaseResult, int64) {
-		t.Helper()
-		got, now, err := s.leaseAt(bg, key, tr, a, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if want := sh.Lease(now, ls, a); got != want {
-			t.Fatalf("lease %+v at %d: Redis %+v, model %+v", a, now, got, want)
-		}
-		return got, now
-	}
+	f := newBanRetryFixture(t, "ban started by a node that holds tokens")
+	hold, ls, sh := f.hold, f.ls, f.sh
 	// Node b holds 2 tokens; its response is charged 20 more; its next
 	// request, of cost 3, is refused and bans.
-	if g, _ := lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
+	if g, _ := f.lease(bucket.LeaseAsk{Node: "b", Seq: 1, Cost: 1, Want: 2, Hold: hold}); g.Granted != 2 {
 		t.Fatalf("node b's lease: %+v, want 2 tokens", g)
 	}
-	v, err := s.call(bg, key, s.args("charge", tr, 0, 20), false, 3)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sh.Charge(v[1], ls, 20)
+	f.charge(20)
 	const cost = 3
-	refused, now := lease(bucket.LeaseAsk{Node: "b", Seq: 2, Held: 2, Cost: cost, Want: cost, Spend: cost, Hold: hold})
+	refused, now := f.lease(bucket.LeaseAsk{Node: "b", Seq: 2, Held: 2, Cost: cost, Want: cost, Spend: cost, Hold: hold})
 	if refused.Granted != 0 || !refused.Banned || !refused.Drop || !refused.Void {
 		t.Fatalf("node b's lease of %d: %+v, want refused, starting a ban, its tokens dropped and given back", cost, refused)
 	}
@@ -331,4 +271,72 @@ func TestALeaseThatStartsABanWithMaxWaitRetriesWithoutTheTokensItsNodeDrops(t *t
 	if admitted := sh.Take(now+refused.RetryAfter, ls, cost, out[:]); !admitted {
 		t.Errorf("a retry at %d µs: %+v, want admitted", refused.RetryAfter, out[0])
 	}
+}
+
+// banRetryFixture is a real redis-server's bucket beside the shared model,
+// for the ban-with-max_wait retry tests: capacity 4, one token every 10 s,
+// ban 20 s, max_wait 30 s, records that live 10 min (hold). Each call
+// checks Redis's answer against the model's.
+type banRetryFixture struct {
+	t    *testing.T
+	s    *Store
+	key  string
+	ls   []bucket.Limit
+	tr   bucket.Tier
+	sh   *buckettest.Shared
+	hold int64
+}
+
+func newBanRetryFixture(t *testing.T, name string) *banRetryFixture {
+	t.Parallel()
+	srv := redistest.Start(t)
+	l := bucket.Limit{Capacity: 4, Rate: bucket.Rate{Tokens: 1, Interval: 10 * second}, Ban: 20 * second, MaxWait: 30 * second}
+	return &banRetryFixture{
+		t:    t,
+		s:    newTestStore(t, testConfig{Addresses: []string{srv.URL()}, Timeout: 5 * time.Second}),
+		key:  string(bucketFor(name)),
+		ls:   []bucket.Limit{l},
+		tr:   oneLimit(l),
+		sh:   &buckettest.Shared{Levels: make([]bucket.State, 1)},
+		hold: 600 * second,
+	}
+}
+
+// lease makes the lease call a, and returns its answer and Redis's time.
+func (f *banRetryFixture) lease(a bucket.LeaseAsk) (bucket.LeaseResult, int64) {
+	f.t.Helper()
+	got, now, err := f.s.leaseAt(bg, f.key, f.tr, a, nil)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	if want := f.sh.Lease(now, f.ls, a); got != want {
+		f.t.Fatalf("lease %+v at %d: Redis %+v, model %+v", a, now, got, want)
+	}
+	return got, now
+}
+
+// take is a strict take of cost.
+func (f *banRetryFixture) take(cost int64) bucket.Result {
+	f.t.Helper()
+	var out [1]bucket.Result
+	_, now, err := f.s.decideAt(bg, "take", f.key, f.tr, cost, out[:], false)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	var want [1]bucket.Result
+	f.sh.Take(now, f.ls, cost, want[:])
+	if out != want {
+		f.t.Fatalf("take %d at %d: Redis %+v, model %+v", cost, now, out[0], want[0])
+	}
+	return out[0]
+}
+
+// charge charges n tokens of a response (cost_from_response).
+func (f *banRetryFixture) charge(n int64) {
+	f.t.Helper()
+	v, err := f.s.call(bg, f.key, f.s.args("charge", f.tr, 0, n), false, 3)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	f.sh.Charge(v[1], f.ls, n)
 }
